@@ -1,0 +1,114 @@
+/*
+ * errors.c: a CUDA or NVRTC status becomes a Python exception here and
+ * nowhere else.  Message format: "<operation> failed: <NAME>: <description>".
+ */
+#include "l2p.h"
+
+static int set_attrs(PyObject *exc, PyObject *code, const char *name, const char *operation)
+{
+    PyObject *n = PyUnicode_FromString(name);
+    PyObject *o = PyUnicode_FromString(operation);
+    int rc = (n && o && PyObject_SetAttrString(exc, "code", code) == 0 &&
+              PyObject_SetAttrString(exc, "name", n) == 0 &&
+              PyObject_SetAttrString(exc, "operation", o) == 0)
+                 ? 0
+                 : -1;
+    Py_XDECREF(n);
+    Py_XDECREF(o);
+    return rc;
+}
+
+PyObject *l2p_raise_cuda(l2p_state *st, l2p_driver *d, const char *operation, CUresult status)
+{
+    const char *name = NULL, *desc = NULL;
+    char fallback[48];
+    if (d && (d->fn.cuGetErrorName(status, &name) != CUDA_SUCCESS || !name))
+        name = NULL;
+    if (d && (d->fn.cuGetErrorString(status, &desc) != CUDA_SUCCESS || !desc))
+        desc = NULL;
+    if (!name) {
+        PyOS_snprintf(fallback, sizeof fallback, "CUDA error %d", status);
+        name = fallback;
+    }
+    PyObject *msg = desc ? PyUnicode_FromFormat("%s failed: %s: %s", operation, name, desc)
+                         : PyUnicode_FromFormat("%s failed: %s", operation, name);
+    if (!msg)
+        return NULL;
+    PyObject *exc = PyObject_CallOneArg(st->cuda_error, msg);
+    Py_DECREF(msg);
+    if (!exc)
+        return NULL;
+    PyObject *code = PyLong_FromLong(status);
+    if (code && set_attrs(exc, code, name, operation) == 0)
+        PyErr_SetObject(st->cuda_error, exc);
+    Py_XDECREF(code);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+int l2p_raise_cuda_int(l2p_state *st, l2p_driver *d, const char *operation, CUresult status)
+{
+    l2p_raise_cuda(st, d, operation, status);
+    return -1;
+}
+
+PyObject *l2p_raise_nvrtc(l2p_state *st, l2p_nvrtc *n, const char *operation, nvrtcResult status,
+                          const char *log, PyObject *options, const char *source)
+{
+    const char *name = n ? n->fn.nvrtcGetErrorString(status) : NULL;
+    char fallback[48];
+    if (!name) {
+        PyOS_snprintf(fallback, sizeof fallback, "NVRTC error %d", status);
+        name = fallback;
+    }
+    /* The numbered source, so a log's "prefetch.cu(42)" can be read at once. */
+    PyObject *numbered = PyUnicode_FromString("");
+    int line = 1;
+    for (const char *p = source; numbered && p && *p; line++) {
+        const char *e = strchr(p, '\n');
+        Py_ssize_t len = e ? (Py_ssize_t)(e - p) : (Py_ssize_t)strlen(p);
+        PyObject *l = PyUnicode_FromFormat("%4d  %.*s\n", line, (int)len, p);
+        PyObject *joined = l ? PyUnicode_Concat(numbered, l) : NULL;
+        Py_XDECREF(l);
+        Py_SETREF(numbered, joined);
+        p = e ? e + 1 : NULL;
+    }
+    if (!numbered)
+        return NULL;
+    PyObject *opts = options ? PyObject_Repr(options) : PyUnicode_FromString("[]");
+    PyObject *msg = opts ? PyUnicode_FromFormat("%s failed: %s\noptions: %U\nlog:\n%s", operation,
+                                                name, opts, log ? log : "")
+                         : NULL;
+    PyObject *exc = msg ? PyObject_CallOneArg(st->nvrtc_error, msg) : NULL;
+    PyObject *code = exc ? PyLong_FromLong(status) : NULL;
+    PyObject *logobj = code ? PyUnicode_FromString(log ? log : "") : NULL;
+    if (logobj && set_attrs(exc, code, name, operation) == 0 &&
+        PyObject_SetAttrString(exc, "log", logobj) == 0 &&
+        PyObject_SetAttrString(exc, "options", options ? options : Py_None) == 0 &&
+        PyObject_SetAttrString(exc, "source", numbered) == 0)
+        PyErr_SetObject(st->nvrtc_error, exc);
+    Py_XDECREF(logobj);
+    Py_XDECREF(code);
+    Py_XDECREF(exc);
+    Py_XDECREF(msg);
+    Py_XDECREF(opts);
+    Py_DECREF(numbered);
+    return NULL;
+}
+
+void l2p_report_in_dealloc(l2p_driver *d, const char *operation, CUresult status, PyObject *obj)
+{
+    if (status == CUDA_SUCCESS || status == CUDA_ERROR_DEINITIALIZED ||
+        status == CUDA_ERROR_CONTEXT_IS_DESTROYED)
+        return;
+    const char *name = NULL;
+    if (!d || d->fn.cuGetErrorName(status, &name) != CUDA_SUCCESS || !name)
+        name = "unknown CUDA error";
+    /* A destructor must not raise: keep any pending exception, report ours as
+     * unraisable. */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_Format(PyExc_RuntimeWarning, "l2prefetch: %s failed while releasing: %s", operation, name);
+    PyErr_WriteUnraisable(obj);
+    PyErr_Restore(type, value, tb);
+}

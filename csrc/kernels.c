@@ -1,0 +1,495 @@
+/*
+ * kernels.c: the prefetch kernel variants, compiled once per (architecture,
+ * variant) per process, cached on disk, and loaded once per (device, variant).
+ *
+ * NOTE [kernel cache]: the CUBIN for (arch, variant) is compiled by NVRTC at
+ * most once per process (l2p_state.cubins) and stored under
+ * $L2PREFETCH_CACHE_DIR, else $XDG_CACHE_HOME/l2prefetch, else
+ * ~/.cache/l2prefetch, unless L2PREFETCH_NO_DISK_CACHE=1.  The file name is
+ * readable (variant, arch, NVRTC version) and ends in a key that hashes
+ * everything that changes the binary: the embedded kernel source, the NVRTC
+ * version, the target, every option, and the cache format.  A file carries the
+ * SHA-256 of its payload and is verified on load; a bad one is recompiled and
+ * replaced.  Writes go to a temporary file renamed into place, so concurrent
+ * processes never see half a file.  An unwritable cache warns once and the
+ * compile goes on.
+ */
+#define _GNU_SOURCE
+#include "l2p.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kernel_source.h"
+
+#define CACHE_MAGIC "L2PCACHE1\n"
+#define CACHE_MAGIC_LEN 10
+
+const unsigned int l2p_capacities[L2P_NUM_CAPACITIES] = {8, 32, 128};
+
+/* Chunk, stage and block sizes: see benchmarks/RESULTS.md (kernel variants). */
+const l2p_variant l2p_variants[] = {
+    {"ring", 90, "-DL2P_KIND=1 -DL2P_CHUNK=16384 -DL2P_STAGES=4 -DL2P_BLOCK=32", 32, 65536,
+     "cp.async.bulk copies into a 4 x 16 KiB shared-memory ring (real loads; sm_90 default)"},
+    {"ring_c8k_s4", 90, "-DL2P_KIND=1 -DL2P_CHUNK=8192 -DL2P_STAGES=4 -DL2P_BLOCK=32", 32, 32768,
+     "ring with 4 x 8 KiB"},
+    {"ring_c32k_s4", 90, "-DL2P_KIND=1 -DL2P_CHUNK=32768 -DL2P_STAGES=4 -DL2P_BLOCK=32", 32, 131072,
+     "ring with 4 x 32 KiB"},
+    {"ring_c16k_s2", 90, "-DL2P_KIND=1 -DL2P_CHUNK=16384 -DL2P_STAGES=2 -DL2P_BLOCK=32", 32, 32768,
+     "ring with 2 x 16 KiB"},
+    {"ring_c16k_s8", 90, "-DL2P_KIND=1 -DL2P_CHUNK=16384 -DL2P_STAGES=8 -DL2P_BLOCK=32", 32, 131072,
+     "ring with 8 x 16 KiB"},
+    {"bulk_prefetch", 90, "-DL2P_KIND=2 -DL2P_CHUNK=16384 -DL2P_BLOCK=32", 32, 0,
+     "cp.async.bulk.prefetch.L2 of 16 KiB pieces"},
+    {"bulk_prefetch_evict_last", 90,
+     "-DL2P_KIND=2 -DL2P_CHUNK=16384 -DL2P_EVICT_LAST=1 -DL2P_BLOCK=32", 32, 0,
+     "cp.async.bulk.prefetch.L2 with an L2::evict_last cache hint"},
+    {"line_prefetch", 80, "-DL2P_KIND=3 -DL2P_BLOCK=128", 128, 0,
+     "prefetch.global.L2 of every 128-byte line"},
+    {"line_prefetch_evict_last", 80, "-DL2P_KIND=3 -DL2P_EVICT_LAST=1 -DL2P_BLOCK=128", 128, 0,
+     "prefetch.global.L2::evict_last of every 128-byte line"},
+    {"load", 80, "-DL2P_KIND=4 -DL2P_BLOCK=256", 256, 0,
+     "16-byte ld.global.cg loads, 256 threads (sm_80-sm_89 default)"},
+    {"load_b128", 80, "-DL2P_KIND=4 -DL2P_BLOCK=128", 128, 0, "16-byte loads, 128 threads"},
+};
+const int l2p_num_variants = (int)(sizeof l2p_variants / sizeof *l2p_variants);
+
+int l2p_variant_find(const char *name)
+{
+    for (int i = 0; i < l2p_num_variants; i++)
+        if (strcmp(l2p_variants[i].name, name) == 0)
+            return i;
+    return -1;
+}
+
+int l2p_variant_default(int sm)
+{
+    return l2p_variant_find(sm >= 90 ? "ring" : "load");
+}
+
+/* ---- hashing (hashlib: the cache is not on any hot path) ---- */
+
+static PyObject *sha256_hex(const void *data, Py_ssize_t len)
+{
+    PyObject *hashlib = PyImport_ImportModule("hashlib");
+    if (!hashlib)
+        return NULL;
+    PyObject *h = PyObject_CallMethod(hashlib, "sha256", "y#", (const char *)data, len);
+    Py_DECREF(hashlib);
+    if (!h)
+        return NULL;
+    PyObject *hex = PyObject_CallMethod(h, "hexdigest", NULL);
+    Py_DECREF(h);
+    return hex;
+}
+
+/* ---- the disk cache ---- */
+
+static int cache_dir(char *out, size_t len)
+{
+    if (l2p_env_flag("L2PREFETCH_NO_DISK_CACHE"))
+        return 0;
+    const char *dir = getenv("L2PREFETCH_CACHE_DIR");
+    if (dir && *dir)
+        return snprintf(out, len, "%s", dir) < (int)len;
+    const char *xdg = getenv("XDG_CACHE_HOME");
+    if (xdg && *xdg)
+        return snprintf(out, len, "%s/l2prefetch", xdg) < (int)len;
+    const char *home = getenv("HOME");
+    if (home && *home)
+        return snprintf(out, len, "%s/.cache/l2prefetch", home) < (int)len;
+    return 0;
+}
+
+static int make_dirs(const char *path)
+{
+    char buf[1024];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
+        return -1;
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+            return -1;
+        *p = '/';
+    }
+    return mkdir(buf, 0755) == 0 || errno == EEXIST ? 0 : -1;
+}
+
+static void warn_cache(l2p_state *st, const char *what, const char *path)
+{
+    if (st->cache_warned)
+        return;
+    st->cache_warned = 1;
+    /* A warning, never a failure: the compile result is still good. */
+    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                         "l2prefetch: kernel cache %s %s (%s); going on without it "
+                         "(set L2PREFETCH_CACHE_DIR, or L2PREFETCH_NO_DISK_CACHE=1 to silence)",
+                         what, path, strerror(errno)) < 0)
+        PyErr_Clear();
+}
+
+/* Returns new bytes with the verified payload, or NULL (no exception) when the
+ * file is missing or bad. */
+static PyObject *cache_read(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    PyObject *result = NULL;
+    char head[CACHE_MAGIC_LEN + 65];
+    long size;
+    if (fread(head, 1, sizeof head, f) != sizeof head ||
+        memcmp(head, CACHE_MAGIC, CACHE_MAGIC_LEN) != 0 || head[sizeof head - 1] != '\n' ||
+        fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < (long)sizeof head ||
+        fseek(f, (long)sizeof head, SEEK_SET) != 0)
+        goto out;
+    size -= (long)sizeof head;
+    PyObject *payload = PyBytes_FromStringAndSize(NULL, size);
+    if (!payload)
+        goto error;
+    if (fread(PyBytes_AS_STRING(payload), 1, (size_t)size, f) != (size_t)size) {
+        Py_DECREF(payload);
+        goto out;
+    }
+    PyObject *hex = sha256_hex(PyBytes_AS_STRING(payload), size);
+    if (!hex) {
+        Py_DECREF(payload);
+        goto error;
+    }
+    const char *h = PyUnicode_AsUTF8(hex);
+    if (h && memcmp(h, head + CACHE_MAGIC_LEN, 64) == 0)
+        result = payload;
+    else
+        Py_DECREF(payload);
+    Py_DECREF(hex);
+out:
+    fclose(f);
+    return result;
+error:
+    PyErr_Clear();
+    fclose(f);
+    return NULL;
+}
+
+static void cache_write(l2p_state *st, const char *dir, const char *path, PyObject *payload)
+{
+    char tmp[1500];
+    if (make_dirs(dir) != 0) {
+        warn_cache(st, "folder cannot be created:", dir);
+        return;
+    }
+    PyObject *hex = sha256_hex(PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload));
+    if (!hex) {
+        PyErr_Clear();
+        return;
+    }
+    snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid());
+    FILE *f = fopen(tmp, "wb");
+    int ok = f != NULL;
+    if (ok) {
+        ok = fwrite(CACHE_MAGIC, 1, CACHE_MAGIC_LEN, f) == CACHE_MAGIC_LEN &&
+             fwrite(PyUnicode_AsUTF8(hex), 1, 64, f) == 64 && fputc('\n', f) != EOF &&
+             fwrite(PyBytes_AS_STRING(payload), 1, (size_t)PyBytes_GET_SIZE(payload), f) ==
+                 (size_t)PyBytes_GET_SIZE(payload);
+        ok = (fclose(f) == 0) && ok;
+    }
+    Py_DECREF(hex);
+    if (!ok || rename(tmp, path) != 0) {
+        warn_cache(st, "file cannot be written:", tmp);
+        (void)unlink(tmp);
+    }
+}
+
+/* ---- compiling ---- */
+
+static PyObject *compile_options(const l2p_variant *v, int arch, int ptx)
+{
+    PyObject *opts = PyList_New(0);
+    if (!opts)
+        return NULL;
+    PyObject *o = PyUnicode_FromFormat("--gpu-architecture=%s_%d", ptx ? "compute" : "sm", arch);
+    if (!o || PyList_Append(opts, o) < 0)
+        goto error;
+    Py_DECREF(o);
+    const char *fixed[] = {"-std=c++17", "--ptxas-options=-v"};
+    for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) {
+        o = PyUnicode_FromString(fixed[i]);
+        if (!o || PyList_Append(opts, o) < 0)
+            goto error;
+        Py_DECREF(o);
+    }
+    PyObject *defs = PyUnicode_FromString(v->defines);
+    if (!defs)
+        goto error_list;
+    PyObject *split = PyUnicode_Split(defs, NULL, -1);
+    Py_DECREF(defs);
+    if (!split)
+        goto error_list;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(split); i++)
+        if (PyList_Append(opts, PyList_GET_ITEM(split, i)) < 0) {
+            Py_DECREF(split);
+            goto error_list;
+        }
+    Py_DECREF(split);
+    return opts;
+error:
+    Py_XDECREF(o);
+error_list:
+    Py_DECREF(opts);
+    return NULL;
+}
+
+/* Compiles source with options; returns (image bytes, log str) or raises
+ * NvrtcError carrying the log, the options and the numbered source. */
+static PyObject *nvrtc_build(l2p_state *st, const char *source, PyObject *opts, int ptx)
+{
+    l2p_nvrtc *n = l2p_use_nvrtc(st);
+    if (!n)
+        return NULL;
+    Py_ssize_t nopts = PyList_GET_SIZE(opts);
+    const char **argv = PyMem_Calloc((size_t)nopts + 1, sizeof *argv);
+    if (!argv)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < nopts; i++)
+        if (!(argv[i] = PyUnicode_AsUTF8(PyList_GET_ITEM(opts, i)))) {
+            PyMem_Free(argv);
+            return NULL;
+        }
+    char *image = NULL, *log = NULL;
+    size_t size = 0;
+    const char *failed = NULL;
+    nvrtcResult r;
+    Py_BEGIN_ALLOW_THREADS
+    r = l2p_nvrtc_compile(n, source, "prefetch.cu", argv, (int)nopts, ptx, &image, &size, &log, &failed);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(argv);
+    PyObject *result = NULL;
+    if (r != NVRTC_SUCCESS) {
+        l2p_raise_nvrtc(st, n, failed, r, log ? log : "", opts, source);
+    } else {
+        /* PTX is text with a terminating NUL that the driver wants; keep it. */
+        result = Py_BuildValue("(y#s)", image, (Py_ssize_t)size, log ? log : "");
+    }
+    free(image);
+    free(log);
+    return result;
+}
+
+/* image for (sm, variant); *is_ptx tells PTX from CUBIN. */
+PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx)
+{
+    const l2p_variant *v = &l2p_variants[variant];
+    l2p_nvrtc *n = l2p_use_nvrtc(st);
+    if (!n)
+        return NULL;
+    int ptx = 0;
+    int arch = l2p_nvrtc_pick_arch(n, sm, &ptx);
+    if (arch == 0)
+        return PyErr_Format(PyExc_RuntimeError,
+                            "NVRTC %d.%d (%s) supports no architecture at or below sm_%d",
+                            n->major, n->minor, n->path, sm);
+    *is_ptx = ptx;
+    PyObject *key = Py_BuildValue("(isii)", arch, v->name, n->major, n->minor);
+    if (!key)
+        return NULL;
+    PyObject *hit = PyDict_GetItemWithError(st->cubins, key);
+    if (hit) {
+        Py_DECREF(key);
+        return Py_NewRef(hit);
+    }
+    if (PyErr_Occurred())
+        goto fail_key;
+    if (ptx && PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                "l2prefetch: NVRTC %d.%d cannot build SASS for sm_%d; building "
+                                "PTX for compute_%d and letting the driver finish it",
+                                n->major, n->minor, sm, arch) < 0)
+        goto fail_key;
+
+    PyObject *opts = compile_options(v, arch, ptx);
+    if (!opts)
+        goto fail_key;
+    PyObject *image = NULL;
+    char dir[1024], path[1400];
+    int use_disk = cache_dir(dir, sizeof dir);
+    if (use_disk) {
+        PyObject *joined = PyUnicode_FromString(" ");
+        PyObject *optstr = joined ? PyUnicode_Join(joined, opts) : NULL;
+        Py_XDECREF(joined);
+        PyObject *src = optstr ? sha256_hex(L2P_KERNEL_SOURCE, (Py_ssize_t)strlen(L2P_KERNEL_SOURCE)) : NULL;
+        PyObject *keytext = src ? PyUnicode_FromFormat("%U|nvrtc %d.%d|%U|format 1", src, n->major,
+                                                       n->minor, optstr)
+                                : NULL;
+        Py_XDECREF(optstr);
+        Py_XDECREF(src);
+        const char *kt = keytext ? PyUnicode_AsUTF8(keytext) : NULL;
+        PyObject *hex = kt ? sha256_hex(kt, (Py_ssize_t)strlen(kt)) : NULL;
+        Py_XDECREF(keytext);
+        if (!hex) {
+            Py_DECREF(opts);
+            goto fail_key;
+        }
+        snprintf(path, sizeof path, "%s/prefetch-%s-%s_%d-nvrtc%d.%d-%.16s.%s", dir, v->name,
+                 ptx ? "compute" : "sm", arch, n->major, n->minor, PyUnicode_AsUTF8(hex),
+                 ptx ? "ptx" : "cubin");
+        Py_DECREF(hex);
+        image = cache_read(path);
+    }
+    if (!image) {
+        PyObject *built = nvrtc_build(st, L2P_KERNEL_SOURCE, opts, ptx);
+        if (!built) {
+            Py_DECREF(opts);
+            goto fail_key;
+        }
+        image = Py_NewRef(PyTuple_GET_ITEM(built, 0));
+        Py_DECREF(built);
+        if (use_disk)
+            cache_write(st, dir, path, image);
+    }
+    Py_DECREF(opts);
+    if (PyDict_SetItem(st->cubins, key, image) < 0) {
+        Py_DECREF(image);
+        goto fail_key;
+    }
+    Py_DECREF(key);
+    return image;
+fail_key:
+    Py_DECREF(key);
+    return NULL;
+}
+
+int l2p_kernel_function(l2p_state *st, l2p_driver *d, l2p_device *dev, int variant, int cap,
+                        CUfunction *out)
+{
+    const l2p_variant *v = &l2p_variants[variant];
+    if (!dev->modules[variant]) {
+        int sm = dev->cc_major * 10 + dev->cc_minor, is_ptx = 0;
+        PyObject *image = l2p_kernel_image(st, sm, variant, &is_ptx);
+        if (!image)
+            return -1;
+        CUmodule mod = NULL;
+        CUcontext popped;
+        const char *op = "cuCtxPushCurrent";
+        CUresult r = d->fn.cuCtxPushCurrent(dev->ctx);
+        if (r == CUDA_SUCCESS) {
+            op = "cuModuleLoadData";
+            r = d->fn.cuModuleLoadData(&mod, PyBytes_AS_STRING(image));
+            for (int c = 0; r == CUDA_SUCCESS && c < L2P_NUM_CAPACITIES; c++) {
+                char name[64];
+                snprintf(name, sizeof name, "l2p_prefetch_%u", l2p_capacities[c]);
+                op = "cuModuleGetFunction";
+                r = d->fn.cuModuleGetFunction(&dev->functions[variant][c], mod, name);
+                if (r == CUDA_SUCCESS && v->smem > 48 * 1024) {
+                    op = "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)";
+                    r = d->fn.cuFuncSetAttribute(dev->functions[variant][c],
+                                                 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                 (int)v->smem);
+                }
+            }
+            if (r != CUDA_SUCCESS && mod)
+                (void)d->fn.cuModuleUnload(mod);
+            CUresult p = d->fn.cuCtxPopCurrent(&popped);
+            if (r == CUDA_SUCCESS && p != CUDA_SUCCESS) {
+                (void)d->fn.cuModuleUnload(mod);
+                r = p;
+                op = "cuCtxPopCurrent";
+            }
+        }
+        Py_DECREF(image);
+        if (r != CUDA_SUCCESS) {
+            memset(dev->functions[variant], 0, sizeof dev->functions[variant]);
+            return l2p_raise_cuda_int(st, d, op, r);
+        }
+        dev->modules[variant] = mod;
+    }
+    *out = dev->functions[variant][cap];
+    return 0;
+}
+
+/* _C.compile(variant, sm, *, ptx=False) -> dict: the NVRTC output for sm
+ * (no GPU needed): {"variant", "arch", "ptx", "image", "log", "options"}.  With
+ * ptx=True it compiles PTX text (for instruction counts) and skips the caches. */
+PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                         PyObject *kwnames)
+{
+    l2p_state *st = l2p_get_state(module);
+    static const char *const kw[] = {"variant", "sm", "ptx"};
+    PyObject *vals[3] = {NULL, NULL, Py_False};
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs > 2)
+        return PyErr_Format(PyExc_TypeError, "compile() takes 2 positional arguments (%zd given)", nargs);
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        vals[i] = args[i];
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        const char *k = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, i));
+        int j = -1;
+        for (int m = 0; m < 3 && k; m++)
+            if (strcmp(k, kw[m]) == 0)
+                j = m;
+        if (j < 0)
+            return PyErr_Format(PyExc_TypeError, "compile() got an unexpected keyword argument '%s'", k);
+        vals[j] = args[nargs + i];
+    }
+    if (!vals[0] || !vals[1])
+        return PyErr_Format(PyExc_TypeError, "compile() needs variant and sm");
+    if (!PyUnicode_Check(vals[0]))
+        return PyErr_Format(PyExc_TypeError, "variant must be a str, not %T", vals[0]);
+    int variant = l2p_variant_find(PyUnicode_AsUTF8(vals[0]));
+    if (variant < 0)
+        return PyErr_Format(PyExc_ValueError, "unknown kernel variant %R; known: see l2prefetch.kernel_variants()", vals[0]);
+    long sm = PyLong_AsLong(vals[1]);
+    if (sm == -1 && PyErr_Occurred())
+        return NULL;
+    if (sm < l2p_variants[variant].min_sm)
+        return PyErr_Format(PyExc_ValueError, "kernel variant '%s' needs sm_%d or newer, not sm_%ld",
+                            l2p_variants[variant].name, l2p_variants[variant].min_sm, sm);
+    int want_ptx = PyObject_IsTrue(vals[2]);
+    if (want_ptx < 0)
+        return NULL;
+    l2p_nvrtc *n = l2p_use_nvrtc(st);
+    if (!n)
+        return NULL;
+    int ptx = 0, arch = l2p_nvrtc_pick_arch(n, (int)sm, &ptx);
+    if (arch == 0)
+        return PyErr_Format(PyExc_ValueError, "NVRTC %d.%d supports no architecture at or below sm_%ld",
+                            n->major, n->minor, sm);
+    ptx = ptx || want_ptx;
+    PyObject *opts = compile_options(&l2p_variants[variant], arch, ptx);
+    if (!opts)
+        return NULL;
+    PyObject *built = nvrtc_build(st, L2P_KERNEL_SOURCE, opts, ptx);
+    if (!built) {
+        Py_DECREF(opts);
+        return NULL;
+    }
+    PyObject *result = Py_BuildValue("{s:s,s:i,s:O,s:O,s:O,s:N,s:(ii)}", "variant",
+                                     l2p_variants[variant].name, "arch", arch, "ptx",
+                                     ptx ? Py_True : Py_False, "image", PyTuple_GET_ITEM(built, 0),
+                                     "log", PyTuple_GET_ITEM(built, 1), "options", opts,
+                                     "nvrtc_version", n->major, n->minor);
+    Py_DECREF(built);
+    return result;
+}
+
+/* _C.kernel_variants() -> {name: {"min_sm", "block", "smem", "doc", "defines"}} */
+PyObject *l2p_py_variants(PyObject *module, PyObject *unused)
+{
+    PyObject *d = PyDict_New();
+    for (int i = 0; d && i < l2p_num_variants; i++) {
+        const l2p_variant *v = &l2p_variants[i];
+        PyObject *e = Py_BuildValue("{s:i,s:I,s:I,s:s,s:s}", "min_sm", v->min_sm, "block", v->block,
+                                    "smem", v->smem, "doc", v->doc, "defines", v->defines);
+        if (!e || PyDict_SetItemString(d, v->name, e) < 0) {
+            Py_XDECREF(e);
+            Py_CLEAR(d);
+            break;
+        }
+        Py_DECREF(e);
+    }
+    return d;
+}

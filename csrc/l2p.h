@@ -1,0 +1,120 @@
+/*
+ * l2p.h: what the C units of l2prefetch._C share: the module state, the error
+ * helpers (errors.c) and the entry points of each unit.  See DESIGN.md.
+ */
+#ifndef L2P_H
+#define L2P_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "driver.h"
+#include "nvrtc.h"
+
+typedef struct {
+    PyTypeObject *prepared_type;
+    PyTypeObject *controller_type;
+    PyObject *error;             /* l2prefetch.Error(RuntimeError) */
+    PyObject *cuda_error;        /* CudaError(Error): .code .name .operation */
+    PyObject *nvrtc_error;       /* NvrtcError(Error): .code .name .log .options */
+    PyObject *unavailable_error; /* CudaUnavailableError(ImportError) */
+    l2p_driver *driver;          /* the driver new objects use; NULL until first use */
+    l2p_nvrtc *nvrtc;            /* NULL until the first compile */
+    PyObject *cubins;            /* {(arch, variant, nvrtc version): bytes}: compile once */
+    int cache_warned;            /* the disk cache warned once already */
+} l2p_state;
+
+extern PyModuleDef l2p_module_def;
+l2p_state *l2p_get_state(PyObject *module);
+/* The state of our module for one of our types or a subclass of one. */
+static inline l2p_state *l2p_state_of_type(PyTypeObject *type)
+{
+    return (l2p_state *)PyModule_GetState(PyType_GetModuleByDef(type, &l2p_module_def));
+}
+int l2p_device_arg(PyObject *obj, int *out);
+
+/* errors.c: status -> exception, in one place.  All return NULL / -1. */
+PyObject *l2p_raise_cuda(l2p_state *st, l2p_driver *d, const char *operation, CUresult status);
+int l2p_raise_cuda_int(l2p_state *st, l2p_driver *d, const char *operation, CUresult status);
+PyObject *l2p_raise_nvrtc(l2p_state *st, l2p_nvrtc *n, const char *operation, nvrtcResult status,
+                          const char *log, PyObject *options, const char *source);
+/* Shutdown-safe report from a destructor: ignores DEINITIALIZED and
+ * CONTEXT_IS_DESTROYED, otherwise writes an unraisable warning. */
+void l2p_report_in_dealloc(l2p_driver *d, const char *operation, CUresult status, PyObject *obj);
+
+/* The driver and NVRTC of this module, opened on first use (raise on failure). */
+l2p_driver *l2p_use_driver(l2p_state *st);
+l2p_nvrtc *l2p_use_nvrtc(l2p_state *st);
+
+/* ranges.c */
+typedef struct {
+    uint64_t ptr;     /* first byte, 16-byte aligned */
+    uint64_t nbytes;  /* bytes from ptr; need not be a multiple of 16 */
+} l2p_range;
+
+typedef struct {
+    int kind;           /* L2P_DEV_* */
+    int index;          /* device index, -1 when unknown */
+    int empty;          /* no bytes */
+    uint64_t ptr;       /* first byte when not empty */
+} l2p_weight_device;
+enum { L2P_DEV_UNKNOWN = 0, L2P_DEV_CUDA = 1, L2P_DEV_OTHER = 2 };
+
+/* Ranges of `weights` (a sequence) with the seed's rules.  On success returns
+ * a new tuple of the weights and fills *ranges (PyMem_Malloc'd, *n entries,
+ * *n may be 0) and, if devices is not NULL, one entry per weight
+ * (PyMem_Malloc'd).  Raises TypeError/ValueError/OverflowError otherwise. */
+PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **ranges,
+                             Py_ssize_t *n, l2p_weight_device **devices, PyObject **device_names);
+PyObject *l2p_py_compute_ranges(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames);
+
+/* kernels.c: variants, compile (memory and disk cache), module load. */
+typedef struct {
+    const char *name;
+    int min_sm;          /* lowest compute capability x 10 */
+    const char *defines; /* -D options that select it */
+    unsigned int block;
+    unsigned int smem;   /* dynamic shared memory per CTA */
+    const char *doc;
+} l2p_variant;
+extern const l2p_variant l2p_variants[];
+extern const int l2p_num_variants;
+extern const unsigned int l2p_capacities[L2P_NUM_CAPACITIES];
+int l2p_variant_find(const char *name);
+int l2p_variant_default(int sm);
+/* Compiled code for (sm, variant) as bytes: memory cache, disk cache, NVRTC. */
+PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx);
+/* The function for (device, variant, capacity index), loading the module once. */
+int l2p_kernel_function(l2p_state *st, l2p_driver *d, l2p_device *dev, int variant, int cap,
+                        CUfunction *out);
+PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                         PyObject *kwnames);
+PyObject *l2p_py_variants(PyObject *module, PyObject *unused);
+
+/* stream.c: torch's current stream without Python, through the AOTI shim. */
+int l2p_current_stream(int device, CUstream *out);
+/* stream: None (current), int handle, or an object with .cuda_stream (and
+ * .device.index checked against device). */
+int l2p_parse_stream(PyObject *stream, int device, CUstream *out);
+PyObject *l2p_py_stream_source(PyObject *module, PyObject *unused);
+
+/* prepared.c */
+extern PyType_Spec l2p_prepared_spec;
+typedef struct l2p_prepared l2p_prepared;
+int l2p_prepared_check(l2p_state *st, PyObject *obj);
+int l2p_prepared_device(PyObject *obj);
+uint64_t l2p_prepared_nbytes(PyObject *obj);
+/* Launch on stream; returns CUresult (no exception). */
+CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream);
+l2p_driver *l2p_prepared_driver(PyObject *obj);
+
+/* controller.c */
+extern PyType_Spec l2p_controller_spec;
+
+/* The value of an environment flag: 1 for 1/true/yes/on (any case). */
+int l2p_env_flag(const char *name);
+
+#endif /* L2P_H */

@@ -1,0 +1,194 @@
+/*
+ * nvrtc.c: loading NVRTC and compiling with it.  Plain C: statuses out,
+ * exceptions made by the caller (errors.c).
+ */
+#define _GNU_SOURCE
+#include "nvrtc.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static const char *const sonames[] = {"libnvrtc.so.13", "libnvrtc.so.12"};
+#define N_SONAMES (sizeof sonames / sizeof *sonames)
+
+static void note(char *tried, size_t len, const char *path, const char *what)
+{
+    size_t used = strlen(tried);
+    snprintf(tried + used, len - used, "%s  %s: %s", used ? "\n" : "", path, what);
+}
+
+static l2p_nvrtc *finish(void *h, const char *path, char *msg, size_t msglen)
+{
+    l2p_nvrtc *n = calloc(1, sizeof *n);
+    if (!n) {
+        snprintf(msg, msglen, "out of memory");
+        return NULL;
+    }
+    n->handle = h;
+    snprintf(n->path, sizeof n->path, "%s", path);
+#define L2P_NVRTC_RESOLVE(name, req, ret, params)                                        \
+    *(void **)&n->fn.name = dlsym(h, #name);                                             \
+    if (!n->fn.name && req) {                                                            \
+        snprintf(msg, msglen, "NVRTC in %s has no %s", path, #name);                     \
+        free(n);                                                                         \
+        return NULL;                                                                     \
+    }
+    L2P_NVRTC_FUNCTIONS(L2P_NVRTC_RESOLVE)
+#undef L2P_NVRTC_RESOLVE
+    if (n->fn.nvrtcVersion(&n->major, &n->minor) != NVRTC_SUCCESS) {
+        snprintf(msg, msglen, "nvrtcVersion failed for %s", path);
+        free(n);
+        return NULL;
+    }
+    /* NVRTC dlopen()s libnvrtc-builtins.so.MAJOR.MINOR by name at its first
+     * compile; where it sits beside the library we opened (the pip wheels,
+     * which set no RPATH), load it first so that lookup finds it. */
+    const char *slash = strrchr(path, '/');
+    if (slash) {
+        char builtins[1100];
+        snprintf(builtins, sizeof builtins, "%.*s/libnvrtc-builtins.so.%d.%d", (int)(slash - path),
+                 path, n->major, n->minor);
+        if (access(builtins, F_OK) == 0)
+            n->builtins = dlopen(builtins, RTLD_NOW | RTLD_GLOBAL);
+    }
+    if (n->fn.nvrtcGetNumSupportedArchs && n->fn.nvrtcGetSupportedArchs &&
+        n->fn.nvrtcGetNumSupportedArchs(&n->num_archs) == NVRTC_SUCCESS && n->num_archs > 0) {
+        n->archs = calloc((size_t)n->num_archs, sizeof *n->archs);
+        if (!n->archs || n->fn.nvrtcGetSupportedArchs(n->archs) != NVRTC_SUCCESS) {
+            free(n->archs);
+            n->archs = NULL;
+            n->num_archs = 0;
+        }
+    }
+    return n;
+}
+
+l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found, char *msg,
+                          size_t msglen)
+{
+    char tried[4096] = "";
+    char path[1024];
+    const char *override = getenv("L2PREFETCH_LIBNVRTC");
+    void *h;
+
+    *found = 0;
+    if (override && *override) {
+        h = dlopen(override, RTLD_NOW | RTLD_LOCAL);
+        if (h)
+            return finish(h, override, msg, msglen);
+        *found = access(override, F_OK) == 0;
+        const char *err = dlerror();
+        snprintf(msg, msglen, "NVRTC from L2PREFETCH_LIBNVRTC=%s could not be loaded: %s",
+                 override, err ? err : "dlopen failed");
+        return NULL;
+    }
+    /* Reuse the NVRTC the process already has (torch loads one lazily). */
+    for (size_t i = 0; i < N_SONAMES; i++) {
+        h = dlopen(sonames[i], RTLD_NOW | RTLD_NOLOAD);
+        if (h)
+            return finish(h, sonames[i], msg, msglen);
+    }
+    for (int k = 0; k < n_extra; k++) {
+        for (size_t i = 0; i < N_SONAMES; i++) {
+            snprintf(path, sizeof path, "%s/%s", extra_dirs[k], sonames[i]);
+            if (access(path, F_OK) != 0) {
+                note(tried, sizeof tried, path, "not found");
+                continue;
+            }
+            *found = 1;
+            h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+            if (h)
+                return finish(h, path, msg, msglen);
+            const char *err = dlerror();
+            note(tried, sizeof tried, path, err ? err : "dlopen failed");
+        }
+    }
+    for (size_t i = 0; i < N_SONAMES; i++) {
+        h = dlopen(sonames[i], RTLD_NOW | RTLD_LOCAL);
+        if (h)
+            return finish(h, sonames[i], msg, msglen);
+        const char *err = dlerror();
+        int missing = !err || strstr(err, "cannot open shared object file");
+        if (!missing)
+            *found = 1;
+        note(tried, sizeof tried, sonames[i], missing ? "not on the loader's path" : err);
+    }
+    snprintf(msg, msglen,
+             "NVRTC (libnvrtc.so.13 or .so.12) %s; looked in:\n%s\n"
+             "Install it with `pip install nvidia-cuda-nvrtc`, or point L2PREFETCH_LIBNVRTC at it.",
+             *found ? "was found but could not be loaded" : "was not found", tried);
+    return NULL;
+}
+
+int l2p_nvrtc_pick_arch(const l2p_nvrtc *n, int sm, int *ptx)
+{
+    *ptx = 0;
+    if (!n->archs)            /* an NVRTC too old to say: trust it */
+        return sm;
+    int best = 0;
+    for (int i = 0; i < n->num_archs; i++) {
+        if (n->archs[i] == sm)
+            return sm;
+        if (n->archs[i] < sm && n->archs[i] > best)
+            best = n->archs[i];
+    }
+    *ptx = best != 0;
+    return best;
+}
+
+nvrtcResult l2p_nvrtc_compile(const l2p_nvrtc *n, const char *source, const char *name,
+                              const char *const *options, int num_options, int ptx,
+                              char **image, size_t *size, char **log, const char **failed)
+{
+    nvrtcProgram prog = NULL;
+    nvrtcResult r, compiled;
+    size_t logsize = 0;
+
+    *image = NULL;
+    *size = 0;
+    *log = NULL;
+    if (!ptx && (!n->fn.nvrtcGetCUBINSize || !n->fn.nvrtcGetCUBIN))
+        ptx = 1;
+    r = n->fn.nvrtcCreateProgram(&prog, source, name, 0, NULL, NULL);
+    if (r != NVRTC_SUCCESS) {
+        *failed = "nvrtcCreateProgram";
+        return r;
+    }
+    compiled = n->fn.nvrtcCompileProgram(prog, num_options, options);
+    if (n->fn.nvrtcGetProgramLogSize(prog, &logsize) == NVRTC_SUCCESS && logsize > 0) {
+        *log = malloc(logsize + 1);
+        if (*log && n->fn.nvrtcGetProgramLog(prog, *log) != NVRTC_SUCCESS)
+            (*log)[0] = '\0';
+        if (*log)
+            (*log)[logsize] = '\0';
+    }
+    r = compiled;
+    if (r != NVRTC_SUCCESS) {
+        *failed = "nvrtcCompileProgram";
+        goto done;
+    }
+    r = ptx ? n->fn.nvrtcGetPTXSize(prog, size) : n->fn.nvrtcGetCUBINSize(prog, size);
+    if (r != NVRTC_SUCCESS) {
+        *failed = ptx ? "nvrtcGetPTXSize" : "nvrtcGetCUBINSize";
+        goto done;
+    }
+    *image = malloc(*size ? *size : 1);
+    if (!*image) {
+        *failed = "malloc";
+        r = 1; /* NVRTC_ERROR_OUT_OF_MEMORY */
+        goto done;
+    }
+    r = ptx ? n->fn.nvrtcGetPTX(prog, *image) : n->fn.nvrtcGetCUBIN(prog, *image);
+    if (r != NVRTC_SUCCESS) {
+        *failed = ptx ? "nvrtcGetPTX" : "nvrtcGetCUBIN";
+        free(*image);
+        *image = NULL;
+        *size = 0;
+    }
+done:
+    n->fn.nvrtcDestroyProgram(&prog);
+    return r;
+}

@@ -1,0 +1,61 @@
+/*
+ * nvrtc.h: NVRTC loaded at run time (see NOTE [one door] in driver.h: the same
+ * rule holds for nvrtc* calls).
+ */
+#ifndef L2P_NVRTC_H
+#define L2P_NVRTC_H
+
+#include "cuda_min.h"
+
+#define L2P_NVRTC_FUNCTIONS(X)                                                          \
+    X(nvrtcGetErrorString, 1, const char *, (nvrtcResult))                              \
+    X(nvrtcVersion, 1, nvrtcResult, (int *, int *))                                     \
+    X(nvrtcGetNumSupportedArchs, 0, nvrtcResult, (int *))                               \
+    X(nvrtcGetSupportedArchs, 0, nvrtcResult, (int *))                                  \
+    X(nvrtcCreateProgram, 1, nvrtcResult,                                               \
+      (nvrtcProgram *, const char *, const char *, int, const char *const *,            \
+       const char *const *))                                                            \
+    X(nvrtcDestroyProgram, 1, nvrtcResult, (nvrtcProgram *))                            \
+    X(nvrtcCompileProgram, 1, nvrtcResult, (nvrtcProgram, int, const char *const *))    \
+    X(nvrtcGetProgramLogSize, 1, nvrtcResult, (nvrtcProgram, size_t *))                 \
+    X(nvrtcGetProgramLog, 1, nvrtcResult, (nvrtcProgram, char *))                       \
+    X(nvrtcGetPTXSize, 1, nvrtcResult, (nvrtcProgram, size_t *))                        \
+    X(nvrtcGetPTX, 1, nvrtcResult, (nvrtcProgram, char *))                              \
+    X(nvrtcGetCUBINSize, 0, nvrtcResult, (nvrtcProgram, size_t *))                      \
+    X(nvrtcGetCUBIN, 0, nvrtcResult, (nvrtcProgram, char *))
+
+typedef struct l2p_nvrtc {
+    void *handle;
+    void *builtins;      /* libnvrtc-builtins preloaded from NVRTC's folder, or NULL */
+    char path[1024];
+    int major, minor;
+    int *archs;          /* supported sm numbers (x10), ascending */
+    int num_archs;
+    struct {
+#define L2P_NVRTC_FIELD(name, req, ret, params) ret (*name) params;
+        L2P_NVRTC_FUNCTIONS(L2P_NVRTC_FIELD)
+#undef L2P_NVRTC_FIELD
+    } fn;
+} l2p_nvrtc;
+
+/* Opens NVRTC: $L2PREFETCH_LIBNVRTC if set; else a libnvrtc already loaded in
+ * the process (.so.13, then .so.12); else each folder of extra_dirs (the
+ * nvidia-cuda-nvrtc wheel folders found on sys.path, $CUDA_HOME/lib64,
+ * /usr/local/cuda/lib64), then the loader's path.  NULL with msg on failure;
+ * *found tells "found but failed to load" from "not found". */
+l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found, char *msg,
+                          size_t msglen);
+
+/* The arch NVRTC should build SASS for, given the device's sm (x10): the
+ * device's own when supported; otherwise the highest supported below it with
+ * *ptx set (the driver finishes the job); 0 when NVRTC supports nothing <= sm. */
+int l2p_nvrtc_pick_arch(const l2p_nvrtc *n, int sm, int *ptx);
+
+#endif /* L2P_NVRTC_H */
+
+/* Compiles source to CUBIN (or PTX when ptx is set) for sm.  On success
+ * *image and *size hold a malloc'd image; *log always holds a malloc'd log (may be
+ * empty) or NULL.  On failure *failed names the NVRTC call that failed. */
+nvrtcResult l2p_nvrtc_compile(const l2p_nvrtc *n, const char *source, const char *name,
+                              const char *const *options, int num_options, int ptx,
+                              char **image, size_t *size, char **log, const char **failed);

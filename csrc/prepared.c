@@ -1,0 +1,535 @@
+/*
+ * prepared.c: PreparedWeightRanges, one owner for a prefetch: it retains the
+ * weights, holds an immutable range table for one CUDA device, the compiled
+ * function, and a launch configuration filled once, so that launch() only sets
+ * the stream and calls cuLaunchKernelEx.
+ *
+ * The range table is the kernel's parameter block (kernels/prefetch.cu,
+ * L2pTable): no device memory to allocate or free, and captured CUDA graphs
+ * copy it into the kernel node.  The smallest table capacity that fits is used.
+ */
+#include "l2p.h"
+
+#include "structmember.h"
+
+struct l2p_prepared {
+    PyObject_HEAD
+    l2p_driver *drv;
+    l2p_device *dev;
+    int device;
+    PyObject *weights;        /* tuple, retained for our lifetime */
+    PyObject *ranges_tuple;   /* ((ptr, nbytes), ...) */
+    Py_ssize_t nranges;
+    uint64_t nbytes;
+    int grid;
+    int carveout;             /* -2: None */
+    int priority;             /* 0 or 1 */
+    int variant;
+    CUfunction func;
+    CUlaunchConfig cfg;
+    CUlaunchAttribute attrs[2];
+    void *params[1];
+    uint64_t *table;          /* the parameter block: count, granules, ranges */
+    PyObject *weakreflist;
+};
+
+#define NO_CARVEOUT (-2)
+
+int l2p_prepared_check(l2p_state *st, PyObject *obj)
+{
+    return PyObject_TypeCheck(obj, st->prepared_type);
+}
+
+int l2p_prepared_device(PyObject *obj)
+{
+    return ((l2p_prepared *)obj)->device;
+}
+
+uint64_t l2p_prepared_nbytes(PyObject *obj)
+{
+    return ((l2p_prepared *)obj)->nbytes;
+}
+
+l2p_driver *l2p_prepared_driver(PyObject *obj)
+{
+    return ((l2p_prepared *)obj)->drv;
+}
+
+CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream)
+{
+    l2p_prepared *self = (l2p_prepared *)obj;
+    self->cfg.hStream = stream;
+    return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func, self->params, NULL);
+}
+
+/* The device of a `device=` argument: None, an int, "cuda:N"/"cuda", or a
+ * torch.device.  -1 for None. */
+static int parse_device(PyObject *obj, int *out)
+{
+    *out = -1;
+    if (!obj || obj == Py_None)
+        return 0;
+    if (PyLong_Check(obj) && !PyBool_Check(obj)) {
+        long v = PyLong_AsLong(obj);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (v < 0) {
+            PyErr_Format(PyExc_ValueError, "device must be >= 0, got %ld", v);
+            return -1;
+        }
+        *out = (int)v;
+        return 0;
+    }
+    PyObject *type = NULL, *index = NULL;
+    if (PyUnicode_Check(obj)) {
+        const char *s = PyUnicode_AsUTF8(obj);
+        if (s && strcmp(s, "cuda") == 0) {
+            *out = -1;
+            return 0;
+        }
+        char *end = NULL;
+        if (s && strncmp(s, "cuda:", 5) == 0) {
+            long v = strtol(s + 5, &end, 10);
+            if (end != s + 5 && *end == '\0' && v >= 0) {
+                *out = (int)v;
+                return 0;
+            }
+        }
+    } else if ((type = PyObject_GetAttrString(obj, "type")) &&
+               (index = PyObject_GetAttrString(obj, "index")) && PyUnicode_Check(type) &&
+               PyUnicode_CompareWithASCIIString(type, "cuda") == 0) {
+        *out = index == Py_None ? -1 : (int)PyLong_AsLong(index);
+        Py_DECREF(type);
+        Py_DECREF(index);
+        return *out == -1 && PyErr_Occurred() ? -1 : 0;
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(index);
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError, "device must be a CUDA device (an int, 'cuda:N' or a torch.device), got %R", obj);
+    return -1;
+}
+
+/* torch's current CUDA device when torch is imported; else 0. */
+static int default_device(void)
+{
+    PyObject *modules = PyImport_GetModuleDict();
+    if (!PyDict_GetItemString(modules, "torch"))
+        return 0;
+    PyObject *cuda = PyImport_ImportModule("torch.cuda");
+    PyObject *d = cuda ? PyObject_CallMethod(cuda, "current_device", NULL) : NULL;
+    Py_XDECREF(cuda);
+    long v = d ? PyLong_AsLong(d) : -1;
+    Py_XDECREF(d);
+    if (v < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return (int)v;
+}
+
+int l2p_device_arg(PyObject *obj, int *out)
+{
+    if (parse_device(obj, out) < 0)
+        return -1;
+    if (*out < 0)
+        *out = default_device();
+    return 0;
+}
+
+static int check_int(PyObject *o, const char *what, long lo, long hi, long *out)
+{
+    if (!PyLong_Check(o) || PyBool_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %T", what, o);
+        return -1;
+    }
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        v = lo - 1;
+    }
+    if (v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "%s must be in %ld..%ld, got %R", what, lo, hi, o);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* Which device the weights are on; raises on CPU tensors and on mixed devices. */
+static int weights_device(l2p_state *st, PyObject *weights, l2p_weight_device *devs,
+                          PyObject *names, int *device)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(weights);
+    int found = -1;
+    Py_ssize_t first = -1;
+    l2p_driver *d = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (devs[i].kind == L2P_DEV_OTHER) {
+            PyErr_Format(PyExc_ValueError,
+                         "weight %zd is on %S, not on a CUDA device: PreparedWeightRanges needs CUDA "
+                         "tensors (move it with .cuda())", i, PyList_GET_ITEM(names, i));
+            return -1;
+        }
+        if (devs[i].kind == L2P_DEV_UNKNOWN) {
+            if (devs[i].empty)
+                continue;
+            if (!d && !(d = l2p_use_driver(st)))
+                return -1;
+            int ordinal = -1;
+            CUresult r = d->fn.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                                     (CUdeviceptr)devs[i].ptr);
+            if (r != CUDA_SUCCESS) {
+                PyErr_Format(PyExc_ValueError,
+                             "weight %zd (__cuda_array_interface__ at 0x%llx) is not CUDA device "
+                             "memory the driver knows (cuPointerGetAttribute failed with %d)",
+                             i, (unsigned long long)devs[i].ptr, r);
+                return -1;
+            }
+            devs[i].index = ordinal;
+            devs[i].kind = L2P_DEV_CUDA;
+        }
+        if (found < 0) {
+            found = devs[i].index;
+            first = i;
+        } else if (devs[i].index != found) {
+            PyErr_Format(PyExc_ValueError,
+                         "weights are on different devices: weight %zd on cuda:%d, weight %zd on "
+                         "cuda:%d; all weights of one PreparedWeightRanges must be on one CUDA device",
+                         first, found, i, devs[i].index);
+            return -1;
+        }
+    }
+    *device = found;
+    return 0;
+}
+
+static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"weights", "byte_cap", "grid", "carveout", "priority", "kernel",
+                             "device", NULL};
+    PyObject *weights, *cap_obj = NULL, *grid_obj = NULL, *carveout_obj = Py_None,
+                       *priority_obj = Py_False, *kernel_obj = Py_None, *device_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$OOOOOO:PreparedWeightRanges", kwlist,
+                                     &weights, &cap_obj, &grid_obj, &carveout_obj, &priority_obj,
+                                     &kernel_obj, &device_obj))
+        return NULL;
+    l2p_state *st = l2p_state_of_type(type);
+    long byte_cap = 0, grid = 32, carveout = NO_CARVEOUT;
+    if (cap_obj && check_int(cap_obj, "byte_cap", 0, LONG_MAX, &byte_cap) < 0)
+        return NULL;
+    if (grid_obj && check_int(grid_obj, "grid", 1, 65535, &grid) < 0)
+        return NULL;
+    if (carveout_obj != Py_None && check_int(carveout_obj, "carveout (percent of the unified L1/shared memory, -1 for the default)", -1, 100, &carveout) < 0)
+        return NULL;
+    if (!PyBool_Check(priority_obj))
+        return PyErr_Format(PyExc_TypeError, "priority must be a bool, not %T", priority_obj);
+    if (kernel_obj != Py_None && !PyUnicode_Check(kernel_obj))
+        return PyErr_Format(PyExc_TypeError, "kernel must be a variant name (str) or None, not %T", kernel_obj);
+    int asked_device = -1;
+    if (parse_device(device_obj, &asked_device) < 0)
+        return NULL;
+
+    l2p_range *ranges = NULL;
+    l2p_weight_device *devs = NULL;
+    PyObject *names = NULL;
+    Py_ssize_t nranges = 0;
+    PyObject *tuple = l2p_compute_ranges(weights, byte_cap, &ranges, &nranges, &devs, &names);
+    if (!tuple)
+        return NULL;
+    l2p_prepared *self = NULL;
+    int device = -1;
+    if (weights_device(st, tuple, devs, names, &device) < 0)
+        goto error;
+    if (device >= 0 && asked_device >= 0 && device != asked_device) {
+        PyErr_Format(PyExc_ValueError, "device=cuda:%d but the weights are on cuda:%d", asked_device, device);
+        goto error;
+    }
+    if (device < 0)
+        device = asked_device >= 0 ? asked_device : default_device();
+    if (nranges > (Py_ssize_t)l2p_capacities[L2P_NUM_CAPACITIES - 1]) {
+        PyErr_Format(PyExc_ValueError,
+                     "%zd ranges, but one PreparedWeightRanges holds at most %u: split the weights "
+                     "over several (or cap them with byte_cap)",
+                     nranges, l2p_capacities[L2P_NUM_CAPACITIES - 1]);
+        goto error;
+    }
+
+    l2p_driver *d = l2p_use_driver(st);
+    if (!d)
+        goto error;
+    l2p_device *dev;
+    CUresult r = l2p_device_ready(d, device, &dev);
+    if (r != CUDA_SUCCESS) {
+        if (r == CUDA_ERROR_INVALID_DEVICE || r == CUDA_ERROR_NO_DEVICE)
+            PyErr_Format(PyExc_ValueError, "cuda:%d does not exist (the driver sees %d device%s)",
+                         device, d->device_count, d->device_count == 1 ? "" : "s");
+        else
+            l2p_raise_cuda(st, d, "preparing the device", r);
+        goto error;
+    }
+    int sm = dev->cc_major * 10 + dev->cc_minor;
+    if (sm < 80) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "cuda:%d is sm_%d: l2prefetch needs compute capability 8.0 or newer", device, sm);
+        goto error;
+    }
+    int variant = kernel_obj == Py_None ? l2p_variant_default(sm)
+                                        : l2p_variant_find(PyUnicode_AsUTF8(kernel_obj));
+    if (variant < 0) {
+        PyErr_Format(PyExc_ValueError, "unknown kernel variant %R; l2prefetch.kernel_variants() lists them",
+                     kernel_obj);
+        goto error;
+    }
+    const l2p_variant *v = &l2p_variants[variant];
+    if (sm < v->min_sm) {
+        PyErr_Format(PyExc_ValueError, "kernel variant '%s' needs sm_%d or newer; cuda:%d is sm_%d",
+                     v->name, v->min_sm, device, sm);
+        goto error;
+    }
+    if (v->smem > (unsigned)dev->smem_optin) {
+        PyErr_Format(PyExc_ValueError, "kernel variant '%s' needs %u bytes of shared memory per CTA; "
+                     "cuda:%d allows %d", v->name, v->smem, device, dev->smem_optin);
+        goto error;
+    }
+    if (carveout != NO_CARVEOUT && d->version < L2P_CARVEOUT_DRIVER_VERSION) {
+        PyErr_Format(PyExc_ValueError, "carveout needs a CUDA 12.4 driver or newer (this one is %d.%d); "
+                     "pass carveout=None", d->version / 1000, (d->version % 1000) / 10);
+        goto error;
+    }
+    int cap = 0;
+    while ((Py_ssize_t)l2p_capacities[cap] < nranges)
+        cap++;
+
+    self = (l2p_prepared *)type->tp_alloc(type, 0);
+    if (!self)
+        goto error;
+    self->drv = d;
+    l2p_driver_incref(d);
+    self->dev = dev;
+    self->device = device;
+    self->weights = tuple;
+    tuple = NULL;
+    self->nranges = nranges;
+    self->grid = (int)grid;
+    self->carveout = (int)carveout;
+    self->priority = priority_obj == Py_True;
+    self->variant = variant;
+    if (l2p_kernel_function(st, d, dev, variant, cap, &self->func) < 0)
+        goto error;
+
+    size_t words = 2 + 2 * (size_t)l2p_capacities[cap];
+    self->table = PyMem_Calloc(words, sizeof(uint64_t));
+    self->ranges_tuple = PyTuple_New(nranges);
+    if (!self->table || !self->ranges_tuple) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    uint64_t granules = 0;
+    for (Py_ssize_t i = 0; i < nranges; i++) {
+        self->table[2 + 2 * i] = ranges[i].ptr;
+        self->table[3 + 2 * i] = ranges[i].nbytes;
+        granules += ranges[i].nbytes / 16;
+        self->nbytes += ranges[i].nbytes;
+        PyObject *t = Py_BuildValue("(KK)", (unsigned long long)ranges[i].ptr,
+                                    (unsigned long long)ranges[i].nbytes);
+        if (!t)
+            goto error;
+        PyTuple_SET_ITEM(self->ranges_tuple, i, t);
+    }
+    self->table[0] = (uint64_t)nranges;
+    self->table[1] = granules;
+    self->params[0] = self->table;
+
+    CUlaunchConfig *c = &self->cfg;
+    c->gridDimX = (unsigned)grid;
+    c->gridDimY = c->gridDimZ = 1;
+    c->blockDimX = v->block;
+    c->blockDimY = c->blockDimZ = 1;
+    c->sharedMemBytes = v->smem;
+    c->attrs = self->attrs;
+    c->numAttrs = 0;
+    if (self->priority) {   /* the context's greatest (most urgent) priority */
+        CUlaunchAttribute *a = &self->attrs[c->numAttrs++];
+        a->id = CU_LAUNCH_ATTRIBUTE_PRIORITY;
+        a->value.priority = dev->greatest_priority;
+    }
+    if (carveout != NO_CARVEOUT) {
+        CUlaunchAttribute *a = &self->attrs[c->numAttrs++];
+        a->id = CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+        a->value.sharedMemCarveout = (unsigned)carveout;
+    }
+    PyMem_Free(ranges);
+    PyMem_Free(devs);
+    Py_XDECREF(names);
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+error:
+    Py_XDECREF(self);
+    Py_XDECREF(tuple);
+    PyMem_Free(ranges);
+    PyMem_Free(devs);
+    Py_XDECREF(names);
+    return NULL;
+}
+
+static int prepared_traverse(l2p_prepared *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->weights);
+    return 0;
+}
+
+static int prepared_clear(l2p_prepared *self)
+{
+    Py_CLEAR(self->weights);
+    return 0;
+}
+
+static void prepared_dealloc(l2p_prepared *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    prepared_clear(self);
+    Py_CLEAR(self->ranges_tuple);
+    PyMem_Free(self->table);
+    if (self->drv)
+        l2p_driver_decref(self->drv);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+PyDoc_STRVAR(launch_doc,
+"launch($self, /, stream=None)\n--\n\n"
+"Launch the prefetch on stream: a torch.cuda.Stream, an int CUstream handle, or\n"
+"None for torch's current stream on this table's device.  Returns None; the\n"
+"kernel runs asynchronously.");
+
+static PyObject *prepared_launch(l2p_prepared *self, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames)
+{
+    PyObject *stream = Py_None;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs + nkw > 1)
+        return PyErr_Format(PyExc_TypeError, "launch() takes at most 1 argument (%zd given)", nargs + nkw);
+    if (nargs == 1)
+        stream = args[0];
+    else if (nkw == 1) {
+        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "stream") != 0)
+            return PyErr_Format(PyExc_TypeError, "launch() got an unexpected keyword argument %R",
+                                PyTuple_GET_ITEM(kwnames, 0));
+        stream = args[0];
+    }
+    l2p_state *st = l2p_state_of_type(Py_TYPE(self));
+    CUstream s;
+    if (l2p_parse_stream(stream, self->device, &s) < 0)
+        return NULL;
+    CUresult r = l2p_ensure_current(self->drv, self->dev);
+    if (r == CUDA_ERROR_INVALID_CONTEXT)
+        return PyErr_Format(PyExc_RuntimeError,
+                            "another CUDA context is current on this thread, but this table is for "
+                            "cuda:%d: launch it under torch.cuda.device(%d)", self->device, self->device);
+    if (r != CUDA_SUCCESS)
+        return l2p_raise_cuda(st, self->drv, "cuCtxGetCurrent", r);
+    if (stream != Py_None && PyLong_Check(stream) && s != NULL) {
+        CUcontext ctx = NULL;
+        r = self->drv->fn.cuStreamGetCtx(s, &ctx);
+        if (r != CUDA_SUCCESS)
+            return l2p_raise_cuda(st, self->drv, "cuStreamGetCtx", r);
+        if (ctx != self->dev->ctx)
+            return PyErr_Format(PyExc_ValueError,
+                                "stream 0x%llx belongs to another device's context; this table is "
+                                "for cuda:%d", (unsigned long long)(uintptr_t)s, self->device);
+    }
+    r = l2p_prepared_launch_raw((PyObject *)self, s);
+    if (r != CUDA_SUCCESS)
+        return l2p_raise_cuda(st, self->drv, "cuLaunchKernelEx", r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *get_weights(l2p_prepared *self, void *c) { return Py_NewRef(self->weights ? self->weights : Py_None); }
+static PyObject *get_ranges(l2p_prepared *self, void *c) { return Py_NewRef(self->ranges_tuple); }
+static PyObject *get_nbytes(l2p_prepared *self, void *c) { return PyLong_FromUnsignedLongLong(self->nbytes); }
+static PyObject *get_grid(l2p_prepared *self, void *c) { return PyLong_FromLong(self->grid); }
+static PyObject *get_block(l2p_prepared *self, void *c) { return PyLong_FromUnsignedLong(self->cfg.blockDimX); }
+static PyObject *get_smem(l2p_prepared *self, void *c) { return PyLong_FromUnsignedLong(self->cfg.sharedMemBytes); }
+static PyObject *get_priority(l2p_prepared *self, void *c) { return PyBool_FromLong(self->priority); }
+static PyObject *get_device(l2p_prepared *self, void *c) { return PyLong_FromLong(self->device); }
+static PyObject *get_kernel(l2p_prepared *self, void *c) { return PyUnicode_FromString(l2p_variants[self->variant].name); }
+static PyObject *get_carveout(l2p_prepared *self, void *c)
+{
+    if (self->carveout == NO_CARVEOUT)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(self->carveout);
+}
+static PyObject *get_launch_priority(l2p_prepared *self, void *c)
+{
+    if (!self->priority)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(self->dev->greatest_priority);
+}
+
+static PyGetSetDef prepared_getset[] = {
+    {"weights", (getter)get_weights, NULL, "The weights, retained for this object's lifetime.", NULL},
+    {"ranges", (getter)get_ranges, NULL, "((ptr, nbytes), ...): the byte ranges launched.", NULL},
+    {"nbytes", (getter)get_nbytes, NULL, "Total bytes one launch pulls into L2.", NULL},
+    {"grid", (getter)get_grid, NULL, "CTAs per launch.", NULL},
+    {"block", (getter)get_block, NULL, "Threads per CTA (fixed by the kernel variant).", NULL},
+    {"smem", (getter)get_smem, NULL, "Dynamic shared memory per CTA in bytes.", NULL},
+    {"carveout", (getter)get_carveout, NULL, "Preferred shared-memory carveout (percent) or None.", NULL},
+    {"priority", (getter)get_priority, NULL, "Whether launches carry the greatest stream priority.", NULL},
+    {"launch_priority", (getter)get_launch_priority, NULL, "The priority value launches carry, or None.", NULL},
+    {"device", (getter)get_device, NULL, "CUDA device index.", NULL},
+    {"kernel", (getter)get_kernel, NULL, "Kernel variant name.", NULL},
+    {NULL},
+};
+
+static PyObject *prepared_repr(l2p_prepared *self)
+{
+    return PyUnicode_FromFormat("<PreparedWeightRanges cuda:%d %zd ranges, %llu bytes, kernel=%s grid=%d>",
+                                self->device, self->nranges, (unsigned long long)self->nbytes,
+                                l2p_variants[self->variant].name, self->grid);
+}
+
+static PyMethodDef prepared_methods[] = {
+    {"launch", (PyCFunction)(void (*)(void))prepared_launch, METH_FASTCALL | METH_KEYWORDS, launch_doc},
+    {NULL},
+};
+
+static PyMemberDef prepared_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(l2p_prepared, weakreflist), READONLY},
+    {NULL},
+};
+
+PyDoc_STRVAR(prepared_doc,
+"PreparedWeightRanges(weights, *, byte_cap=0, grid=32, carveout=None, priority=False,\n"
+"                     kernel=None, device=None)\n--\n\n"
+"The byte ranges of weights (tensors on one CUDA device), the compiled prefetch\n"
+"kernel and a ready launch configuration.  byte_cap (bytes, 0 for none) caps the\n"
+"total in order; grid is the CTA count (1..65535); carveout (-1..100) and\n"
+"priority=True (the context's greatest stream priority) become launch\n"
+"attributes; kernel names a variant (default: 'ring' on sm_90+, 'load' on\n"
+"sm_80-sm_89).  With no weights, device= picks the device (an empty launch: the\n"
+"control for measurements).");
+
+static PyType_Slot prepared_slots[] = {
+    {Py_tp_new, prepared_new},
+    {Py_tp_dealloc, prepared_dealloc},
+    {Py_tp_traverse, prepared_traverse},
+    {Py_tp_clear, prepared_clear},
+    {Py_tp_getset, prepared_getset},
+    {Py_tp_methods, prepared_methods},
+    {Py_tp_members, prepared_members},
+    {Py_tp_repr, prepared_repr},
+    {Py_tp_doc, (void *)prepared_doc},
+    {0, NULL},
+};
+
+PyType_Spec l2p_prepared_spec = {
+    .name = "l2prefetch._C.PreparedWeightRanges",
+    .basicsize = sizeof(l2p_prepared),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = prepared_slots,
+};

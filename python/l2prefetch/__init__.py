@@ -1,0 +1,58 @@
+"""l2prefetch: pull the weights the next kernels read into L2, on a side stream.
+
+Small-batch decode is bound by HBM bandwidth.  At fixed points of each layer,
+:class:`PrefetchController` launches a small kernel on a side CUDA stream that
+loads the byte ranges of the weights the next kernels will read into L2, so
+they start warm.  See README.md for the five-line integration.
+
+Importing this package needs neither a GPU, nor the CUDA driver, nor torch:
+the driver and NVRTC are loaded on first use.  ``L2PREFETCH_DISABLE=1`` in the
+environment turns every controller into a no-op without a code change.
+"""
+
+import logging
+import os
+
+from ._version import __version__
+from ._C import (
+    MAX_RANGES,
+    CudaError,
+    CudaUnavailableError,
+    Error,
+    NvrtcError,
+    PreparedWeightRanges,
+    compute_ranges,
+    kernel_variants,
+)
+from .controller import PrefetchController
+from .plan import PlanEntry
+
+logging.getLogger("l2prefetch").addHandler(logging.NullHandler())
+
+__all__ = [
+    "__version__",
+    "CudaError",
+    "CudaUnavailableError",
+    "Error",
+    "MAX_RANGES",
+    "NvrtcError",
+    "PlanEntry",
+    "PrefetchController",
+    "PreparedWeightRanges",
+    "attention_weights",
+    "compute_ranges",
+    "disabled",
+    "kernel_variants",
+]
+
+
+def disabled() -> bool:
+    """Whether L2PREFETCH_DISABLE asks for no prefetching (1, true, yes, on)."""
+    return os.environ.get("L2PREFETCH_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def attention_weights(attention):
+    """The next layer's attention weights in consumption order (the seed's list)."""
+    from .kimi_k3 import attention_weights as weights
+
+    return weights(attention)

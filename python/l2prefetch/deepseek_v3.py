@@ -1,0 +1,166 @@
+"""A prefetch policy for Hugging Face transformers' DeepSeek-V3 (``DeepseekV3ForCausalLM``).
+
+Where a decode layer leaves HBM bandwidth idle, and what it reads next
+(one MoE layer at batch 1 in graph replay on the H200, h200-facts.md)::
+
+    input RMSNorm 15 us | q_a_proj 12 MiB | q_a_layernorm 14 us | q_b_proj 18 MiB
+    | kv_a_proj 4.5 MiB | kv_a_layernorm 15 us | RoPE + cache 37 us | kv_b_proj 8 MiB
+    | copies + SDPA 35 us | o_proj 32 MiB | post-attention RMSNorm 15 us
+    | router 56 us (22 small kernels) | routed experts 193 us (HBM-bound, evict L2)
+    | shared experts 3 x 12 MiB
+
+The idle windows are the norms (11-21 us), the router (56-68 us) and the
+attention glue (35-49 us).  The loader moves about 2 TB/s x (window - 2 us)
+and a fork costs 0.5-1.3 us in a replayed graph even when empty.  This policy
+uses the two points of the Kimi policy, mapped onto HF's modules:
+
+* ``oproj_down``, forked after ``self_attn.o_proj`` of each MoE layer:
+  prefetch the router weight ``mlp.gate.weight``.  Its window is the
+  post-attention RMSNorm; the router's GEMV reads it right after.  Critical
+  path, so the Kimi front's settings: grid 8, carveout 100, top priority.
+
+  The shared experts are *not* prefetched here by default.  In HF's
+  ``DeepseekV3MoE.forward`` they run after the routed experts, which stream
+  hundreds of MiB through the 60 MiB L2 and evict anything loaded before
+  them; and forking after the routed experts leaves no window (the loader
+  would compete with the shared experts themselves: -1.1 to -2.9 us at 32 MiB
+  and T=0 in the facts).  ``include_shared_experts=True`` adds them anyway,
+  for measuring that claim.
+
+* ``next_attention``, forked after ``mlp`` (the whole MLP / MoE block) of
+  every layer that has a following layer: prefetch the next layer's attention
+  weights in consumption order (``q_a_proj`` or ``q_proj``, ``q_b_proj``,
+  ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``), capped per batch.  The
+  window is the residual add and the next input RMSNorm (~15 us), so the
+  default cap is 16 MiB (~10 us of loading plus the launch); the cap is
+  provisional until benchmarks/ measures it.  The fork is after ``mlp`` rather
+  than after ``mlp.experts`` or the router because in HF the shared experts
+  come last: forking earlier makes the loader compete with HBM-bound expert
+  GEMMs (or be evicted by them).  Dense layers get it too: a dense MLP also
+  streams far more than L2 and is followed by the same norm window.
+
+Layer indices are positions in the decoder's ``layers`` list (HF's
+``layer_idx``); :func:`plan` and :func:`hook_points` agree on them.  Every
+weight is the model's own tensor, so plans can be stored with
+:func:`l2prefetch.plan.plan_to_json`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union
+
+from .plan import CapSpec, PlanEntry, cap_groups
+
+__all__ = [
+    "ATTENTION_PROJECTIONS",
+    "FRONT_CARVEOUT",
+    "FRONT_GRID",
+    "NEXT_ATTENTION_MIB",
+    "NEXT_GRID",
+    "attention_weights",
+    "decoder_layers",
+    "hook_points",
+    "is_moe_layer",
+    "plan",
+]
+
+#: Loader CTAs for the router weight (small, a few MiB at most): as Kimi's front.
+FRONT_GRID = 8
+#: Shared-memory carveout (percent) of the critical-path router load.
+FRONT_CARVEOUT = 100
+#: Loader CTAs for the next attention (the facts' 32-CTA bulk-copy ring: ~2.1 TB/s).
+NEXT_GRID = 32
+#: Default next_attention cap in MiB: fits the ~15 us norm window.  Provisional
+#: until benchmarks/ measures it.
+NEXT_ATTENTION_MIB = 16
+
+#: Attention projections in the order HF's DeepseekV3Attention.forward reads them.
+ATTENTION_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                         "o_proj")
+
+
+def decoder_layers(model: Any) -> Sequence[Any]:
+    """The decoder layers of an HF DeepSeek-V3 model (``model.model.layers`` or ``model.layers``)."""
+    for owner in (getattr(model, "model", None), model):
+        layers = getattr(owner, "layers", None)
+        if layers is not None and all(hasattr(l, "self_attn") and hasattr(l, "mlp")
+                                      for l in layers):
+            return layers
+    raise ValueError(f"{type(model).__name__} has no decoder layers with self_attn and mlp at "
+                     "model.model.layers or model.layers")
+
+
+def is_moe_layer(layer: Any) -> bool:
+    """True for a DeepseekV3MoE layer (a router ``mlp.gate`` and ``mlp.experts``)."""
+    return hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+
+
+def attention_weights(attention: Any) -> tuple[Any, ...]:
+    """The attention's projection weights in consumption order (``q_proj`` without q-LoRA)."""
+    weights = []
+    for name in ATTENTION_PROJECTIONS:
+        module = getattr(attention, name, None)
+        if module is not None:
+            weights.append(module.weight)
+    if not weights or getattr(attention, "o_proj", None) is None:
+        raise ValueError(f"{type(attention).__name__} has none of the DeepSeek-V3 projections "
+                         f"{ATTENTION_PROJECTIONS} or no o_proj")
+    return tuple(weights)
+
+
+def _front_weights(mlp: Any, include_shared_experts: bool) -> tuple[Any, ...]:
+    weights = [mlp.gate.weight]
+    if include_shared_experts:
+        shared = mlp.shared_experts
+        weights += [shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight]
+    return tuple(weights)
+
+
+def plan(model: Any, batches: Iterable[int] = range(1, 9),
+         next_attention_mib: Union[int, Mapping[int, CapSpec]] = NEXT_ATTENTION_MIB, *,
+         include_shared_experts: bool = False) -> list[PlanEntry]:
+    """The DeepSeek-V3 plan for ``model`` (see the module docstring for why).
+
+    ``batches`` are the decode batches that fork at all.  ``next_attention_mib``
+    is one cap in MiB for every batch, or a per-batch table ``{batch: cap_mib
+    | (cap_mib, carveout)}`` like Kimi's (batches it leaves out, and zero
+    caps, get no next_attention).  Entries per layer: ``oproj_down`` (MoE
+    layers), then the ``next_attention`` groups (layers with a following one).
+    """
+    batches = tuple(batches)
+    if isinstance(next_attention_mib, Mapping):
+        table = next_attention_mib
+    else:
+        table = {batch: next_attention_mib for batch in batches}
+    groups = [(cap, carveout, tuple(b for b in group if b in batches))
+              for cap, carveout, group in cap_groups(table)]
+    groups = [group for group in groups if group[2]]
+    layers = decoder_layers(model)
+    entries: list[PlanEntry] = []
+    for index, layer in enumerate(layers):
+        if is_moe_layer(layer):
+            entries.append(PlanEntry("oproj_down", index, batches,
+                                     _front_weights(layer.mlp, include_shared_experts),
+                                     grid=FRONT_GRID, carveout=FRONT_CARVEOUT, priority=True))
+        if index + 1 < len(layers):
+            weights = attention_weights(layers[index + 1].self_attn)
+            for cap, carveout, group in groups:
+                entries.append(PlanEntry("next_attention", index, group, weights,
+                                         byte_cap=cap * 2**20, grid=NEXT_GRID, carveout=carveout))
+    return entries
+
+
+def hook_points(model: Any) -> dict[str, list[tuple[Any, int]]]:
+    """Where :func:`plan`'s points fork, for :func:`l2prefetch.hooks.attach`.
+
+    ``oproj_down``: after ``self_attn.o_proj`` of each MoE layer;
+    ``next_attention``: after ``mlp`` of each layer that has a following layer.
+    """
+    layers = decoder_layers(model)
+    return {
+        "oproj_down": [(layer.self_attn.o_proj, index) for index, layer in enumerate(layers)
+                       if is_moe_layer(layer)],
+        "next_attention": [(layer.mlp, index) for index, layer in enumerate(layers)
+                           if index + 1 < len(layers)],
+    }

@@ -1,0 +1,205 @@
+"""Fork and join from forward hooks, for models that are plain ``nn.Module`` trees.
+
+:func:`attach` puts a forward hook on each module where a point forks; the
+hook reads the decode batch from the module's input and calls
+``controller.fork(point, layer, batch)`` once the module's kernels are queued
+(the controller records its event there, so the prefetch starts after them).
+A forward hook on the root calls ``controller.join()`` at the end of the step.
+Any object with ``fork(point, layer, batch) -> bool`` and ``join()`` serves as
+the controller.
+
+Hooks cost host time on every call, so each is a closure over its point,
+layer and the bound ``fork``: it looks nothing up and allocates nothing
+beyond what torch's hook dispatch does.
+
+``L2PREFETCH_DISABLE=1`` (or ``true``, ``yes``, ``on``) makes :func:`attach`
+attach nothing, which turns prefetching off without a code change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional, Union
+
+__all__ = ["Attachment", "BatchFn", "Points", "Site", "attach", "disabled"]
+
+logger = logging.getLogger("l2prefetch")
+
+#: A fork site: a module and the decoder layer index its forks carry.
+Site = tuple[Any, int]
+#: ``batch_fn(module, args, kwargs) -> batch``: overrides how a hook reads the batch;
+#: a batch of 0 (or None) skips the fork.
+BatchFn = Callable[[Any, tuple, dict], Optional[int]]
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_disabled_logged = False
+
+
+def disabled() -> bool:
+    """True when ``L2PREFETCH_DISABLE`` holds a true value (1, true, yes, on; any case)."""
+    return os.environ.get("L2PREFETCH_DISABLE", "").strip().lower() in _TRUE
+
+
+class Attachment:
+    """The hooks one :func:`attach` added; :meth:`detach` removes them all.
+
+    Also a context manager that detaches on exit.  :meth:`join` calls the
+    controller's ``join()`` (for servers that end a step without a forward of
+    the hooked root); it keeps working after detach, since prefetches forked
+    before it may still be pending.
+    """
+
+    __slots__ = ("_controller", "_handles", "sites")
+
+    def __init__(self, controller: Any = None, handles: Sequence[Any] = (),
+                 sites: Sequence[tuple[str, int, Any]] = ()) -> None:
+        self._controller = controller
+        self._handles = list(handles)
+        #: ``(point, layer, module)`` for each fork hook, in attach order.
+        self.sites: tuple[tuple[str, int, Any], ...] = tuple(sites)
+
+    @property
+    def attached(self) -> bool:
+        """True while hooks are in place."""
+        return bool(self._handles)
+
+    def join(self) -> None:
+        """Make the main stream wait for the prefetches forked so far."""
+        if self._controller is not None:
+            self._controller.join()
+
+    def detach(self) -> None:
+        """Remove every hook this attachment added (a second call does nothing)."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def __enter__(self) -> Attachment:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        state = "attached" if self.attached else "detached"
+        return f"<Attachment {state}, {len(self.sites)} fork sites>"
+
+
+def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
+               batch_fn: Optional[BatchFn], tensor: type) -> Callable[..., None]:
+    """The forward hook (with kwargs) of one site; it always returns None."""
+    if batch_fn is not None:
+        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+            batch = batch_fn(module, args, kwargs)
+            if batch:
+                fork(point, layer, batch)
+        return hook
+
+    def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        # The first tensor argument; decode inputs are [B, 1, H] or [B, H].
+        for value in args:
+            if isinstance(value, tensor):
+                break
+        else:
+            for value in kwargs.values():
+                if isinstance(value, tensor):
+                    break
+            else:
+                return
+        if value.dim() == 0:
+            batch = 1
+        else:
+            last = value.shape[-1]
+            if last:
+                batch = value.numel() // last
+            else:
+                batch = 1
+                for n in value.shape[:-1]:
+                    batch *= n
+        if batch:
+            fork(point, layer, batch)
+    return hook
+
+
+def _sites(model: Any, point: object, spec: object, module_type: type) -> list[Site]:
+    if not isinstance(point, str) or not point:
+        raise TypeError(f"point names must be non-empty str, got {point!r}")
+    sites = spec(model) if callable(spec) else spec
+    try:
+        sites = list(sites)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"points[{point!r}] must be a list of (module, layer) or a callable "
+                        f"returning one, got {type(sites).__name__}") from None
+    for site in sites:
+        if not (isinstance(site, tuple) and len(site) == 2):
+            raise TypeError(f"points[{point!r}] must hold (module, layer) pairs, got {site!r}")
+        module, layer = site
+        if not isinstance(module, module_type):
+            raise TypeError(f"points[{point!r}]: {type(module).__name__} is not an nn.Module")
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise TypeError(f"points[{point!r}]: layer must be an int >= 0, got {layer!r}")
+    return sites
+
+
+Points = Mapping[str, Union[Sequence[Site], Callable[[Any], Sequence[Site]]]]
+
+
+def attach(model: Any, controller: Any, points: Union[Points, Callable[[Any], Points]], *,
+           batch_fn: Optional[BatchFn] = None, join: bool = True) -> Attachment:
+    """Hook ``controller``'s forks and join into ``model``; returns what to detach.
+
+    ``points`` maps each point name to its fork sites: a list of ``(module,
+    layer)`` or a callable ``model -> list``; ``points`` may also be a callable
+    ``model -> mapping``, such as ``deepseek_v3.hook_points``.  Each site gets a forward hook that calls
+    ``controller.fork(point, layer, batch)`` after the module's forward, with
+    ``batch`` the product of all but the last dimension of the first tensor
+    argument (``batch_fn`` overrides that; a batch of 0 skips the fork).  With
+    ``join`` the root ``model`` gets a forward hook that calls
+    ``controller.join()`` at the end of each forward.  Everything is checked
+    before any hook is added.  Under ``L2PREFETCH_DISABLE`` nothing is attached.
+    """
+    global _disabled_logged
+    if disabled():
+        if not _disabled_logged:
+            logger.info("L2PREFETCH_DISABLE is set: l2prefetch attaches no hooks")
+            _disabled_logged = True
+        return Attachment()
+
+    import torch
+
+    for method in ("fork", "join"):
+        if not callable(getattr(controller, method, None)):
+            raise TypeError(f"controller must have fork(point, layer, batch) and join(); "
+                            f"{type(controller).__name__} has no {method}()")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if callable(points) and not isinstance(points, Mapping):
+        points = points(model)
+    if not isinstance(points, Mapping):
+        raise TypeError(f"points must map point names to fork sites, got {type(points).__name__}")
+    resolved = [(point, _sites(model, point, spec, torch.nn.Module))
+                for point, spec in points.items()]
+
+    fork = controller.fork
+    handles, sites = [], []
+    try:
+        for point, point_sites in resolved:
+            for module, layer in point_sites:
+                hook = _fork_hook(fork, point, layer, batch_fn, torch.Tensor)
+                handles.append(module.register_forward_hook(hook, with_kwargs=True))
+                sites.append((point, layer, module))
+        if join:
+            end = controller.join
+
+            def join_hook(module: Any, args: tuple, output: Any) -> None:
+                end()
+            handles.append(model.register_forward_hook(join_hook))
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    logger.debug("l2prefetch attached %d fork hooks%s", len(sites),
+                 " and a join hook" if join else "")
+    return Attachment(controller, handles, sites)

@@ -1,0 +1,408 @@
+"""Prefetch plans as plain data: what to prefetch where, for which batches.
+
+A plan is a list of :class:`PlanEntry`.  Each entry says: at fork point
+``point`` of decoder layer ``layer``, for each decode batch in ``batches``,
+prefetch the byte ranges of ``weights`` (in order, capped at ``byte_cap``
+bytes when it is not 0) with a loader of ``grid`` CTAs, an optional
+shared-memory ``carveout`` and, when ``priority`` is true, the greatest stream
+priority.  Policies (:mod:`l2prefetch.kimi_k3`, :mod:`l2prefetch.deepseek_v3`)
+build plans; the controller turns each entry into one prepared range table and
+launches it from ``fork(point, layer, batch)``.
+
+This module also renders a plan for people (:func:`format_plan`) and stores it
+as JSON with weights named by their module path, never by pointer
+(:func:`plan_to_json`, :func:`plan_from_json`), so a plan survives a restart
+and can be reviewed or edited by hand.
+
+Importing this module does not import torch: a plan can only hold tensors if
+torch is already imported, so the type check looks torch up in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "CapSpec",
+    "DEFAULT_L2_BYTES",
+    "PLAN_JSON_VERSION",
+    "PlanEntry",
+    "cap_groups",
+    "compact_batches",
+    "format_plan",
+    "plan_from_json",
+    "plan_to_json",
+]
+
+#: The H200's L2 (60 MiB, see h200-facts.md): the default for "share of L2".
+DEFAULT_L2_BYTES = 60 * 2**20
+#: The version written into, and the only one read from, a plan's JSON.
+PLAN_JSON_VERSION = 1
+MIB = 2**20
+
+#: A per-batch cap of a capped point: the cap in MiB, or (cap in MiB, carveout).
+CapSpec = Union[int, tuple[int, Optional[int]]]
+
+_ENTRY_FIELDS = ("point", "layer", "batches", "weights", "byte_cap", "grid", "carveout",
+                 "priority")
+# dataclass(slots=True) exists from Python 3.10; the package supports 3.9.
+_SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
+
+
+def _tensor_type() -> type | None:
+    """torch.Tensor if torch is imported; None means nothing can be a tensor yet."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.Tensor
+
+
+def _check_int(field: str, value: object, low: int, high: int | None = None) -> int:
+    """Return value if it is an int (not a bool) in [low, high]; raise otherwise."""
+    allowed = f"an int >= {low}" if high is None else f"an int in {low}..{high}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"PlanEntry.{field} must be {allowed}, "
+                        f"got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"PlanEntry.{field} must be {allowed}, got {value}")
+    return value
+
+
+def _check_batches(value: object) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError("PlanEntry.batches must be an iterable of ints >= 1 (e.g. range(3, 9)), "
+                        f"got {type(value).__name__} {value!r}")
+    batches = tuple(value)
+    if not batches:
+        raise ValueError("PlanEntry.batches must name at least one batch, got none")
+    for batch in batches:
+        if isinstance(batch, bool) or not isinstance(batch, int):
+            raise TypeError("PlanEntry.batches must hold ints >= 1, "
+                            f"got {type(batch).__name__} {batch!r} in {batches!r}")
+        if batch < 1:
+            raise ValueError(f"PlanEntry.batches must hold ints >= 1, got {batch} in {batches!r}")
+    if len(set(batches)) != len(batches):
+        repeated = sorted({b for b in batches if batches.count(b) > 1})
+        raise ValueError(f"PlanEntry.batches must name each batch once, {repeated} repeat "
+                         f"in {batches!r}")
+    return tuple(sorted(batches))
+
+
+def _describe(tensor: Any) -> str:
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')} on {tensor.device}"
+
+
+def _check_weights(value: object) -> tuple[Any, ...]:
+    tensor = _tensor_type()
+    if tensor is not None and isinstance(value, tensor):
+        raise TypeError("PlanEntry.weights must be a sequence of tensors, not one tensor "
+                        f"({_describe(value)}): wrap it as (tensor,)")
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError("PlanEntry.weights must be a sequence of tensors, "
+                        f"got {type(value).__name__} {value!r}")
+    weights = tuple(value)
+    if not weights:
+        raise ValueError("PlanEntry.weights must hold at least one tensor, got none")
+    for i, weight in enumerate(weights):
+        if tensor is None or not isinstance(weight, tensor):
+            raise TypeError(f"PlanEntry.weights[{i}] must be a torch.Tensor, "
+                            f"got {type(weight).__name__}")
+    devices = {w.device for w in weights}
+    if len(devices) > 1:
+        listed = ", ".join(f"[{i}] {_describe(w)}" for i, w in enumerate(weights))
+        raise ValueError("PlanEntry.weights must all be on one device (one range table per "
+                         f"entry), got {listed}")
+    return weights
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, **_SLOTS)
+class PlanEntry:
+    """One prefetch: at ``point`` of ``layer``, for each of ``batches``, load ``weights``.
+
+    ``batches`` becomes a sorted tuple of distinct ints and ``weights`` a tuple
+    of tensors (all on one device, since the controller builds one range table
+    per entry).  ``byte_cap`` is in bytes (0: no cap); ``grid`` is the number
+    of loader CTAs; ``carveout`` is the preferred shared-memory carveout in
+    percent (-1 is the driver's default, None sets no attribute); ``priority``
+    asks for the greatest stream priority.  Wrong types raise TypeError, bad
+    values ValueError, both naming the field.
+
+    Entries compare and hash by value, with weights by identity (two entries
+    are equal when they would prefetch the same tensor objects the same way).
+    """
+
+    point: str
+    layer: int
+    batches: tuple[int, ...]
+    weights: tuple[torch.Tensor, ...]
+    byte_cap: int = 0
+    grid: int = 32
+    carveout: Optional[int] = None
+    priority: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.point, str):
+            raise TypeError("PlanEntry.point must be a non-empty str, "
+                            f"got {type(self.point).__name__} {self.point!r}")
+        if not self.point:
+            raise ValueError("PlanEntry.point must be a non-empty str, got ''")
+        _check_int("layer", self.layer, 0)
+        object.__setattr__(self, "batches", _check_batches(self.batches))
+        object.__setattr__(self, "weights", _check_weights(self.weights))
+        _check_int("byte_cap", self.byte_cap, 0)
+        _check_int("grid", self.grid, 1, 65535)
+        if self.carveout is not None:
+            _check_int("carveout", self.carveout, -1, 100)
+        if not isinstance(self.priority, bool):
+            raise TypeError("PlanEntry.priority must be a bool, "
+                            f"got {type(self.priority).__name__} {self.priority!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this entry prefetches: the sum of its ranges under the seed's rules.
+
+        Needs the C extension (``l2prefetch._C.compute_ranges``), which works
+        on CPU and meta tensors as well as CUDA ones.
+        """
+        from . import _C
+
+        return sum(n for _, n in _C.compute_ranges(self.weights, self.byte_cap))
+
+    @property
+    def settings(self) -> tuple[tuple[int, ...], int, int, Optional[int], bool]:
+        """What fixes the prepared table: (weight ids, byte_cap, grid, carveout, priority).
+
+        Entries with equal settings can share one prepared table (the ids
+        stay valid while an entry holds its weights).
+        """
+        return (tuple(id(w) for w in self.weights), self.byte_cap, self.grid, self.carveout,
+                self.priority)
+
+    def _key(self) -> tuple:
+        return (self.point, self.layer, self.batches, *self.settings)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PlanEntry):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        # Never print tensor contents: on a GPU that would synchronise and copy.
+        weights = ", ".join(_describe(w) for w in self.weights)
+        return (f"PlanEntry(point={self.point!r}, layer={self.layer}, "
+                f"batches={compact_batches(self.batches)}, weights=[{weights}], "
+                f"byte_cap={self.byte_cap}, grid={self.grid}, carveout={self.carveout}, "
+                f"priority={self.priority})")
+
+
+def cap_groups(table: Mapping[int, CapSpec]) -> list[tuple[int, Optional[int], tuple[int, ...]]]:
+    """Group a per-batch cap table into ``(cap_mib, carveout, batches)``.
+
+    ``table`` maps a batch to its cap in MiB, or to ``(cap_mib, carveout)``.
+    Batches with equal (cap, carveout) share one group (so one prepared
+    table); groups come in the order their first batch appears in ``table``
+    and batches keep the table's order.  A zero cap means no prefetch and
+    yields no group.
+    """
+    groups: dict[tuple[int, Optional[int]], list[int]] = {}
+    for batch, spec in table.items():
+        if isinstance(batch, bool) or not isinstance(batch, int):
+            raise TypeError(f"cap table batches must be ints >= 1, got {batch!r}")
+        if batch < 1:
+            raise ValueError(f"cap table batches must be ints >= 1, got {batch}")
+        if isinstance(spec, tuple):
+            if len(spec) != 2:
+                raise ValueError(f"cap table entry for batch {batch} must be cap_mib or "
+                                 f"(cap_mib, carveout), got {spec!r}")
+            cap, carveout = spec
+        else:
+            cap, carveout = spec, None
+        if isinstance(cap, bool) or not isinstance(cap, int):
+            raise TypeError(f"cap table entry for batch {batch}: cap must be an int >= 0 "
+                            f"(MiB), got {cap!r}")
+        if cap < 0:
+            raise ValueError(f"cap table entry for batch {batch}: cap must be an int >= 0 "
+                             f"(MiB), got {cap}")
+        if carveout is not None and (isinstance(carveout, bool) or not isinstance(carveout, int)):
+            raise TypeError(f"cap table entry for batch {batch}: carveout must be None or an "
+                            f"int, got {carveout!r}")
+        if cap:
+            groups.setdefault((cap, carveout), []).append(batch)
+    return [(cap, carveout, tuple(batches)) for (cap, carveout), batches in groups.items()]
+
+
+def compact_batches(batches: Iterable[int]) -> str:
+    """Batches as runs: ``(3, 4, 5, 6, 7, 8)`` -> ``'3-8'``, ``(1, 2, 5)`` -> ``'1-2,5'``."""
+    runs: list[list[int]] = []
+    for batch in sorted(set(batches)):
+        if runs and batch == runs[-1][1] + 1:
+            runs[-1][1] = batch
+        else:
+            runs.append([batch, batch])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _per_batch(totals: Mapping[int, int]) -> str:
+    """``{1: x, 2: x, 3: y}`` -> ``'1-2: x MiB; 3: y MiB'`` (runs of equal totals)."""
+    parts: list[tuple[list[int], int]] = []
+    for batch in sorted(totals):
+        value = totals[batch]
+        if parts and parts[-1][1] == value and parts[-1][0][-1] == batch - 1:
+            parts[-1][0].append(batch)
+        else:
+            parts.append(([batch], value))
+    return "; ".join(f"{compact_batches(b)}: {v / MIB:.2f}" for b, v in parts)
+
+
+def format_plan(plan: Sequence[PlanEntry], l2_bytes: int | None = None) -> str:
+    """A plan as two Markdown tables: one row per entry, then totals per point.
+
+    Entry rows: point, layer, batches (as runs), tensors, MiB prefetched and
+    that as a share of L2 (``l2_bytes``, default the H200's 60 MiB).  Totals:
+    per point the entries, the layers, and the MiB prefetched per decode step
+    at each batch (entries for other batches do not fire, so this sums only
+    the entries that hold the batch), plus the largest entry's share of L2.
+    A last ``all`` row sums the points.  Needs ``l2prefetch._C`` (for
+    :attr:`PlanEntry.nbytes`).
+    """
+    l2 = DEFAULT_L2_BYTES if l2_bytes is None else l2_bytes
+    if isinstance(l2, bool) or not isinstance(l2, int) or l2 <= 0:
+        raise ValueError(f"l2_bytes must be a positive int (bytes) or None, got {l2_bytes!r}")
+    sizes = [entry.nbytes for entry in plan]
+    lines = [f"L2 prefetch plan: {len(plan)} entries; share of L2 against {l2 / MIB:.2f} MiB",
+             "",
+             "| point | layer | batches | tensors | MiB | % of L2 |",
+             "|---|---:|---|---:|---:|---:|"]
+    for entry, size in zip(plan, sizes):
+        lines.append(f"| {entry.point} | {entry.layer} | {compact_batches(entry.batches)} | "
+                     f"{len(entry.weights)} | {size / MIB:.2f} | {100 * size / l2:.1f}% |")
+
+    points: dict[str, list[tuple[PlanEntry, int]]] = {}
+    for entry, size in zip(plan, sizes):
+        points.setdefault(entry.point, []).append((entry, size))
+    lines += ["",
+              "| point | entries | layers | batches | MiB per step, by batch | largest, % of L2 |",
+              "|---|---:|---:|---|---|---:|"]
+    everything: dict[int, int] = {}
+    for point, rows in points.items():
+        per_batch: dict[int, int] = {}
+        for entry, size in rows:
+            for batch in entry.batches:
+                per_batch[batch] = per_batch.get(batch, 0) + size
+                everything[batch] = everything.get(batch, 0) + size
+        layers = len({entry.layer for entry, _ in rows})
+        largest = max(size for _, size in rows)
+        lines.append(f"| {point} | {len(rows)} | {layers} | {compact_batches(per_batch)} | "
+                     f"{_per_batch(per_batch)} | {100 * largest / l2:.1f}% |")
+    if plan:
+        largest = max(sizes)
+        lines.append(f"| all | {len(plan)} | {len({e.layer for e in plan})} | "
+                     f"{compact_batches(everything)} | {_per_batch(everything)} | "
+                     f"{100 * largest / l2:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def _named_tensors(model: Any) -> dict[str, Any]:
+    """Every tensor reachable from model by name, in a stable order.
+
+    Parameters first, then buffers, then plain tensor attributes of submodules
+    (such as an MLA's ``W_UK_T``), each under its dotted path.  Tied tensors
+    appear under every name.
+    """
+    tensor = _tensor_type()
+    names: dict[str, Any] = {}
+    for name, value in model.named_parameters(remove_duplicate=False):
+        names.setdefault(name, value)
+    for name, value in model.named_buffers(remove_duplicate=False):
+        names.setdefault(name, value)
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attribute, value in vars(module).items():
+            if tensor is not None and isinstance(value, tensor):
+                names.setdefault(f"{prefix}.{attribute}" if prefix else attribute, value)
+    return names
+
+
+def plan_to_json(plan: Sequence[PlanEntry], model: Any) -> str:
+    """The plan as JSON, each weight named by its path in ``model``.
+
+    A weight is named by identity: it must be one of the model's parameters,
+    buffers or plain tensor attributes of its submodules (a view or copy of
+    one is a different tensor and cannot be named).  Raises ValueError naming
+    the entry and weight otherwise.
+    """
+    names: dict[int, str] = {}
+    for name, value in _named_tensors(model).items():
+        names.setdefault(id(value), name)
+    entries = []
+    for i, entry in enumerate(plan):
+        weights = []
+        for j, weight in enumerate(entry.weights):
+            name = names.get(id(weight))
+            if name is None:
+                raise ValueError(
+                    f"plan entry {i} ({entry.point!r}, layer {entry.layer}): weights[{j}] "
+                    f"({_describe(weight)}) is not a parameter, buffer or tensor attribute of "
+                    "the model, so it has no name to store; register it on a module "
+                    "(a view or copy of a parameter is a different tensor)")
+            weights.append(name)
+        entries.append({"point": entry.point, "layer": entry.layer,
+                        "batches": list(entry.batches), "weights": weights,
+                        "byte_cap": entry.byte_cap, "grid": entry.grid,
+                        "carveout": entry.carveout, "priority": entry.priority})
+    return json.dumps({"version": PLAN_JSON_VERSION, "entries": entries}, indent=1)
+
+
+def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
+    """Read a plan written by :func:`plan_to_json`, resolving names in ``model``.
+
+    Raises ValueError for malformed JSON, another version, missing or unknown
+    fields, or a weight name that does not resolve (with the closest names);
+    TypeError/ValueError from :class:`PlanEntry` for bad field values.
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"plan JSON does not parse: {exc}") from exc
+    if not isinstance(data, dict) or "version" not in data:
+        raise ValueError("plan JSON must be an object with 'version' and 'entries'")
+    if data["version"] != PLAN_JSON_VERSION:
+        raise ValueError(f"plan JSON version {data['version']!r} is not supported; "
+                         f"this l2prefetch reads version {PLAN_JSON_VERSION}")
+    raw_entries = data.get("entries")
+    if not isinstance(raw_entries, list):
+        raise ValueError("plan JSON 'entries' must be a list")
+    tensors = _named_tensors(model)
+    plan = []
+    for i, raw in enumerate(raw_entries):
+        if not isinstance(raw, dict):
+            raise ValueError(f"plan JSON entry {i} must be an object, got {raw!r}")
+        missing = [f for f in ("point", "layer", "batches", "weights") if f not in raw]
+        unknown = sorted(set(raw) - set(_ENTRY_FIELDS))
+        if missing or unknown:
+            raise ValueError(f"plan JSON entry {i}: missing fields {missing}, "
+                             f"unknown fields {unknown}; fields are {list(_ENTRY_FIELDS)}")
+        names = raw["weights"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"plan JSON entry {i}: 'weights' must be a list of names, "
+                             f"got {names!r}")
+        weights = []
+        for name in names:
+            if name not in tensors:
+                close = difflib.get_close_matches(name, list(tensors), n=3)
+                hint = f"; closest: {', '.join(close)}" if close else ""
+                raise ValueError(f"plan JSON entry {i} ({raw['point']!r}, layer "
+                                 f"{raw['layer']!r}): weight {name!r} is not a parameter, "
+                                 f"buffer or tensor attribute of the model{hint}")
+            weights.append(tensors[name])
+        fields = {k: v for k, v in raw.items() if k != "weights"}
+        plan.append(PlanEntry(weights=tuple(weights), **fields))
+    return plan

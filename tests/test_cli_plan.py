@@ -1,0 +1,128 @@
+"""``python -m l2prefetch plan``: the Kimi plan of a synthetic model on the meta device."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from l2prefetch import kimi_k3
+from l2prefetch.cli import DEFAULT_DIMS, build_synthetic_kimi, plan_main
+from l2prefetch.plan import plan_from_json
+
+MIB = 2**20
+
+
+def needs_c():
+    return pytest.importorskip("l2prefetch._C", reason="needs the C extension (build it first)")
+
+
+def totals(text):
+    """{point: 'MiB per step' cell} from the totals table."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[1].isdigit() and cells[2].isdigit():
+            rows[cells[0]] = cells[4]
+    return rows
+
+
+def test_synthetic_model_is_kimi_shaped_and_costs_nothing():
+    model, layers, packed = build_synthetic_kimi(tp=8)
+    assert len(layers) == 61 and not layers[0].is_moe_layer
+    assert all(layer.is_moe_layer for layer in layers[1:])
+    mla = [i for i, layer in enumerate(layers) if hasattr(layer.self_attn, "W_UK_T")]
+    assert mla == list(range(3, 61, 4))
+    assert all(hasattr(layers[i].self_attn, "in_proj_qkvgfab") for i in range(61) if i not in mla)
+    assert all(t.device.type == "meta" for t in model.parameters())
+    assert sorted(packed) == list(range(1, 61))
+    assert packed[1] is layers[1].mlp.front_packed
+    assert packed[1].shape == ((384 + 1792) // 8, 7168)
+    assert layers[3].self_attn.o_proj.weight.shape == (7168, 64 // 8 * 128)
+    assert layers[1].mlp.shared_experts.gate_up_proj.weight.dtype == torch.bfloat16
+    # TP shards: TP 1 is 8x wider than TP 8 where the design shards.
+    _, full, _ = build_synthetic_kimi(tp=1)
+    assert full[3].self_attn.q_b_proj.weight.shape[0] == 8 * layers[3].self_attn.q_b_proj.weight.shape[0]
+    assert full[3].self_attn.fused_qkv_a_proj.weight.shape == layers[3].self_attn.fused_qkv_a_proj.weight.shape
+
+
+def test_plan_tp8_prints_points_and_totals(capsys):
+    needs_c()
+    assert plan_main(["--tp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "TP 8" in out and "61 layers (60 MoE)" in out
+    for point in ("oproj_down", "attention_moe", "next_attention"):
+        assert f"| {point} | 1 |" in out
+    assert "| next_attention | 60 |" not in out  # the last layer has no next attention
+    assert "| attention_moe | 3 | 8 |" in out    # MLA layer: batch 8 only
+    assert "| attention_moe | 4 | 5-8 |" in out  # KDA layer
+    # Totals agree with the plan and the seed's range rules on meta tensors.
+    _, layers, packed = build_synthetic_kimi(tp=8)
+    front = packed[1].numel() * 2
+    rows = totals(out)
+    assert rows["oproj_down"] == f"3-8: {60 * front / MIB:.2f}"
+    assert rows["next_attention"] == f"1-4: {59 * 32:.2f}; 5-8: {59 * 16:.2f}"
+    assert set(rows) == {"oproj_down", "attention_moe", "next_attention", "all"}
+    share = re.search(r"\| oproj_down \| 1 \| 3-8 \| 1 \| ([\d.]+) \| ([\d.]+)% \|", out)
+    assert share and float(share.group(2)) == pytest.approx(100 * front / (60 * MIB), abs=0.05)
+
+
+def test_plan_tp4_and_other_l2(capsys):
+    needs_c()
+    assert plan_main(["--tp", "4", "--l2-mib", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "attention_moe" not in out and "against 40.00 MiB" in out
+    assert "| next_attention | 1 | 1-4 | 4 | 32.00 | 80.0% |" in out
+
+
+def test_plan_json_round_trips_without_c(capsys):
+    assert plan_main(["--tp", "2", "--json", "--layers", "6"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["version"] == 1
+    assert data["entries"][0]["weights"] == ["layers.1.mlp.front_packed"]
+    # Layer 2 prefetches layer 3's attention, an MLA with plain tensor attributes.
+    layer2 = [e for e in data["entries"] if e["point"] == "next_attention" and e["layer"] == 2]
+    assert layer2[0]["weights"] == [
+        "layers.3.self_attn.fused_qkv_a_proj.weight", "layers.3.self_attn.q_b_proj.weight",
+        "layers.3.self_attn.W_UK_T", "layers.3.self_attn.W_UV",
+        "layers.3.self_attn.o_proj.weight"]
+    model, layers, packed = build_synthetic_kimi({"layers": 6}, tp=2)
+    assert plan_from_json(json.dumps(data), model) == kimi_k3.plan(layers, packed, 2)
+
+
+def test_shapes_file_and_options(tmp_path, capsys):
+    needs_c()
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"hidden": 4096, "layers": 5, "experts": 64, "moe_latent": 64}))
+    assert plan_main(["--tp", "8", "--shapes", str(shapes)]) == 0
+    out = capsys.readouterr().out
+    assert "5 layers (4 MoE)" in out and "hidden 4096" in out
+    front = (64 // 8 + 64 // 8) * 4096 * 2
+    assert f"| oproj_down | 1 | 3-8 | 1 | {front / MIB:.2f} |" in out
+    assert plan_main(["--shapes", str(shapes), "--hidden", "2048", "--tp", "8"]) == 0
+    assert "hidden 2048" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, words", [
+    ('{"heads": 3}', "unknown dimensions ['heads']"),
+    ('[1, 2]', "JSON object"),
+    ('{"mla_heads": 12}', "mla_heads=12 does not split over tp=8"),
+    ('{"dtype": "bfloat17"}', "not a torch dtype"),
+    ("{", "Expecting"),
+])
+def test_bad_shapes_are_usage_errors(tmp_path, capsys, content, words):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(content)
+    assert plan_main(["--shapes", str(shapes)]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_usage(capsys):
+    assert plan_main(["--help"]) == 0
+    assert "--shapes" in capsys.readouterr().out
+    assert plan_main(["--tp", "3"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+    assert plan_main(["--shapes", "/nonexistent/shapes.json"]) == 2
+    assert set(DEFAULT_DIMS) >= {"hidden", "layers", "mla_every", "experts"}

@@ -1,0 +1,251 @@
+"""Forward-hook integration: forks with the right point, layer and batch; join; detach."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from l2prefetch import hooks
+from l2prefetch.hooks import Attachment, attach
+
+H = 8
+
+
+class Recorder:
+    """A controller stand-in that records calls; fork answers from ``planned``."""
+
+    def __init__(self, planned=None):
+        self.calls = []
+        self.planned = planned
+
+    def fork(self, point, layer, batch):
+        self.calls.append(("fork", point, layer, batch))
+        return self.planned is None or (point, layer, batch) in self.planned
+
+    def join(self):
+        self.calls.append(("join",))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.o_proj = nn.Linear(H, H)
+        self.mlp = nn.Linear(H, H)
+
+    def forward(self, x):
+        x = x + self.attn.o_proj(x)
+        return x + self.mlp(x)
+
+
+class Tiny(nn.Module):
+    def __init__(self, count=3):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(count))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def points_of(model):
+    return {
+        "oproj_down": [(layer.attn.o_proj, i) for i, layer in enumerate(model.layers)],
+        "next_attention": [(layer.mlp, i) for i, layer in enumerate(model.layers)][:-1],
+    }
+
+
+def all_hooks(model):
+    found = []
+    for name, module in model.named_modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+            found += [(name, attr, key) for key in getattr(module, attr, {})]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def enabled(monkeypatch):
+    monkeypatch.delenv("L2PREFETCH_DISABLE", raising=False)
+
+
+@pytest.mark.parametrize("shape, batch", [((5, 1, H), 5), ((3, H), 3), ((2, 2, H), 4)])
+def test_forks_in_order_then_join(shape, batch):
+    model, controller = Tiny(), Recorder()
+    attach(model, controller, points_of(model))
+    model(torch.randn(*shape))
+    assert controller.calls == [
+        ("fork", "oproj_down", 0, batch), ("fork", "next_attention", 0, batch),
+        ("fork", "oproj_down", 1, batch), ("fork", "next_attention", 1, batch),
+        ("fork", "oproj_down", 2, batch), ("join",)]
+
+
+def test_hooks_leave_outputs_alone():
+    model, x = Tiny(), torch.randn(4, 1, H)
+    expected = model(x)
+    with attach(model, Recorder(), points_of(model)):
+        assert torch.equal(model(x), expected)
+
+
+def test_fork_answer_does_not_matter_to_the_model():
+    model, x = Tiny(), torch.randn(4, 1, H)
+    expected = model(x)
+    controller = Recorder(planned=set())  # fork returns False everywhere
+    attach(model, controller, points_of(model))
+    assert torch.equal(model(x), expected)
+    assert len(controller.calls) == 6
+
+
+def test_batch_from_keyword_input_and_none_without_tensors():
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(H, H)
+
+        def forward(self, x):
+            return self.inner(input=x)
+
+    class Untensored(nn.Module):
+        def forward(self, n):
+            return n
+
+    model, controller = Keyword(), Recorder()
+    linear_calls = []
+    model.inner.forward = lambda input: linear_calls.append(input.shape) or input
+    attach(model, controller, {"p": [(model.inner, 7)]}, join=False)
+    model(torch.zeros(6, 1, H))
+    assert controller.calls == [("fork", "p", 7, 6)] and linear_calls
+
+    model, controller = Untensored(), Recorder()
+    attach(model, controller, {"p": [(model, 0)]})
+    model(3)
+    assert controller.calls == [("join",)]
+
+
+def test_batch_fn_overrides_and_zero_skips():
+    model, controller = Tiny(1), Recorder()
+    seen = []
+
+    def batch_fn(module, args, kwargs):
+        seen.append((module, args[0].shape, kwargs))
+        return 0 if module is model.layers[0].mlp else 11
+
+    attach(model, controller, {"a": [(model.layers[0].attn.o_proj, 0)],
+                               "b": [(model.layers[0].mlp, 0)]}, batch_fn=batch_fn)
+    model(torch.zeros(2, 1, H))
+    assert controller.calls == [("fork", "a", 0, 11), ("join",)]
+    assert seen[0][0] is model.layers[0].attn.o_proj and seen[0][1] == (2, 1, H)
+
+
+def test_callable_points_get_the_model():
+    model, controller = Tiny(2), Recorder()
+    got = []
+
+    def sites(m):
+        got.append(m)
+        return [(m.layers[1].mlp, 1)]
+
+    attach(model, controller, {"next_attention": sites})
+    model(torch.zeros(1, 1, H))
+    assert got == [model]
+    assert controller.calls == [("fork", "next_attention", 1, 1), ("join",)]
+
+
+def test_detach_removes_every_hook_and_is_idempotent():
+    model, controller = Tiny(), Recorder()
+    before = all_hooks(model)
+    attachment = attach(model, controller, points_of(model))
+    assert attachment.attached and len(attachment.sites) == 5
+    assert len(all_hooks(model)) > len(before)
+    attachment.detach()
+    assert all_hooks(model) == before == []
+    attachment.detach()
+    assert not attachment.attached
+    model(torch.zeros(1, 1, H))
+    assert controller.calls == []
+
+
+def test_detach_keeps_foreign_hooks():
+    model = Tiny(1)
+    foreign = model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    attach(model, Recorder(), points_of(model)).detach()
+    assert len(model.layers[0].mlp._forward_hooks) == 1
+    foreign.remove()
+
+
+def test_context_manager_detaches():
+    model, controller = Tiny(), Recorder()
+    with attach(model, controller, points_of(model)) as attachment:
+        assert isinstance(attachment, Attachment)
+        model(torch.zeros(1, 1, H))
+    assert all_hooks(model) == []
+    assert controller.calls[-1] == ("join",)
+
+
+def test_manual_join_and_join_false():
+    model, controller = Tiny(1), Recorder()
+    attachment = attach(model, controller, points_of(model), join=False)
+    model(torch.zeros(2, 1, H))
+    assert controller.calls == [("fork", "oproj_down", 0, 2)]
+    attachment.join()
+    assert controller.calls[-1] == ("join",)
+    attachment.detach()
+    attachment.join()  # still reaches the controller: forks may be pending
+    assert controller.calls[-1] == ("join",) and len(controller.calls) == 3
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "on", " Yes "])
+def test_disabled_by_environment(monkeypatch, caplog, value):
+    monkeypatch.setenv("L2PREFETCH_DISABLE", value)
+    monkeypatch.setattr(hooks, "_disabled_logged", False)
+    model, controller = Tiny(), Recorder()
+    with caplog.at_level(logging.INFO, logger="l2prefetch"):
+        first = attach(model, controller, points_of(model))
+        second = attach(model, controller, points_of(model))
+    assert all_hooks(model) == []
+    assert not first.attached and not second.attached and first.sites == ()
+    messages = [r.getMessage() for r in caplog.records if r.name == "l2prefetch"]
+    assert len(messages) == 1 and "L2PREFETCH_DISABLE" in messages[0]
+    model(torch.zeros(1, 1, H))
+    first.join()
+    first.detach()
+    assert controller.calls == []
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "no", "off"])
+def test_not_disabled_by_false_values(monkeypatch, value):
+    monkeypatch.setenv("L2PREFETCH_DISABLE", value)
+    model = Tiny(1)
+    assert attach(model, Recorder(), points_of(model)).attached
+
+
+def test_bad_arguments_attach_nothing():
+    model = Tiny(2)
+    with pytest.raises(TypeError, match="no join"):
+        attach(model, type("C", (), {"fork": lambda *a: True})(), points_of(model))
+    with pytest.raises(TypeError, match="nn.Module"):
+        attach(model, Recorder(), {"p": [(model.layers[0], 0), ("layers.1", 1)]})
+    with pytest.raises(TypeError, match="layer must be an int"):
+        attach(model, Recorder(), {"p": [(model.layers[0], 0), (model.layers[1], -1)]})
+    with pytest.raises(TypeError, match=r"\(module, layer\) pairs"):
+        attach(model, Recorder(), {"p": [model.layers[0]]})
+    with pytest.raises(TypeError, match="non-empty str"):
+        attach(model, Recorder(), {"": []})
+    with pytest.raises(TypeError, match="must be a list"):
+        attach(model, Recorder(), {"p": 5})
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        attach(object(), Recorder(), {})
+    assert all_hooks(model) == []
+
+
+def test_points_may_be_a_callable_returning_the_mapping():
+    model, controller = Tiny(2), Recorder()
+    attach(model, controller, points_of)
+    model(torch.zeros(3, H))
+    assert controller.calls[:2] == [("fork", "oproj_down", 0, 3), ("fork", "next_attention", 0, 3)]
+    with pytest.raises(TypeError, match="points must map"):
+        attach(model, controller, lambda m: [(m.layers[0], 0)])

@@ -1,0 +1,378 @@
+"""PlanEntry validation, cap grouping, format_plan and the JSON form of plans (CPU only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import l2prefetch
+from l2prefetch.plan import (
+    DEFAULT_L2_BYTES,
+    PlanEntry,
+    cap_groups,
+    compact_batches,
+    format_plan,
+    plan_from_json,
+    plan_to_json,
+)
+
+MIB = 2**20
+
+
+def seed_ranges(weights, byte_cap=0):
+    """The reference design's range rules, transcribed for comparison."""
+    ranges, remaining = [], byte_cap
+    for weight in weights:
+        if weight.numel() == 0:
+            continue
+        assert weight.data_ptr() % 16 == 0
+        span = 1 + sum((n - 1) * s for n, s in zip(weight.shape, weight.stride()))
+        size = span * weight.element_size()
+        if byte_cap:
+            size = min(size, remaining) // 16 * 16
+            remaining -= size
+        if size:
+            ranges.append((weight.data_ptr(), size))
+        if byte_cap and remaining < 16:
+            break
+    return ranges
+
+
+@pytest.fixture
+def fake_c(monkeypatch):
+    """Stand in for l2prefetch._C with the seed's rules (formatting tests need no C build)."""
+    fake = types.ModuleType("l2prefetch._C")
+    fake.compute_ranges = seed_ranges
+    monkeypatch.setitem(sys.modules, "l2prefetch._C", fake)
+    monkeypatch.setattr(l2prefetch, "_C", fake, raising=False)
+    return fake
+
+
+def w(*shape, dtype=torch.bfloat16):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- PlanEntry
+
+def test_entry_normalises_batches_and_weights():
+    a, b = w(4, 8), w(8)
+    entry = PlanEntry("next_attention", 3, [8, 5, 6, 7], [a, b])
+    assert entry.batches == (5, 6, 7, 8)
+    assert isinstance(entry.weights, tuple)
+    assert entry.weights[0] is a and entry.weights[1] is b
+    assert PlanEntry("p", 0, range(3, 9), (a,)).batches == (3, 4, 5, 6, 7, 8)
+    assert (entry.byte_cap, entry.grid, entry.carveout, entry.priority) == (0, 32, None, False)
+
+
+def test_entry_is_frozen_and_slotted():
+    entry = PlanEntry("p", 0, (1,), (w(4),))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        entry.layer = 2  # type: ignore[misc]
+    if sys.version_info >= (3, 10):
+        assert not hasattr(entry, "__dict__")
+
+
+GOOD = dict(point="p", layer=0, batches=(1,), byte_cap=0, grid=32, carveout=None, priority=False)
+
+
+@pytest.mark.parametrize("field, value, error, words", [
+    ("point", 3, TypeError, ["point", "3", "non-empty str"]),
+    ("point", "", ValueError, ["point", "non-empty"]),
+    ("layer", -1, ValueError, ["layer", "-1", ">= 0"]),
+    ("layer", 1.0, TypeError, ["layer", "float", "int"]),
+    ("layer", True, TypeError, ["layer", "bool"]),
+    ("batches", (), ValueError, ["batches", "at least one"]),
+    ("batches", 8, TypeError, ["batches", "iterable"]),
+    ("batches", "38", TypeError, ["batches", "iterable"]),
+    ("batches", (0, 1), ValueError, ["batches", "0", ">= 1"]),
+    ("batches", (1, 2.0), TypeError, ["batches", "float"]),
+    ("batches", (3, 4, 3), ValueError, ["batches", "once", "[3]"]),
+    ("byte_cap", -16, ValueError, ["byte_cap", "-16", ">= 0"]),
+    ("byte_cap", 1.5, TypeError, ["byte_cap", "float"]),
+    ("grid", 0, ValueError, ["grid", "0", "1..65535"]),
+    ("grid", 65536, ValueError, ["grid", "65536", "1..65535"]),
+    ("grid", "32", TypeError, ["grid", "str"]),
+    ("carveout", 101, ValueError, ["carveout", "101", "-1..100"]),
+    ("carveout", -2, ValueError, ["carveout", "-2", "-1..100"]),
+    ("carveout", 50.0, TypeError, ["carveout", "float"]),
+    ("priority", 1, TypeError, ["priority", "bool", "1"]),
+])
+def test_entry_rejects_bad_fields(field, value, error, words):
+    with pytest.raises(error) as info:
+        PlanEntry(**{**GOOD, field: value}, weights=(w(4),))
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("grid", 1), ("grid", 65535), ("carveout", -1), ("carveout", 0), ("carveout", 100),
+    ("byte_cap", 16), ("layer", 60), ("priority", True),
+])
+def test_entry_accepts_boundaries(field, value):
+    assert getattr(PlanEntry(**{**GOOD, field: value}, weights=(w(4),)), field) == value
+
+
+def test_entry_rejects_bad_weights():
+    with pytest.raises(ValueError, match="at least one tensor"):
+        PlanEntry("p", 0, (1,), ())
+    with pytest.raises(TypeError, match=r"not one tensor.*\(tensor,\)"):
+        PlanEntry("p", 0, (1,), w(4, 4))
+    with pytest.raises(TypeError, match=r"weights\[1\] must be a torch.Tensor, got list"):
+        PlanEntry("p", 0, (1,), (w(4), [1, 2]))
+    with pytest.raises(TypeError, match="sequence of tensors"):
+        PlanEntry("p", 0, (1,), 5)
+    meta = torch.empty(4, device="meta")
+    with pytest.raises(ValueError, match="one device.*cpu.*meta"):
+        PlanEntry("p", 0, (1,), (w(4), meta))
+
+
+def test_entry_equality_is_by_weight_identity():
+    a, b = w(4, 4), w(4, 4)
+    one = PlanEntry("p", 1, (2, 1), (a,))
+    assert one == PlanEntry("p", 1, [1, 2], [a])
+    assert hash(one) == hash(PlanEntry("p", 1, [1, 2], [a]))
+    assert one != PlanEntry("p", 1, (1, 2), (b,))  # equal values, another tensor: no exception
+    assert one != PlanEntry("p", 1, (1, 2), (a,), grid=8)
+    assert len({one, PlanEntry("p", 1, (1, 2), (a,))}) == 1
+
+
+def test_settings_decide_table_sharing():
+    a, b = w(4, 4), w(8)
+    one = PlanEntry("next_attention", 1, (1, 2), (a, b), byte_cap=MIB, carveout=50)
+    other = PlanEntry("oproj_down", 7, (5,), [a, b], byte_cap=MIB, carveout=50)
+    assert one.settings == other.settings == ((id(a), id(b)), MIB, 32, 50, False)
+    assert one.settings != PlanEntry("p", 1, (1,), (b, a), byte_cap=MIB, carveout=50).settings
+    assert one.settings != PlanEntry("p", 1, (1,), (a, b), byte_cap=MIB).settings
+    assert one.settings != PlanEntry("p", 1, (1,), (a, b), byte_cap=MIB, carveout=50,
+                                     priority=True).settings
+
+
+def test_repr_shows_shapes_not_values():
+    entry = PlanEntry("p", 2, (3, 4, 5, 8), (torch.full((3, 5), 7.25),))
+    text = repr(entry)
+    assert "7.25" not in text
+    assert "(3, 5) float32 on cpu" in text and "batches=3-5,8" in text
+
+
+def test_import_plan_does_not_import_torch():
+    import subprocess
+
+    code = "import sys, l2prefetch.plan; print('torch' in sys.modules)"
+    env_path = str(l2prefetch.plan.__file__).rsplit("/l2prefetch/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": env_path}, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_names_are_not_weights():
+    # Weights are tensors; names belong in the JSON form only.
+    with pytest.raises(TypeError):
+        PlanEntry("p", 0, (1,), ("model.layers.0.weight",))
+
+
+# ----------------------------------------------------------------------------- nbytes
+
+def test_nbytes_follows_the_seed_rules():
+    pytest.importorskip("l2prefetch._C", reason="needs the C extension (build it first)")
+    a = w(64, 128)                 # 16 KiB
+    t = w(128, 64).t()             # transposed: span is the whole storage
+    empty = w(0, 7)
+    b = w(1000, dtype=torch.float32)
+    assert PlanEntry("p", 0, (1,), (a,)).nbytes == 64 * 128 * 2
+    assert PlanEntry("p", 0, (1,), (t, empty, b)).nbytes == 128 * 64 * 2 + 4000
+    # Capped: each size min(size, remaining) // 16 * 16, stop below 16 bytes left.
+    capped = PlanEntry("p", 0, (1,), (a, b), byte_cap=16 * 1024 + 100)
+    assert capped.nbytes == 16 * 1024 + 96
+    assert PlanEntry("p", 0, (1,), (a, b), byte_cap=1000).nbytes == 992
+    for cap in (0, 15, 16, 17, 10_000, 40_000):
+        entry = PlanEntry("p", 0, (1,), (a, t, empty, b), byte_cap=cap)
+        assert entry.nbytes == sum(n for _, n in seed_ranges(entry.weights, cap))
+
+
+def test_nbytes_works_on_meta_tensors():
+    pytest.importorskip("l2prefetch._C", reason="needs the C extension (build it first)")
+    meta = torch.empty(1024, 7168, dtype=torch.bfloat16, device="meta")
+    assert PlanEntry("p", 0, (1,), (meta,)).nbytes == 1024 * 7168 * 2
+    assert PlanEntry("p", 0, (1,), (meta,), byte_cap=MIB).nbytes == MIB
+
+
+# ----------------------------------------------------------------------------- cap_groups
+
+def test_cap_groups_group_in_first_appearance_order():
+    table = {1: 32, 2: (16, 100), 3: 32, 4: 0, 5: (32, None), 6: (16, 100), 7: (16, -1)}
+    assert cap_groups(table) == [(32, None, (1, 3, 5)), (16, 100, (2, 6)), (16, -1, (7,))]
+    assert cap_groups({8: 16, 1: 32}) == [(16, None, (8,)), (32, None, (1,))]
+    assert cap_groups({1: 0, 2: (0, 100)}) == []
+
+
+@pytest.mark.parametrize("table, error", [
+    ({0: 16}, ValueError), ({"1": 16}, TypeError), ({1: -1}, ValueError), ({1: 1.5}, TypeError),
+    ({1: (16,)}, ValueError), ({1: (16, "max")}, TypeError), ({True: 16}, TypeError),
+])
+def test_cap_groups_reject_bad_tables(table, error):
+    with pytest.raises(error, match="cap table"):
+        cap_groups(table)
+
+
+def test_compact_batches():
+    assert compact_batches((3, 4, 5, 6, 7, 8)) == "3-8"
+    assert compact_batches((8,)) == "8"
+    assert compact_batches([5, 1, 2]) == "1-2,5"
+    assert compact_batches(range(1, 9)) == "1-8"
+    assert compact_batches((1, 3, 5, 6)) == "1,3,5-6"
+
+
+# ----------------------------------------------------------------------------- format_plan
+
+def test_format_plan_rows_and_totals(fake_c):
+    small, big = w(MIB // 2), w(3 * MIB)  # 1 MiB and 6 MiB in bf16
+    plan = [
+        PlanEntry("oproj_down", 1, range(3, 9), (small,)),
+        PlanEntry("next_attention", 1, (1, 2, 3, 4), (big,), byte_cap=4 * MIB),
+        PlanEntry("next_attention", 1, (5, 6, 7, 8), (big,), byte_cap=2 * MIB),
+        PlanEntry("oproj_down", 2, range(3, 9), (small, big)),
+    ]
+    text = format_plan(plan)
+    lines = text.splitlines()
+    assert "60.00 MiB" in lines[0] and "4 entries" in lines[0]
+    assert "| oproj_down | 1 | 3-8 | 1 | 1.00 | 1.7% |" in lines
+    assert "| next_attention | 1 | 1-4 | 1 | 4.00 | 6.7% |" in lines
+    assert "| next_attention | 1 | 5-8 | 1 | 2.00 | 3.3% |" in lines
+    assert "| oproj_down | 2 | 3-8 | 2 | 7.00 | 11.7% |" in lines
+    # Totals per point count only the entries that fire at each batch.
+    assert "| oproj_down | 2 | 2 | 3-8 | 3-8: 8.00 | 11.7% |" in lines
+    assert "| next_attention | 2 | 1 | 1-8 | 1-4: 4.00; 5-8: 2.00 | 6.7% |" in lines
+    assert "| all | 4 | 2 | 1-8 | 1-2: 4.00; 3-4: 12.00; 5-8: 10.00 | 11.7% |" in lines
+
+
+def test_format_plan_other_l2_and_empty(fake_c):
+    plan = [PlanEntry("p", 0, (1,), (w(4 * MIB),))]  # 8 MiB
+    assert "| p | 0 | 1 | 1 | 8.00 | 50.0% |" in format_plan(plan, l2_bytes=16 * MIB)
+    assert "12.5%" in format_plan(plan, l2_bytes=64 * MIB)
+    assert DEFAULT_L2_BYTES == 60 * MIB
+    assert "0 entries" in format_plan([])
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="l2_bytes"):
+            format_plan(plan, l2_bytes=bad)
+
+
+# ----------------------------------------------------------------------------- JSON
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(16, 32, bias=False)
+        self.o_proj = nn.Linear(32, 16, bias=False)
+        self.W_UK_T = torch.zeros(2, 4, 8)  # plain tensor attribute, as in vLLM's MLA
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Module(), nn.Module()])
+        for layer in self.layers:
+            layer.self_attn = Attention()
+            layer.register_buffer("front", torch.zeros(8, 16))
+
+
+@pytest.fixture
+def model():
+    return Model()
+
+
+def sample_plan(model):
+    one, two = model.layers
+    return [
+        PlanEntry("oproj_down", 0, range(3, 9), (one.front,), grid=8, carveout=100,
+                  priority=True),
+        PlanEntry("next_attention", 0, (1, 2), (two.self_attn.q_proj.weight,
+                                                two.self_attn.W_UK_T,
+                                                two.self_attn.o_proj.weight),
+                  byte_cap=16 * MIB, carveout=-1),
+    ]
+
+
+def test_json_round_trip(model):
+    plan = sample_plan(model)
+    text = plan_to_json(plan, model)
+    data = json.loads(text)
+    assert data["version"] == 1
+    assert data["entries"][0] == {
+        "point": "oproj_down", "layer": 0, "batches": [3, 4, 5, 6, 7, 8],
+        "weights": ["layers.0.front"], "byte_cap": 0, "grid": 8, "carveout": 100,
+        "priority": True}
+    assert data["entries"][1]["weights"] == [
+        "layers.1.self_attn.q_proj.weight", "layers.1.self_attn.W_UK_T",
+        "layers.1.self_attn.o_proj.weight"]
+    assert "0x" not in text and str(model.layers[0].front.data_ptr()) not in text
+    back = plan_from_json(text, model)
+    assert back == plan
+    assert all(a is b for x, y in zip(back, plan) for a, b in zip(x.weights, y.weights))
+
+
+def test_json_resolves_into_another_instance():
+    first, second = Model(), Model()
+    back = plan_from_json(plan_to_json(sample_plan(first), first), second)
+    assert back[1].weights[1] is second.layers[1].self_attn.W_UK_T
+    assert back[0].weights[0] is second.layers[0].front
+
+
+def test_json_names_tied_weights_by_their_first_name(model):
+    model.layers[1].self_attn.o_proj.weight = model.layers[0].self_attn.o_proj.weight
+    shared = model.layers[0].self_attn.o_proj.weight
+    text = plan_to_json([PlanEntry("p", 0, (1,), (shared,))], model)
+    assert json.loads(text)["entries"][0]["weights"] == ["layers.0.self_attn.o_proj.weight"]
+    # Either name resolves.
+    edited = text.replace("layers.0.self_attn.o_proj", "layers.1.self_attn.o_proj")
+    assert plan_from_json(edited, model)[0].weights[0] is shared
+
+
+def test_json_refuses_unnamed_weights(model):
+    view = model.layers[0].self_attn.q_proj.weight[:8]
+    with pytest.raises(ValueError, match=r"entry 0 \('p', layer 0\): weights\[1\].*view or copy"):
+        plan_to_json([PlanEntry("p", 0, (1,), (model.layers[0].front, view))], model)
+
+
+def test_json_reports_unresolvable_names(model):
+    text = plan_to_json(sample_plan(model), model).replace("layers.1.self_attn.W_UK_T",
+                                                           "layers.1.self_attn.W_UK")
+    with pytest.raises(ValueError, match=r"'layers.1.self_attn.W_UK'.*closest: "
+                                         r"layers.1.self_attn.W_UK_T"):
+        plan_from_json(text, model)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("not json", "does not parse"),
+    ("[]", "'version'"),
+    ('{"version": 2, "entries": []}', "version 2 is not supported"),
+    ('{"version": 1}', "'entries' must be a list"),
+    ('{"version": 1, "entries": [3]}', "entry 0 must be an object"),
+    ('{"version": 1, "entries": [{"point": "p", "layer": 0, "batches": [1]}]}',
+     "missing fields ['weights']"),
+    ('{"version": 1, "entries": [{"point": "p", "layer": 0, "batches": [1], "weights": [],'
+     ' "pointer": 5}]}', "unknown fields ['pointer']"),
+    ('{"version": 1, "entries": [{"point": "p", "layer": 0, "batches": [1], "weights": "x"}]}',
+     "list of names"),
+])
+def test_json_rejects_malformed_input(model, text, words):
+    with pytest.raises(ValueError) as info:
+        plan_from_json(text, model)
+    assert words in str(info.value)
+
+
+def test_json_field_errors_come_from_plan_entry(model):
+    data = json.loads(plan_to_json(sample_plan(model), model))
+    data["entries"][0]["grid"] = 0
+    with pytest.raises(ValueError, match="grid must be an int in 1..65535, got 0"):
+        plan_from_json(json.dumps(data), model)
+    data["entries"][0]["grid"] = 8
+    data["entries"][0]["priority"] = "yes"
+    with pytest.raises(TypeError, match="priority must be a bool"):
+        plan_from_json(json.dumps(data), model)
+    assert plan_from_json(json.dumps({"version": 1, "entries": []}), model) == []
