@@ -493,3 +493,38 @@ PyObject *l2p_py_variants(PyObject *module, PyObject *unused)
     }
     return d;
 }
+
+/* _C._kernel_image(variant, sm) -> (bytes, is_ptx): testing hook for the
+ * caches (memory, then disk, then NVRTC). */
+PyObject *l2p_py_kernel_image(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyUnicode_Check(args[0]))
+        return PyErr_Format(PyExc_TypeError, "_kernel_image(variant: str, sm: int)");
+    int variant = l2p_variant_find(PyUnicode_AsUTF8(args[0]));
+    if (variant < 0)
+        return PyErr_Format(PyExc_ValueError, "unknown kernel variant %R", args[0]);
+    long sm = PyLong_AsLong(args[1]);
+    if (sm == -1 && PyErr_Occurred())
+        return NULL;
+    int is_ptx = 0;
+    PyObject *image = l2p_kernel_image(l2p_get_state(module), (int)sm, variant, &is_ptx);
+    if (!image)
+        return NULL;
+    return Py_BuildValue("(NO)", image, is_ptx ? Py_True : Py_False);
+}
+
+/* _C._compile_source(source, options) -> bytes: testing hook for NVRTC errors. */
+PyObject *l2p_py_compile_source(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyUnicode_Check(args[0]) || !PyList_Check(args[1]))
+        return PyErr_Format(PyExc_TypeError, "_compile_source(source: str, options: list[str])");
+    const char *src = PyUnicode_AsUTF8(args[0]);
+    if (!src)
+        return NULL;
+    PyObject *built = nvrtc_build(l2p_get_state(module), src, args[1], 0);
+    if (!built)
+        return NULL;
+    PyObject *image = Py_NewRef(PyTuple_GET_ITEM(built, 0));
+    Py_DECREF(built);
+    return image;
+}

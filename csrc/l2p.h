@@ -93,6 +93,8 @@ int l2p_kernel_function(l2p_state *st, l2p_driver *d, l2p_device *dev, int varia
 PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                          PyObject *kwnames);
 PyObject *l2p_py_variants(PyObject *module, PyObject *unused);
+PyObject *l2p_py_kernel_image(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *l2p_py_compile_source(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* stream.c: torch's current stream without Python, through the AOTI shim. */
 int l2p_current_stream(int device, CUstream *out);
@@ -110,6 +112,9 @@ uint64_t l2p_prepared_nbytes(PyObject *obj);
 /* Launch on stream; returns CUresult (no exception). */
 CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream);
 l2p_driver *l2p_prepared_driver(PyObject *obj);
+
+/* bench.c */
+PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* controller.c */
 extern PyType_Spec l2p_controller_spec;

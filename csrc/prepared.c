@@ -362,8 +362,7 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     PyMem_Free(ranges);
     PyMem_Free(devs);
     Py_XDECREF(names);
-    PyObject_GC_Track(self);
-    return (PyObject *)self;
+    return (PyObject *)self;   /* tp_alloc (PyType_GenericAlloc) already tracks it */
 error:
     Py_XDECREF(self);
     Py_XDECREF(tuple);

@@ -44,8 +44,9 @@ def test_synthetic_model_is_kimi_shaped_and_costs_nothing():
     assert layers[1].mlp.shared_experts.gate_up_proj.weight.dtype == torch.bfloat16
     # TP shards: TP 1 is 8x wider than TP 8 where the design shards.
     _, full, _ = build_synthetic_kimi(tp=1)
-    assert full[3].self_attn.q_b_proj.weight.shape[0] == 8 * layers[3].self_attn.q_b_proj.weight.shape[0]
-    assert full[3].self_attn.fused_qkv_a_proj.weight.shape == layers[3].self_attn.fused_qkv_a_proj.weight.shape
+    full_mla, shard_mla = full[3].self_attn, layers[3].self_attn
+    assert full_mla.q_b_proj.weight.shape[0] == 8 * shard_mla.q_b_proj.weight.shape[0]
+    assert full_mla.fused_qkv_a_proj.weight.shape == shard_mla.fused_qkv_a_proj.weight.shape
 
 
 def test_plan_tp8_prints_points_and_totals(capsys):

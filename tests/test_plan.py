@@ -254,7 +254,7 @@ def test_format_plan_rows_and_totals(fake_c):
 def test_format_plan_other_l2_and_empty(fake_c):
     plan = [PlanEntry("p", 0, (1,), (w(4 * MIB),))]  # 8 MiB
     assert "| p | 0 | 1 | 1 | 8.00 | 50.0% |" in format_plan(plan, l2_bytes=16 * MIB)
-    assert "12.5%" in format_plan(plan, l2_bytes=64 * MIB)
+    assert "12.5%" in format_plan(iter(plan), l2_bytes=64 * MIB)
     assert DEFAULT_L2_BYTES == 60 * MIB
     assert "0 entries" in format_plan([])
     for bad in (0, -1, 1.5, True):

@@ -81,7 +81,7 @@ ATTENTION_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
 
 
 def decoder_layers(model: Any) -> Sequence[Any]:
-    """The decoder layers of an HF DeepSeek-V3 model (``model.model.layers`` or ``model.layers``)."""
+    """The decoder layers of an HF DeepSeek-V3 model: ``model.model.layers`` or ``model.layers``."""
     for owner in (getattr(model, "model", None), model):
         layers = getattr(owner, "layers", None)
         if layers is not None and all(hasattr(l, "self_attn") and hasattr(l, "mlp")

@@ -152,13 +152,17 @@ def attach(model: Any, controller: Any, points: Union[Points, Callable[[Any], Po
 
     ``points`` maps each point name to its fork sites: a list of ``(module,
     layer)`` or a callable ``model -> list``; ``points`` may also be a callable
-    ``model -> mapping``, such as ``deepseek_v3.hook_points``.  Each site gets a forward hook that calls
-    ``controller.fork(point, layer, batch)`` after the module's forward, with
-    ``batch`` the product of all but the last dimension of the first tensor
-    argument (``batch_fn`` overrides that; a batch of 0 skips the fork).  With
-    ``join`` the root ``model`` gets a forward hook that calls
-    ``controller.join()`` at the end of each forward.  Everything is checked
-    before any hook is added.  Under ``L2PREFETCH_DISABLE`` nothing is attached.
+    ``model -> mapping``, such as ``deepseek_v3.hook_points``.  Each site gets
+    a forward hook that calls ``controller.fork(point, layer, batch)`` after
+    the module's forward, with ``batch`` the product of all but the last
+    dimension of the first tensor argument (``batch_fn`` overrides that; a
+    batch of 0 skips the fork).  With ``join`` the root ``model`` gets a
+    forward hook that calls ``controller.join()`` at the end of each forward.
+    Everything is checked before any hook is added.  Under
+    ``L2PREFETCH_DISABLE`` nothing is attached.
+
+    Hooks run when the model's Python runs: in eager mode on every step, and
+    only while capturing under CUDA graphs (the captured forks replay).
     """
     global _disabled_logged
     if disabled():

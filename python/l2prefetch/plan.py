@@ -24,7 +24,7 @@ import dataclasses
 import difflib
 import json
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -263,7 +263,7 @@ def _per_batch(totals: Mapping[int, int]) -> str:
     return "; ".join(f"{compact_batches(b)}: {v / MIB:.2f}" for b, v in parts)
 
 
-def format_plan(plan: Sequence[PlanEntry], l2_bytes: int | None = None) -> str:
+def format_plan(plan: Iterable[PlanEntry], l2_bytes: int | None = None) -> str:
     """A plan as two Markdown tables: one row per entry, then totals per point.
 
     Entry rows: point, layer, batches (as runs), tensors, MiB prefetched and
@@ -274,6 +274,7 @@ def format_plan(plan: Sequence[PlanEntry], l2_bytes: int | None = None) -> str:
     A last ``all`` row sums the points.  Needs ``l2prefetch._C`` (for
     :attr:`PlanEntry.nbytes`).
     """
+    plan = list(plan)
     l2 = DEFAULT_L2_BYTES if l2_bytes is None else l2_bytes
     if isinstance(l2, bool) or not isinstance(l2, int) or l2 <= 0:
         raise ValueError(f"l2_bytes must be a positive int (bytes) or None, got {l2_bytes!r}")
@@ -331,7 +332,7 @@ def _named_tensors(model: Any) -> dict[str, Any]:
     return names
 
 
-def plan_to_json(plan: Sequence[PlanEntry], model: Any) -> str:
+def plan_to_json(plan: Iterable[PlanEntry], model: Any) -> str:
     """The plan as JSON, each weight named by its path in ``model``.
 
     A weight is named by identity: it must be one of the model's parameters,

@@ -1,0 +1,90 @@
+"""Shared fixtures: the recording driver stand-in, and GPU detection.
+
+Tests marked ``gpu`` need a CUDA GPU with a working driver and a CUDA build of
+torch; elsewhere they are skipped with the reason (pytest -ra prints it).
+"""
+
+import gc
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _fakecuda import FakeCuda, build_fakecuda  # noqa: E402
+
+import l2prefetch  # noqa: E402
+from l2prefetch import _C  # noqa: E402
+
+
+def _gpu_reason():
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"no CUDA GPU visible to torch {torch.__version__}"
+    try:
+        _C.driver_info()
+    except l2prefetch.CudaUnavailableError as exc:
+        return f"CUDA driver unusable: {str(exc).splitlines()[0]}"
+    return None
+
+
+GPU_REASON = _gpu_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_REASON is None:
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU: {GPU_REASON}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    return [f"l2prefetch {l2prefetch.__version__}: GPU tests "
+            + ("run" if GPU_REASON is None else f"skipped ({GPU_REASON})")]
+
+
+@pytest.fixture(scope="session")
+def fakecuda_path(tmp_path_factory):
+    return build_fakecuda(str(tmp_path_factory.mktemp("fakecuda")))
+
+
+@pytest.fixture
+def fake(fakecuda_path, monkeypatch, tmp_path):
+    """The recording driver stand-in, in use by objects created in the test.
+
+    Objects made during the test keep it; the default driver is restored
+    afterwards.  The NVRTC disk cache goes to the test's tmp_path.
+    """
+    monkeypatch.setenv("L2PREFETCH_CACHE_DIR", str(tmp_path / "kcache"))
+    monkeypatch.delenv("L2PREFETCH_DISABLE", raising=False)
+    drv = FakeCuda(fakecuda_path)
+    drv.reset()
+    _C._use_driver(fakecuda_path)
+    try:
+        yield drv
+    finally:
+        gc.collect()
+        _C._use_driver(None)
+
+
+class FakeArray:
+    """A device array described only by __cuda_array_interface__ (v3)."""
+
+    def __init__(self, ptr, shape, typestr="<f2", strides=None):
+        self.ptr, self.shape, self.typestr, self.strides = ptr, tuple(shape), typestr, strides
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.typestr, "data": (self.ptr, False),
+                "strides": self.strides, "version": 3}
+
+
+def device_ptr(device=0, offset=0):
+    """An address the stand-in maps to `device` (see tests/fakecuda)."""
+    return ((device + 1) << 40) + offset

@@ -1,0 +1,206 @@
+"""GPU tests: real launches, ordering, CUDA graphs, numerics.  Skipped without a GPU.
+
+Run under compute-sanitizer by .ci/gpu (memcheck, racecheck) with
+PYTORCH_NO_CUDA_MEMORY_CACHING=1, so each tensor is its own allocation and a
+read past a range's end would be past the allocation's end.
+"""
+
+import gc
+
+import pytest
+
+import l2prefetch
+from l2prefetch import PrefetchController, PreparedWeightRanges, _C
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda:0"
+
+
+def _rand(shape, dtype=torch.bfloat16):
+    return torch.randn(shape, device=DEV, dtype=torch.float32).to(dtype)
+
+
+def _sleep_us(us):
+    """Keep the current stream busy for about us microseconds (one CTA, no memory)."""
+    torch.cuda._sleep(int(us * 1980))
+
+
+@pytest.mark.parametrize("variant", sorted(_C.kernel_variants()))
+@pytest.mark.parametrize("nbytes", [1, 15, 16, 17, 4096 + 3, 1 << 20, (16 << 20) + 5])
+def test_every_variant_launches_over_odd_sizes(variant, nbytes):
+    info = _C.device_info(0)
+    if info["sm"] < _C.kernel_variants()[variant]["min_sm"]:
+        pytest.skip(f"{variant} needs sm_{_C.kernel_variants()[variant]['min_sm']}")
+    # A byte tensor of exactly nbytes: its end is the allocation's end when the
+    # caching allocator is off (the sanitizer run), and a range never rounds up.
+    w = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=DEV)
+    before = w.clone()
+    p = PreparedWeightRanges([w], kernel=variant, grid=7)
+    assert p.ranges == ((w.data_ptr(), nbytes),)
+    for _ in range(3):
+        p.launch()
+    torch.cuda.synchronize()
+    assert torch.equal(w, before)     # a prefetch never writes
+
+
+@pytest.mark.parametrize("grid", [1, 8, 32, 132, 1000])
+def test_many_ranges_and_grids(grid):
+    ws = [_rand((n, 64)) for n in (1, 3, 64, 1000, 7)] + [_rand((5, 7))[:, 1:5:2]]
+    ws = [w for w in ws if w.data_ptr() % 16 == 0]
+    p = PreparedWeightRanges(ws, grid=grid, carveout=100, priority=True)
+    assert p.launch_priority == _C.device_info(0)["greatest_priority"]
+    p.launch(torch.cuda.current_stream())
+    p.launch(torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+
+
+def test_default_kernel_is_ring_on_hopper():
+    p = PreparedWeightRanges([_rand((64, 64))])
+    expected = "ring" if _C.device_info(0)["sm"] >= 90 else "load"
+    assert p.kernel == expected
+
+
+def test_prefetch_keeps_gemv_bitwise_identical():
+    w, x = _rand((4096, 7168)), _rand((8, 7168))
+    ref = torch.nn.functional.linear(x, w)
+    ctrl = PrefetchController(0)
+    ctrl.add("p", 0, [8], PreparedWeightRanges([w]))
+    for _ in range(20):
+        assert ctrl.fork("p", 0, 8)
+        y = torch.nn.functional.linear(x, w)
+        ctrl.join()
+        assert torch.equal(y, ref)
+    torch.cuda.synchronize()
+    assert ctrl.stats()["p"] == {"forks": 20, "bytes": 20 * w.numel() * 2}
+
+
+def _ordering_step(ctrl, src, seen, dst, value):
+    """Main: (slow) src <- value; fork; side: seen <- src, (slow) dst <- value; join."""
+    _sleep_us(50)
+    src.fill_(value)
+    assert ctrl.fork("p", 0, 1)
+    with torch.cuda.stream(ctrl.stream):
+        seen.copy_(src)            # must see the main stream's write
+        _sleep_us(50)
+        dst.fill_(value)
+    ctrl.join()
+    return dst.clone()             # must see the side stream's write
+
+
+def test_fork_orders_after_main_stream_and_join_rejoins():
+    ctrl = PrefetchController(0)
+    w = _rand((1024, 1024))
+    ctrl.add("p", 0, [1], PreparedWeightRanges([w]))
+    src, seen, dst = (torch.zeros(1 << 20, device=DEV) for _ in range(3))
+    for value in range(1, 30):
+        after = _ordering_step(ctrl, src, seen, dst, float(value))
+        assert torch.all(after == value)
+        assert torch.all(seen == value)
+
+
+def test_fork_join_in_cuda_graph_replays_like_eager():
+    ctrl = PrefetchController(0)
+    w = _rand((1024, 1024))
+    ctrl.add("p", 0, [1], PreparedWeightRanges([w], carveout=100, priority=True))
+    src, seen, dst = (torch.zeros(1 << 20, device=DEV) for _ in range(3))
+    value = torch.zeros((), device=DEV)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            _sleep_us(50)
+            src.copy_(value.expand_as(src))
+            assert ctrl.fork("p", 0, 1)
+            with torch.cuda.stream(ctrl.stream):
+                seen.copy_(src)
+                _sleep_us(50)
+                dst.copy_(src + 1)
+            ctrl.join()
+            out = dst.clone()
+    torch.cuda.current_stream().wait_stream(s)
+    assert not ctrl.pending
+    for v in range(200):
+        value.fill_(float(v))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.all(seen == v) and torch.all(out == v + 1), v
+
+
+def test_unjoined_capture_is_reported_by_us():
+    ctrl = PrefetchController(0)
+    ctrl.add("p", 0, [1], PreparedWeightRanges([_rand((256, 256))]))
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with pytest.raises(Exception):
+        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+            ctrl.fork("p", 0, 1)         # no join: the capture cannot end
+    torch.cuda.synchronize()
+    with pytest.raises(l2prefetch.Error, match="join"):
+        ctrl.fork("p", 0, 1)
+    # The controller recovers: the next step works.
+    assert ctrl.fork("p", 0, 1)
+    ctrl.join()
+    torch.cuda.synchronize()
+
+
+def test_captured_kernel_nodes_carry_priority_and_carveout():
+    drv = pytest.importorskip("cuda.bindings.driver")
+    ctrl = PrefetchController(0)
+    urgent = PreparedWeightRanges([_rand((512, 512))], carveout=100, priority=True, grid=8)
+    plain = PreparedWeightRanges([_rand((512, 512))])
+    ctrl.add("urgent", 0, [1], urgent)
+    ctrl.add("plain", 0, [1], plain)
+    s = torch.cuda.Stream()
+    handle = s.cuda_stream
+    err, = drv.cuStreamBeginCapture(handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    assert err == drv.CUresult.CUDA_SUCCESS
+    ctrl.fork("urgent", 0, 1, stream=handle)
+    ctrl.fork("plain", 0, 1, stream=handle)
+    ctrl.join(stream=handle)
+    err, graph = drv.cuStreamEndCapture(handle)
+    assert err == drv.CUresult.CUDA_SUCCESS
+    err, nodes, n = drv.cuGraphGetNodes(graph, 0)
+    err, nodes, n = drv.cuGraphGetNodes(graph, n)
+    kernels = []
+    for node in nodes:
+        err, kind = drv.cuGraphNodeGetType(node)
+        if kind == drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            kernels.append(node)
+    assert len(kernels) == 2
+    ids = drv.CUlaunchAttributeID
+    seen = []
+    for node in kernels:
+        err, params = drv.cuGraphKernelNodeGetParams(node)
+        err, prio = drv.cuGraphKernelNodeGetAttribute(node, ids.CU_LAUNCH_ATTRIBUTE_PRIORITY)
+        err2, carve = drv.cuGraphKernelNodeGetAttribute(
+            node, ids.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT)
+        seen.append((params.gridDimX, prio.priority, carve.sharedMemCarveout))
+    greatest = _C.device_info(0)["greatest_priority"]
+    assert (8, greatest, 100) in seen, seen
+    drv.cuGraphDestroy(graph)
+
+
+def test_controller_drop_after_capture_and_many_cycles_leak_nothing():
+    w = _rand((256, 256))
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    for _ in range(200):
+        with PrefetchController(0) as ctrl:
+            ctrl.add("p", 0, [1], PreparedWeightRanges([w]))
+            ctrl.fork("p", 0, 1)
+            ctrl.join()
+        del ctrl
+    gc.collect()
+    torch.cuda.synchronize()
+    assert abs(torch.cuda.mem_get_info()[0] - free0) < (8 << 20)
+
+
+def test_stream_of_another_device_or_context_is_refused():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    p = PreparedWeightRanges([_rand((64, 64))])
+    with pytest.raises(ValueError, match="cuda:1"):
+        p.launch(torch.cuda.Stream(device=1))
