@@ -105,10 +105,13 @@ void l2p_report_in_dealloc(l2p_driver *d, const char *operation, CUresult status
     if (!d || d->fn.cuGetErrorName(status, &name) != CUDA_SUCCESS || !name)
         name = "unknown CUDA error";
     /* A destructor must not raise: keep any pending exception, report ours as
-     * unraisable. */
+     * unraisable.  obj is being deallocated (refcount 0): handing it to the
+     * unraisable hook would take a new reference and dealloc it a second time
+     * when dropped, so the hook gets obj's type (alive until dealloc ends). */
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    PyErr_Format(PyExc_RuntimeWarning, "l2prefetch: %s failed while releasing: %s", operation, name);
-    PyErr_WriteUnraisable(obj);
+    PyErr_Format(PyExc_RuntimeWarning, "l2prefetch: %s failed while releasing a %s: %s", operation,
+                 obj ? Py_TYPE(obj)->tp_name : "resource", name);
+    PyErr_WriteUnraisable(obj ? (PyObject *)Py_TYPE(obj) : NULL);
     PyErr_Restore(type, value, tb);
 }

@@ -438,7 +438,8 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
     if (!vals[0] || !vals[1])
         return PyErr_Format(PyExc_TypeError, "compile() needs variant and sm");
     if (!PyUnicode_Check(vals[0]))
-        return PyErr_Format(PyExc_TypeError, "variant must be a str, not %T", vals[0]);
+        return PyErr_Format(PyExc_TypeError, "variant must be a str, not %s",
+                            Py_TYPE(vals[0])->tp_name);
     int variant = l2p_variant_find(PyUnicode_AsUTF8(vals[0]));
     if (variant < 0)
         return PyErr_Format(PyExc_ValueError, "unknown kernel variant %R; known: see l2prefetch.kernel_variants()", vals[0]);

@@ -80,10 +80,11 @@ static int span_of(PyObject *shape, PyObject *strides, int64_t scale, int64_t it
         }
         if (n == 0)
             *empty = 1;
-        if (__builtin_mul_overflow(numel, n ? n : 1, &numel))
-            goto overflow;
-        if (!strides || strides == Py_None)
+        if (!strides || strides == Py_None) {
+            if (__builtin_mul_overflow(numel, n ? n : 1, &numel))
+                goto overflow;
             continue;
+        }
         PyObject *s_obj = PySequence_GetItem(strides, i);
         if (!s_obj)
             return -1;
@@ -156,6 +157,11 @@ static int describe_tensor(PyObject *w, Py_ssize_t index, weight_info *out)
         }
         out->lo = base + (uint64_t)lo;
         out->nbytes = (uint64_t)span;
+        if (out->lo + (out->nbytes - 1) < out->lo) {   /* its last byte */
+            PyErr_Format(PyExc_OverflowError, "weight %zd: its range runs past the end of the "
+                         "64-bit address space", index);
+            goto done;
+        }
     }
     rc = 0;
 done:
@@ -171,8 +177,8 @@ done:
 static int describe_cai(PyObject *w, PyObject *cai, Py_ssize_t index, weight_info *out)
 {
     if (!PyDict_Check(cai)) {
-        PyErr_Format(PyExc_TypeError, "weight %zd: __cuda_array_interface__ must be a dict, not %T",
-                     index, cai);
+        PyErr_Format(PyExc_TypeError, "weight %zd: __cuda_array_interface__ must be a dict, not %s",
+                     index, Py_TYPE(cai)->tp_name);
         return -1;
     }
     PyObject *shape = PyDict_GetItemString(cai, "shape");
@@ -211,6 +217,11 @@ static int describe_cai(PyObject *w, PyObject *cai, Py_ssize_t index, weight_inf
         }
         out->lo = base + (uint64_t)lo;
         out->nbytes = (uint64_t)span;
+        if (out->lo + (out->nbytes - 1) < out->lo) {   /* its last byte */
+            PyErr_Format(PyExc_OverflowError, "weight %zd: its range runs past the end of the "
+                         "64-bit address space", index);
+            return -1;
+        }
     }
     return 0;
 }
@@ -224,8 +235,8 @@ static int describe(PyObject *w, Py_ssize_t index, weight_info *out)
     if (!cai) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
-                     "weight %zd is a %T, not a tensor: weights must be torch tensors or objects "
-                     "with __cuda_array_interface__", index, w);
+                     "weight %zd is a %s, not a tensor: weights must be torch tensors or objects "
+                     "with __cuda_array_interface__", index, Py_TYPE(w)->tp_name);
         return -1;
     }
     int rc = describe_cai(w, cai, index, out);
@@ -245,13 +256,14 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
     if (PyUnicode_Check(weights) || PyBytes_Check(weights) || is_tensor_like(weights) ||
         PyObject_HasAttrString(weights, "__cuda_array_interface__"))
         return PyErr_Format(PyExc_TypeError,
-                            "weights must be a sequence of tensors, not a single %T; wrap it: (w,)",
-                            weights);
+                            "weights must be a sequence of tensors, not a single %s; wrap it: (w,)",
+                            Py_TYPE(weights)->tp_name);
     PyObject *tuple = PySequence_Tuple(weights);
     if (!tuple) {
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "weights must be a sequence of tensors, not %T", weights);
+            PyErr_Format(PyExc_TypeError, "weights must be a sequence of tensors, not %s",
+                         Py_TYPE(weights)->tp_name);
         }
         return NULL;
     }
@@ -287,12 +299,14 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
             continue;
         }
         if (w.lo % 16) {
+            char addr[24];
+            PyOS_snprintf(addr, sizeof addr, "0x%llx", (unsigned long long)w.lo);
             PyErr_Format(PyExc_ValueError,
                          "L2 prefetch ranges must start 16-byte aligned: weight %zd (shape %S, "
-                         "dtype %S, on %S) starts at 0x%llx, %d bytes past a 16-byte boundary; "
+                         "dtype %S, on %S) starts at %s, %d bytes past a 16-byte boundary; "
                          "use a tensor whose data_ptr() is a multiple of 16 (e.g. .clone() it, "
                          "or slice at offsets that keep the alignment)",
-                         i, w.shape, w.dtype, w.device, (unsigned long long)w.lo, (int)(w.lo % 16));
+                         i, w.shape, w.dtype, w.device, addr, (int)(w.lo % 16));
             info_clear(&w);
             goto error;
         }
@@ -351,7 +365,8 @@ PyObject *l2p_py_compute_ranges(PyObject *module, PyObject *const *args, Py_ssiz
     long long cap = 0;
     if (cap_obj) {
         if (!PyLong_Check(cap_obj) || PyBool_Check(cap_obj))
-            return PyErr_Format(PyExc_TypeError, "byte_cap must be an int (bytes), not %T", cap_obj);
+            return PyErr_Format(PyExc_TypeError, "byte_cap must be an int (bytes), not %s",
+                                Py_TYPE(cap_obj)->tp_name);
         cap = PyLong_AsLongLong(cap_obj);
         if (cap == -1 && PyErr_Occurred())
             return NULL;

@@ -1,0 +1,442 @@
+"""The benchmark report: every single-GPU measurement in one process, one device call.
+
+    python benchmarks/report.py [--quick] [--out benchmarks/RESULTS.md] [--sections a,b,...]
+
+Prints compact Markdown tables and writes them to RESULTS.md (and PNG plots
+where matplotlib is installed) with the device, driver, torch version and the
+exact command.  GPU time comes from CUDA events around CUDA-graph replays, so
+host launch costs do not blur kernel times; medians over many repetitions; L2
+is flushed before every cold measurement by reading a buffer 8x the L2 size;
+weights are random, never zeros.
+
+Sections:
+  effect   a bf16 GEMV y = x @ W^T (K = 7168) after a bandwidth-idle window of T
+           us on the main stream (one CTA spinning), in four variants: cold,
+           empty fork (the control), prefetched (fork at the window's start,
+           join at the end), hot (W read just before: the physical limit).
+  kernels  the prefetch kernel variants and grids on the same sequence, their
+           own duration, and how much they slow a concurrent memory-bound copy.
+  host     host cost of fork+join: the controller, a Python reference built
+           the seed's way, and the C floor; controller construction time.
+  graph    the cost of an empty fork inside a replayed graph, mid-graph and
+           at the graph's root, against no fork.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import l2prefetch
+from l2prefetch import PrefetchController, PreparedWeightRanges, _C
+
+MIB = 2**20
+K = 7168
+DEV = "cuda:0"
+
+
+# ---------------------------------------------------------------- helpers
+
+class Rig:
+    """Flush buffer, spin calibration, graph pool, event timing."""
+
+    def __init__(self):
+        props = torch.cuda.get_device_properties(0)
+        self.l2 = _C.device_info(0)["l2_bytes"]
+        self.flush_buf = torch.randn(8 * self.l2 // 4, device=DEV)
+        self.scratch = torch.empty((), device=DEV)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
+        self.name = props.name
+        self.cycles_per_us = self._calibrate()
+
+    def flush(self):
+        torch.sum(self.flush_buf, dim=0, out=self.scratch)
+
+    def _calibrate(self):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        cycles = 2_000_000
+        s.record()
+        torch.cuda._sleep(cycles)
+        e.record()
+        torch.cuda.synchronize()
+        return cycles / (s.elapsed_time(e) * 1e3)
+
+    def spin(self, us):
+        if us > 0:
+            torch.cuda._sleep(int(us * self.cycles_per_us))
+
+    def capture(self, fn):
+        g = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            fn()   # warm-up outside capture (cuBLAS handles, workspaces)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+                fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.synchronize()
+        return g
+
+    def time_graph(self, g, reps, before=None):
+        """Median us of g.replay(), with before() (e.g. a flush) run first each time."""
+        pairs = []
+        for _ in range(reps):
+            if before:
+                before()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()
+            e.record()
+            pairs.append((s, e))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+
+
+def weight(mib):
+    rows = max(32, int(mib * MIB / (K * 2)) // 32 * 32)
+    return torch.randn(rows, K, device=DEV, dtype=torch.float32).to(torch.bfloat16)
+
+
+def table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def pct(x):
+    return f"{100 * x:.0f}%"
+
+
+# ---------------------------------------------------------------- effect
+
+def run_sequence(rig, w, batch, window, prepared_by_name, reps):
+    """cold / empty / prefetched / hot medians (us) of [fork?] spin(window) gemv [join?]."""
+    x = torch.randn(batch, K, device=DEV, dtype=torch.bfloat16)
+    ctrl = PrefetchController(0)
+    for name, p in prepared_by_name.items():
+        ctrl.add(name, 0, [batch], p)
+
+    def step(point=None):
+        def fn():
+            if point:
+                ctrl.fork(point, 0, batch)
+            rig.spin(window)
+            torch.nn.functional.linear(x, w)
+            if point:
+                ctrl.join()
+        return fn
+
+    plain = rig.capture(step())
+    out = {"cold": rig.time_graph(plain, reps, rig.flush)}
+
+    def warm():
+        rig.flush()
+        torch.nn.functional.linear(x, w)
+
+    out["hot"] = rig.time_graph(plain, reps, warm)
+    for name in prepared_by_name:
+        out[name] = rig.time_graph(rig.capture(step(name)), reps, rig.flush)
+    ctrl.close()
+    return out
+
+
+def section_effect(rig, quick):
+    sizes = [16, 32] if quick else [2, 4, 8, 16, 24, 32, 48]
+    batches = [1, 8] if quick else [1, 2, 4, 8]
+    windows = [0, 10, 20] if quick else [0, 5, 10, 20, 40]
+    reps = 30 if quick else 50
+    empty = PreparedWeightRanges([], device=0, carveout=100)
+    rows, raw = [], []
+    for mib in sizes:
+        w = weight(mib)
+        pf = PreparedWeightRanges([w], carveout=100)
+        for b in batches:
+            for t in windows:
+                r = run_sequence(rig, w, b, t, {"empty": empty, "prefetched": pf}, reps)
+                gap = r["cold"] - r["hot"]
+                net = r["empty"] - r["prefetched"]
+                rec = net / gap if gap > 0.3 else float("nan")
+                raw.append((mib, b, t, r, rec))
+                rows.append((f"{pf.nbytes / MIB:.1f}", b, t, f"{r['cold']:.2f}", f"{r['empty']:.2f}",
+                             f"{r['prefetched']:.2f}", f"{r['hot']:.2f}", f"{gap:.2f}",
+                             f"{net:+.2f}", "-" if rec != rec else pct(rec)))
+        del w, pf
+    text = ("### The effect: GEMV after a bandwidth-idle window (step time, us)\n\n"
+            "Step = [fork] spin(T) GEMV [join], replayed as a CUDA graph; default kernel, grid 32.  "
+            "gap = cold - hot (the prize); net = empty fork - prefetched (the gain against the "
+            "control); recovered = net / gap (shown where the gap exceeds 0.3 us).\n\n"
+            + table(["W MiB", "batch", "T us", "cold", "empty fork", "prefetched", "hot", "gap",
+                     "net", "recovered"], rows))
+    return text, raw
+
+
+# ---------------------------------------------------------------- kernels
+
+def section_kernels(rig, quick):
+    variants = [v for v, info in l2prefetch.kernel_variants().items()
+                if _C.device_info(0)["sm"] >= info["min_sm"]]
+    grids = [8, 32, 132] if quick else [8, 16, 32, 64, 132]
+    reps = 20 if quick else 40
+    rows = []
+    src = torch.randn(64 * MIB, device=DEV)   # 256 MiB copy: a memory-bound neighbour
+    dst = torch.empty_like(src)
+    empty = PreparedWeightRanges([], device=0)
+    for mib in (16, 32):
+        w = weight(mib)
+        base = run_sequence(rig, w, 1, 20, {"empty": empty}, reps)
+        gap = base["cold"] - base["hot"]
+        for v in variants:
+            for grid in grids:
+                if v != "ring" and grid not in (32,) and quick:
+                    continue
+                p = PreparedWeightRanges([w], kernel=v, grid=grid)
+                r = run_sequence(rig, w, 1, 20, {"pf": p}, reps)
+                rec = (base["empty"] - r["pf"]) / gap if gap > 0.3 else float("nan")
+                # The loader's own duration, alone on a cold L2.
+                alone = rig.capture(lambda: p.launch())
+                own = rig.time_graph(alone, reps, rig.flush)
+                # Slowdown of a concurrent 256 MiB copy on the main stream.
+                ctrl = PrefetchController(0)
+                ctrl.add("p", 0, [1], p)
+
+                def copy_with(fork):
+                    def fn():
+                        if fork:
+                            ctrl.fork("p", 0, 1)
+                        dst.copy_(src)
+                        if fork:
+                            ctrl.join()
+                    return fn
+
+                c0 = rig.time_graph(rig.capture(copy_with(False)), reps, rig.flush)
+                c1 = rig.time_graph(rig.capture(copy_with(True)), reps, rig.flush)
+                ctrl.close()
+                rows.append((mib, v, grid, p.block, f"{r['pf']:.2f}", "-" if rec != rec else pct(rec),
+                             f"{own:.2f}", f"{mib / own * MIB / 1e6:.2f}", f"{c1 - c0:+.2f}"))
+        rows.append((mib, "(cold / empty / hot)", "", "", f"{base['cold']:.2f} / {base['empty']:.2f} / "
+                     f"{base['hot']:.2f}", "", "", "", ""))
+    text = ("### Kernel variants (W 16 and 32 MiB, batch 1, T = 20 us)\n\n"
+            "prefetched = step time with that loader; recovered net of the empty fork; own = the "
+            "loader alone on a cold L2 (us) and its rate (TB/s); copy slowdown = extra time of a "
+            "concurrent 256 MiB device copy on the main stream when the loader runs beside it.\n\n"
+            + table(["W MiB", "variant", "grid", "block", "prefetched us", "recovered", "own us",
+                     "TB/s", "copy slowdown us"], rows))
+    return text
+
+
+# ---------------------------------------------------------------- host
+
+def _python_reference(p, n):
+    """The seed's way: torch events/streams, cuda-bindings cuLaunchKernelEx, same kernel."""
+    from cuda.bindings import driver as cu
+
+    image, _ = _C._kernel_image(p.kernel, _C.device_info(0)["sm"])
+    err, mod = cu.cuModuleLoadData(image)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    err, fn = cu.cuModuleGetFunction(mod, b"l2p_prefetch_8")
+    cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, p.smem)
+    words = [len(p.ranges), sum(n // 16 for _, n in p.ranges)]
+    for ptr, nb in p.ranges:
+        words += [ptr, nb]
+    words += [0] * (2 + 2 * 8 - len(words))
+    block = (ctypes.c_uint64 * len(words))(*words)
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(block))
+    attrs = []
+    top = cu.CUlaunchAttribute()
+    top.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY
+    top.value.priority = _C.device_info(0)["greatest_priority"]
+    attrs.append(top)
+    smem = cu.CUlaunchAttribute()
+    smem.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    smem.value.sharedMemCarveout = 100
+    attrs.append(smem)
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = p.grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = p.block, 1, 1
+    config.sharedMemBytes, config.attrs, config.numAttrs = p.smem, attrs, len(attrs)
+    side = torch.cuda.Stream()
+    event = torch.cuda.Event()
+    handle = cu.CUstream(side.cuda_stream)
+    address = ctypes.addressof(args)
+
+    def fork_join():
+        event.record(torch.cuda.current_stream(0))
+        side.wait_event(event)
+        config.hStream = handle
+        err, = cu.cuLaunchKernelEx(config, fn, address, 0)
+        torch.cuda.current_stream(0).wait_stream(side)
+
+    fork_join()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        fork_join()
+    t1 = time.perf_counter_ns()
+    torch.cuda.synchronize()
+    cu.cuModuleUnload(mod)
+    return (t1 - t0) / n / 1e3
+
+
+def section_host(rig, quick):
+    n = 5000 if quick else 20000
+    w = weight(1)
+    p = PreparedWeightRanges([w], grid=32, carveout=100, priority=True)
+    ctrl = PrefetchController(0)
+    ctrl.add("p", 0, [1], p)
+    fork, join = ctrl.fork, ctrl.join
+
+    def controller_us():
+        for _ in range(200):
+            fork("p", 0, 1)
+            join()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fork("p", 0, 1)
+            join()
+        t1 = time.perf_counter_ns()
+        torch.cuda.synchronize()
+        return (t1 - t0) / n / 1e3
+
+    def floor_us():
+        _C._floor_fork_join(p, 200, torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        return _C._floor_fork_join(p, n, torch.cuda.current_stream().cuda_stream) / n / 1e3
+
+    a = statistics.median(controller_us() for _ in range(5))
+    c = statistics.median(floor_us() for _ in range(5))
+    try:
+        b = statistics.median(_python_reference(p, n // 4) for _ in range(3))
+    except ImportError:
+        b = float("nan")
+    unknown = time.perf_counter_ns()
+    for _ in range(n):
+        fork("nothing", 0, 1)
+    unknown = (time.perf_counter_ns() - unknown) / n / 1e3
+    ctrl.close()
+
+    # Construction of a Kimi-sized 61-layer TP8 plan.
+    from l2prefetch import kimi_k3
+    from l2prefetch.cli import build_synthetic_kimi
+
+    _, layers, packed = build_synthetic_kimi(tp=8, device=DEV)
+    plan = kimi_k3.plan(layers, packed, tp=8)
+    times = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["L2PREFETCH_CACHE_DIR"] = tmp
+        for label in ("cold NVRTC cache", "warm disk cache (new process)", "warm in-process"):
+            if label != "warm in-process":
+                _C.clear_kernel_cache()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            c2 = PrefetchController.from_plan(plan, 0)
+            times[label] = (time.perf_counter() - t0) * 1e3
+            c2.close()
+        del os.environ["L2PREFETCH_CACHE_DIR"]
+    # note: "new process" is emulated by forgetting the in-process cache; the
+    # module stays loaded in the context, so the disk read is what is measured.
+    rows = [("(a) PrefetchController.fork + join, from Python", f"{a:.2f}", f"{a / c:.2f}x"),
+            ("(b) Python reference (seed's way: torch events, cuda-bindings launch)", f"{b:.2f}",
+             f"{b / c:.2f}x"),
+            ("(c) floor: the same driver calls from C", f"{c:.2f}", "1.00x"),
+            ("fork of an unregistered key (returns False)", f"{unknown:.3f}", "")]
+    text = ("### Host cost of one fork + join (eager, us per pair, median of 5 runs of "
+            f"{n})\n\n" + table(["path", "us", "vs floor"], rows)
+            + f"\n\n(a) is {b / a:.1f}x cheaper than (b).  Current stream found through: "
+            f"`{_C.stream_source()}`.\n\n"
+            f"Building a controller for the 61-layer Kimi-sized TP8 plan ({len(plan)} entries): "
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()) + ".")
+    return text
+
+
+# ---------------------------------------------------------------- graph
+
+def section_graph(rig, quick):
+    reps = 200 if quick else 500
+    w = weight(8)
+    x = torch.randn(1, K, device=DEV, dtype=torch.bfloat16)
+    empty = PreparedWeightRanges([], device=0)
+    ctrl = PrefetchController(0)
+    ctrl.add("e", 0, [1], empty)
+
+    def seq(where):
+        def fn():
+            if where == "root":
+                ctrl.fork("e", 0, 1)
+            rig.spin(5)
+            if where == "mid":
+                ctrl.fork("e", 0, 1)
+            torch.nn.functional.linear(x, w)
+            rig.spin(5)
+            torch.nn.functional.linear(x, w)
+            if where:
+                ctrl.join()
+        return fn
+
+    graphs = {k: rig.capture(seq(k)) for k in (None, "mid", "root")}
+    # Interleave the variants so drift hits all of them alike.
+    res = {k: [] for k in graphs}
+    for _ in range(5):
+        for k, g in graphs.items():
+            res[k].append(rig.time_graph(g, reps // 5))
+    med = {k: statistics.median(v) for k, v in res.items()}
+    rows = [("no fork", f"{med[None]:.2f}", ""),
+            ("empty fork mid-graph + join at the end", f"{med['mid']:.2f}", f"{med['mid'] - med[None]:+.2f}"),
+            ("empty fork at the graph's root + join", f"{med['root']:.2f}", f"{med['root'] - med[None]:+.2f}")]
+    ctrl.close()
+    return ("### Cost of a fork inside a replayed graph (spin 5 us, GEMV 8 MiB hot, spin 5 us, "
+            "GEMV; us)\n\n" + table(["graph", "replay us", "vs no fork"], rows))
+
+
+# ---------------------------------------------------------------- main
+
+SECTIONS = {"effect": section_effect, "kernels": section_kernels, "host": section_host,
+            "graph": section_graph}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/report.py needs a CUDA GPU; none is visible here.")
+        return 0
+    rig = Rig()
+    info = _C.device_info(0)
+    drv = _C.driver_info()
+    header = (f"Device: {rig.name} (sm_{info['sm']}, {info['sm_count']} SMs, L2 "
+              f"{info['l2_bytes'] / MIB:.0f} MiB), driver {drv['version'] // 1000}."
+              f"{drv['version'] % 1000 // 10}, torch {torch.__version__}, l2prefetch "
+              f"{l2prefetch.__version__}, NVRTC {'.'.join(map(str, _C.nvrtc_info()['version']))}, "
+              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.\n"
+              f"Command: `python benchmarks/report.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
+              f" (spin calibrated at {rig.cycles_per_us:.0f} cycles/us).")
+    print(header, flush=True)
+    parts = [header]
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        result = SECTIONS[name](rig, args.quick)
+        text = result[0] if isinstance(result, tuple) else result
+        print("\n" + text + f"\n\n({name}: {time.perf_counter() - t0:.0f} s)", flush=True)
+        parts.append(text)
+    with open(args.out, "w") as f:
+        f.write("# l2prefetch benchmark results\n\n" + "\n\n".join(parts) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
