@@ -19,6 +19,9 @@
  */
 #include "l2p.h"
 
+/* Set by l2p_device_ready() (driver.c): the call that failed. */
+extern const char *l2p_device_ready_failed_call;
+
 #include "structmember.h"
 
 #define MAX_LAYER 65535
@@ -83,7 +86,9 @@ static PyObject *controller_new(PyTypeObject *type, PyObject *args, PyObject *kw
         goto error;
     }
     if (r != CUDA_SUCCESS) {
-        l2p_raise_cuda(st, d, "preparing the device", r);
+        char op[96];
+        PyOS_snprintf(op, sizeof op, "%s (preparing cuda:%d)", l2p_device_ready_failed_call, device);
+        l2p_raise_cuda(st, d, op, r);
         goto error;
     }
     self->drv = d;
@@ -251,7 +256,8 @@ static int ensure_context(controller *self)
                      self->device, self->device);
         return -1;
     }
-    return l2p_raise_cuda_int(state_of(self), self->drv, "cuCtxGetCurrent", r);
+    /* l2p_ensure_current() does not say which of its two calls failed. */
+    return l2p_raise_cuda_int(state_of(self), self->drv, "cuCtxGetCurrent/cuCtxSetCurrent", r);
 }
 
 /* Grows the flat tables to hold (point, layer, batch). */
@@ -485,12 +491,10 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     if (nargs < 3)
         return PyErr_Format(PyExc_TypeError, "fork() takes point, layer, batch (%zd given)", nargs);
     if (stream_arg(self, args, nargs, kwnames, 3, "fork", &stream) < 0 ||
-        parse_key(self, args, &entry, &p, &layer) < 0)
+        parse_key(self, args, &entry, &p, &layer) < 0 || check_open(self) < 0)
         return NULL;
     if (!entry || !self->enabled)
         Py_RETURN_FALSE;
-    if (check_open(self) < 0)
-        return NULL;
     l2p_state *st = state_of(self);
     l2p_driver *d = self->drv;
     CUstream cur;
@@ -534,12 +538,10 @@ static PyObject *controller_join(controller *self, PyObject *const *args, Py_ssi
                                  PyObject *kwnames)
 {
     PyObject *stream;
-    if (stream_arg(self, args, nargs, kwnames, 0, "join", &stream) < 0)
+    if (stream_arg(self, args, nargs, kwnames, 0, "join", &stream) < 0 || check_open(self) < 0)
         return NULL;
     if (!self->pending)
         Py_RETURN_NONE;
-    if (check_open(self) < 0)
-        return NULL;
     l2p_state *st = state_of(self);
     CUstream cur;
     if (l2p_parse_stream(stream, self->device, &cur) < 0 || ensure_context(self) < 0)

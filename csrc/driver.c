@@ -157,37 +157,46 @@ void l2p_driver_decref(l2p_driver *d)
     free(d);   /* the library stays loaded: unloading a driver is never safe */
 }
 
+/* The driver call behind l2p_device_ready()'s last failure, so that callers can
+ * name it (set and read under the GIL).  Declared where it is used: driver.h
+ * is not this change's to edit. */
+const char *l2p_device_ready_failed_call = "";
+#define STEP(call) (l2p_device_ready_failed_call = #call, d->fn.call)
+
 CUresult l2p_device_ready(l2p_driver *d, int ordinal, l2p_device **out)
 {
+    l2p_device_ready_failed_call = "cuDeviceGet";
     if (ordinal < 0 || ordinal >= d->device_count)
         return d->device_count ? CUDA_ERROR_INVALID_DEVICE : CUDA_ERROR_NO_DEVICE;
     l2p_device *dev = &d->devices[ordinal];
     *out = dev;
     if (dev->ready)
         return CUDA_SUCCESS;
-    CUresult r = d->fn.cuDeviceGet(&dev->dev, ordinal);
+    CUresult r = STEP(cuDeviceGet)(&dev->dev, ordinal);
     if (r == CUDA_SUCCESS)
-        r = d->fn.cuDeviceGetAttribute(&dev->cc_major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev->dev);
+        r = STEP(cuDeviceGetAttribute)(&dev->cc_major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev->dev);
     if (r == CUDA_SUCCESS)
-        r = d->fn.cuDeviceGetAttribute(&dev->cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev->dev);
+        r = STEP(cuDeviceGetAttribute)(&dev->cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev->dev);
     if (r == CUDA_SUCCESS)
-        r = d->fn.cuDeviceGetAttribute(&dev->sm_count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev->dev);
+        r = STEP(cuDeviceGetAttribute)(&dev->sm_count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev->dev);
     if (r == CUDA_SUCCESS)
-        r = d->fn.cuDeviceGetAttribute(&dev->l2_bytes, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, dev->dev);
+        r = STEP(cuDeviceGetAttribute)(&dev->l2_bytes, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, dev->dev);
     if (r == CUDA_SUCCESS)
-        r = d->fn.cuDeviceGetAttribute(&dev->smem_optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev->dev);
+        r = STEP(cuDeviceGetAttribute)(&dev->smem_optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev->dev);
     if (r != CUDA_SUCCESS)
         return r;
-    r = d->fn.cuDevicePrimaryCtxRetain(&dev->ctx, dev->dev);
+    r = STEP(cuDevicePrimaryCtxRetain)(&dev->ctx, dev->dev);
     if (r != CUDA_SUCCESS)
         return r;
-    r = d->fn.cuCtxPushCurrent(dev->ctx);
+    r = STEP(cuCtxPushCurrent)(dev->ctx);
     if (r == CUDA_SUCCESS) {
         CUcontext popped;
-        r = d->fn.cuCtxGetStreamPriorityRange(&dev->least_priority, &dev->greatest_priority);
+        r = STEP(cuCtxGetStreamPriorityRange)(&dev->least_priority, &dev->greatest_priority);
         CUresult p = d->fn.cuCtxPopCurrent(&popped);
-        if (r == CUDA_SUCCESS)
+        if (r == CUDA_SUCCESS && p != CUDA_SUCCESS) {
+            l2p_device_ready_failed_call = "cuCtxPopCurrent";
             r = p;
+        }
     }
     if (r != CUDA_SUCCESS) {
         (void)d->fn.cuDevicePrimaryCtxRelease(dev->dev);
@@ -197,3 +206,4 @@ CUresult l2p_device_ready(l2p_driver *d, int ordinal, l2p_device **out)
     dev->ready = 1;
     return CUDA_SUCCESS;
 }
+#undef STEP

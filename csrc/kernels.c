@@ -43,6 +43,10 @@ const l2p_variant l2p_variants[] = {
      "ring with 2 x 16 KiB"},
     {"ring_c16k_s8", 90, "-DL2P_KIND=1 -DL2P_CHUNK=16384 -DL2P_STAGES=8 -DL2P_BLOCK=32", 32, 131072,
      "ring with 8 x 16 KiB"},
+    {"ring_c32k_s6", 90, "-DL2P_KIND=1 -DL2P_CHUNK=32768 -DL2P_STAGES=6 -DL2P_BLOCK=32", 32, 196608,
+     "ring with 6 x 32 KiB"},
+    {"ring_c16k_s12", 90, "-DL2P_KIND=1 -DL2P_CHUNK=16384 -DL2P_STAGES=12 -DL2P_BLOCK=32", 32, 196608,
+     "ring with 12 x 16 KiB"},
     {"bulk_prefetch", 90, "-DL2P_KIND=2 -DL2P_CHUNK=16384 -DL2P_BLOCK=32", 32, 0,
      "cp.async.bulk.prefetch.L2 of 16 KiB pieces"},
     {"bulk_prefetch_evict_last", 90,
@@ -57,6 +61,8 @@ const l2p_variant l2p_variants[] = {
     {"load_b128", 80, "-DL2P_KIND=4 -DL2P_BLOCK=128", 128, 0, "16-byte loads, 128 threads"},
 };
 const int l2p_num_variants = (int)(sizeof l2p_variants / sizeof *l2p_variants);
+_Static_assert(sizeof l2p_variants / sizeof *l2p_variants <= L2P_MAX_VARIANTS,
+               "raise L2P_MAX_VARIANTS in driver.h");
 
 int l2p_variant_find(const char *name)
 {

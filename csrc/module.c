@@ -6,6 +6,9 @@
  */
 #include "l2p.h"
 
+/* Set by l2p_device_ready() (driver.c): the call that failed. */
+extern const char *l2p_device_ready_failed_call;
+
 #include <ctype.h>
 #include <stdlib.h>
 #include <strings.h>
@@ -154,8 +157,11 @@ static PyObject *py_device_info(PyObject *module, PyObject *arg)
         return NULL;
     l2p_device *dev;
     CUresult r = l2p_device_ready(d, device, &dev);
-    if (r != CUDA_SUCCESS)
-        return l2p_raise_cuda(st, d, "preparing the device", r);
+    if (r != CUDA_SUCCESS) {
+        char op[96];
+        PyOS_snprintf(op, sizeof op, "%s (preparing cuda:%d)", l2p_device_ready_failed_call, device);
+        return l2p_raise_cuda(st, d, op, r);
+    }
     int v = l2p_variant_default(dev->cc_major * 10 + dev->cc_minor);
     return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s}", "device", device, "sm",
                          dev->cc_major * 10 + dev->cc_minor, "sm_count", dev->sm_count, "l2_bytes",

@@ -10,6 +10,9 @@
  */
 #include "l2p.h"
 
+/* Set by l2p_device_ready() (driver.c): the call that failed. */
+extern const char *l2p_device_ready_failed_call;
+
 #include "structmember.h"
 
 struct l2p_prepared {
@@ -264,8 +267,11 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         if (r == CUDA_ERROR_INVALID_DEVICE || r == CUDA_ERROR_NO_DEVICE)
             PyErr_Format(PyExc_ValueError, "cuda:%d does not exist (the driver sees %d device%s)",
                          device, d->device_count, d->device_count == 1 ? "" : "s");
-        else
-            l2p_raise_cuda(st, d, "preparing the device", r);
+        else {
+            char op[96];
+            PyOS_snprintf(op, sizeof op, "%s (preparing cuda:%d)", l2p_device_ready_failed_call, device);
+            l2p_raise_cuda(st, d, op, r);
+        }
         goto error;
     }
     int sm = dev->cc_major * 10 + dev->cc_minor;
@@ -431,7 +437,7 @@ static PyObject *prepared_launch(l2p_prepared *self, PyObject *const *args, Py_s
                             "another CUDA context is current on this thread, but this table is for "
                             "cuda:%d: launch it under torch.cuda.device(%d)", self->device, self->device);
     if (r != CUDA_SUCCESS)
-        return l2p_raise_cuda(st, self->drv, "cuCtxGetCurrent", r);
+        return l2p_raise_cuda(st, self->drv, "cuCtxGetCurrent/cuCtxSetCurrent", r);
     if (stream != Py_None && PyLong_Check(stream) && s != NULL) {
         CUcontext ctx = NULL;
         r = self->drv->fn.cuStreamGetCtx(s, &ctx);

@@ -281,8 +281,12 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
     }
     uint64_t remaining = (uint64_t)byte_cap;
     Py_ssize_t used = 0;
+    int spent = 0;   /* the cap is spent: later weights give no range (seed: the walk
+                        stops), but are still described for the device checks */
     for (Py_ssize_t i = 0; i < count; i++) {
         weight_info w;
+        if (spent && !devs)
+            break;
         if (describe(PyTuple_GET_ITEM(tuple, i), i, &w) < 0) {
             info_clear(&w);
             goto error;
@@ -294,7 +298,7 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
         }
         if (names)
             PyList_SET_ITEM(names, i, Py_NewRef(w.device));
-        if (w.empty) {
+        if (w.empty || spent) {
             info_clear(&w);
             continue;
         }
@@ -322,7 +326,7 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
         }
         info_clear(&w);
         if (byte_cap && remaining < 16)
-            break;
+            spent = 1;
     }
     *ranges = out;
     *n = used;

@@ -130,14 +130,17 @@ def test_fork_join_in_cuda_graph_replays_like_eager():
 
 
 def test_unjoined_capture_is_reported_by_us():
+    drv = pytest.importorskip("cuda.bindings.driver")
     ctrl = PrefetchController(0)
     ctrl.add("p", 0, [1], PreparedWeightRanges([_rand((256, 256))]))
-    g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
-    with pytest.raises(Exception):
-        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-            ctrl.fork("p", 0, 1)         # no join: the capture cannot end
     torch.cuda.synchronize()
+    # A raw driver capture, so torch's own capture bookkeeping stays out of it.
+    mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    assert drv.cuStreamBeginCapture(s.cuda_stream, mode)[0] == drv.CUresult.CUDA_SUCCESS
+    assert ctrl.fork("p", 0, 1, stream=s.cuda_stream)      # no join: the capture cannot end
+    err, graph = drv.cuStreamEndCapture(s.cuda_stream)
+    assert err == drv.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNJOINED
     with pytest.raises(l2prefetch.Error, match="join"):
         ctrl.fork("p", 0, 1)
     # The controller recovers: the next step works.
