@@ -208,7 +208,7 @@ static void controller_dealloc(controller *self)
 static int as_index(PyObject *o, const char *what, long *out)
 {
     if (!PyLong_Check(o) || PyBool_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int, not %T", what, o);
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %s", what, Py_TYPE(o)->tp_name);
         return -1;
     }
     *out = PyLong_AsLong(o);
@@ -328,7 +328,7 @@ static PyObject *controller_add(controller *self, PyObject *const *args, Py_ssiz
     if (layer < 0 || layer > MAX_LAYER)
         return PyErr_Format(PyExc_ValueError, "layer must be in 0..%d, got %R", MAX_LAYER, args[1]);
     if (!l2p_prepared_check(st, ranges))
-        return PyErr_Format(PyExc_TypeError, "ranges must be a PreparedWeightRanges, not %T", ranges);
+        return PyErr_Format(PyExc_TypeError, "ranges must be a PreparedWeightRanges, not %s", Py_TYPE(ranges)->tp_name);
     if (self->enabled && l2p_prepared_device(ranges) != self->device)
         return PyErr_Format(PyExc_ValueError,
                             "ranges are prepared for cuda:%d but this controller is for cuda:%d",
@@ -341,7 +341,7 @@ static PyObject *controller_add(controller *self, PyObject *const *args, Py_ssiz
     if (!list) {
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "batches must be an int or an iterable of ints, not %T", batches);
+            PyErr_Format(PyExc_TypeError, "batches must be an int or an iterable of ints, not %s", Py_TYPE(batches)->tp_name);
         }
         return NULL;
     }
@@ -432,7 +432,7 @@ static int parse_key(controller *self, PyObject *const *args, PyObject **entry, 
     long batch;
     *entry = NULL;
     if (!PyUnicode_Check(point)) {
-        PyErr_Format(PyExc_TypeError, "point must be a str, not %T", point);
+        PyErr_Format(PyExc_TypeError, "point must be a str, not %s", Py_TYPE(point)->tp_name);
         return -1;
     }
     if (as_index(args[1], "layer", layer) < 0 || as_index(args[2], "batch", &batch) < 0)

@@ -67,7 +67,10 @@ PyObject *l2p_raise_nvrtc(l2p_state *st, l2p_nvrtc *n, const char *operation, nv
     for (const char *p = source; numbered && p && *p; line++) {
         const char *e = strchr(p, '\n');
         Py_ssize_t len = e ? (Py_ssize_t)(e - p) : (Py_ssize_t)strlen(p);
-        PyObject *l = PyUnicode_FromFormat("%4d  %.*s\n", line, (int)len, p);
+        /* no "%.*s" in PyUnicode_FromFormat before Python 3.12 */
+        PyObject *text = PyUnicode_DecodeUTF8(p, len, "replace");
+        PyObject *l = text ? PyUnicode_FromFormat("%4d  %U\n", line, text) : NULL;
+        Py_XDECREF(text);
         PyObject *joined = l ? PyUnicode_Concat(numbered, l) : NULL;
         Py_XDECREF(l);
         Py_SETREF(numbered, joined);

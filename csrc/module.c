@@ -182,7 +182,7 @@ static PyObject *py_use_driver(PyObject *module, PyObject *arg)
     if (arg != Py_None) {
         if (!PyUnicode_Check(arg)) {
             st->driver = old;
-            return PyErr_Format(PyExc_TypeError, "path must be a str or None, not %T", arg);
+            return PyErr_Format(PyExc_TypeError, "path must be a str or None, not %s", Py_TYPE(arg)->tp_name);
         }
         const char *prev = getenv("L2PREFETCH_LIBCUDA");
         char *saved = prev ? strdup(prev) : NULL;
@@ -210,7 +210,7 @@ static PyObject *py_use_nvrtc(PyObject *module, PyObject *arg)
 {
     l2p_state *st = l2p_get_state(module);
     if (arg != Py_None && !PyUnicode_Check(arg))
-        return PyErr_Format(PyExc_TypeError, "path must be a str or None, not %T", arg);
+        return PyErr_Format(PyExc_TypeError, "path must be a str or None, not %s", Py_TYPE(arg)->tp_name);
     l2p_nvrtc *old = st->nvrtc;
     st->nvrtc = NULL;
     if (arg != Py_None) {

@@ -143,7 +143,7 @@ int l2p_device_arg(PyObject *obj, int *out)
 static int check_int(PyObject *o, const char *what, long lo, long hi, long *out)
 {
     if (!PyLong_Check(o) || PyBool_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int, not %T", what, o);
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %s", what, Py_TYPE(o)->tp_name);
         return -1;
     }
     long v = PyLong_AsLong(o);
@@ -183,10 +183,16 @@ static int weights_device(l2p_state *st, PyObject *weights, l2p_weight_device *d
             CUresult r = d->fn.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
                                                      (CUdeviceptr)devs[i].ptr);
             if (r != CUDA_SUCCESS) {
+                /* PyErr_Format has no %llx before Python 3.12 */
+                char addr[24];
+                const char *ename = NULL;
+                PyOS_snprintf(addr, sizeof addr, "0x%llx", (unsigned long long)devs[i].ptr);
+                if (d->fn.cuGetErrorName(r, &ename) != CUDA_SUCCESS || !ename)
+                    ename = "unknown error";
                 PyErr_Format(PyExc_ValueError,
-                             "weight %zd (__cuda_array_interface__ at 0x%llx) is not CUDA device "
-                             "memory the driver knows (cuPointerGetAttribute failed with %d)",
-                             i, (unsigned long long)devs[i].ptr, r);
+                             "weight %zd (__cuda_array_interface__ at %s) is not CUDA device "
+                             "memory the driver knows (cuPointerGetAttribute failed: %s)",
+                             i, addr, ename);
                 return -1;
             }
             devs[i].index = ordinal;
@@ -226,9 +232,9 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     if (carveout_obj != Py_None && check_int(carveout_obj, "carveout (percent of the unified L1/shared memory, -1 for the default)", -1, 100, &carveout) < 0)
         return NULL;
     if (!PyBool_Check(priority_obj))
-        return PyErr_Format(PyExc_TypeError, "priority must be a bool, not %T", priority_obj);
+        return PyErr_Format(PyExc_TypeError, "priority must be a bool, not %s", Py_TYPE(priority_obj)->tp_name);
     if (kernel_obj != Py_None && !PyUnicode_Check(kernel_obj))
-        return PyErr_Format(PyExc_TypeError, "kernel must be a variant name (str) or None, not %T", kernel_obj);
+        return PyErr_Format(PyExc_TypeError, "kernel must be a variant name (str) or None, not %s", Py_TYPE(kernel_obj)->tp_name);
     int asked_device = -1;
     if (parse_device(device_obj, &asked_device) < 0)
         return NULL;
@@ -443,10 +449,13 @@ static PyObject *prepared_launch(l2p_prepared *self, PyObject *const *args, Py_s
         r = self->drv->fn.cuStreamGetCtx(s, &ctx);
         if (r != CUDA_SUCCESS)
             return l2p_raise_cuda(st, self->drv, "cuStreamGetCtx", r);
-        if (ctx != self->dev->ctx)
+        if (ctx != self->dev->ctx) {
+            char handle[24];   /* PyErr_Format has no %llx before Python 3.12 */
+            PyOS_snprintf(handle, sizeof handle, "0x%llx", (unsigned long long)(uintptr_t)s);
             return PyErr_Format(PyExc_ValueError,
-                                "stream 0x%llx belongs to another device's context; this table is "
-                                "for cuda:%d", (unsigned long long)(uintptr_t)s, self->device);
+                                "stream %s belongs to another device's context; this table is "
+                                "for cuda:%d", handle, self->device);
+        }
     }
     r = l2p_prepared_launch_raw((PyObject *)self, s);
     if (r != CUDA_SUCCESS)

@@ -23,8 +23,9 @@ static shim_fn shim;
 static void resolve(void)
 {
     PyObject *modules = PyImport_GetModuleDict();
-    if (!PyDict_GetItemString(modules, "torch"))
-        return;   /* torch not imported yet: decide later */
+    PyObject *torch = PyDict_GetItemString(modules, "torch");
+    if (!torch || torch == Py_None)
+        return;   /* torch not imported yet (None: import blocked): decide later */
     const char *names[] = {"libtorch_cuda.so", "libtorch_hip.so"};
     for (size_t i = 0; i < sizeof names / sizeof *names && !shim; i++) {
         void *h = dlopen(names[i], RTLD_LAZY | RTLD_NOLOAD);
@@ -102,7 +103,7 @@ int l2p_parse_stream(PyObject *stream, int device, CUstream *out)
     if (!handle) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
-                     "stream must be None, an int CUstream handle or a torch.cuda.Stream, not %T", stream);
+                     "stream must be None, an int CUstream handle or a torch.cuda.Stream, not %s", Py_TYPE(stream)->tp_name);
         return -1;
     }
     PyObject *dev = PyObject_GetAttrString(stream, "device");

@@ -1,0 +1,835 @@
+"""PrefetchController against the recording driver stand-in (tests/fakecuda).
+
+The exact driver calls of construction, add, fork and join; lookups and stats;
+argument errors; a failure injected into each driver call (the controller must
+raise with the call's name and stay usable); the side stream and every event
+destroyed exactly once at close() and at dealloc; graph-capture misuse;
+L2PREFETCH_DISABLE; threads; and a create/drop loop for leaks.
+"""
+
+import gc
+import sys
+import threading
+import tracemalloc
+import weakref
+
+import pytest
+
+import l2prefetch
+from l2prefetch import _C
+from conftest import FakeArray, device_ptr
+
+PWR = l2prefetch.PreparedWeightRanges
+PC = l2prefetch.PrefetchController
+STREAM = 0x5000
+CUR = hex(STREAM)
+LIVE_KINDS = ("stream", "event", "module", "context")
+QUIET = {"cuCtxGetCurrent", "cuStreamGetCaptureInfo"}
+
+
+# -- helpers --------------------------------------------------------------------------
+
+def arr(i=0, n=1024, device=0):
+    return FakeArray(device_ptr(device, i * 65536), (n,))
+
+
+def kv(line):
+    return dict(tok.split("=", 1) for tok in line.split()[1:] if "=" in tok)
+
+
+def names(fake):
+    return [line.split(" ", 1)[0] for line in fake.log()]
+
+
+def loud(fake):
+    """The log without the reads fork/join may make (current context, capture state)."""
+    return [line for line in fake.log() if line.split(" ", 1)[0] not in QUIET]
+
+
+def reopen(fake, **config):
+    fake.configure(**config)
+    _C._use_driver(fake.path)
+
+
+def assert_all_released(fake):
+    gc.collect()
+    _C._use_driver(None)
+    assert {k: fake.live(k) for k in LIVE_KINDS} == dict.fromkeys(LIVE_KINDS, 0)
+    assert fake.bad_destroys() == 0
+
+
+@pytest.fixture
+def table(fake):
+    return PWR([arr(0), arr(1)])  # 4096 bytes
+
+
+@pytest.fixture
+def ctl(fake, table):
+    """A controller with ('attn', 0, 1..2) and ('attn', 1, 1) and ('mlp', 0, 1) registered,
+    warmed up (this thread's context current), log cleared."""
+    c = PC(device=0)
+    c.add("attn", 0, [1, 2], table)
+    c.add("attn", 1, 1, table)
+    c.add("mlp", 0, (1,), table)
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    c.join(stream=STREAM)
+    c.reset_stats()
+    fake.clear_log()
+    return c
+
+
+def handles(fake, c):
+    """(side stream, join event) from the construction log."""
+    side = kv(fake.log("cuStreamCreateWithPriority")[0])["stream"]
+    join = kv(fake.log("cuEventCreate")[0])["event"]
+    assert int(side, 16) == c.stream_handle
+    return side, join
+
+
+# -- construction and add ------------------------------------------------------------------
+
+def test_construction(fake):
+    c = PC(device=0)
+    assert fake.log("cuStreamCreateWithPriority")[0].startswith(
+        "cuStreamCreateWithPriority flags=0x1 priority=0 stream=0x")  # non-blocking
+    assert fake.log("cuEventCreate")[0].startswith("cuEventCreate flags=0x2 event=0x")  # no timing
+    assert (fake.calls("cuStreamCreateWithPriority"), fake.calls("cuEventCreate")) == (1, 1)
+    assert (fake.live("stream"), fake.live("event")) == (1, 1)
+    assert c.stream_handle == int(kv(fake.log("cuStreamCreateWithPriority")[0])["stream"], 16)
+    assert (c.device, c.enabled, c.pending, c.closed, c.points, len(c)) == (0, True, False, False, (), 0)
+    assert c.keys() == [] and c.stats() == {}
+    assert repr(c) == "<PrefetchController cuda:0 0 entries>"
+    # created under the device's context, which is not left current
+    assert names(fake)[-3:] == ["cuStreamCreateWithPriority", "cuEventCreate", "cuCtxPopCurrent"]
+    assert isinstance(c, _C.PrefetchController)
+
+
+def test_add_creates_and_records_one_event_per_point_and_layer(fake, table):
+    c = PC(device=0)
+    fake.clear_log()
+    c.add("attn", 0, [1, 2], table)
+    assert names(fake) == ["cuCtxPushCurrent", "cuEventCreate", "cuEventRecord", "cuCtxPopCurrent"]
+    event = kv(fake.log("cuEventCreate")[0])["event"]
+    assert kv(fake.log("cuEventRecord")[0])["event"] == event
+    fake.clear_log()
+    c.add("attn", 0, [3], table)           # same (point, layer): no driver call at all
+    c.add("attn", 0, range(4, 6), table)
+    assert fake.log() == []
+    c.add("attn", 1, 1, table)             # a new layer
+    c.add("mlp", 0, 1, table)              # a new point
+    assert fake.calls("cuEventCreate") == 1 + 3 and fake.live("event") == 4
+    assert len(fake.log("cuEventRecord")) == 2
+    assert c.points == ("attn", "mlp")
+    assert len(c) == 7
+
+
+def test_add_replaces_an_entry(fake, table):
+    c = PC(device=0)
+    other = PWR([arr(5)], grid=3)
+    c.add("attn", 0, 1, table)
+    c.add("attn", 0, 1, other)
+    assert c.get("attn", 0, 1) is other and len(c) == 1
+    c.fork("attn", 0, 1, stream=STREAM)
+    assert kv(fake.log("cuLaunchKernelEx")[0])["grid"] == "3,1,1"
+
+
+def test_get_keys_len(fake, ctl, table):
+    assert ctl.get("attn", 0, 1) is table and ctl.get("attn", 0, 2) is table
+    assert ctl.get("attn", 0, 3) is None and ctl.get("nope", 0, 1) is None
+    assert ctl.get("attn", -1, 1) is None and ctl.get("attn", 0, 10**30) is None
+    assert sorted(ctl.keys()) == [("attn", 0, 1), ("attn", 0, 2), ("attn", 1, 1), ("mlp", 0, 1)]
+    assert len(ctl) == 4
+    with pytest.raises(TypeError):
+        ctl.get("attn", 0)
+    with pytest.raises(TypeError):
+        ctl.get("attn", "0", 1)
+    assert fake.log() == []
+
+
+def test_point_lookup_by_value(fake, ctl):
+    point = "".join(["at", "tn"])  # an equal str that is not the registered object
+    assert point is not "attn"  # noqa: F632
+    assert ctl.fork(point, 0, 1, stream=STREAM) is True
+
+
+@pytest.mark.parametrize("args, exc, match", [
+    ((1, 0, 1), TypeError, "point must be a non-empty str"),
+    (("", 0, 1), TypeError, "point must be a non-empty str"),
+    (("a", "1", 1), TypeError, "layer must be an int"),
+    (("a", 1.0, 1), TypeError, "layer must be an int"),
+    (("a", True, 1), TypeError, "layer must be an int"),
+    (("a", -1, 1), ValueError, r"layer must be in 0\.\.65535"),
+    (("a", 65536, 1), ValueError, r"layer must be in 0\.\.65535"),
+    (("a", 2**80, 1), ValueError, "layer must be in"),
+    (("a", 0, 2.0), TypeError, "batches must be an int or an iterable of ints, not float"),
+    (("a", 0, None), TypeError, "batches must be an int or an iterable"),
+    (("a", 0, True), TypeError, "each batch must be an int"),
+    (("a", 0, [1, 2.0]), TypeError, "each batch must be an int"),
+    (("a", 0, "12"), TypeError, "each batch must be an int"),
+    (("a", 0, []), ValueError, "batches is empty"),
+    (("a", 0, [0]), ValueError, r"batch must be in 1\.\.65535"),
+    (("a", 0, [1, -3]), ValueError, "batch must be in"),
+    (("a", 0, [65536]), ValueError, "batch must be in"),
+])
+def test_add_bad_arguments(fake, table, args, exc, match):
+    c = PC(device=0)
+    fake.clear_log()
+    with pytest.raises(exc, match=match):
+        c.add(*args, table)
+    # nothing registered, no event made
+    assert (len(c), c.points, fake.log()) == (0, (), [])
+
+
+def test_add_bad_ranges_and_arity(fake, table):
+    c = PC(device=0)
+    for bad in ("t", None, [arr(0)], c):
+        with pytest.raises(TypeError, match="ranges must be a PreparedWeightRanges"):
+            c.add("a", 0, 1, bad)
+    with pytest.raises(TypeError, match="add.. takes 4 arguments"):
+        c.add("a", 0, 1)
+    with pytest.raises(TypeError):
+        c.add("a", 0, 1, table, 5)
+    assert len(c) == 0
+
+
+def test_add_ranges_of_another_device(fake):
+    reopen(fake, device_count=2)
+    t1 = PWR([arr(0, device=1)])
+    c = PC(device=0)
+    with pytest.raises(ValueError, match="prepared for cuda:1 but this controller is for cuda:0"):
+        c.add("a", 0, 1, t1)
+    assert len(c) == 0
+
+
+def test_add_ranges_of_another_driver_instance(fake, table):
+    _C._use_driver(fake.path)  # new objects use a new driver instance
+    c = PC(device=0)
+    with pytest.raises(ValueError, match="another CUDA driver instance"):
+        c.add("a", 0, 1, table)
+
+
+def test_construction_bad_device(fake):
+    with pytest.raises(ValueError, match=r"cuda:2 does not exist \(the driver sees 1 device\)"):
+        PC(device=2)
+    with pytest.raises(ValueError, match="device must be"):
+        PC(device="cpu")
+    with pytest.raises(ValueError, match="device must be >= 0"):
+        PC(device=-1)
+    assert (fake.live("stream"), fake.live("event")) == (0, 0)
+
+
+# -- fork and join ------------------------------------------------------------------------------
+
+def test_fork_exact_calls(fake, table):
+    c = PC(device=0)
+    side, join = handles(fake, c)
+    c.add("attn", 3, [1, 2], table)
+    event = kv(fake.log("cuEventCreate")[-1])["event"]
+    c.add("mlp", 0, 1, table)
+    c.fork("mlp", 0, 1, stream=STREAM)  # first use on this thread makes the context current
+    c.join(stream=STREAM)
+    fake.clear_log()
+    assert c.fork("attn", 3, 2, stream=STREAM) is True
+    assert set(names(fake)) - QUIET == {"cuEventRecord", "cuStreamWaitEvent", "cuLaunchKernelEx"}
+    lines = loud(fake)
+    assert len(lines) == 3, lines
+    assert lines[0] == f"cuEventRecord event={event} stream={CUR}"
+    assert lines[1] == f"cuStreamWaitEvent stream={side} event={event} flags=0"
+    assert lines[2].startswith(f"cuLaunchKernelEx grid=32,1,1 block=32,1,1 smem={table.smem} "
+                               f"stream={side} func=l2p_prefetch_8 attrs=none params=0x")
+    assert table.smem == l2prefetch.kernel_variants()["ring"]["smem"] > 48 * 1024
+    assert "->" not in lines[2]
+    assert c.pending is True
+    # the reads are at most one of each
+    assert names(fake).count("cuCtxGetCurrent") <= 1
+    assert names(fake).count("cuStreamGetCaptureInfo") <= 1
+
+    fake.clear_log()
+    c.join(stream=STREAM)
+    assert loud(fake) == [f"cuEventRecord event={join} stream={side}",
+                          f"cuStreamWaitEvent stream={CUR} event={join} flags=0"]
+    assert set(names(fake)) - QUIET == {"cuEventRecord", "cuStreamWaitEvent"}
+    assert c.pending is False
+
+
+def test_fork_stream_forms(fake, ctl):
+    class Stream:
+        cuda_stream = 0x7000
+
+    assert ctl.fork("attn", 0, 1, Stream())
+    assert ctl.fork("attn", 0, 1, 0x7100)
+    assert ctl.fork("attn", 0, 1, stream=0x7200)
+    ctl.join(0x7300)
+    ctl.join(stream=Stream())  # nothing pending: no call
+    assert [kv(x)["stream"] for x in fake.log("cuEventRecord")] == \
+        ["0x7000", "0x7100", "0x7200", hex(ctl.stream_handle)]
+    assert kv(fake.log("cuStreamWaitEvent")[-1])["stream"] == "0x7300"
+
+
+@pytest.mark.parametrize("key", [
+    ("nope", 0, 1), ("attn", 5, 1), ("attn", 0, 9), ("attn", 0, 3), ("attn", 1, 2),
+    ("mlp", 1, 1), ("attn", -1, 1), ("attn", 0, -1), ("attn", 0, 0), ("attn", 10**30, 1),
+    ("attn", 0, -10**30), ("", 0, 1),
+])
+def test_fork_unregistered_is_false_without_calls(fake, ctl, key):
+    assert ctl.fork(*key, stream=STREAM) is False
+    assert ctl.pending is False
+    assert fake.log() == []
+    assert ctl.stats() == {"attn": {"forks": 0, "bytes": 0}, "mlp": {"forks": 0, "bytes": 0}}
+
+
+def test_join_without_pending_makes_no_call(fake, ctl):
+    assert ctl.join(stream=STREAM) is None
+    assert ctl.join() is None  # not even the stream is looked up
+    assert fake.log() == []
+
+
+def test_several_forks_one_join_and_stats(fake, ctl, table):
+    side = hex(ctl.stream_handle)
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    assert ctl.fork("attn", 1, 1, stream=STREAM)
+    assert ctl.fork("mlp", 0, 1, stream=STREAM)
+    assert ctl.fork("attn", 0, 2, stream=STREAM)
+    assert ctl.pending
+    assert [kv(x)["stream"] for x in fake.log("cuLaunchKernelEx")] == [side] * 4
+    ctl.join(stream=STREAM)
+    ctl.join(stream=STREAM)  # the second has nothing to join
+    assert len(fake.log("cuStreamWaitEvent")) == 4 + 1
+    assert [kv(x)["stream"] for x in fake.log("cuEventRecord")] == [CUR] * 4 + [side]
+    assert ctl.stats() == {"attn": {"forks": 3, "bytes": 3 * table.nbytes},
+                           "mlp": {"forks": 1, "bytes": table.nbytes}}
+    ctl.reset_stats()
+    assert ctl.stats() == {"attn": {"forks": 0, "bytes": 0}, "mlp": {"forks": 0, "bytes": 0}}
+    assert ctl.fork("mlp", 0, 1, stream=STREAM)
+    assert ctl.stats()["mlp"] == {"forks": 1, "bytes": table.nbytes}
+
+
+def test_stats_bytes_per_table(fake):
+    c = PC(device=0)
+    small, big = PWR([arr(0, 8)]), PWR([arr(i) for i in range(10)])
+    c.add("p", 0, 1, small)
+    c.add("p", 0, 2, big)
+    c.add("q", 0, 1, small)
+    for _ in range(3):
+        c.fork("p", 0, 2, stream=STREAM)
+    c.fork("p", 0, 1, stream=STREAM)
+    assert c.stats() == {"p": {"forks": 4, "bytes": 3 * 20480 + 16}, "q": {"forks": 0, "bytes": 0}}
+    assert [kv(x)["func"] for x in fake.log("cuLaunchKernelEx")] == \
+        ["l2p_prefetch_32"] * 3 + ["l2p_prefetch_8"]
+
+
+@pytest.mark.parametrize("args, match", [
+    ((1, 0, 1), "point must be a str"),
+    ((None, 0, 1), "point must be a str"),
+    (("attn", "1", 1), "layer must be an int"),
+    (("attn", 1.0, 1), "layer must be an int"),
+    (("attn", 0, 2.0), "batch must be an int"),
+    (("attn", True, 1), "layer must be an int"),
+    (("attn", 0, False), "batch must be an int"),
+    (("attn", 0, None), "batch must be an int"),
+])
+def test_fork_wrong_types(fake, ctl, args, match):
+    with pytest.raises(TypeError, match=match):
+        ctl.fork(*args, stream=STREAM)
+    assert fake.log() == [] and not ctl.pending
+
+
+def test_fork_join_bad_arity_and_streams(fake, ctl):
+    with pytest.raises(TypeError):
+        ctl.fork("attn", 0)
+    with pytest.raises(TypeError):
+        ctl.fork("attn", 0, 1, STREAM, 5)
+    with pytest.raises(TypeError):
+        ctl.fork("attn", 0, 1, strm=STREAM)
+    with pytest.raises(TypeError):
+        ctl.join(STREAM, 5)
+    with pytest.raises(TypeError):
+        ctl.join(strm=STREAM)
+    with pytest.raises(TypeError, match="stream must be None, an int"):
+        ctl.fork("attn", 0, 1, stream="0x5000")
+    with pytest.raises(ValueError, match="non-negative"):
+        ctl.fork("attn", 0, 1, stream=-1)
+    assert fake.log() == [] and not ctl.pending
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    with pytest.raises(TypeError, match="stream must be None, an int"):
+        ctl.join(stream=1.5)
+    assert ctl.pending
+    ctl.join(stream=STREAM)
+    assert not ctl.pending
+
+
+def test_fork_with_another_device_current(fake):
+    reopen(fake, device_count=2)
+    t0, t1 = PWR([arr(0)]), PWR([arr(0, device=1)])
+    c0, c1 = PC(device=0), PC(device=1)
+    c0.add("a", 0, 1, t0)
+    c1.add("a", 0, 1, t1)
+    assert c1.fork("a", 0, 1, stream=0)  # makes cuda:1 current on this thread
+    with pytest.raises(RuntimeError, match="another CUDA device is current.*cuda:0"):
+        c0.fork("a", 0, 1, stream=STREAM)
+    assert not c0.pending and c0.stats()["a"]["forks"] == 0
+    box = []
+    worker = threading.Thread(target=lambda: box.append(c0.fork("a", 0, 1, stream=STREAM)))
+    worker.start()
+    worker.join()
+    assert box == [True]
+
+
+# -- injected failures in fork, join and add ------------------------------------------------
+
+@pytest.mark.parametrize("name, pending_after", [
+    ("cuEventRecord", False),      # nothing reached the side stream
+    ("cuStreamWaitEvent", False),
+    ("cuLaunchKernelEx", True),    # the side stream waits on the current one: join it
+    ("cuCtxGetCurrent", False),
+])
+def test_fork_fault(fake, ctl, table, name, pending_after):
+    fake.fail(name, code="CUDA_ERROR_ILLEGAL_ADDRESS")
+    with pytest.raises(l2prefetch.CudaError) as info:
+        ctl.fork("attn", 0, 1, stream=STREAM)
+    e = info.value
+    assert e.name == "CUDA_ERROR_ILLEGAL_ADDRESS" and e.code == 700
+    assert name in e.operation and name in str(e) and "CUDA_ERROR_ILLEGAL_ADDRESS" in str(e)
+    assert ctl.pending is pending_after
+    assert ctl.stats()["attn"] == {"forks": 0, "bytes": 0}
+    launches = len(fake.log("cuLaunchKernelEx"))
+    # still usable
+    assert ctl.fork("attn", 0, 1, stream=STREAM) is True
+    assert ctl.pending
+    ctl.join(stream=STREAM)
+    assert not ctl.pending
+    assert ctl.stats()["attn"] == {"forks": 1, "bytes": table.nbytes}
+    assert len(fake.log("cuLaunchKernelEx")) == launches + 1
+    assert not fake.log("cuLaunchKernelEx")[-1].endswith("ILLEGAL_ADDRESS")
+
+
+@pytest.mark.parametrize("name", ["cuEventRecord", "cuStreamWaitEvent"])
+def test_join_fault(fake, ctl, name):
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    fake.clear_log()
+    fake.fail(name, code="CUDA_ERROR_LAUNCH_FAILED")
+    with pytest.raises(l2prefetch.CudaError) as info:
+        ctl.join(stream=STREAM)
+    e = info.value
+    assert e.name == "CUDA_ERROR_LAUNCH_FAILED" and name in e.operation and name in str(e)
+    assert ctl.pending  # still to be joined
+    ctl.join(stream=STREAM)
+    assert not ctl.pending
+    side, cur = hex(ctl.stream_handle), CUR
+    waits = fake.log("cuStreamWaitEvent")
+    assert kv(waits[-1])["stream"] == cur and not waits[-1].endswith("FAILED")
+    assert kv(fake.log("cuEventRecord")[-1])["stream"] == side
+    # and the next step works as usual
+    assert ctl.fork("mlp", 0, 1, stream=STREAM)
+    ctl.join(stream=STREAM)
+
+
+@pytest.mark.parametrize("name, nth", [("cuStreamCreateWithPriority", 1), ("cuEventCreate", 1),
+                                       ("cuCtxPushCurrent", 2), ("cuCtxPopCurrent", 2),
+                                       ("cuDevicePrimaryCtxRetain", 1),
+                                       ("cuCtxGetStreamPriorityRange", 1)])
+def test_construction_fault(fake, name, nth):
+    fake.fail(name, nth=nth, code="CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(l2prefetch.CudaError) as info:
+        PC(device=0)
+    e = info.value
+    assert e.name == "CUDA_ERROR_OUT_OF_MEMORY" and name in e.operation
+    assert name in str(e) and "CUDA_ERROR_OUT_OF_MEMORY" in str(e)
+    gc.collect()
+    assert (fake.live("stream"), fake.live("event"), fake.bad_destroys()) == (0, 0, 0)
+    # what was created before the failure was destroyed once
+    made = lambda entry: sum("->" not in x for x in fake.log(entry))  # noqa: E731
+    assert fake.calls("cuStreamDestroy") == made("cuStreamCreateWithPriority")
+    assert fake.calls("cuEventDestroy") == made("cuEventCreate")
+    c = PC(device=0)
+    assert (fake.live("stream"), fake.live("event")) == (1, 1)
+    del c
+    assert_all_released(fake)
+
+
+@pytest.mark.parametrize("name", ["cuEventCreate", "cuEventRecord", "cuCtxPushCurrent",
+                                  "cuCtxPopCurrent"])
+def test_add_fault(fake, table, name):
+    c = PC(device=0)
+    fake.fail(name, code="CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(l2prefetch.CudaError) as info:
+        c.add("attn", 0, [1, 2], table)
+    assert info.value.name == "CUDA_ERROR_OUT_OF_MEMORY" and name in info.value.operation
+    assert len(c) == 0 and c.get("attn", 0, 1) is None
+    assert c.fork("attn", 0, 1, stream=STREAM) is False
+    # the join event, and the (point, layer) event only if it was made and recorded (a
+    # failed pop after it): then kept, and not made again
+    kept = name == "cuCtxPopCurrent"
+    assert fake.live("event") == 1 + kept
+    c.add("attn", 0, [1, 2], table)
+    assert len(c) == 2 and fake.live("event") == 2
+    # calls: the join event's, the (failed or undone) first try's, the retry's
+    assert fake.calls("cuEventCreate") == (3 if name in ("cuEventCreate", "cuEventRecord") else 2)
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    c.join(stream=STREAM)
+    del c
+    gc.collect()
+    assert (fake.live("stream"), fake.live("event"), fake.bad_destroys()) == (0, 0, 0)
+
+
+# -- lifetime ---------------------------------------------------------------------------------------
+
+def _populated(fake, table):
+    c = PC(device=0)
+    c.add("attn", 0, [1, 2], table)
+    c.add("attn", 1, [1], table)
+    c.add("mlp", 0, [1], table)
+    c.add("mlp", 2, [4], table)
+    assert fake.live("event") == 5 and fake.live("stream") == 1
+    return c
+
+
+def _destroyed_once(fake, events=5):
+    assert (fake.live("stream"), fake.live("event"), fake.bad_destroys()) == (0, 0, 0)
+    assert fake.calls("cuEventDestroy") == events and fake.calls("cuStreamDestroy") == 1
+    destroyed = [kv(x)["event"] for x in fake.log("cuEventDestroy")]
+    created = [kv(x)["event"] for x in fake.log("cuEventCreate")]
+    assert sorted(destroyed) == sorted(created)
+
+
+def test_close(fake):
+    table = PWR([arr(0), arr(1)])
+    c = _populated(fake, table)
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    ref = weakref.ref(table)
+    c.close()
+    _destroyed_once(fake)
+    assert (c.closed, c.pending, len(c), c.keys(), c.stream_handle) == (True, False, 0, [], 0)
+    assert repr(c) == "<PrefetchController cuda:0 0 entries closed>"
+    c.close()  # twice is fine and destroys nothing more
+    _destroyed_once(fake)
+    fake.clear_log()
+    with pytest.raises(l2prefetch.Error, match="closed"):
+        c.fork("attn", 0, 1, stream=STREAM)
+    with pytest.raises(l2prefetch.Error, match="closed"):
+        c.fork("unknown", 0, 1, stream=STREAM)
+    with pytest.raises(l2prefetch.Error, match="closed"):
+        c.join(stream=STREAM)
+    with pytest.raises(l2prefetch.Error, match="closed"):
+        c.add("attn", 0, 1, table)
+    assert fake.log() == []
+    # the tables (and so the weights) were dropped by close()
+    del table
+    gc.collect()
+    assert ref() is None
+    del c
+    gc.collect()
+    _destroyed_once(fake)
+
+
+def test_dealloc_destroys_once(fake, table):
+    c = _populated(fake, table)
+    c.fork("attn", 0, 1, stream=STREAM)
+    ref = weakref.ref(c)
+    del c
+    assert ref() is None  # no cycle: freed at once
+    _destroyed_once(fake)
+
+
+def test_context_manager(fake, table):
+    with PC(device=0) as c:
+        c.add("attn", 0, 1, table)
+        assert c.fork("attn", 0, 1, stream=STREAM)
+    assert c.closed
+    _destroyed_once(fake, events=2)
+
+
+def test_cycle_is_collected(fake, table):
+    class Holder(FakeArray):
+        pass
+
+    h = Holder(device_ptr(0), (8,))
+    c = PC(device=0)
+    c.add("x", 0, 1, PWR([h]))
+    h.controller = c  # controller -> table -> weight -> controller
+    del h, c
+    gc.collect()
+    _destroyed_once(fake, events=2)
+
+
+def test_close_fault(fake, table):
+    c = _populated(fake, table)
+    fake.fail("cuEventDestroy", nth=2, code="CUDA_ERROR_INVALID_HANDLE")
+    with pytest.raises(l2prefetch.CudaError) as info:
+        c.close()
+    assert info.value.name == "CUDA_ERROR_INVALID_HANDLE" and info.value.operation == "cuEventDestroy"
+    assert c.closed
+    # the rest was still destroyed; nothing is tried twice
+    assert fake.calls("cuEventDestroy") == 5 and fake.calls("cuStreamDestroy") == 1
+    assert (fake.live("stream"), fake.live("event")) == (0, 1)
+    c.close()
+    del c
+    gc.collect()
+    assert fake.calls("cuEventDestroy") == 5 and fake.bad_destroys() == 0
+
+
+def test_dealloc_fault_is_unraisable(fake, table, monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook",
+                        lambda u: seen.append((u.exc_type, str(u.exc_value), u.object)))
+    c = _populated(fake, table)
+    fake.fail("cuEventDestroy", nth=1, code="CUDA_ERROR_INVALID_HANDLE")
+    fake.fail("cuStreamDestroy", nth=1, code="CUDA_ERROR_INVALID_HANDLE")
+    del c  # must not raise
+    gc.collect()
+    assert len(seen) == 1, seen
+    exc_type, message, obj = seen[0]
+    assert exc_type is RuntimeWarning
+    assert "cuEventDestroy" in message and "CUDA_ERROR_INVALID_HANDLE" in message
+    assert obj is _C.PrefetchController or obj is PC or obj is None
+    assert fake.calls("cuEventDestroy") == 5 and fake.calls("cuStreamDestroy") == 1
+    assert fake.bad_destroys() == 0
+    assert (fake.live("stream"), fake.live("event")) == (1, 1)  # the two that failed
+    del seen[:]
+    gc.collect()
+    assert seen == []
+
+
+def test_dealloc_fault_during_shutdown_is_ignored(fake, table, monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    c = _populated(fake, table)
+    fake.fail("cuEventDestroy", nth=1, code="CUDA_ERROR_DEINITIALIZED")
+    del c
+    gc.collect()
+    assert seen == []
+
+
+# -- graph capture ------------------------------------------------------------------------------
+
+def test_capture_ended_without_join(fake, ctl):
+    fake.set_capture(7)
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    assert ctl.fork("attn", 1, 1, stream=STREAM)  # same capture: fine
+    fake.set_capture(8)
+    launches = len(fake.log("cuLaunchKernelEx"))
+    with pytest.raises(l2prefetch.Error, match=r"join\(\)") as info:
+        ctl.fork("mlp", 0, 1, stream=STREAM)
+    assert not isinstance(info.value, l2prefetch.CudaError)
+    assert len(fake.log("cuLaunchKernelEx")) == launches  # nothing launched
+    assert not ctl.pending
+    # the new capture can go on
+    assert ctl.fork("mlp", 0, 1, stream=STREAM)
+    ctl.join(stream=STREAM)
+    assert not ctl.pending
+
+
+def test_capture_then_eager_without_join(fake, ctl):
+    fake.set_capture(7)
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    fake.set_capture(0)
+    with pytest.raises(l2prefetch.Error, match=r"join\(\)"):
+        ctl.fork("attn", 0, 1, stream=STREAM)
+
+
+def test_capture_with_join_is_fine(fake, ctl):
+    for capture in (7, 8, 0, 9):
+        fake.set_capture(capture)
+        assert ctl.fork("attn", 0, 1, stream=STREAM)
+        assert ctl.fork("mlp", 0, 1, stream=STREAM)
+        ctl.join(stream=STREAM)
+    assert ctl.stats()["attn"]["forks"] == 4
+
+
+def test_capture_info_missing_from_old_driver(fake):
+    reopen(fake, driver_version=12000)  # cuStreamGetCaptureInfo (12.3 ABI) is optional
+    c = PC(device=0)
+    c.add("attn", 0, 1, PWR([arr(0)]))
+    fake.set_capture(7)
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    fake.set_capture(8)
+    assert c.fork("attn", 0, 1, stream=STREAM)  # undetectable, not an error
+    assert fake.calls("cuStreamGetCaptureInfo") == 0
+
+
+# -- L2PREFETCH_DISABLE ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
+def test_disabled(fake, table, monkeypatch, value):
+    monkeypatch.setenv("L2PREFETCH_DISABLE", value)
+    fake.clear_log()
+    c = PC(device=0)
+    assert (c.enabled, c.stream_handle, c.pending) == (False, 0, False)
+    assert c.stream is None
+    c.add("attn", 0, [1, 2], table)
+    assert len(c) == 2 and c.get("attn", 0, 1) is table
+    assert c.fork("attn", 0, 1, stream=STREAM) is False
+    assert c.fork("attn", 0, 1) is False  # not even the current stream is looked up
+    assert c.join() is None and c.join(stream=STREAM) is None
+    assert c.stats() == {"attn": {"forks": 0, "bytes": 0}}
+    assert "disabled" in repr(c)
+    c.close()
+    del c
+    gc.collect()
+    assert fake.log() == []
+
+
+@pytest.mark.parametrize("value", ["0", "", "no", "off"])
+def test_not_disabled(fake, monkeypatch, value):
+    monkeypatch.setenv("L2PREFETCH_DISABLE", value)
+    assert PC(device=0).enabled
+
+
+def test_disabled_needs_no_driver(fake, monkeypatch):
+    _C._use_driver(None)
+    monkeypatch.setenv("L2PREFETCH_LIBCUDA", "/nonexistent/libcuda.so.1")
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "1")
+    c = PC(device=0)
+    assert not c.enabled and c.fork("a", 0, 1) is False
+    monkeypatch.delenv("L2PREFETCH_DISABLE")
+    with pytest.raises(l2prefetch.CudaUnavailableError):
+        PC(device=0)
+
+
+# -- from_plan ---------------------------------------------------------------------------------------
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="PlanEntry holds torch tensors")
+
+
+def cuda_tensor(ptr, n, device=0):
+    """A meta tensor that says it lives at `ptr` on cuda:`device` (what ranges.c reads):
+    PlanEntry takes only torch tensors, and torch here may be CPU-only."""
+
+    class FakeCudaTensor(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", device)
+
+        def data_ptr(self):
+            return ptr
+
+    return torch.Tensor._make_subclass(FakeCudaTensor,
+                                       torch.empty(n, dtype=torch.float16, device="meta"))
+
+
+@needs_torch
+def test_from_plan(fake):
+    PlanEntry = l2prefetch.PlanEntry
+    a, b = cuda_tensor(device_ptr(0), 1024), cuda_tensor(device_ptr(0, 65536), 512)
+    plan = [PlanEntry("attn", 0, [1, 2], (a, b)),
+            PlanEntry("attn", 1, [1, 2], (a, b)),            # same settings: shares the table
+            PlanEntry("attn", 2, [1], (a, b), grid=8),       # another grid: its own
+            PlanEntry("mlp", 0, [3], (b,), priority=True, carveout=50)]
+    c = PC.from_plan(plan, device=0)
+    assert type(c) is PC
+    assert sorted(c.keys()) == [("attn", 0, 1), ("attn", 0, 2), ("attn", 1, 1), ("attn", 1, 2),
+                                ("attn", 2, 1), ("mlp", 0, 3)]
+    shared = c.get("attn", 0, 1)
+    assert shared is c.get("attn", 1, 2) and shared is not c.get("attn", 2, 1)
+    assert shared.ranges == ((device_ptr(0), 2048), (device_ptr(0, 65536), 1024))
+    assert (c.get("attn", 2, 1).grid, c.get("mlp", 0, 3).launch_priority) == (8, -5)
+    assert c.get("mlp", 0, 3).carveout == 50
+    assert c.points == ("attn", "mlp")
+    assert c.fork("mlp", 0, 3, stream=STREAM)
+    assert kv(fake.log("cuLaunchKernelEx")[-1])["attrs"] == "priority:-5,carveout:50"
+    assert fake.calls("cuModuleLoadData") == 1
+    c2 = PC.from_plan(plan[:1], device=0, kernel="load")
+    assert c2.get("attn", 0, 1).kernel == "load"
+
+
+@needs_torch
+def test_from_plan_type_errors(fake):
+    with pytest.raises(TypeError, match=r"plan\[1\] must be a PlanEntry, not tuple"):
+        PC.from_plan([l2prefetch.PlanEntry("a", 0, [1], (torch.zeros(8),)), ("a", 0, 1)])
+    with pytest.raises(TypeError):
+        PC.from_plan(5)
+    assert fake.live("stream") == 0
+
+
+@needs_torch
+def test_from_plan_cpu_weights(fake):
+    plan = [l2prefetch.PlanEntry("attn", 0, [1], (torch.zeros(64, dtype=torch.float16),))]
+    with pytest.raises(ValueError, match="cpu"):
+        PC.from_plan(plan, device=0)
+    gc.collect()
+    assert (fake.live("stream"), fake.live("event"), fake.bad_destroys()) == (0, 0, 0)
+
+
+@needs_torch
+def test_from_plan_disabled(fake, monkeypatch):
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "1")
+    plan = [l2prefetch.PlanEntry("attn", 0, [1], (torch.zeros(64, dtype=torch.float16),))]
+    fake.clear_log()
+    c = PC.from_plan(plan, device=0)
+    assert not c.enabled and len(c) == 0 and c.fork("attn", 0, 1) is False
+    assert fake.log() == []
+
+
+# -- threads and leaks -----------------------------------------------------------------------------
+
+def test_two_threads_fork(fake, ctl, table):
+    errors, barrier = [], threading.Barrier(2)
+
+    def work(keys):
+        try:
+            barrier.wait()
+            for i in range(1000):
+                assert ctl.fork(*keys[i % len(keys)], stream=STREAM) is True
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=([("attn", 0, 1), ("attn", 1, 1)],)),
+               threading.Thread(target=work, args=([("mlp", 0, 1), ("attn", 0, 2)],))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert ctl.pending
+    ctl.join(stream=STREAM)
+    assert not ctl.pending
+    assert ctl.stats() == {"attn": {"forks": 1500, "bytes": 1500 * table.nbytes},
+                           "mlp": {"forks": 500, "bytes": 500 * table.nbytes}}
+    lines = fake.log()
+    assert sum(x.startswith("cuLaunchKernelEx") for x in lines) == 2000
+    assert not any("->" in x for x in lines)
+    # each fork's three calls stay together: record, wait, launch (each new thread makes
+    # the context current once)
+    loud_names = [x.split(" ", 1)[0] for x in loud(fake)]
+    assert loud_names.count("cuCtxSetCurrent") == 2
+    loud_names = [x for x in loud_names if x != "cuCtxSetCurrent"]
+    assert loud_names == ["cuEventRecord", "cuStreamWaitEvent", "cuLaunchKernelEx"] * 2000 + \
+        ["cuEventRecord", "cuStreamWaitEvent"]
+
+
+def test_create_drop_loop_leaks_nothing(fake):
+    def once(i):
+        t = PWR([arr(i % 7), arr(7 + i % 5)])
+        c = PC(device=0)
+        c.add("attn", i % 3, [1, 2], t)
+        c.add("mlp", 0, 1, t)
+        assert c.fork("attn", i % 3, 1 + i % 2, stream=STREAM)
+        c.join(stream=STREAM)
+        if i % 2:
+            c.close()
+
+    for i in range(200):  # warm up: module, kernel cache, interned names
+        once(i)
+    fake.clear_log()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(2000):
+            once(i)
+            if i % 500 == 499:
+                fake.clear_log()
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024, grown
+    assert (fake.live("stream"), fake.live("event"), fake.bad_destroys()) == (0, 0, 0)
+    assert fake.live("module") == 1 and fake.live("context") == 1
+    assert fake.calls("cuStreamCreateWithPriority") == fake.calls("cuStreamDestroy") == 2200
+    assert fake.calls("cuEventCreate") == fake.calls("cuEventDestroy") == 3 * 2200
+    assert_all_released(fake)
