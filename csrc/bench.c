@@ -30,7 +30,7 @@ PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssi
     l2p_device *dev = NULL;
     CUresult r = l2p_device_ready(d, l2p_prepared_device(p), &dev);
     if (r != CUDA_SUCCESS)
-        return l2p_raise_cuda(st, d, "preparing the device", r);
+        return l2p_raise_cuda(st, d, l2p_device_ready_failed_call, r);
     CUstream side = NULL;
     CUevent ev = NULL, jev = NULL;
     CUcontext popped;

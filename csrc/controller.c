@@ -20,7 +20,6 @@
 #include "l2p.h"
 
 /* Set by l2p_device_ready() (driver.c): the call that failed. */
-extern const char *l2p_device_ready_failed_call;
 
 #include "structmember.h"
 
@@ -438,7 +437,9 @@ static int parse_key(controller *self, PyObject *const *args, PyObject **entry, 
     if (as_index(args[1], "layer", layer) < 0 || as_index(args[2], "batch", &batch) < 0)
         return -1;
     *p = find_point(self, point);
-    if (*p < 0 || *layer < 0 || *layer >= self->nlayers || batch < 0 || batch >= self->nbatches)
+    /* p >= npoints: a point whose add() failed to grow the tables (MemoryError) */
+    if (*p < 0 || *p >= self->npoints || *layer < 0 || *layer >= self->nlayers || batch < 0 ||
+        batch >= self->nbatches)
         return 0;
     *entry = self->table[((size_t)*p * self->nlayers + *layer) * self->nbatches + batch];
     return 0;

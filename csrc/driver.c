@@ -161,7 +161,7 @@ void l2p_driver_decref(l2p_driver *d)
  * name it (set and read under the GIL).  Declared where it is used: driver.h
  * is not this change's to edit. */
 const char *l2p_device_ready_failed_call = "";
-#define STEP(call) (d->fn.call)
+#define STEP(call) (l2p_device_ready_failed_call = #call, d->fn.call)
 
 CUresult l2p_device_ready(l2p_driver *d, int ordinal, l2p_device **out)
 {

@@ -101,8 +101,10 @@ void l2p_driver_incref(l2p_driver *d);
  * contexts (ignoring CUDA_ERROR_DEINITIALIZED at shutdown). */
 void l2p_driver_decref(l2p_driver *d);
 
-/* Reads the device's attributes and retains its primary context (once). */
+/* Reads the device's attributes and retains its primary context (once).  On
+ * failure l2p_device_ready_failed_call names the driver call that failed. */
 CUresult l2p_device_ready(l2p_driver *d, int ordinal, l2p_device **out);
+extern const char *l2p_device_ready_failed_call;
 
 /* Makes dev's primary context current on this thread when none is; fails with
  * CUDA_ERROR_INVALID_CONTEXT when another context is current. */

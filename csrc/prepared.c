@@ -11,7 +11,6 @@
 #include "l2p.h"
 
 /* Set by l2p_device_ready() (driver.c): the call that failed. */
-extern const char *l2p_device_ready_failed_call;
 
 #include "structmember.h"
 

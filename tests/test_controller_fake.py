@@ -8,7 +8,10 @@ L2PREFETCH_DISABLE; threads; and a create/drop loop for leaks.
 """
 
 import gc
+import os
+import subprocess
 import sys
+import textwrap
 import threading
 import tracemalloc
 import weakref
@@ -148,8 +151,9 @@ def test_get_keys_len(fake, ctl, table):
 
 def test_point_lookup_by_value(fake, ctl):
     point = "".join(["at", "tn"])  # an equal str that is not the registered object
-    assert point is not "attn"  # noqa: F632
+    assert point == ctl.points[0] and point is not ctl.points[0]
     assert ctl.fork(point, 0, 1, stream=STREAM) is True
+    assert ctl.get(point, 0, 1) is not None
 
 
 @pytest.mark.parametrize("args, exc, match", [
@@ -237,7 +241,7 @@ def test_fork_exact_calls(fake, table):
     assert lines[1] == f"cuStreamWaitEvent stream={side} event={event} flags=0"
     assert lines[2].startswith(f"cuLaunchKernelEx grid=32,1,1 block=32,1,1 smem={table.smem} "
                                f"stream={side} func=l2p_prefetch_8 attrs=none params=0x")
-    assert table.smem == l2prefetch.kernel_variants()["ring"]["smem"] > 48 * 1024
+    assert table.smem == l2prefetch.kernel_variants()["ring"]["smem"]
     assert "->" not in lines[2]
     assert c.pending is True
     # the reads are at most one of each
@@ -762,6 +766,47 @@ def test_from_plan_disabled(fake, monkeypatch):
     c = PC.from_plan(plan, device=0)
     assert not c.enabled and len(c) == 0 and c.fork("attn", 0, 1) is False
     assert fake.log() == []
+
+
+def test_add_out_of_memory_leaves_a_usable_controller(fakecuda_path, tmp_path):
+    """A failed growth of the (point, layer, batch) table must not leave a point that
+    fork() then indexes past the table.  Run in a child under an address-space limit, so
+    that the allocation fails the same way on every machine."""
+    code = textwrap.dedent("""
+        import resource, sys
+        sys.modules["torch"] = None
+        import l2prefetch
+        t = l2prefetch.PreparedWeightRanges([], device=0, kernel="load")
+        c = l2prefetch.PrefetchController(device=0)
+        c.add("a", 0, [1], t)
+        c.add("a", 1000, [1], t)
+        vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+                  if l.startswith("VmSize:"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), hard))
+        try:
+            c.add("b", 0, [65535], t)   # 2 points x 1001 layers x 65536 batches x 8 bytes
+        except MemoryError:
+            print("MemoryError")
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        print(c.points, len(c), c.fork("b", 0, 1, stream=0x5000), c.get("b", 1000, 1),
+              c.fork("b", 1000, 1, stream=0x5000), c.stats()["b"])
+        c.add("b", 0, [2], t)
+        print(c.fork("b", 0, 2, stream=0x5000), c.stats()["b"]["forks"])
+    """)
+    env = dict(os.environ, L2PREFETCH_LIBCUDA=fakecuda_path,
+               L2PREFETCH_CACHE_DIR=str(tmp_path / "kcache"),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(l2prefetch.__path__[0]),
+                                           os.environ.get("PYTHONPATH", "")]))
+    env.pop("L2PREFETCH_DISABLE", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "MemoryError",
+        "('a', 'b') 2 False None False {'forks': 0, 'bytes': 0}",
+        "True 1",
+    ]
 
 
 # -- threads and leaks -----------------------------------------------------------------------------
