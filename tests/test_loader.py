@@ -17,7 +17,9 @@ import pytest
 import l2prefetch
 from l2prefetch import _C
 
-PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+# Where this process imported l2prefetch from (the installed package, or python/
+# with an in-place build), so that subprocesses import the same one.
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(l2prefetch.__file__)))
 
 # Prints what the first use of the driver raised, as JSON.
 PROBE = textwrap.dedent("""
