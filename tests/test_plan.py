@@ -376,3 +376,20 @@ def test_json_field_errors_come_from_plan_entry(model):
     with pytest.raises(TypeError, match="priority must be a bool"):
         plan_from_json(json.dumps(data), model)
     assert plan_from_json(json.dumps({"version": 1, "entries": []}), model) == []
+
+
+def test_gate_keeps_entries_whose_window_loads_their_bytes():
+    pytest.importorskip("l2prefetch._C")
+    from l2prefetch.plan import GATE_BYTES_PER_US, gate
+
+    small = PlanEntry("a", 0, [1], (torch.empty(1024, 1024, dtype=torch.bfloat16),))  # 2 MiB
+    big = PlanEntry("a", 1, [1], (torch.empty(8192, 2048, dtype=torch.bfloat16),))    # 32 MiB
+    other = PlanEntry("b", 0, [1], (torch.empty(8192, 2048, dtype=torch.bfloat16),))
+    plan = [small, big, other]
+    need_big = big.nbytes / GATE_BYTES_PER_US
+    assert gate(plan, {"a": need_big}) == plan                 # exactly enough: kept
+    assert gate(plan, {"a": need_big * 0.99}) == [small, other]
+    assert gate(plan, {"a": 0.0, "b": 0.0}) == []
+    assert gate(plan, {}) == plan                              # unknown points: kept
+    with pytest.raises(ValueError):
+        gate(plan, {"a": 1.0}, bytes_per_us=0)

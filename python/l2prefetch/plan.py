@@ -38,6 +38,8 @@ __all__ = [
     "cap_groups",
     "compact_batches",
     "format_plan",
+    "gate",
+    "GATE_BYTES_PER_US",
     "plan_from_json",
     "plan_to_json",
 ]
@@ -407,3 +409,25 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
         fields = {k: v for k, v in raw.items() if k != "weights"}
         plan.append(PlanEntry(weights=tuple(weights), **fields))
     return plan
+
+
+#: The gate's rate, measured on the H200 (benchmarks/RESULTS.md, "The effect"):
+#: with the default kernel at grid 32, a fork pays when the bandwidth-idle
+#: window after it lasts at least its bytes / 3.2 TB/s (16 MiB: 5 us, 32 MiB:
+#: 10.5 us); shorter windows lose up to 3-5 us at 16-32 MiB against not forking.
+GATE_BYTES_PER_US = 3.2e6
+
+
+def gate(plan: Sequence[PlanEntry], windows_us: Mapping[str, float], *,
+         bytes_per_us: float = GATE_BYTES_PER_US) -> list[PlanEntry]:
+    """The entries of plan whose fork can pay: those whose point's bandwidth-idle
+    window (``windows_us[point]``, microseconds) is long enough to load their
+    bytes at ``bytes_per_us``.  Entries of points not in windows_us are kept."""
+    if bytes_per_us <= 0:
+        raise ValueError(f"bytes_per_us must be > 0, got {bytes_per_us}")
+    kept = []
+    for entry in plan:
+        window = windows_us.get(entry.point)
+        if window is None or entry.nbytes <= window * bytes_per_us:
+            kept.append(entry)
+    return kept
