@@ -20,6 +20,8 @@ Sections:
            the seed's way, and the C floor; controller construction time.
   graph    the cost of an empty fork inside a replayed graph, mid-graph and
            at the graph's root, against no fork.
+  table    the range table as kernel parameters (shipped) against a table in
+           device memory (the seed's way).
 """
 
 from __future__ import annotations
@@ -421,10 +423,70 @@ def section_graph(rig, quick):
             "GEMV; us)\n\n" + table(["graph", "replay us", "vs no fork"], rows))
 
 
+# ---------------------------------------------------------------- table
+
+def section_table(rig, quick):
+    """Range table as the parameter block (ours) vs in device memory (the seed's).
+
+    The device-memory form is the same source built with -DL2P_TABLE_GLOBAL=1
+    and launched through cuda-bindings with a pointer to a CUDA tensor holding
+    the same bytes.  Compared: the loader alone on a cold L2 (the table itself
+    flushed too), for few and many ranges."""
+    from cuda.bindings import driver as cu
+
+    reps = 60 if quick else 200
+    sm = _C.device_info(0)["sm"]
+    info = l2prefetch.kernel_variants()["ring"]
+    src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels",
+                            "prefetch.cu")).read()
+    image = _C._compile_source(src, [f"--gpu-architecture=sm_{sm}", "-std=c++17",
+                                     "-DL2P_TABLE_GLOBAL=1", *info["defines"].split()])
+    err, mod = cu.cuModuleLoadData(image)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    rows = []
+    for mib, pieces in ((16, 1), (16, 24), (32, 1), (32, 100)):
+        w = weight(mib)
+        ws = list(torch.chunk(w, pieces, dim=0)) if pieces > 1 else [w]
+        ws = [t for t in ws if t.data_ptr() % 16 == 0]
+        p = PreparedWeightRanges(ws, carveout=100)
+        cap = next(c for c in (8, 32, 128) if c >= len(p.ranges))
+        words = [len(p.ranges), sum(n // 16 for _, n in p.ranges)]
+        for ptr, nb in p.ranges:
+            words += [ptr, nb]
+        words += [0] * (2 + 2 * cap - len(words))
+        table = torch.tensor(words, dtype=torch.int64, device=DEV)
+        err, fn = cu.cuModuleGetFunction(mod, f"l2p_prefetch_{cap}".encode())
+        cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                              info["smem"])
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        attr.value.sharedMemCarveout = 100
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = p.grid, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = p.block, 1, 1
+        config.sharedMemBytes, config.attrs, config.numAttrs = p.smem, [attr], 1
+        pointer = ctypes.c_void_p(table.data_ptr())
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(pointer))
+
+        def launch_global():
+            config.hStream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
+            err, = cu.cuLaunchKernelEx(config, fn, ctypes.addressof(args), 0)
+            assert err == cu.CUresult.CUDA_SUCCESS, err
+
+        graphs = {"param": rig.capture(lambda: p.launch()), "global": rig.capture(launch_global)}
+        t = rig.time_graphs(graphs, {k: rig.flush for k in graphs}, reps)
+        rows.append((mib, len(p.ranges), f"{t['param']:.2f}", f"{t['global']:.2f}",
+                     f"{t['global'] - t['param']:+.2f}"))
+    cu.cuModuleUnload(mod)
+    return ("### Where the range table lives (loader alone on a cold L2, default ring, grid 32; us)\n\n"
+            + table(["W MiB", "ranges", "parameter block (shipped)", "device memory (seed)",
+                     "difference"], rows))
+
+
 # ---------------------------------------------------------------- main
 
 SECTIONS = {"effect": section_effect, "kernels": section_kernels, "host": section_host,
-            "graph": section_graph}
+            "graph": section_graph, "table": section_table}
 
 
 def main(argv=None):

@@ -208,13 +208,28 @@ __device__ __forceinline__ void body(const L2pTable<CAP>& t)
 }
 
 // One entry per table capacity; the host picks the smallest that fits
-// (csrc/kernels.c: l2p_capacities).
+// (csrc/kernels.c: l2p_capacities).  The table is the parameter block.  With
+// L2P_TABLE_GLOBAL=1 the entries take a pointer to the table in device memory
+// instead, as the seed did: benchmarks/report.py ("table") builds that form to
+// compare the two; l2prefetch itself always passes the table by value.
+#ifndef L2P_TABLE_GLOBAL
+#define L2P_TABLE_GLOBAL 0
+#endif
+#if L2P_TABLE_GLOBAL
+#define L2P_ENTRY(CAP)                                                               \
+    extern "C" __global__ void __launch_bounds__(L2P_BLOCK)                          \
+        l2p_prefetch_##CAP(const L2pTable<CAP>* __restrict__ t)                      \
+    {                                                                                \
+        body(*t);                                                                    \
+    }
+#else
 #define L2P_ENTRY(CAP)                                                               \
     extern "C" __global__ void __launch_bounds__(L2P_BLOCK)                          \
         l2p_prefetch_##CAP(const __grid_constant__ L2pTable<CAP> t)                  \
     {                                                                                \
         body(t);                                                                     \
     }
+#endif
 L2P_ENTRY(8)
 L2P_ENTRY(32)
 L2P_ENTRY(128)
