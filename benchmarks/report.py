@@ -454,7 +454,7 @@ def section_table(rig, quick):
         for ptr, nb in p.ranges:
             words += [ptr, nb]
         words += [0] * (2 + 2 * cap - len(words))
-        table = torch.tensor(words, dtype=torch.int64, device=DEV)
+        dev_table = torch.tensor(words, dtype=torch.int64, device=DEV)
         err, fn = cu.cuModuleGetFunction(mod, f"l2p_prefetch_{cap}".encode())
         cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                               info["smem"])
@@ -465,7 +465,7 @@ def section_table(rig, quick):
         config.gridDimX, config.gridDimY, config.gridDimZ = p.grid, 1, 1
         config.blockDimX, config.blockDimY, config.blockDimZ = p.block, 1, 1
         config.sharedMemBytes, config.attrs, config.numAttrs = p.smem, [attr], 1
-        pointer = ctypes.c_void_p(table.data_ptr())
+        pointer = ctypes.c_void_p(dev_table.data_ptr())
         args = (ctypes.c_void_p * 1)(ctypes.addressof(pointer))
 
         def launch_global():
