@@ -54,7 +54,7 @@ sanitized_suite() {
     (cd "$dir" && L2PREFETCH_SANITIZE=1 "$PY" setup.py -q build_ext --inplace \
         --build-temp "$dir/build-asan" >/dev/null 2>&1) || { echo "dev.sh: sanitizer build failed"; return 1; }
     echo "dev.sh: CPU suite under ASan/UBSan"
-    (cd "$dir" && env LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+    (cd "$dir" && env LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
         UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH="$dir/python" \
         "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests)
     rm -rf "$dir"

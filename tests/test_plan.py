@@ -8,6 +8,8 @@ import sys
 import types
 
 import pytest
+import os
+
 import torch
 from torch import nn
 
@@ -166,7 +168,7 @@ def test_import_plan_does_not_import_torch():
     code = "import sys, l2prefetch.plan; print('torch' in sys.modules)"
     env_path = str(l2prefetch.plan.__file__).rsplit("/l2prefetch/", 1)[0]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={"PYTHONPATH": env_path}, check=True)
+                         env=dict(os.environ, PYTHONPATH=env_path), check=True)
     assert out.stdout.strip() == "False"
 
 
