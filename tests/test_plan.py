@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import types
 
 import pytest
-import os
 
 import torch
 from torch import nn
