@@ -24,26 +24,9 @@ from l2prefetch.plan import (
     plan_to_json,
 )
 
+from test_ranges import seed_ranges  # the seed's rules, one transcription
+
 MIB = 2**20
-
-
-def seed_ranges(weights, byte_cap=0):
-    """The reference design's range rules, transcribed for comparison."""
-    ranges, remaining = [], byte_cap
-    for weight in weights:
-        if weight.numel() == 0:
-            continue
-        assert weight.data_ptr() % 16 == 0
-        span = 1 + sum((n - 1) * s for n, s in zip(weight.shape, weight.stride()))
-        size = span * weight.element_size()
-        if byte_cap:
-            size = min(size, remaining) // 16 * 16
-            remaining -= size
-        if size:
-            ranges.append((weight.data_ptr(), size))
-        if byte_cap and remaining < 16:
-            break
-    return ranges
 
 
 @pytest.fixture
