@@ -1,0 +1,175 @@
+"""Hugging Face DeepSeek-V3 with l2prefetch's hooks on the GPU: numerics and forks.
+
+A tiny random ``DeepseekV3ForCausalLM`` (3 layers, the first dense; weights
+from a config, never downloaded) decodes one step from a ``StaticCache``
+with and without ``hooks.attach(model, controller, deepseek_v3.hook_points)``:
+the logits must be bitwise identical, eager and in CUDA-graph replay, and the
+controller must count one fork per planned point and layer.  Needs
+transformers 5 (``set_experts_implementation("grouped_mm")``, a StaticCache
+that keeps its position on the device); skipped without it or without a GPU.
+benchmarks/deepseek.py is the full-size version with timings.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from collections import Counter  # noqa: E402
+
+from l2prefetch import PrefetchController, deepseek_v3, hooks  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda:0"
+PROMPT = 8
+CACHE = 32
+CONFIG = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+    n_shared_experts=1, n_group=2, topk_group=1, num_attention_heads=4, num_key_value_heads=4,
+    q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    num_mtp_layers=0, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+@pytest.fixture(autouse=True)
+def _enabled(monkeypatch):
+    monkeypatch.delenv("L2PREFETCH_DISABLE", raising=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = transformers.DeepseekV3Config(**CONFIG)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        m = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                          attn_implementation="sdpa")
+    m.set_experts_implementation("grouped_mm")   # the eager experts loop cannot be captured
+    return m.eval()
+
+
+class Step:
+    """One decode step of batch rows after an 8-token prefill; reset() makes it the same step."""
+
+    def __init__(self, model, batch):
+        self.model = model
+        self.cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
+        generator = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(0, CONFIG["vocab_size"], (batch, PROMPT), generator=generator)
+        prompt = prompt.to(DEV)
+        positions = torch.arange(PROMPT, device=DEV).expand(batch, -1)
+        logits = model(input_ids=prompt, position_ids=positions, past_key_values=self.cache,
+                       use_cache=True).logits
+        self.ids = logits[:, -1:].argmax(-1).contiguous()
+        self.pos = torch.full((batch, 1), PROMPT, dtype=torch.long, device=DEV)
+        self.lengths = [layer.cumulative_length for layer in self.cache.layers]
+
+    def __call__(self):
+        logits = self.model(input_ids=self.ids, position_ids=self.pos,
+                            past_key_values=self.cache, use_cache=True).logits
+        self.pos.add_(1)
+        return logits
+
+    def reset(self):
+        for length in self.lengths:
+            length.fill_(PROMPT)
+        self.pos.fill_(PROMPT)
+
+
+def planned_forks(plan, batch):
+    return dict(Counter(e.point for e in plan if batch in e.batches))
+
+
+def forks(controller):
+    return {point: s["forks"] for point, s in controller.stats().items() if s["forks"]}
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def capture(step, controller=None):
+    attachment = None
+    if controller is not None:
+        attachment = hooks.attach(step.model, controller, deepseek_v3.hook_points)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step.reset()
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        step.reset()
+        torch.cuda.synchronize()
+        if controller is not None:
+            controller.reset_stats()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()
+    finally:
+        if attachment is not None:
+            attachment.detach()
+    torch.cuda.synchronize()
+    return graph, logits
+
+
+def test_plan_matches_hook_points(model):
+    plan = deepseek_v3.plan(model)
+    sites = {(point, layer) for point, pairs in deepseek_v3.hook_points(model).items()
+             for _module, layer in pairs}
+    assert sites == {(e.point, e.layer) for e in plan}
+    assert sites == {("next_attention", 0), ("next_attention", 1), ("oproj_down", 1),
+                     ("oproj_down", 2)}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@torch.no_grad()
+def test_eager_step_bitwise_identical_with_prefetch(model, batch):
+    plan = deepseek_v3.plan(model)
+    step = Step(model, batch)
+    step.reset()
+    ref = step().clone()
+    with PrefetchController.from_plan(plan, 0) as controller:
+        step.reset()
+        with hooks.attach(model, controller, deepseek_v3.hook_points) as attachment:
+            assert attachment.attached
+            got = step().clone()
+        torch.cuda.synchronize()
+        assert forks(controller) == planned_forks(plan, batch) == {"next_attention": 2,
+                                                                   "oproj_down": 2}
+        assert not controller.pending          # the root hook joined
+    assert same_bits(ref, got)
+    assert [int(t) for t in step.lengths] == [PROMPT + 1] * 3
+    assert int(step.pos[0, 0]) == PROMPT + 1
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@torch.no_grad()
+def test_graph_replay_bitwise_identical_with_prefetch(model, batch):
+    plan = deepseek_v3.plan(model)
+    step = Step(model, batch)
+    with PrefetchController.from_plan(plan, 0) as controller:
+        plain, plain_logits = capture(step)
+        fetched, fetched_logits = capture(step, controller)
+        captured = forks(controller)
+        assert captured == planned_forks(plan, batch) == {"next_attention": 2, "oproj_down": 2}
+        assert not controller.pending
+        for _ in range(3):
+            step.reset()
+            plain.replay()
+            ref = plain_logits.clone()
+            step.reset()
+            fetched.replay()
+            got = fetched_logits.clone()
+            torch.cuda.synchronize()
+            assert same_bits(ref, got)
+        assert forks(controller) == captured   # replays run no Python: the counts stay
+        # the replayed step advances the static cache and the positions
+        step.reset()
+        fetched.replay()
+        fetched.replay()
+        torch.cuda.synchronize()
+        assert [int(t) for t in step.lengths] == [PROMPT + 2] * 3
+        assert int(step.pos[0, 0]) == PROMPT + 2
+        del plain, fetched
