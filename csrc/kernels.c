@@ -71,10 +71,23 @@ _Static_assert(sizeof l2p_variants / sizeof *l2p_variants <= L2P_MAX_VARIANTS,
 
 int l2p_variant_find(const char *name)
 {
+    if (!name)
+        return -1;
     for (int i = 0; i < l2p_num_variants; i++)
         if (strcmp(l2p_variants[i].name, name) == 0)
             return i;
     return -1;
+}
+
+int l2p_variant_find_str(PyObject *name)
+{
+    Py_ssize_t len;
+    const char *s = PyUnicode_AsUTF8AndSize(name, &len);
+    if (!s || (size_t)len != strlen(s)) {   /* not UTF-8, or a NUL inside: no variant */
+        PyErr_Clear();
+        return -1;
+    }
+    return l2p_variant_find(s);
 }
 
 int l2p_variant_default(int sm)
@@ -451,7 +464,7 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
     if (!PyUnicode_Check(vals[0]))
         return PyErr_Format(PyExc_TypeError, "variant must be a str, not %s",
                             Py_TYPE(vals[0])->tp_name);
-    int variant = l2p_variant_find(PyUnicode_AsUTF8(vals[0]));
+    int variant = l2p_variant_find_str(vals[0]);
     if (variant < 0)
         return PyErr_Format(PyExc_ValueError, "unknown kernel variant %R; known: see l2prefetch.kernel_variants()", vals[0]);
     long sm = PyLong_AsLong(vals[1]);
@@ -512,7 +525,7 @@ PyObject *l2p_py_kernel_image(PyObject *module, PyObject *const *args, Py_ssize_
 {
     if (nargs != 2 || !PyUnicode_Check(args[0]))
         return PyErr_Format(PyExc_TypeError, "_kernel_image(variant: str, sm: int)");
-    int variant = l2p_variant_find(PyUnicode_AsUTF8(args[0]));
+    int variant = l2p_variant_find_str(args[0]);
     if (variant < 0)
         return PyErr_Format(PyExc_ValueError, "unknown kernel variant %R", args[0]);
     long sm = PyLong_AsLong(args[1]);

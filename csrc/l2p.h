@@ -84,6 +84,8 @@ extern const l2p_variant l2p_variants[];
 extern const int l2p_num_variants;
 extern const unsigned int l2p_capacities[L2P_NUM_CAPACITIES];
 int l2p_variant_find(const char *name);
+/* The variant a str object names, or -1 (no exception set). */
+int l2p_variant_find_str(PyObject *name);
 int l2p_variant_default(int sm);
 /* Compiled code for (sm, variant) as bytes: memory cache, disk cache, NVRTC. */
 PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx);

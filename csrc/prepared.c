@@ -64,52 +64,73 @@ CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream)
     return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func, self->params, NULL);
 }
 
+/* A device index as an int in 0..INT_MAX; ValueError naming obj otherwise. */
+static int device_index(PyObject *obj, PyObject *index, int *out)
+{
+    int overflow = 0;
+    long v = PyLong_AsLongAndOverflow(index, &overflow);
+    if (v == -1 && !overflow && PyErr_Occurred())
+        return -1;
+    if (overflow < 0 || (!overflow && v < 0)) {
+        PyErr_Format(PyExc_ValueError, "device must be >= 0, got %R", obj);
+        return -1;
+    }
+    if (overflow > 0 || v > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "device %R is not a CUDA device index (too large)", obj);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
 /* The device of a `device=` argument: None, an int, "cuda:N"/"cuda", or a
- * torch.device.  -1 for None. */
+ * torch.device.  -1 for None.  Other types are TypeError; other values
+ * (negative or huge indices, other device types) ValueError. */
 static int parse_device(PyObject *obj, int *out)
 {
     *out = -1;
     if (!obj || obj == Py_None)
         return 0;
-    if (PyLong_Check(obj) && !PyBool_Check(obj)) {
-        long v = PyLong_AsLong(obj);
-        if (v == -1 && PyErr_Occurred())
-            return -1;
-        if (v < 0) {
-            PyErr_Format(PyExc_ValueError, "device must be >= 0, got %ld", v);
-            return -1;
-        }
-        *out = (int)v;
-        return 0;
-    }
-    PyObject *type = NULL, *index = NULL;
+    if (PyLong_Check(obj) && !PyBool_Check(obj))
+        return device_index(obj, obj, out);
     if (PyUnicode_Check(obj)) {
         const char *s = PyUnicode_AsUTF8(obj);
-        if (s && strcmp(s, "cuda") == 0) {
-            *out = -1;
+        if (s && strcmp(s, "cuda") == 0)
             return 0;
-        }
-        char *end = NULL;
-        if (s && strncmp(s, "cuda:", 5) == 0) {
+        if (s && strncmp(s, "cuda:", 5) == 0 && s[5] >= '0' && s[5] <= '9') {
+            char *end = NULL;
             long v = strtol(s + 5, &end, 10);
-            if (end != s + 5 && *end == '\0' && v >= 0) {
+            if (*end == '\0' && v <= INT_MAX) {
                 *out = (int)v;
                 return 0;
             }
         }
-    } else if ((type = PyObject_GetAttrString(obj, "type")) &&
-               (index = PyObject_GetAttrString(obj, "index")) && PyUnicode_Check(type) &&
-               PyUnicode_CompareWithASCIIString(type, "cuda") == 0) {
-        *out = index == Py_None ? -1 : (int)PyLong_AsLong(index);
-        Py_DECREF(type);
-        Py_DECREF(index);
-        return *out == -1 && PyErr_Occurred() ? -1 : 0;
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "device must be a CUDA device ('cuda' or 'cuda:N'), got %R", obj);
+        return -1;
     }
-    Py_XDECREF(type);
+    PyObject *type = PyBool_Check(obj) ? NULL : PyObject_GetAttrString(obj, "type");
+    if (!type) {   /* not a torch.device either */
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "device must be a CUDA device (an int, 'cuda:N' or a torch.device), not %s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int rc = -1;
+    PyObject *index = NULL;
+    if (PyUnicode_Check(type) && PyUnicode_CompareWithASCIIString(type, "cuda") == 0 &&
+        (index = PyObject_GetAttrString(obj, "index")) &&
+        (index == Py_None || (PyLong_Check(index) && !PyBool_Check(index)))) {
+        rc = index == Py_None ? 0 : device_index(obj, index, out);
+    } else {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError,
+                     "device must be a CUDA device (an int, 'cuda:N' or a torch.device), got %R", obj);
+    }
+    Py_DECREF(type);
     Py_XDECREF(index);
-    PyErr_Clear();
-    PyErr_Format(PyExc_ValueError, "device must be a CUDA device (an int, 'cuda:N' or a torch.device), got %R", obj);
-    return -1;
+    return rc;
 }
 
 /* torch's current CUDA device when torch is imported; else 0. */
@@ -286,7 +307,7 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         goto error;
     }
     int variant = kernel_obj == Py_None ? l2p_variant_default(sm)
-                                        : l2p_variant_find(PyUnicode_AsUTF8(kernel_obj));
+                                        : l2p_variant_find_str(kernel_obj);
     if (variant < 0) {
         PyErr_Format(PyExc_ValueError, "unknown kernel variant %R; l2prefetch.kernel_variants() lists them",
                      kernel_obj);

@@ -372,8 +372,13 @@ PyObject *l2p_py_compute_ranges(PyObject *module, PyObject *const *args, Py_ssiz
             return PyErr_Format(PyExc_TypeError, "byte_cap must be an int (bytes), not %s",
                                 Py_TYPE(cap_obj)->tp_name);
         cap = PyLong_AsLongLong(cap_obj);
-        if (cap == -1 && PyErr_Occurred())
+        if (cap == -1 && PyErr_Occurred()) {
+            if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_OverflowError, "byte_cap=%R does not fit in 63 bits", cap_obj);
+            }
             return NULL;
+        }
     }
     l2p_range *ranges;
     Py_ssize_t n;

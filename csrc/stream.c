@@ -89,7 +89,7 @@ int l2p_parse_stream(PyObject *stream, int device, CUstream *out)
 {
     if (stream == NULL || stream == Py_None)
         return l2p_current_stream(device, out);
-    if (PyLong_Check(stream)) {
+    if (PyLong_Check(stream) && !PyBool_Check(stream)) {
         unsigned long long v = PyLong_AsUnsignedLongLong(stream);
         if (v == (unsigned long long)-1 && PyErr_Occurred()) {
             PyErr_Clear();
@@ -99,7 +99,7 @@ int l2p_parse_stream(PyObject *stream, int device, CUstream *out)
         *out = (CUstream)(uintptr_t)v;
         return 0;
     }
-    PyObject *handle = PyObject_GetAttrString(stream, "cuda_stream");
+    PyObject *handle = PyBool_Check(stream) ? NULL : PyObject_GetAttrString(stream, "cuda_stream");
     if (!handle) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
@@ -122,6 +122,14 @@ int l2p_parse_stream(PyObject *stream, int device, CUstream *out)
         Py_DECREF(dev);
     }
     PyErr_Clear();
+    /* One level only: a .cuda_stream that is itself an object (a Mock, say) is
+     * an error, not something to unwrap without end. */
+    if (!PyLong_Check(handle) || PyBool_Check(handle)) {
+        PyErr_Format(PyExc_TypeError, "stream.cuda_stream must be an int CUstream handle, not %s",
+                     Py_TYPE(handle)->tp_name);
+        Py_DECREF(handle);
+        return -1;
+    }
     int rc = l2p_parse_stream(handle, device, out);
     Py_DECREF(handle);
     return rc;

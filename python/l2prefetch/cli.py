@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
@@ -83,9 +84,21 @@ def build_synthetic_kimi(dims: Optional[Mapping[str, Any]] = None, tp: int = 8,
     unknown = sorted(set(d) - set(DEFAULT_DIMS))
     if unknown:
         raise ValueError(f"unknown dimensions {unknown}; known: {sorted(DEFAULT_DIMS)}")
+    for key, value in d.items():
+        if key == "dtype":
+            continue
+        low = 0 if key == "first_dense" else 1
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"dimension {key} must be an int >= {low}, "
+                            f"got {type(value).__name__} {value!r}")
+        if value < low:
+            raise ValueError(f"dimension {key} must be an int >= {low}, got {value}")
     dtype = getattr(torch, str(d["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype {d['dtype']!r} is not a torch dtype name")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype {d['dtype']!r} is not a floating-point dtype (the model's "
+                         "nn.Linear layers need one)")
     hidden = d["hidden"]
     factory = {"device": device, "dtype": dtype}
 
@@ -137,6 +150,17 @@ def build_synthetic_kimi(dims: Optional[Mapping[str, Any]] = None, tp: int = 8,
     return model, list(model.layers), packed
 
 
+def _l2_mib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value * 2**20 >= 1):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of MiB, at least one byte, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m l2prefetch plan",
@@ -148,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="JSON object overriding dimensions: " + ", ".join(DEFAULT_DIMS))
     parser.add_argument("--hidden", type=int, help=f"hidden size ({DEFAULT_DIMS['hidden']})")
     parser.add_argument("--layers", type=int, help=f"decoder layers ({DEFAULT_DIMS['layers']})")
-    parser.add_argument("--l2-mib", type=float, default=60.0,
+    parser.add_argument("--l2-mib", type=_l2_mib, default=60.0,
                         help="L2 size for the share column (60: the H200)")
     parser.add_argument("--json", action="store_true",
                         help="print the plan as JSON (weights by module path) instead")

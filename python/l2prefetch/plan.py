@@ -23,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import numbers
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -158,6 +160,9 @@ class PlanEntry:
         object.__setattr__(self, "batches", _check_batches(self.batches))
         object.__setattr__(self, "weights", _check_weights(self.weights))
         _check_int("byte_cap", self.byte_cap, 0)
+        if self.byte_cap >= 2**63:  # what PreparedWeightRanges can take
+            raise ValueError(f"PlanEntry.byte_cap must be an int >= 0 below 2**63, "
+                             f"got {self.byte_cap}")
         _check_int("grid", self.grid, 1, 65535)
         if self.carveout is not None:
             _check_int("carveout", self.carveout, -1, 100)
@@ -321,6 +326,9 @@ def _named_tensors(model: Any) -> dict[str, Any]:
     (such as an MLA's ``W_UK_T``), each under its dotted path.  Tied tensors
     appear under every name.
     """
+    if not callable(getattr(model, "named_parameters", None)):
+        raise TypeError("model must be the nn.Module whose tensors the plan names, "
+                        f"got {type(model).__name__}")
     tensor = _tensor_type()
     names: dict[str, Any] = {}
     for name, value in model.named_parameters(remove_duplicate=False):
@@ -377,7 +385,7 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
         raise ValueError(f"plan JSON does not parse: {exc}") from exc
     if not isinstance(data, dict) or "version" not in data:
         raise ValueError("plan JSON must be an object with 'version' and 'entries'")
-    if data["version"] != PLAN_JSON_VERSION:
+    if isinstance(data["version"], bool) or data["version"] != PLAN_JSON_VERSION:
         raise ValueError(f"plan JSON version {data['version']!r} is not supported; "
                          f"this l2prefetch reads version {PLAN_JSON_VERSION}")
     raw_entries = data.get("entries")
@@ -422,11 +430,31 @@ def gate(plan: Sequence[PlanEntry], windows_us: Mapping[str, float], *,
          bytes_per_us: float = GATE_BYTES_PER_US) -> list[PlanEntry]:
     """The entries of plan whose fork can pay: those whose point's bandwidth-idle
     window (``windows_us[point]``, microseconds) is long enough to load their
-    bytes at ``bytes_per_us``.  Entries of points not in windows_us are kept."""
-    if bytes_per_us <= 0:
-        raise ValueError(f"bytes_per_us must be > 0, got {bytes_per_us}")
+    bytes at ``bytes_per_us``.  Entries of points not in windows_us are kept.
+
+    Raises TypeError for an entry that is not a PlanEntry or a window or rate
+    that is not a number, ValueError for a negative or NaN window or a rate
+    that is not a positive finite number.
+    """
+    if isinstance(bytes_per_us, bool) or not isinstance(bytes_per_us, numbers.Real):
+        raise TypeError(f"bytes_per_us must be a number > 0, got {type(bytes_per_us).__name__} "
+                        f"{bytes_per_us!r}")
+    if not (0 < bytes_per_us < math.inf):
+        raise ValueError(f"bytes_per_us must be a finite number > 0, got {bytes_per_us}")
+    if not isinstance(windows_us, Mapping):
+        raise TypeError("windows_us must map point names to windows in microseconds, "
+                        f"got {type(windows_us).__name__}")
+    for point, window in windows_us.items():
+        if isinstance(window, bool) or not isinstance(window, numbers.Real):
+            raise TypeError(f"windows_us[{point!r}] must be a number of microseconds >= 0, "
+                            f"got {type(window).__name__} {window!r}")
+        if not window >= 0:
+            raise ValueError(f"windows_us[{point!r}] must be a number of microseconds >= 0, "
+                             f"got {window}")
     kept = []
-    for entry in plan:
+    for i, entry in enumerate(plan):
+        if not isinstance(entry, PlanEntry):
+            raise TypeError(f"plan[{i}] must be a PlanEntry, not {type(entry).__name__}")
         window = windows_us.get(entry.point)
         if window is None or entry.nbytes <= window * bytes_per_us:
             kept.append(entry)
