@@ -203,7 +203,7 @@ def max_abs_diff(a, b):
     return float((a.float() - b.float()).abs().max())
 
 
-def empty_controller(plan, device=0):
+def empty_controller(plan, device=0, kernel=None):
     """The control: plan's points, layers and batches with empty tables (same launch settings)."""
     controller = l2prefetch.PrefetchController(device)
     tables = {}
@@ -212,7 +212,7 @@ def empty_controller(plan, device=0):
         if key not in tables:
             tables[key] = l2prefetch.PreparedWeightRanges(
                 [], grid=entry.grid, carveout=entry.carveout, priority=entry.priority,
-                device=device)
+                device=device, kernel=kernel)
         controller.add(entry.point, entry.layer, entry.batches, tables[key])
     return controller
 
@@ -613,8 +613,8 @@ def run_gpu(args, config):
     built = time.perf_counter() - t0
     plan = deepseek_v3.plan(model)
     t1 = time.perf_counter()
-    controller = l2prefetch.PrefetchController.from_plan(plan, 0)
-    empty = empty_controller(plan, 0)
+    controller = l2prefetch.PrefetchController.from_plan(plan, 0, kernel=args.kernel)
+    empty = empty_controller(plan, 0, kernel=args.kernel)
     prepared = time.perf_counter() - t1
     header = (f"Device: {torch.cuda.get_device_name(0)} (sm_{info['sm']}, {info['sm_count']} "
               f"SMs, L2 {info['l2_bytes'] / MIB:.0f} MiB), driver {drv['version'] // 1000}."
@@ -660,6 +660,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="a small model (fast; the tests' scale)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
                     help="comma-separated decode batches (default 1,2,4,8)")
+    ap.add_argument("--kernel", default=None,
+                    help="prefetch kernel variant (default: the device's; see kernel_variants())")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "DEEPSEEK.md"))
     args = ap.parse_args(argv)
