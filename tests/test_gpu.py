@@ -207,3 +207,30 @@ def test_stream_of_another_device_or_context_is_refused():
     p = PreparedWeightRanges([_rand((64, 64))])
     with pytest.raises(ValueError, match="cuda:1"):
         p.launch(torch.cuda.Stream(device=1))
+
+
+def test_graph_replays_after_its_controller_is_gone():
+    """The captured kernel nodes own copies of their parameter blocks and the
+    module outlives the controller: dropping the controller after capture leaves
+    a graph that replays (the caller keeps the weights alive)."""
+    w = _rand((2048, 2048))
+    x = _rand((4, 2048))
+    ctrl = PrefetchController(0)
+    ctrl.add("p", 0, [4], PreparedWeightRanges([w], carveout=100, priority=True))
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = torch.nn.functional.linear(x, w)
+        with torch.cuda.graph(g, stream=s):
+            assert ctrl.fork("p", 0, 4)
+            y = torch.nn.functional.linear(x, w)
+            ctrl.join()
+    torch.cuda.current_stream().wait_stream(s)
+    ref = torch.nn.functional.linear(x, w)
+    del ctrl
+    gc.collect()
+    for _ in range(100):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref)
