@@ -612,6 +612,12 @@ def run_gpu(args, config):
     torch.cuda.synchronize()
     built = time.perf_counter() - t0
     plan = deepseek_v3.plan(model)
+    if args.no_carveout or args.no_priority:
+        import dataclasses
+
+        plan = [dataclasses.replace(e, carveout=None if args.no_carveout else e.carveout,
+                                    priority=False if args.no_priority else e.priority)
+                for e in plan]
     t1 = time.perf_counter()
     controller = l2prefetch.PrefetchController.from_plan(plan, 0, kernel=args.kernel)
     empty = empty_controller(plan, 0, kernel=args.kernel)
@@ -662,6 +668,10 @@ def main(argv=None):
                     help="comma-separated decode batches (default 1,2,4,8)")
     ap.add_argument("--kernel", default=None,
                     help="prefetch kernel variant (default: the device's; see kernel_variants())")
+    ap.add_argument("--no-carveout", action="store_true",
+                    help="drop the plan's shared-memory carveout attributes")
+    ap.add_argument("--no-priority", action="store_true",
+                    help="drop the plan's stream-priority attributes")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "DEEPSEEK.md"))
     args = ap.parse_args(argv)
