@@ -20,8 +20,11 @@ static void note(char *tried, size_t len, const char *path, const char *what)
     snprintf(tried + used, len - used, "%s  %s: %s", used ? "\n" : "", path, what);
 }
 
-static l2p_nvrtc *finish(void *h, const char *path, char *msg, size_t msglen)
+/* A library that loaded was found, even when it cannot be used (a symbol
+ * missing, nvrtcVersion failing): *found is set either way. */
+static l2p_nvrtc *finish(void *h, const char *path, int *found, char *msg, size_t msglen)
 {
+    *found = 1;
     l2p_nvrtc *n = calloc(1, sizeof *n);
     if (!n) {
         snprintf(msg, msglen, "out of memory");
@@ -78,7 +81,7 @@ l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found
     if (override && *override) {
         h = dlopen(override, RTLD_NOW | RTLD_LOCAL);
         if (h)
-            return finish(h, override, msg, msglen);
+            return finish(h, override, found, msg, msglen);
         *found = access(override, F_OK) == 0;
         const char *err = dlerror();
         snprintf(msg, msglen, "NVRTC from L2PREFETCH_LIBNVRTC=%s could not be loaded: %s",
@@ -89,7 +92,7 @@ l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found
     for (size_t i = 0; i < N_SONAMES; i++) {
         h = dlopen(sonames[i], RTLD_NOW | RTLD_NOLOAD);
         if (h)
-            return finish(h, sonames[i], msg, msglen);
+            return finish(h, sonames[i], found, msg, msglen);
     }
     for (int k = 0; k < n_extra; k++) {
         for (size_t i = 0; i < N_SONAMES; i++) {
@@ -101,7 +104,7 @@ l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found
             *found = 1;
             h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
             if (h)
-                return finish(h, path, msg, msglen);
+                return finish(h, path, found, msg, msglen);
             const char *err = dlerror();
             note(tried, sizeof tried, path, err ? err : "dlopen failed");
         }
@@ -109,7 +112,7 @@ l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found
     for (size_t i = 0; i < N_SONAMES; i++) {
         h = dlopen(sonames[i], RTLD_NOW | RTLD_LOCAL);
         if (h)
-            return finish(h, sonames[i], msg, msglen);
+            return finish(h, sonames[i], found, msg, msglen);
         const char *err = dlerror();
         int missing = !err || strstr(err, "cannot open shared object file");
         if (!missing)

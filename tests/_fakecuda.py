@@ -218,3 +218,103 @@ class FakeCuda:
             raise LookupError(f"cuGetProcAddress_v2({name!r}) -> {rc} (status {status})")
         proto = ctypes.CFUNCTYPE(c_int, *ENTRY_POINTS[name][1])
         return proto(addr)
+
+
+# -- NVRTC --------------------------------------------------------------------------
+#
+#     so = build_fakenvrtc(tmp_dir)        # -> tmp_dir/libfakenvrtc.so
+#     nv = FakeNvrtc(so)
+#     nv.reset(); nv.fail("nvrtcGetCUBIN", nth=1, code="NVRTC_ERROR_COMPILATION")
+#     _C._use_nvrtc(so) ... compile ...
+#     assert nv.live_programs() == 0
+
+NVRTC_SOURCE = Path(__file__).resolve().parent / "fakecuda" / "fakenvrtc.c"
+
+NVRTC_ERRORS = {
+    "NVRTC_SUCCESS": 0, "NVRTC_ERROR_OUT_OF_MEMORY": 1,
+    "NVRTC_ERROR_PROGRAM_CREATION_FAILURE": 2, "NVRTC_ERROR_INVALID_INPUT": 3,
+    "NVRTC_ERROR_INVALID_PROGRAM": 4, "NVRTC_ERROR_INVALID_OPTION": 5,
+    "NVRTC_ERROR_COMPILATION": 6, "NVRTC_ERROR_BUILTIN_OPERATION_FAILURE": 7,
+    "NVRTC_ERROR_INTERNAL_ERROR": 11,
+}
+
+NVRTC_FUNCTIONS = (
+    "nvrtcGetErrorString", "nvrtcVersion", "nvrtcGetNumSupportedArchs", "nvrtcGetSupportedArchs",
+    "nvrtcCreateProgram", "nvrtcDestroyProgram", "nvrtcCompileProgram", "nvrtcGetProgramLogSize",
+    "nvrtcGetProgramLog", "nvrtcGetPTXSize", "nvrtcGetPTX", "nvrtcGetCUBINSize", "nvrtcGetCUBIN",
+)
+
+
+def build_fakenvrtc(outdir):
+    """Compile fakenvrtc.c to outdir/libfakenvrtc.so, as build_fakecuda does. Returns the path."""
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    out = outdir / "libfakenvrtc.so"
+    if out.exists() and out.stat().st_mtime >= NVRTC_SOURCE.stat().st_mtime:
+        return str(out)
+    fd, tmp = tempfile.mkstemp(prefix=".libfakenvrtc.", suffix=".so", dir=outdir)
+    os.close(fd)
+    cmd = [os.environ.get("CC", "cc"), "-shared", "-fPIC", "-O1", "-std=c11", "-Wall",
+           "-pthread", "-o", tmp, str(NVRTC_SOURCE)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the fake NVRTC failed: {' '.join(cmd)}\n"
+                               f"{proc.stdout}{proc.stderr}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(out)
+
+
+def nvrtc_error_code(code):
+    """An int, or a name from NVRTC_ERRORS ("NVRTC_ERROR_COMPILATION")."""
+    return NVRTC_ERRORS[code] if isinstance(code, str) else int(code)
+
+
+class FakeNvrtc:
+    """ctypes wrapper over the control API of libfakenvrtc.so."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.lib = lib = ctypes.CDLL(self.path)
+        sigs = {
+            "fakenvrtc_reset": (None, []),
+            "fakenvrtc_fail": (c_int, [c_char_p, c_int, c_int]),
+            "fakenvrtc_calls": (c_int, [c_char_p]),
+            "fakenvrtc_live_programs": (ctypes.c_long, []),
+            "fakenvrtc_bad_destroys": (ctypes.c_long, []),
+            "nvrtcGetErrorString": (c_char_p, [c_int]),
+        }
+        for name, (restype, argtypes) in sigs.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+
+    def reset(self):
+        """No programs, counters or pending failures."""
+        self.lib.fakenvrtc_reset()
+
+    def fail(self, name, nth=1, code="NVRTC_ERROR_COMPILATION"):
+        """Make the nth next call (1 = the very next) of `name` return `code`."""
+        if self.lib.fakenvrtc_fail(name.encode(), nth, nvrtc_error_code(code)) != 0:
+            raise ValueError(f"cannot inject a failure into {name!r} (nth={nth})")
+
+    def calls(self, name):
+        """Calls of `name` since reset(), failed ones included."""
+        n = self.lib.fakenvrtc_calls(name.encode())
+        if n < 0:
+            raise ValueError(f"unknown NVRTC function {name!r}")
+        return n
+
+    def live_programs(self):
+        """Programs created and not destroyed since reset()."""
+        return self.lib.fakenvrtc_live_programs()
+
+    def bad_destroys(self):
+        """nvrtcDestroyProgram calls on unknown or already destroyed programs."""
+        return self.lib.fakenvrtc_bad_destroys()
+
+    def error_string(self, code):
+        """What nvrtcGetErrorString returns for `code`."""
+        return self.lib.nvrtcGetErrorString(nvrtc_error_code(code)).decode()
