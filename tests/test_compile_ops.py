@@ -1,0 +1,544 @@
+"""Fork and join under torch.compile: the l2prefetch::fork / join ops (CPU).
+
+A recording controller stands in for PrefetchController (which needs a GPU);
+it reaches the ops through l2prefetch.ops' registry like the real one.  The
+model (tests/_compile_model.py) forks at two points per layer and joins at
+the end, through hooks.attach and written into forward (Direct).  Checked:
+no graph break (fullgraph=True), the ops in the traced graphs in order and
+behind the work they follow, one run-time fork per site and one join per
+call, the registry's errors and weak references, detach unregistering.
+test_compile_gpu.py runs the same model under Inductor and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from _compile_model import Direct, Model, expected_calls, points
+from l2prefetch import hooks, ops
+
+FORK = torch.ops.l2prefetch.fork.default
+JOIN = torch.ops.l2prefetch.join.default
+aten = torch.ops.aten
+MATMULS = {torch._C._nn.linear, F.linear, aten.linear.default, aten.mm.default,
+           aten.addmm.default, aten.bmm.default}
+FORK_ARGS = ("handle", "point", "layer", "batch", "after")
+JOIN_ARGS = ("handle", "after")
+BATCH = 3
+
+#: Tests in which an exception crosses torch's C++ code (an op's Python kernel
+#: raising, Dynamo raising out of a compiled frame): under the sanitizer pass
+#: (dev.sh preloads libasan into python, which is not linked to libstdc++) ASan's
+#: __cxa_throw interceptor finds no real __cxa_throw and aborts the process on
+#: any C++ throw, torch's own included (``torch.ones(2) + torch.ones(3)`` aborts
+#: too).  They run in the normal pass; they do not exercise the C extension.
+throws_through_torch = pytest.mark.skipif(
+    "libasan" in os.environ.get("LD_PRELOAD", ""),
+    reason="a C++ throw aborts under a preloaded ASan runtime (no real __cxa_throw)")
+
+
+class Recorder:
+    """A controller stand-in: records fork and join; fork answers True."""
+
+    def __init__(self):
+        self.calls = []
+
+    def fork(self, point, layer, batch):
+        self.calls.append(("fork", point, layer, batch))
+        return True
+
+    def join(self):
+        self.calls.append(("join",))
+
+
+class Graphs:
+    """A backend that records every graph it gets, then runs it as is (Dynamo's
+    graph, like backend="eager") or through AOTAutograd (its forward graph,
+    with the effect tokens, like backend="aot_eager")."""
+
+    def __init__(self, aot=False, dce=False):
+        self.graphs, self.aot, self.dce = [], aot, dce
+
+    def __call__(self, gm, example_inputs):
+        if not self.aot:
+            if self.dce:
+                gm.graph.eliminate_dead_code()
+                gm.recompile()
+            self.graphs.append(gm.graph)
+            return gm.forward
+
+        def forward(fw, inputs):
+            self.graphs.append(fw.graph)
+            return fw
+        return aot_autograd(fw_compiler=forward)(gm, example_inputs)
+
+    def events(self):
+        return [event for graph in self.graphs for event in graph_events(graph)]
+
+
+def _bound(names, args, kwargs):
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    return values
+
+
+def _op(node):
+    """(target, args) of a call, seeing through with_effects(token, op, *args)."""
+    target, args = node.target, node.args
+    if target is torch.ops.higher_order.with_effects:
+        target, args = args[1], args[2:]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    return target, args
+
+
+def _matmul_of(node):
+    """The matmul node that produced node, seeing through views and reshapes."""
+    while isinstance(node, torch.fx.Node):
+        target, _ = _op(node)
+        if node.op == "call_function" and target in MATMULS:
+            return node
+        node = node.args[0] if node.args else None
+    return None
+
+
+def graph_events(graph):
+    """The matmuls, forks and joins of an FX graph in node order.
+
+    "mm" for a matmul; ("fork", point, layer, batch) for a fork, after checking
+    that its ``after`` tensor comes from the matmul just before it; ("join",).
+    """
+    events, last_mm = [], None
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        target, args = _op(node)
+        if target in MATMULS:
+            events.append("mm")
+            last_mm = node
+        elif target is FORK:
+            a = _bound(FORK_ARGS, args, node.kwargs)
+            assert last_mm is not None and _matmul_of(a["after"]) is last_mm, (
+                f"fork {a['point']} {a['layer']}: after={a.get('after')} is not the output of "
+                f"the matmul before it ({last_mm})")
+            events.append(("fork", a["point"], a["layer"], a["batch"]))
+        elif target is JOIN:
+            a = _bound(JOIN_ARGS, args, node.kwargs)
+            assert a.get("after") is not None and _matmul_of(a["after"]) is last_mm
+            events.append(("join",))
+    return events
+
+
+def expected_events(count, batch):
+    """Each fork right after the matmul it follows, the join after the head's."""
+    events = []
+    for i in range(count):
+        events += ["mm", ("fork", "oproj_down", i, batch), "mm"]
+        if i < count - 1:
+            events.append(("fork", "next_attention", i, batch))
+    return events + ["mm", ("join",)]
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv("L2PREFETCH_DISABLE", raising=False)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def hooked(count=2):
+    torch.manual_seed(0)
+    model, controller = Model(count=count), Recorder()
+    attachment = hooks.attach(model, controller, points(model))
+    return model, controller, attachment
+
+
+def direct(count=2):
+    torch.manual_seed(0)
+    controller = Recorder()
+    model = Direct(count=count, handle=ops.register(controller))
+    return model, controller
+
+
+def callables(kind):
+    """(compile target, controller, keep-alive): the hooked model itself, a step
+    function calling it, or Direct."""
+    if kind == "direct":
+        model, controller = direct()
+        return model, controller, model
+    model, controller, attachment = hooked()
+    if kind == "hooked-model":
+        return model, controller, attachment
+    return (lambda x: model(x)), controller, attachment
+
+
+KINDS = ["hooked-model", "hooked-step", "direct"]
+
+
+# ---- graphs ----
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dynamo_graph_holds_the_ops_in_order(kind):
+    target, controller, _keep = callables(kind)
+    backend = Graphs()
+    torch.compile(target, fullgraph=True, backend=backend)(torch.randn(BATCH, 1, 16))
+    assert backend.events() == expected_events(2, BATCH)
+    # torch.compile(model) runs the root's forward hooks as a frame of their
+    # own: the join is in a second graph, captured (and run) after forward's.
+    assert len(backend.graphs) == (2 if kind == "hooked-model" else 1)
+
+
+def test_wrap_top_frame_puts_the_join_in_the_forward_graph():
+    """What mode="reduce-overhead" needs of torch.compile(model): one graph per step."""
+    model, controller, _attachment = hooked()
+    backend = Graphs()
+    with torch._dynamo.config.patch(wrap_top_frame=True):
+        torch.compile(model, fullgraph=True, backend=backend)(torch.randn(BATCH, 1, 16))
+    assert len(backend.graphs) == 1
+    assert graph_events(backend.graphs[0]) == expected_events(2, BATCH)
+    assert controller.calls == expected_calls(2, BATCH)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_aot_graph_threads_the_token_through_the_ops_in_order(kind, grad):
+    target, controller, _keep = callables(kind)
+    backend = Graphs(aot=True)
+    with torch.set_grad_enabled(grad):
+        torch.compile(target, fullgraph=True, backend=backend)(torch.randn(BATCH, 1, 16))
+    assert backend.events() == expected_events(2, BATCH)
+    effects = [n for g in backend.graphs for n in g.nodes
+               if n.target is torch.ops.higher_order.with_effects]
+    assert len(effects) == 4 and all(_op(n)[0] in (FORK, JOIN) for n in effects)
+    # each takes the token the previous one returned
+    for before, after in zip(effects, effects[1:]):
+        if before.graph is after.graph:
+            assert after.args[0].args[0] is before
+
+
+def test_dead_code_elimination_keeps_the_ops():
+    assert torch._library.utils.is_impure(FORK) and torch._library.utils.is_impure(JOIN)
+    target, _controller, _keep = callables("hooked-step")
+    backend = Graphs(dce=True)
+    torch.compile(target, fullgraph=True, backend=backend)(torch.randn(BATCH, 1, 16))
+    assert backend.events() == expected_events(2, BATCH)
+
+
+def test_tracing_needs_no_controller():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 3)
+        FORK(10**9, "p", 0, 2, x)          # the fake kernels look nothing up
+        JOIN(10**9, x)
+        torch.ops.l2prefetch.fork(10**9, "p", 0, 2)
+
+
+# ---- run time ----
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_calls_reach_the_controller(kind, backend):
+    target, controller, _keep = callables(kind)
+    x = torch.randn(BATCH, 1, 16)
+    with torch.no_grad():
+        expected = target(x)
+    assert controller.calls == expected_calls(2, BATCH)      # eager: plain calls
+    controller.calls.clear()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(target, fullgraph=True, backend=counter)
+    out = compiled(x)
+    frames = counter.frame_count
+    for _ in range(2):
+        assert torch.equal(compiled(x), out)
+    assert counter.frame_count == frames                     # no recompiles
+    assert torch.equal(out, expected)
+    assert controller.calls == expected_calls(2, BATCH) * 3  # one join per call
+
+
+def test_dynamic_batch_reaches_the_controller():
+    model, controller, _attachment = hooked()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x: model(x), fullgraph=True, dynamic=True, backend=counter)
+    for batch in (3, 5, 2):
+        compiled(torch.randn(batch, 1, 16))
+    assert counter.frame_count == 1
+    assert controller.calls == (expected_calls(2, 3) + expected_calls(2, 5)
+                                + expected_calls(2, 2))
+
+
+def test_batch_fn_under_compile():
+    torch.manual_seed(0)
+    model, controller = Model(count=1), Recorder()
+    hooks.attach(model, controller, points(model), batch_fn=lambda m, a, k: a[0].shape[0] * 7)
+    torch.compile(model, fullgraph=True, backend="aot_eager")(torch.randn(2, 1, 16))
+    assert controller.calls == [("fork", "oproj_down", 0, 14), ("join",)]
+
+
+def test_attachment_join_in_compiled_code():
+    torch.manual_seed(0)
+    model, controller = Model(), Recorder()
+    attachment = hooks.attach(model, controller, points(model), join=False)
+
+    def step(x):
+        out = model(x)
+        attachment.join(after=out)
+        return out
+
+    backend = Graphs()
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    compiled(torch.randn(BATCH, 1, 16))
+    compiled(torch.randn(BATCH, 1, 16))
+    assert backend.events() == expected_events(2, BATCH)
+    assert controller.calls == expected_calls(2, BATCH) * 2
+
+
+@throws_through_torch
+def test_eager_hooks_do_not_go_through_the_registry():
+    model, controller, attachment = hooked()
+    ops.unregister(attachment.op_handle)
+    x = torch.randn(BATCH, 1, 16)
+    model(x)
+    assert controller.calls == expected_calls(2, BATCH)
+    with pytest.raises(LookupError, match=f"handle {attachment.op_handle}"):
+        torch.compile(model, fullgraph=True, backend="eager")(x)
+
+
+_CXX = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.skipif(not _CXX, reason="Inductor's CPU backend needs a C++ compiler")
+@pytest.mark.parametrize("kind", ["hooked-step", "direct"])
+def test_inductor_keeps_each_fork_behind_its_matmul(kind):
+    """In Inductor's generated code each fork follows the matmul it was hooked
+    to and precedes the next one; the join follows the last.  (Without the
+    ``after`` tensor Inductor hoists all of them above the first matmul.)"""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    target, controller, _keep = callables(kind)
+    x = torch.randn(BATCH, 1, 16)
+    with torch.no_grad():
+        expected = target(x)
+        controller.calls.clear()
+        with config.patch(compile_threads=1):
+            compiled = torch.compile(target, fullgraph=True)
+            out, codes = run_and_get_code(compiled, x)
+    assert torch.equal(out, expected)
+    assert controller.calls == expected_calls(2, BATCH)
+    events, last_out = [], None
+    for line in "\n".join(codes).splitlines():
+        line = line.strip()
+        if re.match(r"extern_kernels\.(mm|addmm|bmm)\(", line):
+            events.append("mm")
+            last_out = re.search(r"out=(buf\d+)", line).group(1)
+        elif m := re.match(r"torch\.ops\.l2prefetch\.fork\.default\((\d+), '(\w+)', (\d+), (\d+), ",
+                           line):
+            assert re.search(rf"\b{last_out}\b", line), line     # after= the matmul's output
+            events.append(("fork", m.group(2), int(m.group(3)), int(m.group(4))))
+        elif line.startswith("torch.ops.l2prefetch.join.default("):
+            events.append(("join",))
+    assert events == expected_events(2, BATCH)
+
+
+# ---- the registry ----
+
+def test_register_lookup_unregister():
+    a, b = Recorder(), Recorder()
+    ha, hb, ha2 = ops.register(a), ops.register(b), ops.register(a)
+    assert len({ha, hb, ha2}) == 3 and all(isinstance(h, int) for h in (ha, hb, ha2))
+    assert ops.lookup(ha) is a and ops.lookup(ha2) is a and ops.lookup(hb) is b
+    ops.fork(ha, "p", 1, 2)
+    torch.ops.l2prefetch.join(ha2)
+    assert a.calls == [("fork", "p", 1, 2), ("join",)] and b.calls == []
+    ops.unregister(ha)
+    assert ops.lookup(ha2) is a                    # the other handle is its own
+    ops.unregister(ha)                             # unknown: ignored
+    ops.unregister(ha2)
+    ops.unregister(hb)
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda h: ops.fork(h, "p", 0, 1), id="fork", marks=throws_through_torch),
+    pytest.param(lambda h: torch.ops.l2prefetch.fork(h, "p", 0, 1, after=torch.zeros(1)),
+                 id="fork-after", marks=throws_through_torch),
+    pytest.param(lambda h: ops.join(h), id="join", marks=throws_through_torch),
+    pytest.param(lambda h: torch.ops.l2prefetch.join.default(h, None), id="join-default",
+                 marks=throws_through_torch),
+    pytest.param(lambda h: ops.lookup(h), id="lookup"),
+])
+def test_unknown_handle_is_a_clear_error(call):
+    with pytest.raises(LookupError, match=r"no controller is registered under handle 987654321 "
+                                          r"\(never registered, or unregistered"):
+        call(987654321)
+    handle = ops.register(Recorder())
+    ops.unregister(handle)
+    with pytest.raises(LookupError, match=f"handle {handle} "):
+        call(handle)
+
+
+@throws_through_torch
+def test_unknown_handle_fails_when_compiled_code_runs_not_when_traced():
+    def step(x):
+        y = x * 2
+        ops.fork(987654321, "p", 0, 1, after=y)
+        return y + 1
+
+    backend = Graphs()
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    with pytest.raises(LookupError, match="handle 987654321"):
+        compiled(torch.ones(2))
+    assert len(backend.graphs) == 1            # traced and compiled; the run raised
+
+
+@throws_through_torch
+def test_registry_holds_weak_references():
+    controller = Recorder()
+    ref = weakref.ref(controller)
+    handle = ops.register(controller)
+    refcount = sys.getrefcount(controller)
+    ops.register(controller)
+    assert sys.getrefcount(controller) == refcount
+    del controller
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(LookupError, match=f"handle {handle} was garbage-collected"):
+        torch.ops.l2prefetch.fork(handle, "p", 0, 1)
+    with pytest.raises(LookupError, match="garbage-collected"):
+        ops.join(handle)
+    ops.unregister(handle)
+    with pytest.raises(LookupError, match="no controller is registered"):
+        ops.join(handle)
+
+
+@throws_through_torch
+def test_compiled_code_after_its_controller_died():
+    model, controller = direct(count=1)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(BATCH, 1, 16)
+    compiled(x)
+    assert controller.calls == expected_calls(1, BATCH)
+    del controller
+    gc.collect()
+    with pytest.raises(LookupError, match="garbage-collected"):
+        compiled(x)
+
+
+def test_register_refuses_what_cannot_serve():
+    with pytest.raises(TypeError, match="has no join"):
+        ops.register(type("C", (), {"fork": lambda *a: True})())
+
+    class Slotted:
+        __slots__ = ()
+
+        def fork(self, point, layer, batch):
+            return True
+
+        def join(self):
+            pass
+    with pytest.raises(TypeError, match=r"Slotted cannot be weakly referenced"):
+        ops.register(Slotted())
+
+
+# ---- attach and detach ----
+
+def test_attach_registers_and_detach_unregisters():
+    before = dict(ops._registry)
+    model, controller, attachment = hooked()
+    handle = attachment.op_handle
+    assert isinstance(handle, int) and ops.lookup(handle) is controller
+    assert set(ops._registry) - set(before) == {handle}
+    attachment.detach()
+    assert attachment.op_handle is None and not attachment.attached
+    with pytest.raises(LookupError, match=f"handle {handle} "):
+        ops.lookup(handle)
+    attachment.detach()
+    assert ops._registry.keys() == before.keys()
+    attachment.join()                         # still reaches the controller, eagerly
+    assert controller.calls == [("join",)]
+
+
+@pytest.mark.parametrize("kind", ["hooked-model", "hooked-step"])
+def test_detach_recompiles_without_forks(kind):
+    target, controller, attachment = callables(kind)
+    compiled = torch.compile(target, fullgraph=True, backend="aot_eager")
+    x = torch.randn(BATCH, 1, 16)
+    out = compiled(x)
+    attachment.detach()                 # Dynamo guards on the hooks: no stale handle runs
+    controller.calls.clear()
+    assert torch.equal(compiled(x), out)
+    assert controller.calls == []
+
+
+def test_context_manager_unregisters():
+    torch.manual_seed(0)
+    model, controller = Model(), Recorder()
+    with hooks.attach(model, controller, points(model)) as attachment:
+        handle = attachment.op_handle
+        torch.compile(model, fullgraph=True, backend="eager")(torch.randn(BATCH, 1, 16))
+    assert controller.calls == expected_calls(2, BATCH)
+    with pytest.raises(LookupError):
+        ops.lookup(handle)
+
+
+def test_disabled_attach_registers_nothing(monkeypatch):
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "1")
+    before = dict(ops._registry)
+    model = Model()
+    attachment = hooks.attach(model, Recorder(), points(model))
+    assert attachment.op_handle is None and ops._registry.keys() == before.keys()
+
+
+@throws_through_torch
+def test_controller_without_weak_references_works_eagerly(caplog):
+    class Slotted:
+        __slots__ = ("calls",)
+
+        def __init__(self):
+            self.calls = []
+
+        def fork(self, point, layer, batch):
+            self.calls.append(("fork", point, layer, batch))
+            return True
+
+        def join(self):
+            self.calls.append(("join",))
+
+    torch.manual_seed(0)
+    model, controller = Model(), Slotted()
+    with caplog.at_level(logging.WARNING, logger="l2prefetch"):
+        attachment = hooks.attach(model, controller, points(model))
+    assert attachment.op_handle is None and attachment.attached
+    assert any("cannot be weakly referenced" in r.getMessage() for r in caplog.records)
+    x = torch.randn(BATCH, 1, 16)
+    model(x)
+    assert controller.calls == expected_calls(2, BATCH)
+    # Compiled: the hooks raise while Dynamo traces, so fullgraph fails and a
+    # plain compile falls back to running them eagerly.
+    with pytest.raises(Exception):
+        torch.compile(model, fullgraph=True, backend="eager")(x)
+    torch._dynamo.reset()
+    controller.calls.clear()
+    torch.compile(model, backend="eager")(x)
+    assert controller.calls == expected_calls(2, BATCH)
+
+
+def test_import_stays_free():
+    code = ("import sys, l2prefetch; from l2prefetch import hooks; "
+            "assert 'torch' not in sys.modules and 'l2prefetch.ops' not in sys.modules, "
+            "sorted(m for m in sys.modules if m.startswith(('torch', 'l2prefetch')))")
+    subprocess.run([sys.executable, "-c", code], check=True)
