@@ -90,6 +90,29 @@ ENTRY_POINTS = {
 LIVE_KINDS = ("stream", "event", "module", "context")
 
 
+def _build_shared_library(source, outdir, name, what):
+    """Compile source to outdir/name unless that is newer; temp file + rename."""
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    out = outdir / name
+    if out.exists() and out.stat().st_mtime >= source.stat().st_mtime:
+        return str(out)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".so", dir=outdir)
+    os.close(fd)
+    cmd = [os.environ.get("CC", "cc"), "-shared", "-fPIC", "-O1", "-std=c11", "-Wall",
+           "-pthread", "-o", tmp, str(source)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building {what} failed: {' '.join(cmd)}\n"
+                               f"{proc.stdout}{proc.stderr}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(out)
+
+
 def build_fakecuda(outdir):
     """Compile fakecuda.c to outdir/libfakecuda.so unless that is newer than the source.
 
@@ -97,25 +120,7 @@ def build_fakecuda(outdir):
     concurrent builders (pytest-xdist workers) never load a half-written file.
     Returns the path as a str.
     """
-    outdir = Path(outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    out = outdir / "libfakecuda.so"
-    if out.exists() and out.stat().st_mtime >= SOURCE.stat().st_mtime:
-        return str(out)
-    fd, tmp = tempfile.mkstemp(prefix=".libfakecuda.", suffix=".so", dir=outdir)
-    os.close(fd)
-    cmd = [os.environ.get("CC", "cc"), "-shared", "-fPIC", "-O1", "-std=c11", "-Wall",
-           "-pthread", "-o", tmp, str(SOURCE)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building the fake CUDA driver failed: {' '.join(cmd)}\n"
-                               f"{proc.stdout}{proc.stderr}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return str(out)
+    return _build_shared_library(SOURCE, outdir, "libfakecuda.so", "the fake CUDA driver")
 
 
 def error_code(code):
@@ -247,25 +252,7 @@ NVRTC_FUNCTIONS = (
 
 def build_fakenvrtc(outdir):
     """Compile fakenvrtc.c to outdir/libfakenvrtc.so, as build_fakecuda does. Returns the path."""
-    outdir = Path(outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    out = outdir / "libfakenvrtc.so"
-    if out.exists() and out.stat().st_mtime >= NVRTC_SOURCE.stat().st_mtime:
-        return str(out)
-    fd, tmp = tempfile.mkstemp(prefix=".libfakenvrtc.", suffix=".so", dir=outdir)
-    os.close(fd)
-    cmd = [os.environ.get("CC", "cc"), "-shared", "-fPIC", "-O1", "-std=c11", "-Wall",
-           "-pthread", "-o", tmp, str(NVRTC_SOURCE)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building the fake NVRTC failed: {' '.join(cmd)}\n"
-                               f"{proc.stdout}{proc.stderr}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return str(out)
+    return _build_shared_library(NVRTC_SOURCE, outdir, "libfakenvrtc.so", "the fake NVRTC")
 
 
 def nvrtc_error_code(code):
