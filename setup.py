@@ -19,7 +19,7 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 GEN = ROOT / "build" / "gen"
 SOURCES = ["module.c", "errors.c", "driver.c", "nvrtc.c", "kernels.c", "ranges.c",
-           "stream.c", "prepared.c", "controller.c", "bench.c"]
+           "stream.c", "prepared.c", "capture.c", "controller.c", "bench.c"]
 
 
 def embed_kernel_source():

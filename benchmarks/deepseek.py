@@ -203,9 +203,9 @@ def max_abs_diff(a, b):
     return float((a.float() - b.float()).abs().max())
 
 
-def empty_controller(plan, device=0, kernel=None):
+def empty_controller(plan, device=0, kernel=None, graph_fork="inline"):
     """The control: plan's points, layers and batches with empty tables (same launch settings)."""
-    controller = l2prefetch.PrefetchController(device)
+    controller = l2prefetch.PrefetchController(device, graph_fork=graph_fork)
     tables = {}
     for entry in plan:
         key = (entry.grid, entry.carveout, entry.priority)
@@ -475,6 +475,7 @@ class Results:
 
     def __init__(self):
         self.graph, self.eager, self.checks, self.notes, self.failures = [], [], [], [], []
+        self.branch, self.instances = [], []
 
     def check(self, ok, message):
         if not ok:
@@ -484,12 +485,22 @@ class Results:
     def tables(self):
         out = [
             "Decode step in CUDA-graph replay, median us (+- half the interquartile range): "
-            "(a) no prefetch, (b) l2prefetch forks, (d) the same forks with empty tables (the "
+            "(a) no prefetch, (b) l2prefetch forks (graph_fork='inline', the default), (d) the "
+            "same forks with empty tables (the "
             "control), (c) graph (a) right after the plan's bytes were read (hot before step). "
             "a-b > 0: prefetch is faster; d-b: the loads' gain net of the fork nodes.", "",
             table(["batch", "(a) none", "(b) prefetch", "(d) empty forks",
                    "(c) hot before step", "a/b", "a-b", "d-b", "a-c", "forks in graph",
                    "MiB per step", "MiB read for (c)"], self.graph),
+            "", "The same plan with graph_fork='branch' (each fork a side branch of the graph, "
+            "the join at the end; the default 'inline' puts the loader on the captured stream "
+            "with launch-order edges), same run, median us:", "",
+            table(["batch", "(a) none", "(e) branch prefetch", "(f) branch empty forks", "a/e",
+                   "f-a: cost of the empty branch forks", "d-a: cost of the empty inline forks"],
+                  self.branch),
+            "", "Median per graph instance (each variant captured and instantiated separately; "
+            "the tables above pool the instances), us:", "",
+            table(["batch", "(a) none", "(b) prefetch", "(d) empty forks"], self.instances),
             "", "Eager decode step (no graph), median us between CUDA events (host-bound):", "",
             table(["batch", "no prefetch", "prefetch", "ratio", "forks per eager step"],
                   self.eager),
@@ -503,7 +514,7 @@ class Results:
         return out
 
 
-def measure_batch(args, model, plan, controller, empty, batch, res):
+def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None, None)):
     tb = time.perf_counter()
     dec = Decoder(model, batch)
     want = expected_forks(plan, batch)
@@ -532,7 +543,10 @@ def measure_batch(args, model, plan, controller, empty, batch, res):
 
     # -- graphs: capture (a), (b), (d)
     graphs = {}
-    for name, ctrl in (("a", None), ("b", controller), ("d", empty)):
+    variants = [("a", None), ("b", controller), ("d", empty)]
+    if branch[0] is not None:
+        variants += [("e", branch[0]), ("f", branch[1])]
+    for name, ctrl in variants:
         try:
             graphs[name] = capture(dec, ctrl)
         except Exception as exc:                                  # noqa: BLE001
@@ -586,15 +600,33 @@ def measure_batch(args, model, plan, controller, empty, batch, res):
         for view in views:
             view.sum()
 
-    ga, gb, gd = graphs["a"][0], graphs["b"][0], graphs["d"][0]
-    times = time_interleaved({"a": (dec.reset, ga.replay), "b": (dec.reset, gb.replay),
-                              "d": (dec.reset, gd.replay), "c": (hot, ga.replay)},
-                             args.graph_reps)
+    # A graph's replay time depends on the instance (the same capture, instantiated again,
+    # can differ by tens of us), so every variant is captured args.instances times and its
+    # samples are pooled over the instances.
+    extra = {f"{name}#{i}": capture(dec, ctrl)
+             for i in range(1, args.instances) for name, ctrl in variants}
+    runs = {name: (dec.reset, graph.replay)
+            for name, (graph, _l, _s) in {**graphs, **extra}.items()}
+    runs["c"] = (hot, graphs["a"][0].replay)
+    raw = time_interleaved(runs, args.graph_reps)
+    del extra
+    times, per_instance = {}, {}
+    for name, xs in raw.items():
+        times.setdefault(name.split("#")[0], []).extend(xs)
+        per_instance.setdefault(name.split("#")[0], []).append(median(xs))
+    res.instances.append([batch] + [
+        " / ".join(f"{m:.1f}" for m in per_instance[k]) for k in "abd"])
     a, b, d, c = (median(times[k]) for k in "abdc")
-    res.graph.append([batch] + [f"{median(times[k]):.1f} +-{spread(times[k]):.1f}"
-                                for k in "abdc"]
+    cell = {k: f"{median(times[k]):.1f} +-{spread(times[k]):.1f}" for k in times}
+    res.graph.append([batch] + [cell[k] for k in "abdc"]
                      + [f"{a / b:.4f}", f"{a - b:+.1f}", f"{d - b:+.1f}", f"{a - c:+.1f}",
                         counts_text(graph_forks), f"{graph_mib:.1f}", f"{hot_mib:.1f}"])
+    if "e" in times:
+        e, f = median(times["e"]), median(times["f"])
+        res.branch.append([batch, cell["a"], cell["e"], cell["f"], f"{a / e:.4f}",
+                           f"{f - a:+.1f}", f"{d - a:+.1f}"])
+        res.check(bitwise_equal(outs["a"], outs["e"]) and bitwise_equal(outs["a"], outs["f"]),
+                  f"batch {batch}: graph logits differ with graph_fork='branch'")
     print(f"batch {batch}: graph a {a:.1f} b {b:.1f} d {d:.1f} c {c:.1f} us; eager {ea:.0f} / "
           f"{eb:.0f} us; bitwise eager {eager_same}, graph {graph_same}, empty {empty_same}; "
           f"{time.perf_counter() - tb:.1f} s", flush=True)
@@ -621,6 +653,10 @@ def run_gpu(args, config):
     t1 = time.perf_counter()
     controller = l2prefetch.PrefetchController.from_plan(plan, 0, kernel=args.kernel)
     empty = empty_controller(plan, 0, kernel=args.kernel)
+    # The same plan forked to the side stream inside the graph (graph_fork="branch").
+    branch = l2prefetch.PrefetchController.from_plan(plan, 0, kernel=args.kernel,
+                                                     graph_fork="branch")
+    branch_empty = empty_controller(plan, 0, kernel=args.kernel, graph_fork="branch")
     prepared = time.perf_counter() - t1
     header = (f"Device: {torch.cuda.get_device_name(0)} (sm_{info['sm']}, {info['sm_count']} "
               f"SMs, L2 {info['l2_bytes'] / MIB:.0f} MiB), driver {drv['version'] // 1000}."
@@ -629,7 +665,8 @@ def run_gpu(args, config):
               f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.\n"
               f"Command: `python benchmarks/deepseek.py {' '.join(args.argv)}`; model built in "
               f"{built:.1f} s, controllers prepared in {prepared * 1e3:.0f} ms; "
-              f"{args.graph_reps} graph replays and {args.eager_reps} eager steps per variant "
+              f"{args.instances} graph instances x {args.graph_reps} replays and "
+              f"{args.eager_reps} eager steps per variant "
               "and batch.")
     lines = [header, "", model_summary(model, plan), "", format_plan(plan)]
     print("\n".join(lines), flush=True)
@@ -637,7 +674,8 @@ def run_gpu(args, config):
     res = Results()
     for batch in args.batches:
         try:
-            measure_batch(args, model, plan, controller, empty, batch, res)
+            measure_batch(args, model, plan, controller, empty, batch, res,
+                          branch=(branch, branch_empty))
         except Exception as exc:                                  # noqa: BLE001
             traceback.print_exc()
             first = str(exc).splitlines()[0] if str(exc) else ""
@@ -647,8 +685,8 @@ def run_gpu(args, config):
             torch.cuda.empty_cache()
     tables = res.tables()
     print("\n" + "\n".join(tables), flush=True)
-    controller.close()
-    empty.close()
+    for ctl in (controller, empty, branch, branch_empty):
+        ctl.close()
     return lines + [""] + tables, res.failures
 
 
@@ -666,6 +704,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="a small model (fast; the tests' scale)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
                     help="comma-separated decode batches (default 1,2,4,8)")
+    ap.add_argument("--instances", type=int, default=3,
+                    help="graph instances per variant (replay time varies by instance)")
     ap.add_argument("--kernel", default=None,
                     help="prefetch kernel variant (default: the device's; see kernel_variants())")
     ap.add_argument("--no-carveout", action="store_true",
@@ -677,7 +717,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.argv = argv
     args.batches = [int(b) for b in args.batches.split(",") if b]
-    args.graph_reps, args.eager_reps = (100, 8) if args.quick else (500, 30)
+    args.graph_reps, args.eager_reps = (100, 8) if args.quick else (300, 30)
     if importlib.util.find_spec("transformers") is None:
         print("benchmarks/deepseek.py needs transformers (5.17): pip install transformers==5.17.0")
         return 2

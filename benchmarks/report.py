@@ -141,20 +141,27 @@ def pct(x):
 def run_sequence(rig, w, batch, window, prepared_by_name, reps):
     """cold / empty / prefetched / hot medians (us) of [fork?] spin(window) gemv [join?]."""
     x = torch.randn(batch, K, device=DEV, dtype=torch.bfloat16)
-    ctrl = PrefetchController(0)
+    # Names ending in " (branch)" fork to the side stream inside the graph (graph_fork="branch").
+    ctrls = {mode: PrefetchController(0, graph_fork=mode) for mode in ("inline", "branch")}
     for name, p in prepared_by_name.items():
-        ctrl.add(name, 0, [batch], p)
+        base = name[: -len(" (branch)")] if name.endswith(" (branch)") else name
+        ctrls["branch" if base != name else "inline"].add(base, 0, [batch], p)
 
     before = torch.zeros(256, device=DEV)
 
-    def step(point=None):
+    def step(name=None):
+        ctrl, point = None, name
+        if name:
+            mode = "branch" if name.endswith(" (branch)") else "inline"
+            ctrl, point = ctrls[mode], name[: -len(" (branch)")] if mode == "branch" else name
+
         def fn():
             before.add_(1.0)   # the work the fork follows: the fork is mid-graph, as in a layer
-            if point:
+            if ctrl:
                 ctrl.fork(point, 0, batch)
             rig.spin(window)
             torch.nn.functional.linear(x, w)
-            if point:
+            if ctrl:
                 ctrl.join()
         return fn
 
@@ -169,7 +176,8 @@ def run_sequence(rig, w, batch, window, prepared_by_name, reps):
 
     befores = {name: (warm if name == "hot" else rig.flush) for name in graphs}
     out = rig.time_graphs(graphs, befores, reps)
-    ctrl.close()
+    for ctrl in ctrls.values():
+        ctrl.close()
     return out
 
 
@@ -183,27 +191,35 @@ def section_effect(rig, quick):
     for mib in sizes:
         w = weight(mib)
         pf = PreparedWeightRanges([w], carveout=100)
-        plain = PreparedWeightRanges([w])   # no carveout attribute
         for b in batches:
             for t in windows:
-                r = run_sequence(rig, w, b, t, {"empty": empty, "prefetched": pf, "no carveout": plain},
-                                 reps)
+                r = run_sequence(rig, w, b, t, {"empty": empty, "prefetched": pf,
+                                                "empty (branch)": empty,
+                                                "prefetched (branch)": pf}, reps)
                 gap = r["cold"] - r["hot"]
                 net = r["empty"] - r["prefetched"]
                 rec = net / gap if gap > 0.3 else float("nan")
+                net_b = r["empty (branch)"] - r["prefetched (branch)"]
                 raw.append((mib, b, t, r, rec))
                 rows.append((f"{pf.nbytes / MIB:.1f}", b, t, f"{r['cold']:.2f}", f"{r['empty']:.2f}",
                              f"{r['prefetched']:.2f}", f"{r['hot']:.2f}", f"{gap:.2f}",
                              f"{net:+.2f}", "-" if rec != rec else pct(rec),
-                             f"{r['no carveout']:.2f}",
-                             "-" if gap <= 0.3 else pct((r["empty"] - r["no carveout"]) / gap)))
+                             f"{r['cold'] - r['prefetched']:+.2f}",
+                             f"{r['empty (branch)']:.2f}", f"{r['prefetched (branch)']:.2f}",
+                             "-" if gap <= 0.3 else pct(net_b / gap),
+                             f"{r['cold'] - r['prefetched (branch)']:+.2f}"))
         del w, pf
     text = ("### The effect: GEMV after a bandwidth-idle window (step time, us)\n\n"
-            "Step = small op, [fork] spin(T) GEMV [join], replayed as a CUDA graph, the variants interleaved; default kernel, grid 32, carveout 100 (and without the carveout attribute).  "
-            "gap = cold - hot (the prize); net = empty fork - prefetched (the gain against the "
-            "control); recovered = net / gap (shown where the gap exceeds 0.3 us).\n\n"
+            "Step = small op, [fork] spin(T) GEMV [join], replayed as a CUDA graph, the variants "
+            "interleaved; default kernel, grid 32, carveout 100.  Forks as shipped "
+            "(graph_fork='inline': the loader on the captured stream with launch-order edges) "
+            "and as a side branch (graph_fork='branch').  gap = cold - hot (the prize); net = "
+            "empty fork - prefetched (the gain against the control); recovered = net / gap "
+            "(shown where the gap exceeds 0.3 us); vs cold = cold - prefetched (what a user "
+            "sees against not forking).\n\n"
             + table(["W MiB", "batch", "T us", "cold", "empty fork", "prefetched", "hot", "gap",
-                     "net", "recovered", "no carveout", "recovered (no carveout)"], rows))
+                     "net", "recovered", "vs cold", "branch: empty", "branch: prefetched",
+                     "branch: recovered", "branch: vs cold"], rows))
     return text, raw
 
 
@@ -342,8 +358,29 @@ def section_host(rig, quick):
         torch.cuda.synchronize()
         return _C._floor_fork_join(p, n, torch.cuda.current_stream().cuda_stream) / n / 1e3
 
+    def op_us():
+        from l2prefetch import ops
+
+        handle = ops.register(ctrl)
+        op_fork, op_join = torch.ops.l2prefetch.fork, torch.ops.l2prefetch.join
+        try:
+            for _ in range(200):
+                op_fork(handle, "p", 0, 1)
+                op_join(handle)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                op_fork(handle, "p", 0, 1)
+                op_join(handle)
+            t1 = time.perf_counter_ns()
+            torch.cuda.synchronize()
+        finally:
+            ops.unregister(handle)
+        return (t1 - t0) / n / 1e3
+
     a = statistics.median(controller_us() for _ in range(5))
     c = statistics.median(floor_us() for _ in range(5))
+    d = statistics.median(op_us() for _ in range(5))
     try:
         b = statistics.median(_python_reference(p, n // 4) for _ in range(3))
     except ImportError:
@@ -373,6 +410,8 @@ def section_host(rig, quick):
             ("(b) Python reference (seed's way: torch events, cuda-bindings launch)", f"{b:.2f}",
              f"{b / c:.2f}x"),
             ("(c) floor: the same driver calls from C", f"{c:.2f}", "1.00x"),
+            ("(d) torch.ops.l2prefetch.fork + join (the custom ops, eager)", f"{d:.2f}",
+             f"{d / c:.2f}x"),
             ("fork of an unregistered key (returns False)", f"{unknown:.3f}", "")]
     text = ("### Host cost of one fork + join (eager, us per pair, median of 5 runs of "
             f"{n})\n\n" + table(["path", "us", "vs floor"], rows)
@@ -391,10 +430,13 @@ def section_graph(rig, quick):
     w = weight(8)
     x = torch.randn(1, K, device=DEV, dtype=torch.bfloat16)
     empty = PreparedWeightRanges([], device=0)
-    ctrl = PrefetchController(0)
-    ctrl.add("e", 0, [1], empty)
+    ctrls = {mode: PrefetchController(0, graph_fork=mode) for mode in ("inline", "branch")}
+    for ctrl in ctrls.values():
+        ctrl.add("e", 0, [1], empty)
 
-    def seq(where):
+    def seq(where, mode):
+        ctrl = ctrls[mode]
+
         def fn():
             if where == "root":
                 ctrl.fork("e", 0, 1)
@@ -408,19 +450,49 @@ def section_graph(rig, quick):
                 ctrl.join()
         return fn
 
-    graphs = {k: rig.capture(seq(k)) for k in (None, "mid", "root")}
+    # A chain of 300 cuBLAS GEMVs (2048 x 2048 bf16, batch 1), each followed by a scale:
+    # the shape of a decode step's graph, where a side branch costs tens of us.
+    wc = torch.randn(2048, 2048, device=DEV, dtype=torch.bfloat16)
+    hc = torch.randn(1, 2048, device=DEV, dtype=torch.bfloat16)
+
+    def chain(mode):
+        def fn():
+            v = hc
+            for i in range(300):
+                v = torch.nn.functional.linear(v, wc) * 0.01
+                if mode and i == 150:
+                    ctrls[mode].fork("e", 0, 1)
+            if mode:
+                ctrls[mode].join()
+        return fn
+
+    graphs = {("short", None, None): rig.capture(seq(None, "inline"))}
+    for mode in ("inline", "branch"):
+        for where in ("mid", "root"):
+            graphs[("short", where, mode)] = rig.capture(seq(where, mode))
+    for mode in (None, "inline", "branch"):
+        graphs[("chain", "mid", mode)] = rig.capture(chain(mode))
     # Interleave the variants so drift hits all of them alike.
     res = {k: [] for k in graphs}
     for _ in range(5):
         for k, g in graphs.items():
             res[k].append(rig.time_graph(g, reps // 5))
     med = {k: statistics.median(v) for k, v in res.items()}
-    rows = [("no fork", f"{med[None]:.2f}", ""),
-            ("empty fork mid-graph + join at the end", f"{med['mid']:.2f}", f"{med['mid'] - med[None]:+.2f}"),
-            ("empty fork at the graph's root + join", f"{med['root']:.2f}", f"{med['root'] - med[None]:+.2f}")]
-    ctrl.close()
-    return ("### Cost of a fork inside a replayed graph (spin 5 us, GEMV 8 MiB hot, spin 5 us, "
-            "GEMV; us)\n\n" + table(["graph", "replay us", "vs no fork"], rows))
+    base = {"short": med[("short", None, None)], "chain": med[("chain", "mid", None)]}
+    label = {"short": "spin 5 us, GEMV 8 MiB, spin 5 us, GEMV",
+             "chain": "300 x (GEMV 2048 x 2048, scale)"}
+    rows = []
+    for (shape, where, mode), m in med.items():
+        what = "no fork" if mode is None else (
+            f"empty fork {'mid-graph' if where == 'mid' else 'at the root'}, {mode}")
+        rows.append((label[shape], what, f"{m:.2f}",
+                     "" if mode is None else f"{m - base[shape]:+.2f}"))
+    for ctrl in ctrls.values():
+        ctrl.close()
+    return ("### Cost of a fork inside a replayed graph (us)\n\n"
+            "One empty fork and the join at the end, as shipped (graph_fork='inline') and as a "
+            "side branch ('branch'), against the same graph without it.\n\n"
+            + table(["graph", "fork", "replay us", "vs no fork"], rows))
 
 
 # ---------------------------------------------------------------- table

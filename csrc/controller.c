@@ -7,13 +7,18 @@
  * the work it overlaps was issued), launches the prepared table on the side
  * stream, and marks the controller pending.  join() makes the current stream
  * wait for the side stream, so a captured CUDA graph always rejoins it.
+ * While the current stream is being captured into a CUDA graph, fork instead
+ * puts the prefetch on that stream with launch-order edges (capture.c, NOTE
+ * [inline graph fork]): a side branch slows some graphs by tens of us.  Such
+ * a fork leaves nothing pending; graph_fork="branch" keeps the side stream.
  *
  * The hot path allocates no Python object and hashes nothing: point names are
  * interned to small integers at add() and compared by identity first; the
  * table is a flat array indexed [point][layer][batch]; the current stream comes
  * from torch's C shim (stream.c); the only driver calls are the three of the
  * fork (record, wait, launch) and the two of the join (record, wait), plus one
- * cuCtxGetCurrent read that catches a fork while another device is current.
+ * cuCtxGetCurrent read that catches a fork while another device is current and
+ * one cuStreamGetCaptureInfo read of the capture state.
  * All of it runs under the GIL, so forks from several Python threads are
  * serialised, never interleaved.
  */
@@ -22,6 +27,11 @@
 /* Set by l2p_device_ready() (driver.c): the call that failed. */
 
 #include "structmember.h"
+
+/* While capturing: the prefetch node on the captured stream itself with
+ * launch-order edges (capture.c, NOTE [inline graph fork]), or the side stream. */
+enum { GRAPH_FORK_INLINE = 0, GRAPH_FORK_BRANCH = 1 };
+static const char *const graph_fork_names[] = {"inline", "branch"};
 
 #define MAX_LAYER 65535
 #define MAX_BATCH 65535
@@ -33,6 +43,7 @@ typedef struct {
     int device;
     int enabled;
     int closed;
+    int graph_fork;           /* GRAPH_FORK_*: how a fork goes into a captured graph */
     CUstream side;
     CUevent join_event;
     PyObject *points;         /* list of interned str; index = point id */
@@ -55,18 +66,32 @@ static l2p_state *state_of(controller *self)
 
 static PyObject *controller_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"device", NULL};
-    PyObject *device_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:PrefetchController", kwlist, &device_obj))
+    static char *kwlist[] = {"device", "graph_fork", NULL};
+    PyObject *device_obj = Py_None, *graph_fork_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O$O:PrefetchController", kwlist, &device_obj,
+                                     &graph_fork_obj))
         return NULL;
     l2p_state *st = l2p_state_of_type(type);
-    int device;
+    int device, graph_fork = GRAPH_FORK_INLINE;
     if (l2p_device_arg(device_obj, &device) < 0)
         return NULL;
+    if (graph_fork_obj) {
+        graph_fork = -1;
+        for (int i = 0; PyUnicode_Check(graph_fork_obj) && i < 2; i++)
+            if (PyUnicode_CompareWithASCIIString(graph_fork_obj, graph_fork_names[i]) == 0)
+                graph_fork = i;
+        if (graph_fork < 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "graph_fork must be 'inline' (the default) or 'branch', not %R",
+                         graph_fork_obj);
+            return NULL;
+        }
+    }
     controller *self = (controller *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
     self->device = device;
+    self->graph_fork = graph_fork;
     self->points = PyList_New(0);
     self->entries = PyDict_New();
     if (!self->points || !self->entries)
@@ -481,6 +506,8 @@ PyDoc_STRVAR(fork_doc,
 "fork($self, point, layer, batch, /, stream=None)\n--\n\n"
 "Launch the table registered for (point, layer, batch) on the side stream,\n"
 "after the work already queued on stream (default: torch's current stream).\n"
+"While stream is being captured (graph_fork='inline'), the launch goes on\n"
+"stream itself with launch-order edges, overlapping what follows.\n"
 "Returns False, doing nothing, when nothing is registered there.");
 
 static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssize_t nargs,
@@ -501,19 +528,29 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     CUstream cur;
     if (l2p_parse_stream(stream, self->device, &cur) < 0 || ensure_context(self) < 0)
         return NULL;
-    if (!self->pending) {
-        self->capture_id = capture_of(self, cur);
-    } else if (self->capture_id != 0) {
-        unsigned long long now = capture_of(self, cur);
-        if (now != self->capture_id) {
-            self->pending = 0;
-            self->capture_id = 0;
-            return PyErr_Format(st->error,
-                                "this controller forked during a CUDA graph capture that ended "
-                                "without join(): call join() at the end of every captured step "
-                                "(the earlier capture is invalid)");
-        }
+    int inline_ok = self->graph_fork == GRAPH_FORK_INLINE && l2p_capture_inline_available(d);
+    unsigned long long cap = 0;
+    if (inline_ok || !self->pending || self->capture_id != 0)
+        cap = capture_of(self, cur);
+    if (self->pending && self->capture_id != 0 && cap != self->capture_id) {
+        self->pending = 0;
+        self->capture_id = 0;
+        return PyErr_Format(st->error,
+                            "this controller forked during a CUDA graph capture that ended "
+                            "without join(): call join() at the end of every captured step "
+                            "(the earlier capture is invalid)");
     }
+    if (cap && inline_ok) {
+        const char *failed;
+        CUresult r = l2p_capture_inline_launch(d, cur, entry, &failed);
+        if (r != CUDA_SUCCESS)
+            return l2p_raise_cuda(st, d, failed, r);
+        self->forks[p]++;
+        self->bytes[p] += l2p_prepared_nbytes(entry);
+        Py_RETURN_TRUE;
+    }
+    if (!self->pending)
+        self->capture_id = cap;
     CUevent ev = self->events[p * self->nlayers + layer];
     CUresult r = d->fn.cuEventRecord(ev, cur);
     if (r != CUDA_SUCCESS)
@@ -665,6 +702,10 @@ static PyObject *get_device(controller *self, void *c) { return PyLong_FromLong(
 static PyObject *get_enabled(controller *self, void *c) { return PyBool_FromLong(self->enabled); }
 static PyObject *get_pending(controller *self, void *c) { return PyBool_FromLong(self->pending); }
 static PyObject *get_closed(controller *self, void *c) { return PyBool_FromLong(self->closed); }
+static PyObject *get_graph_fork(controller *self, void *c)
+{
+    return PyUnicode_FromString(graph_fork_names[self->graph_fork]);
+}
 static PyObject *get_points(controller *self, void *c) { return PyList_AsTuple(self->points); }
 
 static PyGetSetDef controller_getset[] = {
@@ -674,6 +715,10 @@ static PyGetSetDef controller_getset[] = {
     {"enabled", (getter)get_enabled, NULL, "False when L2PREFETCH_DISABLE was set at construction: forks do nothing.", NULL},
     {"pending", (getter)get_pending, NULL, "Whether a fork awaits join().", NULL},
     {"closed", (getter)get_closed, NULL, "Whether close() was called.", NULL},
+    {"graph_fork", (getter)get_graph_fork, NULL,
+     "How a fork goes into a CUDA graph being captured: 'inline' (the prefetch node on the\n"
+     "captured stream with launch-order edges; the default) or 'branch' (the side stream).",
+     NULL},
     {"points", (getter)get_points, NULL, "Point names in registration order.", NULL},
     {NULL},
 };
@@ -709,10 +754,14 @@ static PyObject *controller_repr(controller *self)
 }
 
 PyDoc_STRVAR(controller_doc,
-"PrefetchController(device=None)\n--\n\n"
+"PrefetchController(device=None, *, graph_fork='inline')\n--\n\n"
 "Prefetch launches per (point, layer, batch) on one side stream of one CUDA\n"
-"device (default: torch's current device).  With L2PREFETCH_DISABLE=1 in the\n"
-"environment at construction, nothing touches the GPU and fork() returns False.");
+"device (default: torch's current device).  graph_fork says how a fork goes\n"
+"into a CUDA graph being captured: 'inline' puts the prefetch node on the\n"
+"captured stream with launch-order edges (no side branch; driver 12.3+,\n"
+"older drivers fall back), 'branch' forks to the side stream as in eager mode.\n"
+"With L2PREFETCH_DISABLE=1 in the environment at construction, nothing\n"
+"touches the GPU and fork() returns False.");
 
 static PyType_Slot controller_slots[] = {
     {Py_tp_new, controller_new},

@@ -28,6 +28,7 @@ typedef struct CUgraphNode_st *CUgraphNode;
 enum {
     CUDA_SUCCESS = 0,
     CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_DEINITIALIZED = 4,
     CUDA_ERROR_NO_DEVICE = 100,
@@ -35,6 +36,7 @@ enum {
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
     CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
 };
 
 /* CUdevice_attribute */
@@ -56,6 +58,22 @@ enum { CU_STREAM_NON_BLOCKING = 0x1 };
 enum { CU_EVENT_DISABLE_TIMING = 0x2 };
 /* CUstreamCaptureStatus */
 enum { CU_STREAM_CAPTURE_STATUS_NONE = 0, CU_STREAM_CAPTURE_STATUS_ACTIVE = 1 };
+/* CUstreamUpdateCaptureDependencies_flags */
+enum { CU_STREAM_ADD_CAPTURE_DEPENDENCIES = 0, CU_STREAM_SET_CAPTURE_DEPENDENCIES = 1 };
+/* CUgraphNodeType (only the one we test for) */
+enum { CU_GRAPH_NODE_TYPE_KERNEL = 0 };
+/* CUgraphDependencyType and the kernel node's output ports (CUDA 12.3) */
+enum { CU_GRAPH_DEPENDENCY_TYPE_DEFAULT = 0, CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC = 1 };
+enum { CU_GRAPH_KERNEL_NODE_PORT_DEFAULT = 0, CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC = 1,
+       CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER = 2 };
+
+/* What an edge of a graph carries (CUDA 12.3); all zero is an ordinary edge. */
+typedef struct CUgraphEdgeData_st {
+    unsigned char from_port;
+    unsigned char to_port;
+    unsigned char type;
+    unsigned char reserved[5];
+} CUgraphEdgeData;
 
 /* CUlaunchAttributeID (only the two we set) */
 enum {

@@ -48,7 +48,10 @@
     X(cuPointerGetAttribute, 4000, 1, (void *, int, CUdeviceptr))                      \
     X(cuStreamGetCaptureInfo, 12030, 0,                                                \
       (CUstream, int *, unsigned long long *, CUgraph *, const CUgraphNode **,         \
-       const void **, size_t *))
+       const CUgraphEdgeData **, size_t *))                                            \
+    X(cuStreamUpdateCaptureDependencies, 12030, 0,                                     \
+      (CUstream, CUgraphNode *, const CUgraphEdgeData *, size_t, unsigned int))        \
+    X(cuGraphNodeGetType, 10000, 0, (CUgraphNode, int *))
 
 /* The oldest driver we accept: cuGetProcAddress_v2 and cuLaunchKernelEx. */
 #define L2P_MIN_DRIVER_VERSION 12000

@@ -115,6 +115,13 @@ uint64_t l2p_prepared_nbytes(PyObject *obj);
 CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream);
 l2p_driver *l2p_prepared_driver(PyObject *obj);
 
+/* capture.c: the inline graph fork (NOTE [inline graph fork]). */
+int l2p_capture_inline_available(const l2p_driver *d);
+/* Capture prepared's launch on s (capturing) as a node with launch-order edges;
+ * on failure *failed names the driver call. */
+CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
+                                   const char **failed);
+
 /* bench.c */
 PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 

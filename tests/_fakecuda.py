@@ -85,6 +85,8 @@ ENTRY_POINTS = {
     "cuStreamWaitEvent": (3020, [c_void_p, c_void_p, c_uint]),
     "cuStreamSynchronize": (2000, [c_void_p]),
     "cuPointerGetAttribute": (4000, [c_void_p, c_int, c_ulonglong]),
+    "cuStreamUpdateCaptureDependencies": (12030, [c_void_p, _PV, c_void_p, c_size_t, c_uint]),
+    "cuGraphNodeGetType": (10000, [c_void_p, _PI]),
 }
 
 LIVE_KINDS = ("stream", "event", "module", "context")
@@ -145,6 +147,7 @@ class FakeCuda:
             "fake_live": (ctypes.c_long, [c_char_p]),
             "fake_bad_destroys": (ctypes.c_long, []),
             "fake_set_capture": (None, [c_ulonglong]),
+            "fake_add_capture_node": (c_size_t, [c_int]),
             "fake_set_uninitialized_error": (None, [c_int]),
             "cuGetProcAddress_v2": (c_int, ENTRY_POINTS["cuGetProcAddress"][1]),
         }
@@ -201,6 +204,10 @@ class FakeCuda:
     def set_capture(self, capture_id):
         """Non-zero: cuStreamGetCaptureInfo reports ACTIVE with this id; 0: NONE."""
         self.lib.fake_set_capture(capture_id)
+
+    def add_capture_node(self, node_type):
+        """While capturing: capture a node of node_type (1 memcpy, 2 memset, ...); its index."""
+        return self.lib.fake_add_capture_node(node_type)
 
     def set_uninitialized_error(self, code):
         """Non-zero: cuInit fails with `code` (e.g. CUDA_ERROR_NO_DEVICE)."""

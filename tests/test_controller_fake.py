@@ -478,8 +478,8 @@ def test_add_fault(fake, table, name):
 
 # -- lifetime ---------------------------------------------------------------------------------------
 
-def _populated(fake, table):
-    c = PC(device=0)
+def _populated(fake, table, **kw):
+    c = PC(device=0, **kw)
     c.add("attn", 0, [1, 2], table)
     c.add("attn", 1, [1], table)
     c.add("mlp", 0, [1], table)
@@ -606,7 +606,16 @@ def test_dealloc_fault_during_shutdown_is_ignored(fake, table, monkeypatch):
 
 # -- graph capture ------------------------------------------------------------------------------
 
-def test_capture_ended_without_join(fake, ctl):
+@pytest.fixture
+def branch(fake, table):
+    """A controller that forks to its side stream in captures too (graph_fork="branch")."""
+    c = _populated(fake, table, graph_fork="branch")
+    fake.clear_log()
+    return c
+
+
+def test_capture_ended_without_join(fake, branch):
+    ctl = branch
     fake.set_capture(7)
     assert ctl.fork("attn", 0, 1, stream=STREAM)
     assert ctl.fork("attn", 1, 1, stream=STREAM)  # same capture: fine
@@ -623,21 +632,24 @@ def test_capture_ended_without_join(fake, ctl):
     assert not ctl.pending
 
 
-def test_capture_then_eager_without_join(fake, ctl):
+def test_capture_then_eager_without_join(fake, branch):
     fake.set_capture(7)
-    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    assert branch.fork("attn", 0, 1, stream=STREAM)
     fake.set_capture(0)
     with pytest.raises(l2prefetch.Error, match=r"join\(\)"):
-        ctl.fork("attn", 0, 1, stream=STREAM)
+        branch.fork("attn", 0, 1, stream=STREAM)
 
 
-def test_capture_with_join_is_fine(fake, ctl):
+@pytest.mark.parametrize("mode", ["inline", "branch"])
+def test_capture_with_join_is_fine(fake, table, mode):
+    ctl = _populated(fake, table, graph_fork=mode)
     for capture in (7, 8, 0, 9):
         fake.set_capture(capture)
         assert ctl.fork("attn", 0, 1, stream=STREAM)
         assert ctl.fork("mlp", 0, 1, stream=STREAM)
         ctl.join(stream=STREAM)
     assert ctl.stats()["attn"]["forks"] == 4
+    assert not ctl.pending
 
 
 def test_capture_info_missing_from_old_driver(fake):
@@ -649,6 +661,117 @@ def test_capture_info_missing_from_old_driver(fake):
     fake.set_capture(8)
     assert c.fork("attn", 0, 1, stream=STREAM)  # undetectable, not an error
     assert fake.calls("cuStreamGetCaptureInfo") == 0
+    # no edge data either: the inline graph fork falls back to the side stream
+    assert fake.calls("cuStreamUpdateCaptureDependencies") == 0
+    assert fake.calls("cuStreamWaitEvent") == 2
+
+
+# -- the inline graph fork (capture.c) -------------------------------------------------------------
+
+def _deps(line):
+    """'deps=[1:t0/p0,2:t1/p2]' of a log line -> [(1, 0, 0), (2, 1, 2)]."""
+    text = kv(line)["deps"].strip("[]")
+    out = []
+    for item in filter(None, text.split(",")):
+        node, edge = item.split(":")
+        t, p = edge.split("/")
+        out.append((int(node), int(t[1:]), int(p[1:])))
+    return out
+
+
+def test_graph_fork_names(fake, table):
+    assert PC(device=0).graph_fork == "inline"
+    assert PC(device=0, graph_fork="branch").graph_fork == "branch"
+
+
+@pytest.mark.parametrize("upstream_type, k_edge", [(0, (1, 1, 2)), (1, (1, 0, 0)), (2, (1, 0, 0))])
+def test_inline_fork_edges(fake, ctl, upstream_type, k_edge):
+    """K depends on X by X's launch (kernel X) or X's own edge (memcpy, memset);
+    afterwards the stream depends on X as before plus K's launch."""
+    fake.set_capture(7)
+    x = fake.add_capture_node(upstream_type)
+    fake.clear_log()
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    launch, = fake.log("cuLaunchKernelEx")
+    assert kv(launch)["stream"] == CUR                       # on the captured stream itself
+    k = int(kv(launch)["node"])
+    assert _deps(launch) == [(x,) + k_edge[1:]]
+    updates = fake.log("cuStreamUpdateCaptureDependencies")
+    assert len(updates) == 2 and all(kv(u)["flags"] == "1" for u in updates)  # SET
+    assert _deps(updates[-1]) == [(x, 0, 0), (k, 1, 2)]
+    # no side stream, no events: nothing pending, join() does nothing
+    assert fake.log("cuEventRecord") == [] and fake.log("cuStreamWaitEvent") == []
+    assert not ctl.pending
+    ctl.join(stream=STREAM)
+    assert fake.log("cuEventRecord") == []
+    assert ctl.stats()["attn"] == {"forks": 1, "bytes": 4096}
+    # the next captured node depends on X and on K's launch
+    launch_after = PWR([arr(5)]).launch(STREAM)
+    assert launch_after is None
+    assert _deps(fake.log("cuLaunchKernelEx")[-1]) == [(x, 0, 0), (k, 1, 2)]
+
+
+def test_inline_forks_back_to_back_keep_every_launch_edge(fake, ctl):
+    fake.set_capture(7)
+    x = fake.add_capture_node(0)
+    fake.clear_log()
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    assert ctl.fork("mlp", 0, 1, stream=STREAM)
+    k1, k2 = (int(kv(line)["node"]) for line in fake.log("cuLaunchKernelEx"))
+    # K2 after X (launch) and K1 (already a launch edge, kept)
+    assert _deps(fake.log("cuLaunchKernelEx")[1]) == [(x, 1, 2), (k1, 1, 2)]
+    assert _deps(fake.log("cuStreamUpdateCaptureDependencies")[-1]) == \
+        [(x, 0, 0), (k1, 1, 2), (k2, 1, 2)]
+
+
+def test_inline_fork_first_in_capture(fake, ctl):
+    """No node captured yet: K is a root, the stream then depends on its launch."""
+    fake.set_capture(7)
+    fake.clear_log()
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    launch, = fake.log("cuLaunchKernelEx")
+    assert _deps(launch) == []
+    assert _deps(fake.log("cuStreamUpdateCaptureDependencies")[-1]) == [(int(kv(launch)["node"]),
+                                                                        1, 2)]
+
+
+@pytest.mark.parametrize("call, nth", [("cuStreamGetCaptureInfo", 2), ("cuGraphNodeGetType", 1),
+                                       ("cuStreamUpdateCaptureDependencies", 1),
+                                       ("cuLaunchKernelEx", 1), ("cuStreamGetCaptureInfo", 3),
+                                       ("cuStreamUpdateCaptureDependencies", 2)])
+def test_inline_fork_faults(fake, ctl, call, nth):
+    """Each driver call of the inline fork failing: CudaError naming it, nothing
+    counted, the dependency set left usable, the controller still working."""
+    fake.set_capture(7)
+    x = fake.add_capture_node(0)
+    fake.fail(call, nth=nth, code="CUDA_ERROR_INVALID_VALUE")
+    with pytest.raises(l2prefetch.CudaError, match=call) as info:
+        ctl.fork("attn", 0, 1, stream=STREAM)
+    assert info.value.name == "CUDA_ERROR_INVALID_VALUE" and info.value.operation == call
+    assert ctl.stats()["attn"]["forks"] == 0 and not ctl.pending
+    launched = [int(kv(line)["node"]) for line in fake.log("cuLaunchKernelEx")
+                if "node" in kv(line)]
+    fake.clear_log()
+    PWR([arr(5)]).launch(STREAM)
+    deps = _deps(fake.log("cuLaunchKernelEx")[-1])
+    if launched:   # failed after the launch: the stream follows K with an ordinary edge
+        assert deps == [(launched[0], 0, 0)]
+    else:          # failed before: X's edge as it was
+        assert deps == [(x, 0, 0)]
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+
+
+def test_inline_fork_leaks_nothing(fake):
+    c = PC(device=0)
+    c.add("attn", 0, 1, PWR([arr(0)]))
+    fake.set_capture(7)
+    for i in range(100):
+        fake.add_capture_node(i % 3)
+        assert c.fork("attn", 0, 1, stream=STREAM)
+    fake.set_capture(0)
+    assert c.stats()["attn"]["forks"] == 100
+    del c
+    assert_all_released(fake)
 
 
 # -- L2PREFETCH_DISABLE ---------------------------------------------------------------------------

@@ -100,8 +100,40 @@ def test_fork_orders_after_main_stream_and_join_rejoins():
         assert torch.all(seen == value)
 
 
-def test_fork_join_in_cuda_graph_replays_like_eager():
+def test_inline_graph_fork_keeps_the_stream_order():
+    """The shipped capture path (graph_fork='inline'): the work after a fork
+    still waits for the work before it, on every replay, and the prefetch node
+    is in the graph (counted), with nothing pending."""
     ctrl = PrefetchController(0)
+    assert ctrl.graph_fork == "inline"
+    w = _rand((2048, 2048))
+    ctrl.add("p", 0, [1], PreparedWeightRanges([w], carveout=100, priority=True))
+    src, dst = torch.zeros(1 << 20, device=DEV), torch.zeros(1 << 20, device=DEV)
+    value = torch.zeros((), device=DEV)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            _sleep_us(50)
+            src.copy_(value.expand_as(src))        # X: the last node before the fork
+            assert ctrl.fork("p", 0, 1)
+            assert not ctrl.pending
+            dst.copy_(src + 1)                     # must still follow X
+            ctrl.join()
+    torch.cuda.current_stream().wait_stream(s)
+    assert ctrl.stats()["p"]["forks"] == 1
+    for v in range(200):
+        value.fill_(float(v))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.all(dst == v + 1), v
+
+
+def test_fork_join_in_cuda_graph_replays_like_eager():
+    """graph_fork='branch': the side stream is part of the capture, ordered
+    after the fork and joined at the end, as in eager mode."""
+    ctrl = PrefetchController(0, graph_fork="branch")
     w = _rand((1024, 1024))
     ctrl.add("p", 0, [1], PreparedWeightRanges([w], carveout=100, priority=True))
     src, seen, dst = (torch.zeros(1 << 20, device=DEV) for _ in range(3))
@@ -131,7 +163,7 @@ def test_fork_join_in_cuda_graph_replays_like_eager():
 
 def test_unjoined_capture_is_reported_by_us():
     drv = pytest.importorskip("cuda.bindings.driver")
-    ctrl = PrefetchController(0)
+    ctrl = PrefetchController(0, graph_fork="branch")      # inline forks leave nothing unjoined
     ctrl.add("p", 0, [1], PreparedWeightRanges([_rand((256, 256))]))
     s = torch.cuda.Stream()
     torch.cuda.synchronize()
@@ -199,6 +231,83 @@ def test_controller_drop_after_capture_and_many_cycles_leak_nothing():
     gc.collect()
     torch.cuda.synchronize()
     assert abs(torch.cuda.mem_get_info()[0] - free0) < (8 << 20)
+
+
+def test_controller_dropped_mid_capture_after_join_leaves_a_working_graph():
+    """Dropping the controller between join() and the end of a torch capture
+    destroys its side stream and events while the capture is still open: the
+    capture must still end, and the graph replay like eager."""
+    w = _rand((1024, 1024))
+    x = _rand((8, 1024))
+    ref = torch.nn.functional.linear(x, w) * 2
+    ctrl = PrefetchController(0)
+    ctrl.add("p", 0, [8], PreparedWeightRanges([w]))
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            assert ctrl.fork("p", 0, 8)
+            y = torch.nn.functional.linear(x, w)
+            ctrl.join()
+            del ctrl
+            gc.collect()
+            y = y * 2                          # captured after the controller is gone
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(20):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("mode", ["inline", "branch"])
+def test_controller_dropped_mid_capture_before_join(mode):
+    """Dropped after fork() and before join().  'branch': the side branch can
+    never be joined, so ending the capture fails with a driver error (not a
+    crash).  'inline': the prefetch node is on the captured stream, so the
+    capture ends and the graph runs.  Either way the process keeps working: a
+    new controller forks, captures and replays."""
+    drv = pytest.importorskip("cuda.bindings.driver")
+    w = _rand((512, 512))
+    ctrl = PrefetchController(0, graph_fork=mode)
+    ctrl.add("p", 0, [1], PreparedWeightRanges([w]))
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    mode_ = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    assert drv.cuStreamBeginCapture(s.cuda_stream, mode_)[0] == drv.CUresult.CUDA_SUCCESS
+    assert ctrl.fork("p", 0, 1, stream=s.cuda_stream)
+    del ctrl
+    gc.collect()
+    err, graph = drv.cuStreamEndCapture(s.cuda_stream)
+    if mode == "branch":
+        assert err != drv.CUresult.CUDA_SUCCESS, "a capture with an unjoined branch ended"
+    else:
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+        err, exe = drv.cuGraphInstantiate(graph, 0)
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+        assert drv.cuGraphLaunch(exe, s.cuda_stream)[0] == drv.CUresult.CUDA_SUCCESS
+        assert drv.cuStreamSynchronize(s.cuda_stream)[0] == drv.CUresult.CUDA_SUCCESS
+        drv.cuGraphExecDestroy(exe)
+        drv.cuGraphDestroy(graph)
+    assert drv.cuStreamIsCapturing(s.cuda_stream)[1] == \
+        drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    torch.cuda.synchronize()
+    # Nothing is left broken: a fresh controller works eager and in a capture.
+    again = PrefetchController(0)
+    again.add("p", 0, [1], PreparedWeightRanges([w]))
+    assert again.fork("p", 0, 1)
+    again.join()
+    g = torch.cuda.CUDAGraph()
+    s2 = torch.cuda.Stream()
+    s2.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s2):
+        with torch.cuda.graph(g, stream=s2):
+            assert again.fork("p", 0, 1)
+            again.join()
+    torch.cuda.current_stream().wait_stream(s2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert again.stats()["p"]["forks"] == 2          # one eager, one captured
 
 
 def test_stream_of_another_device_or_context_is_refused():

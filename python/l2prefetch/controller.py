@@ -21,9 +21,12 @@ class PrefetchController(_C.PrefetchController):
     __slots__ = ()
 
     @classmethod
-    def from_plan(cls, plan: Iterable[PlanEntry], device=None, *, kernel: str | None = None
-                  ) -> "PrefetchController":
+    def from_plan(cls, plan: Iterable[PlanEntry], device=None, *, kernel: str | None = None,
+                  graph_fork: str = "inline") -> "PrefetchController":
         """Prepare and register every entry of plan.
+
+        ``graph_fork`` is the constructor's: how forks go into a CUDA graph
+        being captured ('inline', the default, or 'branch').
 
         Entries with the same weights (by identity) and the same byte_cap,
         grid, carveout and priority share one PreparedWeightRanges.  With
@@ -34,7 +37,7 @@ class PrefetchController(_C.PrefetchController):
         for i, entry in enumerate(entries):
             if not isinstance(entry, PlanEntry):
                 raise TypeError(f"plan[{i}] must be a PlanEntry, not {type(entry).__name__}")
-        controller = cls(device)
+        controller = cls(device, graph_fork=graph_fork)
         if not controller.enabled:
             logger.info("L2PREFETCH_DISABLE is set: %d plan entries not prepared", len(entries))
             return controller

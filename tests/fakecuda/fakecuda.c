@@ -21,8 +21,14 @@
  *     devices.
  *
  * What it leaves out
- *   - No GPU work, memory, graphs or real capture: cuStreamGetCaptureInfo only
- *     reports the global state set with fake_set_capture().
+ *   - No GPU work, memory or real graphs.  Capture is one global state set
+ *     with fake_set_capture(): while it is on, every stream reports ACTIVE and
+ *     shares one dependency set of graph nodes; a successful launch adds a
+ *     kernel node that depends on the set and becomes it (the log line shows
+ *     " node=N deps=[M:tT/pP,...]": node indices, edge type and from-port);
+ *     fake_add_capture_node() adds a node of another type (a memcpy, say);
+ *     cuStreamUpdateCaptureDependencies replaces or extends the set and checks
+ *     that a programmatic edge leaves a kernel node through port 1 or 2.
  *   - Only primary contexts exist; the context stack is per thread as in the
  *     real driver (fake_reset empties every thread's stack).
  *   - Module images are not parsed (the log only names their format), any
@@ -117,7 +123,8 @@ static const struct { int code; const char *name, *desc; } errors[] = {
     X(cuStreamDestroy, 4000, 1) X(cuStreamGetCtx, 9020, 1)                               \
     X(cuStreamGetCaptureInfo, 12030, 1) X(cuEventCreate, 2000, 1)                        \
     X(cuEventDestroy, 4000, 1) X(cuEventRecord, 2000, 1) X(cuStreamWaitEvent, 3020, 1)   \
-    X(cuStreamSynchronize, 2000, 1) X(cuPointerGetAttribute, 4000, 1)
+    X(cuStreamSynchronize, 2000, 1) X(cuPointerGetAttribute, 4000, 1)                  \
+    X(cuStreamUpdateCaptureDependencies, 12030, 1) X(cuGraphNodeGetType, 10000, 1)
 
 #define X_ENUM(n, v, i) EP_##n,
 enum { ENTRY_POINTS(X_ENUM) EP_COUNT };
@@ -126,7 +133,11 @@ static const struct { const char *name; int version, needs_init; } meta[EP_COUNT
 
 /* ---- state ---------------------------------------------------------------- */
 
-enum { K_CTX = 1, K_MODULE, K_FUNC, K_STREAM, K_EVENT, K_GRAPH, K_COUNT };
+enum { K_CTX = 1, K_MODULE, K_FUNC, K_STREAM, K_EVENT, K_GRAPH, K_NODE, K_COUNT };
+#define MAX_DEPS 32
+
+typedef struct { unsigned char from_port, to_port, type, reserved[5]; } EdgeData;
+_Static_assert(sizeof(EdgeData) == 8, "CUgraphEdgeData layout");
 #define MAX_DEVICES 64
 #define MAX_PENDING 256
 #define MAX_OVERRIDES 32
@@ -135,6 +146,7 @@ enum { K_CTX = 1, K_MODULE, K_FUNC, K_STREAM, K_EVENT, K_GRAPH, K_COUNT };
 
 typedef struct {
     int live, device, max_dyn_smem; /* max_dyn_smem: functions, 0 = never set */
+    int node_type;                            /* graph nodes: CUgraphNodeType */
     size_t module;                            /* functions: index of their module */
     char *name;                               /* functions: kernel name */
 } Obj;
@@ -148,6 +160,9 @@ static struct State {
     unsigned gen; /* bumped by fake_reset */
     int initialized, uninit_error, device_count, cc_major, cc_minor, driver_version;
     unsigned long long capture_id;
+    void *dep_nodes[MAX_DEPS];                /* the capture's dependency set */
+    EdgeData dep_edges[MAX_DEPS];
+    size_t ndeps;
     int calls[EP_COUNT];
     struct { int ep, target, code, active; } pending[MAX_PENDING];
     struct { int attrib, value; } overrides[MAX_OVERRIDES];
@@ -546,6 +561,36 @@ EXPORT CUresult cuFuncSetAttribute(CUfunction fn, int attrib, int value) {
     return end(&c, OK);
 }
 
+/* Index (1-based) of a node handle, 0 if it is none of ours. */
+static size_t node_index(const void *h) {
+    Obj *o = find(K_NODE, h);
+    return o ? (size_t)(o - S.objs[K_NODE].v) + 1 : 0;
+}
+
+static void log_deps(Call *c) {
+    addf(c, " deps=[");
+    for (size_t i = 0; i < S.ndeps; i++)
+        addf(c, "%s%zu:t%u/p%u", i ? "," : "", node_index(S.dep_nodes[i]), S.dep_edges[i].type,
+             S.dep_edges[i].from_port);
+    addf(c, "]");
+}
+
+/* A captured node of type: it depends on the current set, then is the set. */
+static int capture_add_node(Call *c, int type) {
+    void *h;
+    Obj *o = new_obj(K_NODE, 0, &h);
+    if (!o) return 0;
+    o->node_type = type;
+    if (c) {
+        addf(c, " node=%zu", node_index(h));
+        log_deps(c);
+    }
+    S.dep_nodes[0] = h;
+    memset(&S.dep_edges[0], 0, sizeof S.dep_edges[0]);
+    S.ndeps = 1;
+    return 1;
+}
+
 EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction fn, void **params, void **extra) {
     Call c;
     start(&c, EP_cuLaunchKernelEx);
@@ -580,6 +625,7 @@ EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction fn, void 
     if (cfg->sharedMemBytes > (unsigned)(f->max_dyn_smem ? f->max_dyn_smem : 48 * 1024))
         return end(&c, E_INVALID_VALUE);
     if (!foreign && dev != f->device) return end(&c, E_INVALID_HANDLE);
+    if (S.capture_id && !capture_add_node(&c, 0)) return end(&c, E_OUT_OF_MEMORY);
     return end(&c, OK);
 }
 
@@ -621,10 +667,48 @@ EXPORT CUresult cuStreamGetCaptureInfo(CUstream s, int *status, unsigned long lo
     *status = S.capture_id ? 1 : 0;
     if (id) *id = S.capture_id;
     if (graph) *graph = S.capture_id ? mkhandle(K_GRAPH, 0) : NULL;
-    if (deps) *deps = NULL;
-    if (edges) *edges = NULL;
-    if (ndeps) *ndeps = 0;
+    if (deps) *deps = S.capture_id ? (const void *)S.dep_nodes : NULL;
+    if (edges) *edges = S.capture_id ? (const void *)S.dep_edges : NULL;
+    if (ndeps) *ndeps = S.capture_id ? S.ndeps : 0;
     addf(&c, " status=%d id=%llu", *status, S.capture_id);
+    return end(&c, OK);
+}
+
+EXPORT CUresult cuStreamUpdateCaptureDependencies(CUstream s, void **nodes, const EdgeData *edges,
+                                                  size_t n, unsigned flags) {
+    BEGIN(cuStreamUpdateCaptureDependencies, "stream=0x%llx n=%zu flags=%u", H(s), n, flags);
+    int dev, foreign;
+    CUresult rc = stream_dev(s, &dev, &foreign);
+    if (rc) return end(&c, rc);
+    if (flags > 1 || (n && !nodes)) return end(&c, E_INVALID_VALUE);
+    if (!S.capture_id) return end(&c, 401); /* CUDA_ERROR_ILLEGAL_STATE */
+    size_t base = flags == 1 ? 0 : S.ndeps;
+    if (base + n > MAX_DEPS) return end(&c, E_INVALID_VALUE);
+    for (size_t i = 0; i < n; i++) {
+        Obj *o = find(K_NODE, nodes[i]);
+        if (!o) return end(&c, E_INVALID_HANDLE);
+        EdgeData e = {0};
+        if (edges) e = edges[i];
+        if (e.type > 1 || e.to_port || e.from_port > 2 || (e.from_port && o->node_type != 0) ||
+            (e.type == 1 && (o->node_type != 0 || e.from_port == 0)))
+            return end(&c, E_INVALID_VALUE);
+    }
+    for (size_t i = 0; i < n; i++) {
+        S.dep_nodes[base + i] = nodes[i];
+        if (edges) S.dep_edges[base + i] = edges[i];
+        else memset(&S.dep_edges[base + i], 0, sizeof(EdgeData));
+    }
+    S.ndeps = base + n;
+    log_deps(&c);
+    return end(&c, OK);
+}
+
+EXPORT CUresult cuGraphNodeGetType(void *node, int *type) {
+    BEGIN(cuGraphNodeGetType, "node=%zu", node_index(node));
+    Obj *o = find(K_NODE, node);
+    if (!o || !type) return end(&c, o ? E_INVALID_VALUE : E_INVALID_HANDLE);
+    *type = o->node_type;
+    addf(&c, " type=%d", *type);
     return end(&c, OK);
 }
 
@@ -798,6 +882,17 @@ EXPORT long fake_bad_destroys(void) {
     return n;
 }
 
-EXPORT void fake_set_capture(unsigned long long id) { LOCKED(S.capture_id = id); }
+/* A new capture (or none) starts with an empty dependency set. */
+EXPORT void fake_set_capture(unsigned long long id) { LOCKED(S.capture_id = id; S.ndeps = 0); }
+
+/* Capture a node of type (CUgraphNodeType: 1 memcpy, 2 memset, ...) on the set;
+ * returns its index, 0 when not capturing. */
+EXPORT size_t fake_add_capture_node(int type) {
+    size_t idx = 0;
+    pthread_mutex_lock(&mu);
+    if (S.capture_id && capture_add_node(NULL, type)) idx = node_index(S.dep_nodes[0]);
+    pthread_mutex_unlock(&mu);
+    return idx;
+}
 
 EXPORT void fake_set_uninitialized_error(int code) { LOCKED(S.uninit_error = code); }
