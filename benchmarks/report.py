@@ -3,8 +3,9 @@
     python benchmarks/report.py [--quick] [--out benchmarks/RESULTS.md] [--sections a,b,...]
 
 Prints compact Markdown tables and writes them to RESULTS.md (and PNG plots
-where matplotlib is installed) with the device, driver, torch version and the
-exact command.  GPU time comes from CUDA events around CUDA-graph replays, so
+next to it where matplotlib is installed: effect_<mib>mib.png,
+layer_speedup.png) with the device, driver, torch version and the exact
+command.  GPU time comes from CUDA events around CUDA-graph replays, so
 host launch costs do not blur kernel times; medians over many repetitions; L2
 is flushed before every cold measurement by reading a buffer 8x the L2 size;
 weights are random, never zeros.
@@ -14,6 +15,12 @@ Sections:
            us on the main stream (one CTA spinning), in four variants: cold,
            empty fork (the control), prefetched (fork at the window's start,
            join at the end), hot (W read just before: the physical limit).
+  persist  the alternative: CUDA L2 persistence (a set-aside and a persisting
+           access-policy window over W, through cuda-python) on the effect's
+           sequence, flushed and steady, against cold, l2prefetch and hot.
+  layer    a decode step of two Kimi-shaped MoE layers at TP8 shard sizes in
+           one graph, with the seed's forks (kimi_k3.plan): no prefetch,
+           l2prefetch, empty forks, and the limit, at batches 1-8.
   kernels  the prefetch kernel variants and grids on the same sequence, their
            own duration, and how much they slow a concurrent memory-bound copy.
   host     host cost of fork+join: the controller, a Python reference built
@@ -30,7 +37,6 @@ import argparse
 import ctypes
 import datetime
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -220,6 +226,412 @@ def section_effect(rig, quick):
             + table(["W MiB", "batch", "T us", "cold", "empty fork", "prefetched", "hot", "gap",
                      "net", "recovered", "vs cold", "branch: empty", "branch: prefetched",
                      "branch: recovered", "branch: vs cold"], rows))
+    return text, raw
+
+
+# ---------------------------------------------------------------- persist
+
+def _cu_call(cu, name, result):
+    """Check a cuda.bindings driver call's (CUresult, *values); raise naming the call."""
+    err = result[0]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{name} failed: {getattr(err, 'name', err)}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def _set_window(cu, stream, ptr, nbytes, ratio):
+    """The stream's access-policy window: [ptr, ptr + nbytes) persisting with hitRatio ratio,
+    misses streaming; nbytes == 0 clears it (all properties normal)."""
+    value = getattr(cu, "CUstreamAttrValue", None) or cu.CUlaunchAttributeValue
+    value = value()
+    win = value.accessPolicyWindow
+    win.base_ptr = ptr
+    win.num_bytes = nbytes
+    win.hitRatio = ratio
+    prop = cu.CUaccessProperty
+    win.hitProp = prop.CU_ACCESS_PROPERTY_PERSISTING if nbytes else prop.CU_ACCESS_PROPERTY_NORMAL
+    win.missProp = prop.CU_ACCESS_PROPERTY_STREAMING if nbytes else prop.CU_ACCESS_PROPERTY_NORMAL
+    _cu_call(cu, "cuStreamSetAttribute(CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW)",
+             cu.cuStreamSetAttribute(cu.CUstream(stream.cuda_stream),
+                                     getattr(cu, "CUstreamAttrID", cu.CUlaunchAttributeID)
+                                     .CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW,
+                                     value))
+
+
+def _persist_reset(cu, stream):
+    """Undo the section's persistence state; returns the failures (never raises)."""
+    failures = []
+    steps = (("torch.cuda.synchronize", lambda: torch.cuda.synchronize()),
+             ("clear the stream window", lambda: _set_window(cu, stream, 0, 0, 0.0)),
+             ("cuCtxResetPersistingL2Cache",
+              lambda: _cu_call(cu, "cuCtxResetPersistingL2Cache",
+                               cu.cuCtxResetPersistingL2Cache())),
+             ("cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0)",
+              lambda: _cu_call(cu, "cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0)",
+                               cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0))),
+             ("torch.cuda.synchronize", lambda: torch.cuda.synchronize()))
+    for name, step in steps:
+        try:
+            step()
+        except Exception as exc:  # keep undoing the rest
+            failures.append(f"{name}: {exc}")
+    return failures
+
+
+def _window_nodes(cu, g):
+    """(kernel nodes carrying a persisting window, kernel nodes) of g's captured graph."""
+    graph = cu.CUgraph(int(g.raw_cuda_graph()))
+    _, n = _cu_call(cu, "cuGraphGetNodes", cu.cuGraphGetNodes(graph, 0))
+    nodes, _ = _cu_call(cu, "cuGraphGetNodes", cu.cuGraphGetNodes(graph, n))
+    carrying = kernels = 0
+    for node in nodes:
+        kind = _cu_call(cu, "cuGraphNodeGetType", cu.cuGraphNodeGetType(node))
+        if kind != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            continue
+        kernels += 1
+        value = _cu_call(cu, "cuGraphKernelNodeGetAttribute(ACCESS_POLICY_WINDOW)",
+                         cu.cuGraphKernelNodeGetAttribute(
+                             node, cu.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW))
+        win = value.accessPolicyWindow
+        if win.num_bytes and win.hitProp == cu.CUaccessProperty.CU_ACCESS_PROPERTY_PERSISTING:
+            carrying += 1
+    return carrying, kernels
+
+
+def _capture_persisting(rig, cu, stream, fn):
+    """fn captured on stream (whose window the kernel nodes take at capture), same pool as
+    Rig.capture; returns (graph, note on how many kernel nodes carry the window)."""
+    try:
+        g, kept = torch.cuda.CUDAGraph(keep_graph=True), True
+    except TypeError:  # torch without keep_graph: no node check
+        g, kept = torch.cuda.CUDAGraph(), False
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, pool=rig.pool, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    note = "node check unavailable (torch has no CUDAGraph(keep_graph=True))"
+    if kept:
+        try:
+            carrying, kernels = _window_nodes(cu, g)
+            note = f"{carrying} of {kernels} kernel nodes carry the window"
+        except Exception as exc:
+            note = f"node check unavailable ({type(exc).__name__}: {exc})"
+        g.instantiate()   # keep_graph defers it; do it before timing
+    torch.cuda.synchronize()
+    return g, note
+
+
+def section_persist(rig, quick):
+    """CUDA's L2 persistence (access-policy window + set-aside) against l2prefetch."""
+    title = "### The alternative: CUDA L2 persistence (step time, us)\n\n"
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return title + ("Skipped: cuda-python (`cuda.bindings.driver`) is not installed, and "
+                        "torch has no API for access-policy windows."), []
+    sizes, batches = [16, 32], [1, 8]
+    windows = [0, 10] if quick else [0, 10, 20]
+    reps = 60 if quick else 150
+    rows, raw, notes, cleanup = [], [], [], []
+    failure = None
+    pstream = torch.cuda.Stream()
+    try:
+        dev = _cu_call(cu, "cuDeviceGet", cu.cuDeviceGet(torch.cuda.current_device()))
+        attr = cu.CUdevice_attribute
+        max_persist = _cu_call(cu, "cuDeviceGetAttribute(MAX_PERSISTING_L2_CACHE_SIZE)",
+                               cu.cuDeviceGetAttribute(
+                                   attr.CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE, dev))
+        max_window = _cu_call(cu, "cuDeviceGetAttribute(MAX_ACCESS_POLICY_WINDOW_SIZE)",
+                              cu.cuDeviceGetAttribute(
+                                  attr.CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE, dev))
+        if max_persist <= 0 or max_window <= 0:
+            return title + (f"Skipped: the device reports max persisting L2 {max_persist} B and "
+                            f"max window {max_window} B (persistence unsupported here)."), []
+        for mib in sizes:
+            w = weight(mib)
+            pf = PreparedWeightRanges([w], carveout=100)
+            x = {b: torch.randn(b, K, device=DEV, dtype=torch.bfloat16) for b in batches}
+            before = torch.zeros(256, device=DEV)
+            # Phase 1, no set-aside: cold / l2prefetch (inline fork) / hot, as in the effect.
+            base = {(b, t): run_sequence(rig, w, b, t, {"prefetched": pf}, reps)
+                    for b in batches for t in windows}
+            # Phase 2: set-aside and a persisting window over W on a stream of its own.
+            setaside = min(w.nbytes, max_persist)
+            span = min(w.nbytes, max_window)
+            label = f"{w.nbytes / MIB:.2f}"
+            try:
+                torch.cuda.synchronize()
+                _cu_call(cu, "cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE)",
+                         cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, setaside))
+                got = _cu_call(cu, "cuCtxGetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE)",
+                               cu.cuCtxGetLimit(cu.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE))
+                # hitRatio 1 while the set-aside holds the window (it does at 16 and 32 MiB);
+                # lower, the fraction that fits, so that the lines do not evict each other.
+                ratio = min(1.0, (got or setaside) / span)
+                _set_window(cu, pstream, w.data_ptr(), span, ratio)
+                checks = set()
+                for b in batches:
+                    for t in windows:
+                        def fn(xb=x[b], t=t, w=w):
+                            before.add_(1.0)
+                            rig.spin(t)
+                            torch.nn.functional.linear(xb, w)
+
+                        g, check = _capture_persisting(rig, cu, pstream, fn)
+                        checks.add(check)
+                        p = rig.time_graphs({"persist, flushed": g, "persist, steady": g},
+                                            {"persist, flushed": rig.flush,
+                                             "persist, steady": lambda: None}, reps)
+                        r = dict(base[b, t], **p)
+                        raw.append((label, b, t, r))
+                        rows.append((label, b, t, f"{r['cold']:.2f}", f"{r['prefetched']:.2f}",
+                                     f"{r['persist, flushed']:.2f}", f"{r['persist, steady']:.2f}",
+                                     f"{r['hot']:.2f}"))
+                        del g
+                notes.append(f"W {mib} MiB: window {span / MIB:.2f} MiB, hitRatio {ratio:.2f}, "
+                             f"set-aside asked {setaside / MIB:.2f} MiB, got {got / MIB:.2f} MiB; "
+                             + "; ".join(sorted(checks)))
+            finally:
+                cleanup += _persist_reset(cu, pstream)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        failure = f"{type(exc).__name__}: {exc}"
+    finally:
+        cleanup += _persist_reset(cu, pstream)
+    text = title
+    if failure:
+        text += f"**Failed**: {failure} (rows measured before the failure follow).\n\n"
+    if cleanup:
+        text += "**Cleanup failures** (later sections may see persisting lines): " + "; ".join(
+            dict.fromkeys(cleanup)) + "\n\n"
+    if not rows:
+        return text.rstrip(), raw
+    text += ("Same step as the effect: small op, spin(T), GEMV y = x @ W^T.  cold = flushed L2; "
+             "prefetched = l2prefetch (fork at the window's start, inline, join at the end; grid "
+             "32, carveout 100); persistence = a set-aside of min(W, device max) bytes "
+             "(`cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE)`) and an access-policy window "
+             "over W (hitProp persisting, missProp streaming) set on a capture stream of its own "
+             "before capture, so the graph's kernel nodes carry it; 'persist, flushed' flushes "
+             "before each replay like cold, 'persist, steady' replays without a flush; hot = W "
+             "read just before.  cold / prefetched / hot are measured first with no set-aside, "
+             "then persistence (persisting lines would survive the flush of the other variants "
+             f"too).  Device: max persisting L2 {max_persist / MIB:.2f} MiB, max window "
+             f"{max_window / MIB:.2f} MiB.  " + "  ".join(n + "." for n in notes) + "\n\n"
+             + table(["W MiB", "batch", "T us", "cold", "prefetched (l2prefetch)",
+                      "persist, flushed", "persist, steady", "hot"], rows))
+    wins = [(m, b, t, r["prefetched"] - r["persist, flushed"]) for m, b, t, r in raw
+            if r["persist, flushed"] < r["prefetched"] - 0.3]
+    gaps = [(r["cold"] - r["hot"], r["cold"] - r["persist, flushed"]) for _, _, _, r in raw]
+    survived = sum(1 for gap, got in gaps if gap > 0.3 and got >= 0.8 * gap)
+    evicted = sum(1 for gap, got in gaps if gap > 0.3 and got < 0.2 * gap)
+    steady = max(abs(r["persist, steady"] - r["hot"]) for _, _, _, r in raw)
+    if wins:
+        where = ", ".join(f"W {m} B{b} T{t} ({d:.2f} us)" for m, b, t, d in wins)
+        verdict = (f"Persistence (flushed) beats l2prefetch in {len(wins)} of {len(raw)} rows "
+                   f"({where}): its lines are already resident when the step starts, so it "
+                   "needs no bandwidth-idle window (a prefetch at T = 0 has nothing to hide "
+                   "its load behind).")
+    else:
+        verdict = (f"Persistence (flushed) beats l2prefetch by more than 0.3 us in none of the "
+                   f"{len(raw)} rows.")
+    if survived:
+        verdict += (f"  In {survived} of {len(raw)} rows the flushed persistence time is within "
+                    "20% of the cold-hot gap from hot: the set-aside survived the 8x-L2 flush "
+                    "(normal traffic does not evict persisting lines), which is the whole point "
+                    "and also the cost.")
+    if evicted:
+        verdict += (f"  In {evicted} rows it stays near cold: the persisting lines did not "
+                    "survive the flush (or the nodes did not carry the window, see above).")
+    verdict += (f"  Without a flush, persistence and hot differ by at most {steady:.2f} us: W "
+                "fits in L2 either way.")
+    text += ("\n\n" + verdict + "\n\nWhy it is not a drop-in alternative for decode: (1) the "
+             f"set-aside (up to {max_persist / MIB:.1f} MiB here) is a context-wide limit, taken "
+             "from the L2 every other kernel of the process uses, for as long as it is set; "
+             "(2) the window is a per-stream (captured: per kernel node) attribute, one window "
+             f"of at most {max_window / MIB:.0f} MiB per launch, while a decode step reads a "
+             "different weight in every GEMV; (3) a decode step streams each weight once (61 "
+             "layers, far more than L2), so persisting one weight only helps if that weight is "
+             "reused across steps and fits the set-aside.  l2prefetch needs no reservation: it "
+             "loads the next weights into the ordinary L2 during idle bandwidth.")
+    return text, raw
+
+
+# ---------------------------------------------------------------- layer
+
+#: The layer section's stand-ins for a Kimi MoE decode layer at TP8 (per rank, bf16):
+#: weight shapes [out, in] of each GEMV, in the order a layer runs them.
+LAYER_WEIGHTS = (
+    ("attn_in", (1152, K)),        # attention input projection (KDA in_proj_qkvgfab stand-in)
+    ("o_proj", (K, 1024)),         # 64 heads x 128 / 8 ranks -> hidden
+    ("front", (512, K)),           # packed [router 384 rows; latent-down shard 128 rows]
+    ("shared_gate_up", (384, K)),  # shared expert gate_up shard
+    ("shared_down", (K, 384)),     # shared expert down shard (reads gate_up's output)
+    ("experts", (2176, K)),        # routed experts: one GEMV over ~30 MiB
+)
+#: Attention core stand-in: one CTA spinning (reads no weights, leaves HBM idle).
+LAYER_CORE_US = 20
+#: TP8 all-reduce stand-in (after o_proj and after the MoE): one CTA spinning.
+LAYER_ALLREDUCE_US = 8
+
+
+def _layer_weight(shape):
+    return torch.randn(*shape, device=DEV, dtype=torch.float32).to(torch.bfloat16)
+
+
+def _covered(intervals, start, nbytes):
+    """Bytes of [start, start + nbytes) inside the union of intervals [(lo, hi)]."""
+    merged = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    end = start + nbytes
+    return sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in merged)
+
+
+def section_layer(rig, quick):
+    """Two Kimi-shaped MoE decode layers (TP8 shard sizes) in one graph, with the seed's forks."""
+    from types import SimpleNamespace as NS
+
+    from l2prefetch import kimi_k3
+
+    batches = [1, 8] if quick else [1, 2, 4, 8]
+    reps = 60 if quick else 150
+    lin = torch.nn.functional.linear
+    shapes = dict(LAYER_WEIGHTS)
+    layers = []
+    for index in range(2):
+        ws = {name: _layer_weight(shape) for name, shape in LAYER_WEIGHTS}
+        attention = NS(in_proj_qkvgfab=NS(weight=ws["attn_in"]), o_proj=NS(weight=ws["o_proj"]))
+        shared = NS(gate_up_proj=NS(weight=ws["shared_gate_up"]),
+                    down_proj=NS(weight=ws["shared_down"]))
+        layers.append(NS(is_moe_layer=True, layer_idx=index, self_attn=attention,
+                         mlp=NS(shared_experts=shared), ws=ws))
+    packed = {layer.layer_idx: layer.ws["front"] for layer in layers}
+    entries = kimi_k3.plan(layers, packed, 8)
+    ctrl_b = PrefetchController.from_plan(entries, 0)   # graph_fork='inline', as shipped
+    ctrl_d = PrefetchController(0)
+    for e in entries:
+        ctrl_d.add(e.point, e.layer, e.batches,
+                   PreparedWeightRanges([], device=0, grid=e.grid, carveout=e.carveout,
+                                        priority=e.priority))
+    rows, raw = [], []
+    for batch in batches:
+        h = torch.randn(batch, K, device=DEV, dtype=torch.bfloat16)
+        a = torch.randn(batch, shapes["o_proj"][1], device=DEV, dtype=torch.bfloat16)
+        s = torch.randn(batch, shapes["shared_down"][1], device=DEV, dtype=torch.bfloat16)
+        inputs = {"o_proj": a, "shared_down": s}
+
+        def step(ctrl, batch=batch, h=h, a=a, s=s):
+            def fork(point, index):
+                if ctrl is not None:
+                    ctrl.fork(point, index, batch)
+
+            def fn():
+                for layer in layers:
+                    ws, i = layer.ws, layer.layer_idx
+                    lin(h, ws["attn_in"])
+                    fork("attention_moe", i)       # after the KDA input projection
+                    rig.spin(LAYER_CORE_US)        # attention core
+                    lin(a, ws["o_proj"])
+                    fork("oproj_down", i)          # after the o-projection
+                    rig.spin(LAYER_ALLREDUCE_US)   # all-reduce
+                    lin(h, ws["front"])            # router + latent-down
+                    lin(h, ws["shared_gate_up"])
+                    lin(s, ws["shared_down"])
+                    lin(h, ws["experts"])
+                    fork("next_attention", i)      # once the routed experts are launched
+                    rig.spin(LAYER_ALLREDUCE_US)   # all-reduce
+                if ctrl is not None:
+                    ctrl.join()                    # one join, at the end of the step
+            return fn
+
+        graphs = {"a": rig.capture(step(None)), "b": rig.capture(step(ctrl_b)),
+                  "d": rig.capture(step(ctrl_d))}
+        befores = {name: rig.flush for name in graphs}
+        # What the forks load at this batch, and which GEMVs read it.
+        active = [(p, l) for p, l, bb in ctrl_b.keys() if bb == batch]
+        intervals, loaded = [], 0
+        for p, l in active:
+            prepared = ctrl_b.get(p, l, batch)
+            loaded += prepared.nbytes
+            intervals += [(ptr, ptr + n) for ptr, n in prepared.ranges]
+        consumers = {}
+        for layer in layers:
+            for name, wt in layer.ws.items():
+                frac = _covered(intervals, wt.data_ptr(), wt.nbytes) / wt.nbytes
+                if frac > 0:
+                    consumers[f"L{layer.layer_idx} {name}"] = (wt, inputs.get(name, h), frac)
+        for key, (wt, xin, _) in consumers.items():
+            g = rig.capture(lambda wt=wt, xin=xin: lin(xin, wt))
+
+            def warm(wt=wt, xin=xin):
+                rig.flush()
+                lin(xin, wt)
+
+            graphs["cold " + key], befores["cold " + key] = g, rig.flush
+            graphs["hot " + key], befores["hot " + key] = g, warm
+        t = rig.time_graphs(graphs, befores, reps)
+        saving = sum(frac * max(0.0, t["cold " + key] - t["hot " + key])
+                     for key, (_, _, frac) in consumers.items())
+        ta, tb, td = t["a"], t["b"], t["d"]
+        tc = ta - saving
+        share = (ta - tb) / (ta - tc) if ta - tc > 0.5 else float("nan")
+        points = sorted({p for p, _ in active})
+        raw.append({"batch": batch, "a": ta, "b": tb, "d": td, "c": tc, "share": share,
+                    "points": points, "loaded": loaded, "consumers": list(consumers)})
+        rows.append((batch, ", ".join(points) or "-", f"{loaded / MIB:.1f}", f"{ta:.2f}",
+                     f"{tb:.2f}", f"{td:.2f}", f"{tc:.2f}", f"{ta / tb:.3f}x", f"{ta - tb:+.2f}",
+                     f"{td - tb:+.2f}", f"{ta - tc:.2f}", "-" if share != share else pct(share)))
+        del graphs
+    ctrl_b.close()
+    ctrl_d.close()
+    per_layer = sum(wt.nbytes for wt in layers[0].ws.values())
+    sizes = ", ".join(f"{name} [{r} x {c}] {r * c * 2 / MIB:.2f} MiB"
+                      for name, (r, c) in LAYER_WEIGHTS)
+    goal = []
+    for row in raw:
+        ok_speed = row["a"] / row["b"] >= 0.99
+        limited = row["a"] - row["c"] > 0.5
+        ok_share = (not limited) or row["share"] >= 0.85
+        goal.append(ok_speed and ok_share)
+        row["goal"] = goal[-1]
+    misses = [f"B{row['batch']}" for row in raw if not row["goal"]]
+    text = ("### A decode step: two Kimi-shaped MoE layers at TP8 (step time, us)\n\n"
+            f"One CUDA graph of two layers back to back, per layer: GEMV attn_in; "
+            f"[attention_moe]; attention core stand-in = spin({LAYER_CORE_US} us) (one CTA, "
+            "reads no weights); GEMV o_proj; [oproj_down]; all-reduce stand-in = "
+            f"spin({LAYER_ALLREDUCE_US} us); GEMVs front, shared gate_up, shared down, routed "
+            f"experts; [next_attention]; all-reduce stand-in = spin({LAYER_ALLREDUCE_US} us); "
+            "one join at the end of the step.  Weights (bf16, hidden 7168, per TP8 rank, "
+            f"{per_layer / MIB:.1f} MiB per layer): {sizes}; norms, activations and routing "
+            "are left out, every GEMV reads fixed random inputs.  Forks, weights, batches, "
+            "grids, carveouts and priorities come from `l2prefetch.kimi_k3.plan(layers, "
+            "packed, tp=8)` (KDA attention: attention_moe at B5-8 with front + shared expert, "
+            "grid 32; oproj_down at B3-8 with the front, grid 8; both carveout 100 and "
+            "priority; next_attention: layer 1's attn_in + o_proj capped at its provisional "
+            "NEXT_ATTENTION[8], 32 MiB at B1-4, 16 MiB at B5-8, grid 32), graph_fork='inline'.  "
+            "Variants interleaved, each after a flush (a real step's weights are cold): (a) no "
+            "prefetch, (b) l2prefetch, (d) the same forks with empty tables (control).  (c) "
+            "the limit: (a) minus, for every GEMV whose weight the forks load at that batch, "
+            "its cold - hot time measured alone (hot = weight read just before; scaled by the "
+            "share of the weight loaded), interleaved with the rest.  It is computed rather "
+            "than replayed because the step streams "
+            f"{2 * per_layer / MIB:.0f} MiB, more than L2: weights read before the step would "
+            "be evicted before their GEMV runs.  share = (a-b)/(a-c), shown where a-c > 0.5 "
+            "us.  points = forks that launch at that batch; MiB = bytes they load.\n\n"
+            + table(["batch", "points", "MiB", "a: none", "b: l2prefetch", "d: empty forks",
+                     "c: limit", "a/b", "a-b", "d-b", "a-c", "share of limit"], rows)
+            + "\n\nGoal: at least 85% of the limit where the limit exceeds 0.5 us, and never "
+            "slower than 0.99x (a/b >= 0.99): "
+            + ("met at every batch." if not misses else f"missed at {', '.join(misses)}."))
     return text, raw
 
 
@@ -555,10 +967,66 @@ def section_table(rig, quick):
                      "difference"], rows))
 
 
+# ---------------------------------------------------------------- plots
+
+def plot(raws, outdir):
+    """PNG plots of the effect and layer sections; returns (paths written, note)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "No PNG plots: matplotlib is not installed."
+    paths = []
+    effect = raws.get("effect") or []
+    colors = {"cold": "tab:blue", "empty": "tab:gray", "prefetched": "tab:green",
+              "hot": "tab:red"}
+    for mib in sorted({row[0] for row in effect}):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for batch, style in ((1, "-"), (8, "--")):
+            pts = sorted((t, r) for m, b, t, r, _ in effect if m == mib and b == batch)
+            if not pts:
+                continue
+            for name, color in colors.items():
+                ax.plot([t for t, _ in pts], [r[name] for _, r in pts], style, color=color,
+                        marker="o", label=f"{name}, batch {batch}")
+        ax.set_xlabel("bandwidth-idle window T (us)")
+        ax.set_ylabel("step time (us)")
+        ax.set_title(f"GEMV over W = {mib} MiB after a window of T us")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        path = os.path.join(outdir, f"effect_{mib}mib.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    layer = raws.get("layer") or []
+    if layer:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        labels = [str(row["batch"]) for row in layer]
+        ax.bar(labels, [row["a"] / row["b"] for row in layer], color="tab:green")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(0.99, color="tab:red", linewidth=0.8, linestyle="--", label="0.99x")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("a / b (no prefetch / l2prefetch)")
+        ax.set_title("Two Kimi-shaped MoE layers (TP8): speed-up")
+        lo = min(0.98, *(row["a"] / row["b"] for row in layer)) - 0.01
+        ax.set_ylim(bottom=lo)
+        ax.legend(fontsize=7)
+        path = os.path.join(outdir, "layer_speedup.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths, ""
+
+
 # ---------------------------------------------------------------- main
 
-SECTIONS = {"effect": section_effect, "kernels": section_kernels, "host": section_host,
-            "graph": section_graph, "table": section_table}
+SECTIONS = {"effect": section_effect, "persist": section_persist, "layer": section_layer,
+            "kernels": section_kernels, "host": section_host, "graph": section_graph,
+            "table": section_table}
 
 
 def main(argv=None):
@@ -567,6 +1035,10 @@ def main(argv=None):
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     args = ap.parse_args(argv)
+    names = [n for n in args.sections.split(",") if n]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown section(s) {', '.join(unknown)}; sections: {', '.join(SECTIONS)}")
     if not torch.cuda.is_available():
         print("benchmarks/report.py needs a CUDA GPU; none is visible here.")
         return 0
@@ -581,13 +1053,26 @@ def main(argv=None):
               f"Command: `python benchmarks/report.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
               f" (spin calibrated at {rig.cycles_per_us:.0f} cycles/us).")
     print(header, flush=True)
-    parts = [header]
-    for name in args.sections.split(","):
+    parts, raws = [header], {}
+    for name in names:
         t0 = time.perf_counter()
         result = SECTIONS[name](rig, args.quick)
         text = result[0] if isinstance(result, tuple) else result
+        if isinstance(result, tuple):
+            raws[name] = result[1]
         print("\n" + text + f"\n\n({name}: {time.perf_counter() - t0:.0f} s)", flush=True)
         parts.append(text)
+    try:
+        pngs, note = plot(raws, os.path.dirname(os.path.abspath(args.out)))
+    except Exception as exc:  # a plot must never cost the report
+        print(f"warning: plotting failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        pngs, note = [], f"No PNG plots: plotting failed ({type(exc).__name__}: {exc})."
+    if pngs:
+        note = "Plots (next to this file): " + ", ".join(
+            f"[{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs) + "."
+    if note:
+        print("\n" + note + ("\n" + "\n".join(pngs) if pngs else ""), flush=True)
+        parts.append(note)
     with open(args.out, "w") as f:
         f.write("# l2prefetch benchmark results\n\n" + "\n\n".join(parts) + "\n")
     print(f"\nwrote {args.out}")

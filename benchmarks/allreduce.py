@@ -1,0 +1,619 @@
+"""The all-reduce window: tensor-parallel decode, one process per GPU of one host.
+
+    python benchmarks/allreduce.py [--world 2] [--quick] [--out PATH] [--kimi [--layers 8]]
+
+At TP = --world, a decode step's all-reduce of the activations x [B, 7168]
+bf16 (B = 1, 2, 4, 8) is followed by a bf16 GEMV y = x @ W^T over this rank's
+next weight shard W (16 and 32 MiB, random).  The all-reduce is a window in
+which HBM is nearly idle: a loader forked before it can pull W into L2.  Per
+(W, B, n all-reduces, n = 1 or 2) each rank captures CUDA graphs of
+
+    small op  [fork]  n x all_reduce(x)  y = linear(x, W)  [join]
+
+and replays them interleaved rep by rep (CUDA events around each replay;
+before each one the ranks meet at an NCCL barrier and synchronize):
+
+  cold         no fork; L2 flushed (a buffer 8x the L2 read) before the replay.
+  empty fork   the same fork with an empty table (the control), flushed.
+  prefetched   the fork loads W (grid 32, carveout 100), flushed.
+  hot          no fork; flushed, then W read just before (the physical limit).
+  branch: ...  empty / prefetched with PrefetchController(graph_fork="branch").
+  all-reduce alone / with loader: n all-reduces, no GEMV, without / with the
+               fork loading W: how much the loader slows the all-reduce (an
+               upper bound: the replay ends when the loader ends too).
+
+Medians per rank (150 replays per variant, --quick 40: W 16 and 32 MiB,
+B 1 and 8), then the mean over ranks.  Before measuring, a probe run (its own
+processes) checks that each fork mode can be captured with NCCL all-reduces
+and gives the right sums; a mode that fails is reported, not measured.
+
+``--kimi`` adds the synthetic Kimi-sized shards of TP = --world
+(``l2prefetch.kimi_k3.plan``, --layers layers): every batch-8 entry forked
+once per layer inside a captured graph with one GEMV per layer, the forks
+counted by ``ctrl.stats()`` per point and rank, and the replay with and
+without the forks.
+
+Rank 0 prints a Markdown section (and writes it to --out when given).
+NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 unless already set.
+Without enough GPUs the script says why and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import l2prefetch
+from l2prefetch import PrefetchController, PreparedWeightRanges
+
+MIB = 2**20
+K = 7168
+BACKEND = "nccl"
+TIMEOUT = datetime.timedelta(minutes=5)   # a hung collective ends the run, not the session
+PROBE_DEADLINE_S = 120
+MODES = ("inline", "branch")              # PrefetchController graph_fork values
+
+
+# ---------------------------------------------------------------- processes
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_reason(world):
+    """Why this machine cannot run the benchmark, or None."""
+    if world < 1:
+        return f"--world must be at least 1, got {world}"
+    if not torch.cuda.is_available():
+        return (f"benchmarks/allreduce.py needs {world} CUDA GPUs; none is visible to torch "
+                f"{torch.__version__}.")
+    if torch.cuda.device_count() < world:
+        return (f"benchmarks/allreduce.py --world {world} needs {world} CUDA GPUs; "
+                f"{torch.cuda.device_count()} visible.")
+    if not dist.is_available() or not dist.is_nccl_available():
+        return f"torch {torch.__version__} has no NCCL backend."
+    return None
+
+
+def setup(rank, world, port):
+    """Bind this process to cuda:rank and join the NCCL group."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank), timeout=TIMEOUT)
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- rig
+
+class Rig:
+    """One rank's flush buffer, capture stream, graph pool and aligned event timing."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+        self.device = torch.device("cuda", rank)
+        props = torch.cuda.get_device_properties(rank)
+        self.name = props.name
+        self.l2 = props.L2_cache_size
+        self.flush_buf = torch.randn(8 * self.l2 // 4, device=self.device)   # float32: 8x L2
+        self.scratch = torch.empty((), device=self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(self.device)
+
+    def flush(self):
+        torch.sum(self.flush_buf, dim=0, out=self.scratch)
+
+    def align(self):
+        """All ranks at the same point, nothing queued (the last replay done first, so
+        the barrier's collective never overlaps a replayed one)."""
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[self.rank])
+        torch.cuda.synchronize()
+
+    def capture(self, fn, before_capture=None):
+        """A CUDAGraph of fn, captured on the side stream after one eager warm-up.
+
+        The warm-up also initialises what NCCL and cuBLAS need before capture;
+        every rank captures the same graphs in the same order, so the warm-up
+        collectives match across ranks."""
+        g = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            fn()
+            torch.cuda.synchronize()
+            if before_capture:
+                before_capture()
+            with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+                fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.synchronize()
+        return g
+
+    def time_graphs(self, graphs, befores, reps):
+        """Median us of each graph's replay, the variants interleaved rep by rep so
+        that drift hits all alike; before each replay the ranks are aligned, then
+        befores[name]() runs (a flush, say)."""
+        pairs = {name: [] for name in graphs}
+        for _ in range(reps):
+            for name, g in graphs.items():
+                self.align()
+                befores[name]()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                pairs[name].append((s, e))
+        torch.cuda.synchronize()
+        return {name: statistics.median(s.elapsed_time(e) * 1e3 for s, e in p)
+                for name, p in pairs.items()}
+
+
+def weight(mib, device):
+    """A random bf16 [N, 7168] shard of about mib MiB, N a multiple of 32."""
+    rows = max(32, int(mib * MIB / (K * 2)) // 32 * 32)
+    return torch.randn(rows, K, device=device, dtype=torch.float32).to(torch.bfloat16)
+
+
+def make_step(rig, x, n, w=None, ctrl=None, point=None, batch=1):
+    """The captured step: small op, [fork], n all-reduces of x, [GEMV over w], [join].
+
+    The small op scales x by 1 / world**n, so that n summing all-reduces leave
+    it bounded over any number of replays (and the fork follows a kernel, as in
+    a layer)."""
+    scale = 1.0 / rig.world ** n
+
+    def fn():
+        x.mul_(scale)
+        if ctrl is not None:
+            ctrl.fork(point, 0, batch)
+        for _ in range(n):
+            dist.all_reduce(x)
+        if w is not None:
+            torch.nn.functional.linear(x, w)
+        if ctrl is not None:
+            ctrl.join()
+    return fn
+
+
+# ---------------------------------------------------------------- probe
+
+def probe_worker(rank, world, port, outdir):
+    """Capture and replay the step with no fork, a branch fork and an inline fork.
+
+    Writes {mode: "ok" | error} to outdir/rank<r>.json after each mode (the
+    riskiest, inline, last), so what was learned survives a crash or a hang."""
+    results = {}
+    path = os.path.join(outdir, f"rank{rank}.json")
+
+    def save():
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(path + ".tmp", path)
+
+    try:
+        setup(rank, world, port)
+        rig = Rig(rank, world)
+        w = weight(16, rig.device)
+        p = PreparedWeightRanges([w], device=rank, carveout=100)
+        n, expected = 2, (world + 1) / 2    # x = rank + 1 on each rank, then the step
+        for mode in ("none", "branch", "inline"):
+            ctrl = None
+            try:
+                x = torch.zeros(1, K, device=rig.device, dtype=torch.bfloat16)
+                if mode != "none":
+                    ctrl = PrefetchController(rank, graph_fork=mode)
+                    ctrl.add("w", 0, [1], p)
+                g = rig.capture(make_step(rig, x, n, w, ctrl, "w"))
+                x.fill_(rank + 1)
+                rig.align()
+                g.replay()
+                torch.cuda.synchronize()
+                got = x.float()
+                if not bool(torch.all((got - expected).abs() <= 0.02 * expected)):
+                    raise RuntimeError(f"wrong all-reduce result after replay: expected "
+                                       f"{expected}, got {got.min().item()}..{got.max().item()}")
+                results[mode] = "ok"
+            except Exception as exc:   # noqa: BLE001 - reported, not fatal
+                text = str(exc).strip().splitlines()
+                results[mode] = f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+                print(f"[rank {rank}] probe {mode}: {results[mode]}", flush=True)
+            finally:
+                if ctrl is not None:
+                    ctrl.close()
+            save()
+    except Exception:
+        print(f"[rank {rank}] probe failed:\n{traceback.format_exc()}", flush=True)
+        raise
+    finally:
+        teardown()
+
+
+def probe(world):
+    """{mode: "ok" or why not} for "none", "branch", "inline", agreed over all ranks."""
+    with tempfile.TemporaryDirectory() as outdir:
+        context = mp.start_processes(probe_worker, args=(world, free_port(), outdir),
+                                     nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + PROBE_DEADLINE_S
+        died = None
+        try:
+            while not context.join(timeout=5):
+                if time.monotonic() > deadline:
+                    died = f"probe timed out after {PROBE_DEADLINE_S} s"
+                    break
+        except Exception as exc:       # a rank raised or died
+            died = f"probe process failed: {type(exc).__name__}"
+        finally:
+            for proc in context.processes:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        per_rank = []
+        for rank in range(world):
+            try:
+                with open(os.path.join(outdir, f"rank{rank}.json")) as f:
+                    per_rank.append(json.load(f))
+            except (OSError, ValueError):
+                per_rank.append({})
+    verdict = {}
+    for mode in ("none", "branch", "inline"):
+        errors = [f"rank {r}: {res.get(mode, died or 'not reached')}"
+                  for r, res in enumerate(per_rank) if res.get(mode) != "ok"]
+        verdict[mode] = "ok" if not errors else "; ".join(errors)
+    return verdict
+
+
+# ---------------------------------------------------------------- measurement
+
+def run_config(rig, w, batch, n, ctrls, ar_mode, reps):
+    """Medians (us) of every variant for one (W, batch, number of all-reduces)."""
+    x = torch.randn(batch, K, device=rig.device, dtype=torch.bfloat16)
+    plain = rig.capture(make_step(rig, x, n, w))
+    graphs = {"cold": plain, "hot": plain}
+    for mode, prefix in (("inline", ""), ("branch", "branch: ")):
+        if mode in ctrls:
+            graphs[prefix + "empty"] = rig.capture(make_step(rig, x, n, w, ctrls[mode], "e", batch))
+            graphs[prefix + "prefetched"] = rig.capture(
+                make_step(rig, x, n, w, ctrls[mode], "w", batch))
+    graphs["ar alone"] = rig.capture(make_step(rig, x, n))
+    if ar_mode:
+        graphs["ar with loader"] = rig.capture(make_step(rig, x, n, None, ctrls[ar_mode], "w", batch))
+
+    def warm():
+        rig.flush()
+        w.sum()
+
+    befores = {name: (warm if name == "hot" else rig.flush) for name in graphs}
+    out = rig.time_graphs(graphs, befores, reps)
+    del graphs, plain
+    return out
+
+
+def measure(rig, args, modes):
+    """This rank's medians: {("step", W MiB, B, n): {variant: us}, ("loader", W MiB): us}."""
+    sizes = [16, 32]
+    batches = [1, 8] if args.quick else [1, 2, 4, 8]
+    reps = 40 if args.quick else 150
+    ar_mode = next((m for m in MODES if m in modes), None)
+    empty = PreparedWeightRanges([], device=rig.rank, carveout=100)
+    results = {}
+    for mib in sizes:
+        w = weight(mib, rig.device)
+        p = PreparedWeightRanges([w], device=rig.rank, carveout=100)
+        label = round(p.nbytes / MIB, 2)
+        ctrls = {}
+        for mode in modes:
+            ctrls[mode] = PrefetchController(rig.rank, graph_fork=mode)
+            ctrls[mode].add("w", 0, batches, p)
+            ctrls[mode].add("e", 0, batches, empty)
+        for batch in batches:
+            for n in (1, 2):
+                results[("step", label, batch, n)] = run_config(rig, w, batch, n, ctrls, ar_mode,
+                                                                reps)
+        loader = rig.capture(p.launch)       # the loader alone
+        results[("loader", label)] = rig.time_graphs({"l": loader}, {"l": rig.flush}, reps)["l"]
+        del loader
+        for ctrl in ctrls.values():
+            ctrl.close()
+    return results
+
+
+def measure_kimi(rig, layers, mode, reps):
+    """Synthetic Kimi shards of TP = world: batch-8 forks per layer in one captured graph.
+
+    Returns {"stats": ctrl.stats() of the capture, "no forks": us, "forks": us,
+    "entries": plan length, "mode": graph_fork} or {"skipped": why}."""
+    from l2prefetch import kimi_k3
+    from l2prefetch.cli import build_synthetic_kimi
+
+    if rig.world not in kimi_k3.NEXT_ATTENTION:
+        return {"skipped": f"kimi_k3 has no plan for TP {rig.world}"}
+    with torch.no_grad():
+        _, lys, packed = build_synthetic_kimi({"layers": layers}, tp=rig.world, device=str(rig.device))
+        plan = kimi_k3.plan(lys, packed, tp=rig.world)
+        # Each layer's GEMV reads its first attention input projection ([rows, hidden]):
+        # what the previous layer's next_attention fork loads.
+        gemv = [kimi_k3.attention_weights(layer.self_attn)[0] for layer in lys]
+        tensors = {id(t): t for entry in plan for t in entry.weights}
+        tensors.update({id(t): t for t in gemv})
+        for t in tensors.values():          # torch.empty fronts are not random: make all so
+            t.normal_()
+        forks = {}
+        for entry in plan:
+            if 8 in entry.batches:
+                forks.setdefault(entry.layer, []).append(entry.point)
+        ctrl = PrefetchController.from_plan(plan, rig.rank, graph_fork=mode)
+        x = torch.randn(8, K, device=rig.device, dtype=torch.bfloat16)
+
+        def step(with_forks):
+            def fn():
+                for layer, wt in zip(lys, gemv):
+                    if with_forks:
+                        for point in forks.get(layer.layer_idx, ()):
+                            ctrl.fork(point, layer.layer_idx, 8)
+                    torch.nn.functional.linear(x, wt)
+                if with_forks:
+                    ctrl.join()
+            return fn
+
+        graphs = {"no forks": rig.capture(step(False)),
+                  "forks": rig.capture(step(True), before_capture=ctrl.reset_stats)}
+        stats = ctrl.stats()
+        times = rig.time_graphs(graphs, {name: rig.flush for name in graphs}, reps)
+        del graphs
+        ctrl.close()
+    return {"stats": stats, "entries": len(plan), "mode": mode, **times}
+
+
+def gather(obj, world):
+    everyone = [None] * world
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def emit(text, out, mode):
+    """Print text; append or write it to out when given."""
+    print("\n" + text, flush=True)
+    if out:
+        with open(out, mode) as f:
+            f.write(("\n" if mode == "a" else "") + text + "\n")
+        print(f"\n{'appended to' if mode == 'a' else 'wrote'} {out}", flush=True)
+
+
+def worker(rank, world, port, args, command, verdict):
+    """One rank: measure, gather to rank 0, which renders and prints.
+
+    The main table is printed (and written) before --kimi runs, so a failure
+    there loses only the Kimi section."""
+    try:
+        setup(rank, world, port)
+        rig = Rig(rank, world)
+        modes = [m for m in MODES if verdict.get(m) == "ok"]
+        everyone = gather(measure(rig, args, modes), world)
+        if rank == 0:
+            emit(render(header(rig, command), everyone, verdict, world), args.out, "w")
+        if args.kimi:
+            reps = 40 if args.quick else 150
+            mine = (measure_kimi(rig, args.layers, modes[0], reps) if modes
+                    else {"skipped": "no fork mode could be captured"})
+            everyone = gather(mine, world)
+            if rank == 0:
+                emit(render_kimi(everyone, world), args.out, "a")
+        dist.barrier(device_ids=[rank])
+    except Exception:
+        print(f"[rank {rank}] failed:\n{traceback.format_exc()}", flush=True)
+        raise
+    finally:
+        teardown()
+
+
+# ---------------------------------------------------------------- report
+
+def table(header_cells, rows):
+    out = ["| " + " | ".join(header_cells) + " |", "|" + "---|" * len(header_cells)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def nccl_version():
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def header(rig, command):
+    disabled = "  L2PREFETCH_DISABLE is set: forks do nothing." if l2prefetch.disabled() else ""
+    return (f"Device: {rig.name} x {rig.world} (L2 {rig.l2 / MIB:.0f} MiB), TP {rig.world}, "
+            f"torch {torch.__version__}, NCCL {nccl_version()}, l2prefetch "
+            f"{l2prefetch.__version__}, "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.{disabled}\n"
+            f"Command: `{command}`")
+
+
+def average(per_rank):
+    """Mean over ranks of each rank's medians: {key: {variant: us}} (or {key: us})."""
+    out = {}
+    for key in per_rank[0]:
+        values = [r[key] for r in per_rank]
+        if isinstance(values[0], dict):
+            out[key] = {v: statistics.mean(d[v] for d in values) for v in values[0]}
+        else:
+            out[key] = statistics.mean(values)
+    return out
+
+
+def diff(a, b):
+    return None if a is None or b is None else a - b
+
+
+def fmt(v, sign=False):
+    if v is None:
+        return "n/a"
+    return f"{v:+.2f}" if sign else f"{v:.2f}"
+
+
+def where(key):
+    _, mib, batch, n = key
+    return f"W {mib:g} MiB, B {batch}, {n} all-reduce{'s' if n > 1 else ''}"
+
+
+def summary(steps, loaders):
+    """Two or three sentences from the numbers."""
+    def extreme(fn, pick):
+        found = [(fn(r), k) for k, r in steps.items() if fn(r) is not None]
+        return pick(found, key=lambda t: t[0]) if found else None
+
+    # The shipped inline fork's columns, or the side branch's where inline was not measured.
+    prefix = "" if any("prefetched" in r for r in steps.values()) else "branch: "
+    how = "" if not prefix else " (side-branch fork: the inline fork was not measured)"
+    out = []
+    loss = extreme(lambda r: diff(r["cold"], r.get(prefix + "prefetched")), min)
+    if loss is None:
+        out.append("No prefetched numbers: no fork mode could be captured (see the probe note).")
+    elif loss[0] < 0:
+        out.append(f"The largest loss against not forking{how}: prefetched is {-loss[0]:.2f} us "
+                   f"slower than cold at {where(loss[1])}.")
+    else:
+        out.append(f"Prefetched was never slower than cold{how}: its smallest gain is "
+                   f"{loss[0]:.2f} us, at {where(loss[1])}.")
+    net = extreme(lambda r: diff(r.get(prefix + "empty"), r.get(prefix + "prefetched")), max)
+    if net is not None:
+        r = steps[net[1]]
+        out.append(f"The best net gain (empty fork - prefetched){how} is {net[0]:+.2f} us at "
+                   f"{where(net[1])}, where the gap cold - hot is {r['cold'] - r['hot']:.2f} us.")
+    slow = extreme(lambda r: diff(r.get("ar with loader"), r["ar alone"]), max)
+    if slow is not None:
+        own = ", ".join(f"{us:.2f} us ({mib:g} MiB)" for (_, mib), us in sorted(loaders.items()))
+        out.append(f"The loader slows the all-reduce by at most {slow[0]:+.2f} us ({where(slow[1])}); "
+                   f"an upper bound, as that replay also waits for the loader, which alone on a "
+                   f"cold L2 takes {own}.")
+    return " ".join(out)
+
+
+def render(head, per_rank, verdict, world):
+    avg = average(per_rank)
+    steps = {k: v for k, v in avg.items() if k[0] == "step"}
+    loaders = {k: v for k, v in avg.items() if k[0] == "loader"}
+    rows = []
+    for key in sorted(steps):
+        _, mib, batch, n = key
+        r = steps[key]
+        get = r.get
+        rows.append((f"{mib:.1f}", batch, n, fmt(r["cold"]), fmt(get("empty")),
+                     fmt(get("prefetched")), fmt(r["hot"]), fmt(r["cold"] - r["hot"]),
+                     fmt(diff(get("empty"), get("prefetched")), True),
+                     fmt(diff(r["cold"], get("prefetched")), True),
+                     fmt(get("branch: empty")), fmt(get("branch: prefetched")),
+                     fmt(r["ar alone"]), fmt(get("ar with loader")),
+                     fmt(diff(get("ar with loader"), r["ar alone"]), True)))
+    ar_mode = next((m for m in MODES if verdict.get(m) == "ok"), None)
+    probe_notes = [f"graph_fork='{m}' could not be captured with NCCL all-reduces and was not "
+                   f"measured: {verdict[m]}" for m in MODES if verdict.get(m) != "ok"]
+    parts = [
+        f"### The all-reduce window: TP {world}, all-reduce then GEMV (step time, us)",
+        head,
+        "Step = small op, [fork], n x all_reduce(x [B, 7168] bf16, sum, in place), "
+        "y = x @ W^T (bf16), [join], replayed as a CUDA graph on every rank, the variants "
+        "interleaved, the ranks aligned (NCCL barrier, synchronize) before each replay; the "
+        "median per rank, then the mean over ranks.  Loader: default kernel, grid 32, carveout "
+        "100, forked before the all-reduces; empty fork = the same fork with an empty table; "
+        "columns without a prefix fork inline (graph_fork='inline', as shipped), 'branch:' to "
+        "the side stream.  hot = W read just before the replay.  gap = cold - hot (the prize); "
+        "net = empty - prefetched (the gain against the control); vs cold = cold - prefetched "
+        "(against not forking).  all-reduce alone / with loader: n all-reduces without the GEMV, "
+        f"without / with the fork loading W ({ar_mode or 'no'} fork).",
+        table(["W MiB", "B", "all-reduces", "cold", "empty fork", "prefetched", "hot",
+               "gap (cold-hot)", "net (empty-prefetched)", "vs cold (cold-prefetched)",
+               "branch: empty", "branch: prefetched", "all-reduce alone",
+               "all-reduce with loader", "loader's slowdown of the all-reduce"], rows),
+        summary(steps, loaders),
+    ]
+    if probe_notes:
+        parts.append("Probe: " + "; ".join(probe_notes) + ".")
+    return "\n\n".join(parts)
+
+
+def render_kimi(per_rank, world):
+    title = f"### Kimi-sized shards, TP {world}: batch-8 forks per layer in one captured graph"
+    skipped = [r["skipped"] for r in per_rank if "skipped" in r]
+    if skipped:
+        return f"{title}\n\nSkipped: {skipped[0]}."
+    rows = []
+    for rank, r in enumerate(per_rank):
+        for point, s in sorted(r["stats"].items()):
+            rows.append((rank, point, s["forks"], f"{s['bytes'] / MIB:.1f}"))
+    no_forks = statistics.mean(r["no forks"] for r in per_rank)
+    forks = statistics.mean(r["forks"] for r in per_rank)
+    return (f"{title}\n\n"
+            f"{per_rank[0]['entries']} plan entries per rank (`kimi_k3.plan`, synthetic layers of "
+            "`l2prefetch.cli.build_synthetic_kimi`); each layer forks its batch-8 entries, then "
+            f"runs a GEMV over its first attention input projection (x [8, 7168]); "
+            f"graph_fork='{per_rank[0]['mode']}'.  Forks and MiB "
+            "are `ctrl.stats()` counted over the capture (what one replay launches).\n\n"
+            + table(["rank", "point", "forks", "MiB"], rows)
+            + f"\n\nReplay, flushed before, mean of the per-rank medians: {no_forks:.2f} us without "
+            f"the forks, {forks:.2f} us with them ({forks - no_forks:+.2f} us).")
+
+
+# ---------------------------------------------------------------- main
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2, help="GPUs = tensor parallelism (default 2)")
+    ap.add_argument("--quick", action="store_true",
+                    help="B 1 and 8, 40 replays per variant (default: B 1, 2, 4, 8 and 150)")
+    ap.add_argument("--out", help="also write the Markdown section to this file")
+    ap.add_argument("--kimi", action="store_true",
+                    help="add the synthetic Kimi-sized TP shards' batch-8 forks")
+    ap.add_argument("--layers", type=int, default=8, help="layers of the --kimi model (default 8)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    command = "python benchmarks/allreduce.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    reason = gpu_reason(args.world)
+    if reason:
+        print(reason)
+        return 0
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    t0 = time.perf_counter()
+    verdict = probe(args.world)
+    print(f"probe ({time.perf_counter() - t0:.0f} s): "
+          + ", ".join(f"{m}: {v}" for m, v in verdict.items()), flush=True)
+    if verdict["none"] != "ok":
+        print("the step without a fork could not be captured and replayed; nothing to measure.")
+        return 1
+    try:
+        mp.spawn(worker, args=(args.world, free_port(), args, command.strip(), verdict),
+                 nprocs=args.world, join=True)
+    except Exception as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        print(f"benchmarks/allreduce.py failed ({type(exc).__name__}: "
+              f"{lines[0].strip(' -') if lines else ''}); the [rank r] tracebacks above say why.")
+        return 1
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
