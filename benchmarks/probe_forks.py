@@ -6,17 +6,21 @@ Captures the benchmark model's decode step (benchmarks/deepseek.py) with the
 deepseek_v3 hook points and different ways of putting the loader on a side
 branch, then replays them interleaved (CUDA events, medians):
 
-  none          no hooks
-  l2p_empty     PrefetchController.fork/join with empty tables (the shipped path)
-  l2p           PrefetchController with the plan's tables
-  ev_empty      fork by torch events, PreparedWeightRanges.launch of an empty table
-  edge_only     the side stream waits on the main stream, launches nothing (edges only)
-  root_empty    the empty launches on one side chain hanging off the graph's root
-  prog_empty    the empty launches with a programmatic launch-order edge from the
-                main stream's last kernel node (no completion wait on the main stream)
-  prog          the same with the plan's tables
-  na_only_empty / od_only_empty: l2p_empty with only next_attention / oproj_down forks
+  none               no hooks
+  branch(_empty)     PrefetchController(graph_fork="branch"): a side-stream fork per point,
+                     the join at the end (the session-1 path), with the plan's / empty tables
+  one_branch_empty   one such fork only
+  one_edge_only      the side stream waits on the main stream and launches nothing (one
+                     bare cross-stream edge, joined at the end); edge_only: at every point
+  root_empty         the empty launches on one side chain hanging off the graph's root
+  prog_empty         side forks whose edge from the main stream is programmatic (launch order)
+  inline_empty       empty launches on the captured stream, ordinary edges (serial)
+  inline_keep(_empty) on the captured stream with launch-order edges, the next node keeping
+                     its edge from the node before: what graph_fork="inline" does
+  inline_leaf(_empty) the same but the launch left as a leaf (no edge to the next node)
+  shipped(_empty)    PrefetchController.from_plan (graph_fork="inline", the default)
 
+``--synthetic`` times the same kinds of fork on chains of small kernels instead.
 Prints one Markdown table per batch.  Exploratory: its findings go to RESULTS.md.
 """
 
@@ -33,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import deepseek as ds                               # noqa: E402
 import l2prefetch                                   # noqa: E402
-from l2prefetch import deepseek_v3, hooks           # noqa: E402
+from l2prefetch import deepseek_v3                  # noqa: E402
 
 
 class EdgeData(ctypes.Structure):
@@ -215,7 +219,7 @@ def synthetic(reps):
     """A chain of 2000 small kernels, with 0, 1 or 10 empty forks spread over it."""
     x = torch.zeros(4096, device="cuda")
     table = l2prefetch.PreparedWeightRanges([], grid=32, device=0)
-    ctrl = l2prefetch.PrefetchController(0)
+    ctrl = l2prefetch.PrefetchController(0, graph_fork="branch")   # side-stream forks
     ctrl.add("p", 0, [1], table)
     y = torch.ones(4096, device="cuda")
     graphs = {}
@@ -317,31 +321,33 @@ def main():
         return
     model = ds.build_model(ds.TINY_CONFIG if args.tiny else ds.BENCH_CONFIG, "cuda")
     plan = deepseek_v3.plan(model)
-    controller = l2prefetch.PrefetchController.from_plan(plan, 0)
+    shipped = l2prefetch.PrefetchController.from_plan(plan, 0)          # graph_fork="inline"
     empty = ds.empty_controller(plan, 0)
-    na_only = ds.empty_controller([e for e in plan if e.point == "next_attention"], 0)
-    od_only = ds.empty_controller([e for e in plan if e.point == "oproj_down"], 0)
+    branch = l2prefetch.PrefetchController.from_plan(plan, 0, graph_fork="branch")
+    branch_empty = ds.empty_controller(plan, 0, graph_fork="branch")
     drv = Driver()
-    full_tables = {k: controller.get(*k) for k in controller.keys()}
+    full_tables = {k: shipped.get(*k) for k in shipped.keys()}
     empty_tables = {k: empty.get(*k) for k in empty.keys()}
     first = sorted(empty.keys(), key=lambda k: (k[1], k[0]))[0]
     one = {k: v for k, v in empty_tables.items() if k[:2] == first[:2]}
-    one_ctl = ds.empty_controller([e for e in plan if (e.point, e.layer) == first[:2]], 0)
+    one_branch = ds.empty_controller([e for e in plan if (e.point, e.layer) == first[:2]], 0,
+                                     graph_fork="branch")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for batch in batches:
         dec = ds.Decoder(model, batch)
         variants = {
-            "none": None, "l2p_empty": empty, "l2p": controller,
-            "one_empty": one_ctl,
+            "none": None,
+            "branch_empty": branch_empty, "branch": branch, "one_branch_empty": one_branch,
+            "one_edge_only": Probe(one, "edge", drv),
+            "edge_only": Probe(empty_tables, "edge", drv),
+            "root_empty": Probe(empty_tables, "root", drv),
+            "prog_empty": Probe(empty_tables, "prog", drv),
             "inline_empty": Probe(empty_tables, "inline", drv),
-            "inline_prog_empty": Probe(empty_tables, "inline_prog", drv),
-            "inline_prog": Probe(full_tables, "inline_prog", drv),
             "inline_keep_empty": Probe(empty_tables, "inline_keep", drv),
             "inline_keep": Probe(full_tables, "inline_keep", drv),
             "inline_leaf_empty": Probe(empty_tables, "inline_leaf", drv),
             "inline_leaf": Probe(full_tables, "inline_leaf", drv),
-            "inline_keep_na_only": Probe({k: v for k, v in full_tables.items()
-                                          if k[0] == "next_attention"}, "inline_keep", drv),
+            "shipped_empty": empty, "shipped": shipped,
         }
         graphs, outs, notes = {}, {}, {}
         try:
