@@ -598,7 +598,7 @@ ROWS = [
         Returns({"attn": {"forks": 1, "bytes": 4096}})),
     row("PrefetchController.close", "closed (valid: None)", lambda e: e.closed.close(), Returns(None)),
 
-    # ---- PrefetchController.from_plan(plan, device=None, *, kernel=None) -----------------------------
+    # ---- PrefetchController.from_plan(plan, device=None, *, kernel=None, graph_fork='inline') --------
     row("PrefetchController.from_plan", "plan None", lambda e: PC.from_plan(None),
         Raises(TypeError, r"'NoneType' object is not iterable")),
     row("PrefetchController.from_plan", "a None entry", lambda e: PC.from_plan([e.entry, None]),
@@ -623,6 +623,11 @@ ROWS = [
         Returns(())),
     row("PrefetchController.from_plan", "empty plan (valid: no entries)", lambda e: len(PC.from_plan([])),
         Returns(0)),
+    row("PrefetchController.from_plan", "graph_fork unknown",
+        lambda e: PC.from_plan([e.entry], graph_fork="side"),
+        Raises(ValueError, r"graph_fork must be 'inline' \(the default\) or 'branch', not 'side'")),
+    row("PrefetchController.from_plan", "graph_fork 'branch' (valid: passed on)",
+        lambda e: PC.from_plan([e.entry], graph_fork="branch").graph_fork, Returns("branch")),
 
     # ---- PlanEntry(point, layer, batches, weights, byte_cap=0, grid=32, carveout=None, priority=False)
     row("PlanEntry", "point None", lambda e: PlanEntry(None, 0, [1], (cpu(4),)),
