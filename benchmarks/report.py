@@ -21,6 +21,8 @@ Sections:
   layer    a decode step of two Kimi-shaped MoE layers at TP8 shard sizes in
            one graph, with the seed's forks (kimi_k3.plan): no prefetch,
            l2prefetch, empty forks, and the limit, at batches 1-8.
+  caps     the layer step per TP (1, 2, 4, 8), batch and next_attention cap: the
+           measurement kimi_k3.NEXT_ATTENTION is to be chosen from.
   kernels  the prefetch kernel variants and grids on the same sequence, their
            own duration, and how much they slow a concurrent memory-bound copy.
   host     host cost of fork+join: the controller, a Python reference built
@@ -496,25 +498,71 @@ def _covered(intervals, start, nbytes):
     return sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in merged)
 
 
-def section_layer(rig, quick):
-    """Two Kimi-shaped MoE decode layers (TP8 shard sizes) in one graph, with the seed's forks."""
+def _kimi_layers(tp, count=2):
+    """count Kimi-shaped MoE layers with LAYER_WEIGHTS scaled from TP8 to tp (the sharded
+    dimension grows by 8 / tp; the router's 384 rows of front are not sharded), as objects
+    kimi_k3.plan reads; returns (layers, packed)."""
     from types import SimpleNamespace as NS
 
+    scale = 8 // tp
+    layers = []
+    for index in range(count):
+        ws = {}
+        for name, (rows, cols) in LAYER_WEIGHTS:
+            if name == "front":
+                rows = 384 + (rows - 384) * scale
+            elif name in ("o_proj", "shared_down"):
+                cols *= scale
+            else:
+                rows *= scale
+            ws[name] = _layer_weight((rows, cols))
+        attention = NS(in_proj_qkvgfab=NS(weight=ws["attn_in"]), o_proj=NS(weight=ws["o_proj"]))
+        shared = NS(gate_up_proj=NS(weight=ws["shared_gate_up"]),
+                    down_proj=NS(weight=ws["shared_down"]))
+        layers.append(NS(is_moe_layer=True, layer_idx=index, self_attn=attention,
+                         mlp=NS(shared_experts=shared), ws=ws))
+    return layers, {layer.layer_idx: layer.ws["front"] for layer in layers}
+
+
+def _layer_step(rig, layers, ctrl, batch, h, a, s, allreduce_us):
+    """The step of the layer sections: the layers' GEMVs, the stand-ins, the seed's forks
+    (when ctrl is not None) and one join at the end.  h [B, 7168], a and s: the inputs of
+    o_proj and shared_down."""
+    lin = torch.nn.functional.linear
+
+    def fork(point, index):
+        if ctrl is not None:
+            ctrl.fork(point, index, batch)
+
+    def fn():
+        for layer in layers:
+            ws, i = layer.ws, layer.layer_idx
+            lin(h, ws["attn_in"])
+            fork("attention_moe", i)       # after the KDA input projection
+            rig.spin(LAYER_CORE_US)        # attention core
+            lin(a, ws["o_proj"])
+            fork("oproj_down", i)          # after the o-projection
+            rig.spin(allreduce_us)         # all-reduce
+            lin(h, ws["front"])            # router + latent-down
+            lin(h, ws["shared_gate_up"])
+            lin(s, ws["shared_down"])
+            lin(h, ws["experts"])
+            fork("next_attention", i)      # once the routed experts are launched
+            rig.spin(allreduce_us)         # all-reduce
+        if ctrl is not None:
+            ctrl.join()                    # one join, at the end of the step
+    return fn
+
+
+def section_layer(rig, quick):
+    """Two Kimi-shaped MoE decode layers (TP8 shard sizes) in one graph, with the seed's forks."""
     from l2prefetch import kimi_k3
 
     batches = [1, 8] if quick else [1, 2, 4, 8]
     reps = 60 if quick else 150
     lin = torch.nn.functional.linear
     shapes = dict(LAYER_WEIGHTS)
-    layers = []
-    for index in range(2):
-        ws = {name: _layer_weight(shape) for name, shape in LAYER_WEIGHTS}
-        attention = NS(in_proj_qkvgfab=NS(weight=ws["attn_in"]), o_proj=NS(weight=ws["o_proj"]))
-        shared = NS(gate_up_proj=NS(weight=ws["shared_gate_up"]),
-                    down_proj=NS(weight=ws["shared_down"]))
-        layers.append(NS(is_moe_layer=True, layer_idx=index, self_attn=attention,
-                         mlp=NS(shared_experts=shared), ws=ws))
-    packed = {layer.layer_idx: layer.ws["front"] for layer in layers}
+    layers, packed = _kimi_layers(8)
     entries = kimi_k3.plan(layers, packed, 8)
     ctrl_b = PrefetchController.from_plan(entries, 0)   # graph_fork='inline', as shipped
     ctrl_d = PrefetchController(0)
@@ -530,28 +578,7 @@ def section_layer(rig, quick):
         inputs = {"o_proj": a, "shared_down": s}
 
         def step(ctrl, batch=batch, h=h, a=a, s=s):
-            def fork(point, index):
-                if ctrl is not None:
-                    ctrl.fork(point, index, batch)
-
-            def fn():
-                for layer in layers:
-                    ws, i = layer.ws, layer.layer_idx
-                    lin(h, ws["attn_in"])
-                    fork("attention_moe", i)       # after the KDA input projection
-                    rig.spin(LAYER_CORE_US)        # attention core
-                    lin(a, ws["o_proj"])
-                    fork("oproj_down", i)          # after the o-projection
-                    rig.spin(LAYER_ALLREDUCE_US)   # all-reduce
-                    lin(h, ws["front"])            # router + latent-down
-                    lin(h, ws["shared_gate_up"])
-                    lin(s, ws["shared_down"])
-                    lin(h, ws["experts"])
-                    fork("next_attention", i)      # once the routed experts are launched
-                    rig.spin(LAYER_ALLREDUCE_US)   # all-reduce
-                if ctrl is not None:
-                    ctrl.join()                    # one join, at the end of the step
-            return fn
+            return _layer_step(rig, layers, ctrl, batch, h, a, s, LAYER_ALLREDUCE_US)
 
         graphs = {"a": rig.capture(step(None)), "b": rig.capture(step(ctrl_b)),
                   "d": rig.capture(step(ctrl_d))}
@@ -632,6 +659,70 @@ def section_layer(rig, quick):
             + "\n\nGoal: at least 85% of the limit where the limit exceeds 0.5 us, and never "
             "slower than 0.99x (a/b >= 0.99): "
             + ("met at every batch." if not misses else f"missed at {', '.join(misses)}."))
+    return text, raw
+
+
+# ---------------------------------------------------------------- caps
+
+#: next_attention caps (MiB) the caps section tries (quick / full).
+CAPS_MIB_QUICK = (0, 8, 16, 32)
+CAPS_MIB = (0, 4, 8, 16, 24, 32)
+#: All-reduce stand-in per TP (us): none at TP1; the facts' 7-13 us TP2 window elsewhere.
+CAPS_ALLREDUCE_US = {1: 0, 2: 8, 4: 8, 8: 8}
+#: Step-time differences below this are noise (us): the choice is the smallest cap within it.
+CAPS_NOISE_US = 0.3
+
+
+def section_caps(rig, quick):
+    """kimi_k3.NEXT_ATTENTION by measurement: the two-layer step per TP, batch and cap."""
+    from l2prefetch import kimi_k3
+
+    batches = [1, 4, 8] if quick else list(range(1, 9))
+    caps = CAPS_MIB_QUICK if quick else CAPS_MIB
+    reps = 40 if quick else 100
+    rows, raw = [], []
+    for tp in (1, 2, 4, 8):
+        layers, packed = _kimi_layers(tp)
+        shapes = {name: tuple(w.shape) for name, w in layers[0].ws.items()}
+        ctrls = {cap: PrefetchController.from_plan(
+                     kimi_k3.plan(layers, packed, tp, {tp: {b: cap for b in range(1, 9)}}), 0)
+                 for cap in caps}
+        allreduce = CAPS_ALLREDUCE_US[tp]
+        for batch in batches:
+            def rand(n, batch=batch):
+                return torch.randn(batch, n, device=DEV, dtype=torch.bfloat16)
+
+            h, a, sd = rand(K), rand(shapes["o_proj"][1]), rand(shapes["shared_down"][1])
+            graphs = {"none": rig.capture(_layer_step(rig, layers, None, batch, h, a, sd,
+                                                      allreduce))}
+            for cap, ctrl in ctrls.items():
+                graphs[cap] = rig.capture(_layer_step(rig, layers, ctrl, batch, h, a, sd,
+                                                      allreduce))
+            t = rig.time_graphs(graphs, {k: rig.flush for k in graphs}, reps)
+            best = min(caps, key=lambda c: t[c])
+            choice = min(c for c in caps if t[c] <= t[best] + CAPS_NOISE_US)
+            current = kimi_k3.NEXT_ATTENTION[tp].get(batch, 0)
+            current = current[0] if isinstance(current, tuple) else current
+            raw.append({"tp": tp, "batch": batch, "times": t, "best": best, "choice": choice})
+            rows.append((tp, batch, f"{t['none']:.2f}", *(f"{t[c]:.2f}" for c in caps),
+                         f"{best}", f"{choice}", f"{t['none'] / t[choice]:.3f}x", f"{current}"))
+            del graphs
+        for ctrl in ctrls.values():
+            ctrl.close()
+        del layers, packed, ctrls
+    text = ("### Choosing kimi_k3.NEXT_ATTENTION: next_attention cap per TP and batch "
+            "(step time, us)\n\n"
+            "The layer section's two Kimi-shaped MoE layers, their weights scaled from TP8 to "
+            "each TP (the sharded dimension x 8 / TP), the all-reduce stand-in "
+            f"{CAPS_ALLREDUCE_US} us by TP, forks from `kimi_k3.plan(layers, packed, tp, "
+            "{tp: {batch: cap}})` with the same cap at every batch (0 = no next_attention; "
+            "the other points as the plan has them), graph_fork='inline'; each variant after "
+            "a flush, interleaved.  none = no forks at all.  best = the cap with the lowest "
+            f"step; choice = the smallest cap within {CAPS_NOISE_US} us of the best (what "
+            "NEXT_ATTENTION should hold); speed-up = none / choice; shipped = the cap "
+            "NEXT_ATTENTION holds now.\n\n"
+            + table(["TP", "batch", "none"] + [f"cap {c} MiB" for c in caps]
+                    + ["best", "choice", "speed-up", "shipped"], rows))
     return text, raw
 
 
@@ -1025,7 +1116,7 @@ def plot(raws, outdir):
 # ---------------------------------------------------------------- main
 
 SECTIONS = {"effect": section_effect, "persist": section_persist, "layer": section_layer,
-            "kernels": section_kernels, "host": section_host, "graph": section_graph,
+            "caps": section_caps, "kernels": section_kernels, "host": section_host, "graph": section_graph,
             "table": section_table}
 
 
