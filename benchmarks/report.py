@@ -740,40 +740,44 @@ def section_kernels(rig, quick):
     empty = PreparedWeightRanges([], device=0, carveout=100)
     for mib in (16, 32):
         w = weight(mib)
-        base = run_sequence(rig, w, 1, window, {"empty": empty}, reps)
-        for v in variants:
-            for grid in grids:
-                if not v.startswith("ring") and grid != 32:
-                    continue
-                p = PreparedWeightRanges([w], kernel=v, grid=grid, carveout=100)
-                r = run_sequence(rig, w, 1, window, {"empty": empty, "pf": p}, reps)
-                gap = r["cold"] - r["hot"]
-                rec = (r["empty"] - r["pf"]) / gap if gap > 0.3 else float("nan")
-                # The loader's own duration, alone on a cold L2.
-                alone = rig.capture(lambda: p.launch())
-                own = rig.time_graph(alone, reps, rig.flush)
-                # Slowdown of a concurrent 256 MiB copy on the main stream.
-                ctrl = PrefetchController(0)
-                ctrl.add("p", 0, [1], p)
+        loaders = {(v, grid): PreparedWeightRanges([w], kernel=v, grid=grid, carveout=100)
+                   for v in variants for grid in grids if v.startswith("ring") or grid == 32}
+        # Every loader of this W in one interleaved sequence run, against one cold /
+        # empty / hot: the recovered shares compare like with like.
+        r = run_sequence(rig, w, 1, window,
+                         {"empty": empty, **{f"{v} g{grid}": p for (v, grid), p in loaders.items()}},
+                         reps)
+        gap = r["cold"] - r["hot"]
+        for (v, grid), p in loaders.items():
+            pf = r[f"{v} g{grid}"]
+            rec = (r["empty"] - pf) / gap if gap > 0.3 else float("nan")
+            # The loader's own duration, alone on a cold L2.
+            alone = rig.capture(lambda p=p: p.launch())
+            own = rig.time_graph(alone, reps, rig.flush)
+            # Slowdown of a concurrent 256 MiB copy on the main stream.
+            ctrl = PrefetchController(0)
+            ctrl.add("p", 0, [1], p)
 
-                def copy_with(fork):
-                    def fn():
-                        if fork:
-                            ctrl.fork("p", 0, 1)
-                        dst.copy_(src)
-                        if fork:
-                            ctrl.join()
-                    return fn
+            def copy_with(fork, ctrl=ctrl):
+                def fn():
+                    if fork:
+                        ctrl.fork("p", 0, 1)
+                    dst.copy_(src)
+                    if fork:
+                        ctrl.join()
+                return fn
 
-                c0 = rig.time_graph(rig.capture(copy_with(False)), reps, rig.flush)
-                c1 = rig.time_graph(rig.capture(copy_with(True)), reps, rig.flush)
-                ctrl.close()
-                rows.append((mib, v, grid, p.block, f"{r['pf']:.2f}", "-" if rec != rec else pct(rec),
-                             f"{own:.2f}", f"{mib / own * MIB / 1e6:.2f}", f"{c1 - c0:+.2f}"))
-        rows.append((mib, "(cold / empty / hot)", "", "", f"{base['cold']:.2f} / {base['empty']:.2f} / "
-                     f"{base['hot']:.2f}", "", "", "", ""))
+            c0 = rig.time_graph(rig.capture(copy_with(False)), reps, rig.flush)
+            c1 = rig.time_graph(rig.capture(copy_with(True)), reps, rig.flush)
+            ctrl.close()
+            rows.append((mib, v, grid, p.block, f"{pf:.2f}", "-" if rec != rec else pct(rec),
+                         f"{own:.2f}", f"{mib / own * MIB / 1e6:.2f}", f"{c1 - c0:+.2f}"))
+        rows.append((mib, "(cold / empty / hot)", "", "", f"{r['cold']:.2f} / {r['empty']:.2f} / "
+                     f"{r['hot']:.2f}", "", "", "", ""))
+        del loaders
     text = ("### Kernel variants (W 16 and 32 MiB, batch 1, T = 10 us)\n\n"
-            "prefetched = step time with that loader; recovered net of the empty fork; own = the "
+            "prefetched = step time with that loader (all loaders of one W interleaved in one "
+            "run, against one cold / empty / hot); recovered net of the empty fork; own = the "
             "loader alone on a cold L2 (us) and its rate (TB/s); copy slowdown = extra time of a "
             "concurrent 256 MiB device copy on the main stream when the loader runs beside it.\n\n"
             + table(["W MiB", "variant", "grid", "block", "prefetched us", "recovered", "own us",
