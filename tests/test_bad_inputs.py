@@ -796,7 +796,7 @@ ROWS = [
     row("plan_from_json", "grid 0", lambda e: plan_from_json(plan_json(grid=0), e.model),
         Raises(ValueError, r"PlanEntry.grid must be an int in 1\.\.65535, got 0")),
 
-    # ---- plan.gate(plan, windows_us, *, bytes_per_us=3.2e6) ---------------------------------------------
+    # ---- plan.gate(plan, windows_us, *, bytes_per_us=3.2e6, min_bytes=0) --------------------------------
     row("plan.gate", "plan None", lambda e: gate(None, {}),
         Raises(TypeError, r"'NoneType' object is not iterable")),
     row("plan.gate", "a None entry", lambda e: gate([e.entry, None], {}),
@@ -815,6 +815,14 @@ ROWS = [
         Raises(ValueError, r"bytes_per_us must be a finite number > 0, got nan")),
     row("plan.gate", "bytes_per_us None", lambda e: gate([e.entry], {}, bytes_per_us=None),
         Raises(TypeError, r"bytes_per_us must be a number > 0, got NoneType None")),
+    row("plan.gate", "min_bytes negative", lambda e: gate([e.entry], {}, min_bytes=-1),
+        Raises(ValueError, r"min_bytes must be an int >= 0, got -1")),
+    row("plan.gate", "min_bytes a float", lambda e: gate([e.entry], {}, min_bytes=4.0),
+        Raises(TypeError, r"min_bytes must be an int >= 0, got float 4.0")),
+    row("plan.gate", "min_bytes None", lambda e: gate([e.entry], {}, min_bytes=None),
+        Raises(TypeError, r"min_bytes must be an int >= 0, got NoneType None")),
+    row("plan.gate", "min_bytes a bool", lambda e: gate([e.entry], {}, min_bytes=True),
+        Raises(TypeError, r"min_bytes must be an int >= 0, got bool True")),
     row("plan.gate", "an unknown point (valid: kept)", lambda e: gate([e.entry], {"nope": 0.0}) == [e.entry],
         Returns(True)),
     row("plan.gate", "a zero-size entry, window 0 (valid: kept)",

@@ -365,7 +365,7 @@ def test_json_field_errors_come_from_plan_entry(model):
 
 def test_gate_keeps_entries_whose_window_loads_their_bytes():
     pytest.importorskip("l2prefetch._C")
-    from l2prefetch.plan import GATE_BYTES_PER_US, gate
+    from l2prefetch.plan import GATE_BYTES_PER_US, GATE_MIN_BYTES, gate
 
     small = PlanEntry("a", 0, [1], (torch.empty(1024, 1024, dtype=torch.bfloat16),))  # 2 MiB
     big = PlanEntry("a", 1, [1], (torch.empty(8192, 2048, dtype=torch.bfloat16),))    # 32 MiB
@@ -376,5 +376,11 @@ def test_gate_keeps_entries_whose_window_loads_their_bytes():
     assert gate(plan, {"a": need_big * 0.99}) == [small, other]
     assert gate(plan, {"a": 0.0, "b": 0.0}) == []
     assert gate(plan, {}) == plan                              # unknown points: kept
+    # min_bytes drops small loads whatever their point (and keeps exactly min_bytes)
+    assert gate(plan, {}, min_bytes=GATE_MIN_BYTES) == [big, other]
+    assert gate(plan, {}, min_bytes=small.nbytes) == plan
+    assert gate(plan, {}, min_bytes=small.nbytes + 1) == [big, other]
+    assert gate(plan, {"a": need_big * 0.99}, min_bytes=GATE_MIN_BYTES) == [other]
+    assert 2 << 20 < GATE_MIN_BYTES <= 16 << 20
     with pytest.raises(ValueError):
         gate(plan, {"a": 1.0}, bytes_per_us=0)

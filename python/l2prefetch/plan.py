@@ -42,6 +42,7 @@ __all__ = [
     "format_plan",
     "gate",
     "GATE_BYTES_PER_US",
+    "GATE_MIN_BYTES",
     "plan_from_json",
     "plan_to_json",
 ]
@@ -425,17 +426,33 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
 #: 10.5 us); shorter windows lose up to 3-5 us at 16-32 MiB against not forking.
 GATE_BYTES_PER_US = 3.2e6
 
+#: The smallest load that can pay for its fork, measured on the H200
+#: (benchmarks/RESULTS.md, run 1 "The effect" and run 5): at 2 MiB the whole
+#: cold-to-hot gap is 0.4-0.8 us and the net gain of a prefetch scatters around
+#: zero (-0.4 to +0.5 us), about what an empty fork itself costs in a graph
+#: (+0.1 to +0.5 us); from 4 MiB on it nets +0.2 to +0.7 us after a window.
+#: Opt-in: ``gate(plan, windows, min_bytes=GATE_MIN_BYTES)``.
+GATE_MIN_BYTES = 4 << 20
+
 
 def gate(plan: Sequence[PlanEntry], windows_us: Mapping[str, float], *,
-         bytes_per_us: float = GATE_BYTES_PER_US) -> list[PlanEntry]:
+         bytes_per_us: float = GATE_BYTES_PER_US, min_bytes: int = 0) -> list[PlanEntry]:
     """The entries of plan whose fork can pay: those whose point's bandwidth-idle
     window (``windows_us[point]``, microseconds) is long enough to load their
     bytes at ``bytes_per_us``.  Entries of points not in windows_us are kept.
+    With ``min_bytes`` (e.g. :data:`GATE_MIN_BYTES`), entries that load fewer
+    bytes are dropped too, whatever their point.
 
     Raises TypeError for an entry that is not a PlanEntry or a window or rate
     that is not a number, ValueError for a negative or NaN window or a rate
-    that is not a positive finite number.
+    that is not a positive finite number; the same for a ``min_bytes`` that is
+    not an int >= 0.
     """
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, numbers.Integral):
+        raise TypeError(f"min_bytes must be an int >= 0, got {type(min_bytes).__name__} "
+                        f"{min_bytes!r}")
+    if min_bytes < 0:
+        raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes}")
     if isinstance(bytes_per_us, bool) or not isinstance(bytes_per_us, numbers.Real):
         raise TypeError(f"bytes_per_us must be a number > 0, got {type(bytes_per_us).__name__} "
                         f"{bytes_per_us!r}")
@@ -455,6 +472,8 @@ def gate(plan: Sequence[PlanEntry], windows_us: Mapping[str, float], *,
     for i, entry in enumerate(plan):
         if not isinstance(entry, PlanEntry):
             raise TypeError(f"plan[{i}] must be a PlanEntry, not {type(entry).__name__}")
+        if entry.nbytes < min_bytes:
+            continue
         window = windows_us.get(entry.point)
         if window is None or entry.nbytes <= window * bytes_per_us:
             kept.append(entry)
