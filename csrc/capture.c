@@ -11,31 +11,38 @@
  * same fork costs ~0.5 us.
  *
  * So, while the stream is capturing, the controller does not fork to its side
- * stream: it puts the prefetch kernel K on the captured stream itself and
- * gives it programmatic "launch order" edges, which let a node start once
- * all blocks of its upstream kernel have *begun*, not finished:
+ * stream: it puts the prefetch kernel K on the captured stream itself, after
+ * X as any captured kernel would be, and gives the node after it a
+ * programmatic "launch order" edge from K, which lets a node start once all
+ * blocks of its upstream kernel have *begun*, not finished:
  *
  *      before:  X ---------------------> Y          (X: the last captured node)
- *      after:   X --launch order--> K
+ *      after:   X ---------> K
  *               X ---------------------> Y          (X's own edge, unchanged)
  *               K --launch order-------> Y
  *
- * K starts as soon as X is running (it only reads weights, so it needs
- * nothing X writes); Y still waits for X exactly as before and for nothing of
- * K but its launch, so K overlaps Y and what follows.  The graph stays one
- * chain of launch-ordered kernels; the replay no longer pays the branch.  An
- * upstream that is not a kernel node (a memcpy, say) keeps an ordinary edge
- * to K (only kernel nodes have a launch-order port).  Nothing waits for K
- * inside the graph; the graph as a whole completes after it, which is the
- * join of the eager path.  Driver 12.3 or newer (edge data); older drivers
- * and PrefetchController(graph_fork="branch") use the side stream.
+ * K starts when X is done, as the seed's event-based fork did ("a prefetch
+ * starts only after the work it overlaps"); Y still waits for X exactly as
+ * before and for nothing of K but its launch, so K overlaps Y and what
+ * follows.  The graph stays one chain; the replay no longer pays the branch.
+ * Nothing waits for K inside the graph; the graph as a whole completes after
+ * it, which is the join of the eager path.  Another stream that joins after
+ * the fork (an event recorded here and waited on there, as torch does for
+ * NCCL) inherits the same two edges: its kernel waits for X and for K's
+ * launch only (benchmarks/probe_edges.py).
+ *
+ * Session 2 gave K a launch-order edge from X too, so that K started as soon
+ * as X was running.  With X a bandwidth-bound GEMV (the routed experts before
+ * next_attention) K then competed with X for HBM: at TP 2 with real NCCL
+ * all-reduces the two-layer step lost 5-7 us per step with the shipped plan
+ * (benchmarks/RESULTS.md, run 7).  Driver 12.3 or newer (edge data); older
+ * drivers and PrefetchController(graph_fork="branch") use the side stream.
  */
 #include "l2p.h"
 
 int l2p_capture_inline_available(const l2p_driver *d)
 {
-    return d->fn.cuStreamGetCaptureInfo && d->fn.cuStreamUpdateCaptureDependencies &&
-           d->fn.cuGraphNodeGetType;
+    return d->fn.cuStreamGetCaptureInfo && d->fn.cuStreamUpdateCaptureDependencies;
 }
 
 #define SMALL 8
@@ -119,48 +126,22 @@ static CUgraphEdgeData launch_order(void)
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
                                    const char **failed)
 {
-    deps before = {0}, upstream = {0}, after = {0};
-    before.nodes = upstream.nodes = after.nodes = NULL;
+    deps before = {0}, after = {0}, next = {0};
+    before.nodes = after.nodes = next.nodes = NULL;
     CUresult r;
 
+    /* X's edges, to give back to the stream after K. */
     *failed = "cuStreamGetCaptureInfo";
     if ((r = get_deps(d, s, &before, 0)) != CUDA_SUCCESS)
         goto out;
-    /* K's own dependencies: X's launch for kernels, X's edge otherwise. */
-    if ((r = reserve(&upstream, before.n)) != CUDA_SUCCESS)
-        goto out;
-    upstream.n = before.n;
-    for (size_t i = 0; i < before.n; i++) {
-        int type = -1;
-        upstream.nodes[i] = before.nodes[i];
-        upstream.edges[i] = before.edges[i];
-        *failed = "cuGraphNodeGetType";
-        if ((r = d->fn.cuGraphNodeGetType(before.nodes[i], &type)) != CUDA_SUCCESS)
-            goto out;
-        if (type == CU_GRAPH_NODE_TYPE_KERNEL && before.edges[i].type == 0 &&
-            before.edges[i].from_port == 0)
-            upstream.edges[i] = launch_order();
-    }
-    *failed = "cuStreamUpdateCaptureDependencies";
-    if ((r = d->fn.cuStreamUpdateCaptureDependencies(s, upstream.nodes, upstream.edges,
-                                                     upstream.n,
-                                                     CU_STREAM_SET_CAPTURE_DEPENDENCIES)) !=
-        CUDA_SUCCESS)
-        goto out;
+    /* K after X, an ordinary captured launch (on failure nothing was captured). */
     *failed = "cuLaunchKernelEx";
-    r = l2p_prepared_launch_raw(prepared, s);
-    if (r != CUDA_SUCCESS) {
-        /* Nothing was captured: put the stream's dependencies back as they were. */
-        (void)d->fn.cuStreamUpdateCaptureDependencies(s, before.nodes, before.edges, before.n,
-                                                      CU_STREAM_SET_CAPTURE_DEPENDENCIES);
+    if ((r = l2p_prepared_launch_raw(prepared, s)) != CUDA_SUCCESS)
         goto out;
-    }
     /* The stream now depends on K alone; make it X's edges plus K's launch. */
     *failed = "cuStreamGetCaptureInfo";
     if ((r = get_deps(d, s, &after, 0)) != CUDA_SUCCESS)
         goto out;
-    deps next = {0};
-    next.nodes = NULL;
     if ((r = reserve(&next, before.n + after.n)) != CUDA_SUCCESS)
         goto out;
     next.n = before.n + after.n;
@@ -175,15 +156,14 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
     *failed = "cuStreamUpdateCaptureDependencies";
     r = d->fn.cuStreamUpdateCaptureDependencies(s, next.nodes, next.edges, next.n,
                                                 CU_STREAM_SET_CAPTURE_DEPENDENCIES);
-    free_deps(&next);
     /* On failure the stream depends on K with an ordinary edge: correct, serial. */
 out:
     if (before.nodes)
         free_deps(&before);
-    if (upstream.nodes)
-        free_deps(&upstream);
     if (after.nodes)
         free_deps(&after);
+    if (next.nodes)
+        free_deps(&next);
     if (r == CUDA_SUCCESS)
         *failed = NULL;
     return r;

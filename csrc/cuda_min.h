@@ -60,8 +60,6 @@ enum { CU_EVENT_DISABLE_TIMING = 0x2 };
 enum { CU_STREAM_CAPTURE_STATUS_NONE = 0, CU_STREAM_CAPTURE_STATUS_ACTIVE = 1 };
 /* CUstreamUpdateCaptureDependencies_flags */
 enum { CU_STREAM_ADD_CAPTURE_DEPENDENCIES = 0, CU_STREAM_SET_CAPTURE_DEPENDENCIES = 1 };
-/* CUgraphNodeType (only the one we test for) */
-enum { CU_GRAPH_NODE_TYPE_KERNEL = 0 };
 /* CUgraphDependencyType and the kernel node's output ports (CUDA 12.3) */
 enum { CU_GRAPH_DEPENDENCY_TYPE_DEFAULT = 0, CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC = 1 };
 enum { CU_GRAPH_KERNEL_NODE_PORT_DEFAULT = 0, CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC = 1,

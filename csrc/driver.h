@@ -50,8 +50,7 @@
       (CUstream, int *, unsigned long long *, CUgraph *, const CUgraphNode **,         \
        const CUgraphEdgeData **, size_t *))                                            \
     X(cuStreamUpdateCaptureDependencies, 12030, 0,                                     \
-      (CUstream, CUgraphNode *, const CUgraphEdgeData *, size_t, unsigned int))        \
-    X(cuGraphNodeGetType, 10000, 0, (CUgraphNode, int *))
+      (CUstream, CUgraphNode *, const CUgraphEdgeData *, size_t, unsigned int))
 
 /* The oldest driver we accept: cuGetProcAddress_v2 and cuLaunchKernelEx. */
 #define L2P_MIN_DRIVER_VERSION 12000
