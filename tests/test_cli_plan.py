@@ -52,6 +52,9 @@ def test_synthetic_model_is_kimi_shaped_and_costs_nothing():
 def test_plan_tp8_prints_points_and_totals(capsys):
     needs_c()
     assert plan_main(["--tp", "8"]) == 0
+    out = capsys.readouterr().out    # kimi_k3.DEFAULT_POINTS and NEXT_ATTENTION (all zero)
+    assert "oproj_down" not in out and "next_attention" not in out and "attention_moe" in out
+    assert plan_main(["--tp", "8", "--seed-points", "--next-attention-mib", "24"]) == 0
     out = capsys.readouterr().out
     assert "TP 8" in out and "61 layers (60 MoE)" in out
     for point in ("oproj_down", "attention_moe", "next_attention"):
@@ -64,7 +67,7 @@ def test_plan_tp8_prints_points_and_totals(capsys):
     front = packed[1].numel() * 2
     rows = totals(out)
     assert rows["oproj_down"] == f"3-8: {60 * front / MIB:.2f}"
-    assert rows["next_attention"] == f"1-4: {59 * 32:.2f}; 5-8: {59 * 16:.2f}"
+    assert rows["next_attention"] == f"1-8: {59 * 24:.2f}"   # --next-attention-mib 24
     assert set(rows) == {"oproj_down", "attention_moe", "next_attention", "all"}
     share = re.search(r"\| oproj_down \| 1 \| 3-8 \| 1 \| ([\d.]+) \| ([\d.]+)% \|", out)
     assert share and float(share.group(2)) == pytest.approx(100 * front / (60 * MIB), abs=0.05)
@@ -72,14 +75,15 @@ def test_plan_tp8_prints_points_and_totals(capsys):
 
 def test_plan_tp4_and_other_l2(capsys):
     needs_c()
-    assert plan_main(["--tp", "4", "--l2-mib", "40"]) == 0
+    assert plan_main(["--tp", "4", "--l2-mib", "40", "--next-attention-mib", "24"]) == 0
     out = capsys.readouterr().out
     assert "attention_moe" not in out and "against 40.00 MiB" in out
-    assert "| next_attention | 1 | 1-4 | 4 | 32.00 | 80.0% |" in out
+    assert "| next_attention | 1 | 1-8 | 4 | 24.00 | 60.0% |" in out
 
 
 def test_plan_json_round_trips_without_c(capsys):
-    assert plan_main(["--tp", "2", "--json", "--layers", "6"]) == 0
+    assert plan_main(["--tp", "2", "--json", "--layers", "6", "--seed-points",
+                      "--next-attention-mib", "24"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["version"] == 1
     assert data["entries"][0]["weights"] == ["layers.1.mlp.front_packed"]
@@ -90,14 +94,15 @@ def test_plan_json_round_trips_without_c(capsys):
         "layers.3.self_attn.W_UK_T", "layers.3.self_attn.W_UV",
         "layers.3.self_attn.o_proj.weight"]
     model, layers, packed = build_synthetic_kimi({"layers": 6}, tp=2)
-    assert plan_from_json(json.dumps(data), model) == kimi_k3.plan(layers, packed, 2)
+    assert plan_from_json(json.dumps(data), model) == kimi_k3.plan(
+        layers, packed, 2, {2: {b: 24 for b in range(1, 9)}}, points=kimi_k3.POINTS)
 
 
 def test_shapes_file_and_options(tmp_path, capsys):
     needs_c()
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"hidden": 4096, "layers": 5, "experts": 64, "moe_latent": 64}))
-    assert plan_main(["--tp", "8", "--shapes", str(shapes)]) == 0
+    assert plan_main(["--tp", "8", "--shapes", str(shapes), "--seed-points"]) == 0
     out = capsys.readouterr().out
     assert "5 layers (4 MoE)" in out and "hidden 4096" in out
     front = (64 // 8 + 64 // 8) * 4096 * 2
@@ -125,5 +130,7 @@ def test_usage(capsys):
     assert "--shapes" in capsys.readouterr().out
     assert plan_main(["--tp", "3"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+    assert plan_main(["--next-attention-mib", "-1"]) == 2
+    assert "cap must be an int >= 0 (MiB), got -1" in capsys.readouterr().err
     assert plan_main(["--shapes", "/nonexistent/shapes.json"]) == 2
     assert set(DEFAULT_DIMS) >= {"hidden", "layers", "mla_every", "experts"}

@@ -13,6 +13,7 @@ from l2prefetch.kimi_k3 import (
     FRONT_GRID,
     NEXT_ATTENTION,
     NEXT_GRID,
+    POINTS,
     SHARED_GRID,
     URGENT_CARVEOUT,
     attention_weights,
@@ -136,50 +137,89 @@ def assert_same_tables(ours, seeds):
     assert sharing(ours) == sharing(seeds)
 
 
+#: A next_attention table with caps at every TP (the shipped one is all zeros).
+CAPS24 = {tp: {batch: 24 for batch in range(1, 9)} for tp in (1, 2, 4, 8)}
+#: The reference module's shape of table: two groups of batches.
+GROUPED = {tp: {1: 32, 2: 32, 3: 32, 4: 32, 5: 16, 6: 16, 7: 16, 8: 16} for tp in (1, 2, 4, 8)}
+
+
+@pytest.mark.parametrize("table", [None, GROUPED])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_plan_matches_the_seed_tables(tp):
+def test_plan_with_the_seed_points_matches_the_seed_tables(tp, table):
     layers, packed = make_layers(9)
-    assert_same_tables(plan_tables(plan(layers, packed, tp)), seed_tables(layers, packed, tp))
+    assert_same_tables(plan_tables(plan(layers, packed, tp, table, points=kimi_k3.POINTS)),
+                       seed_tables(layers, packed, tp, table))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_default_plan_is_the_seed_tables_at_the_default_points(tp):
+    layers, packed = make_layers(9)
+    table = {tp: {1: 32, 2: 32, 5: (16, 50), 8: 0}}
+    seeds = {key: value for key, value in seed_tables(layers, packed, tp, table).items()
+             if key[0] in kimi_k3.DEFAULT_POINTS[tp]}
+    ours = plan_tables(plan(layers, packed, tp, table))
+    assert set(ours) == set(seeds)
+    for key in seeds:  # same weights and settings (table numbering differs once points drop)
+        assert ours[key][2:] == seeds[key][2:] and all(
+            a is b for a, b in zip(ours[key][1], seeds[key][1])), key
+
+
+def test_default_points():
+    assert kimi_k3.POINTS == ("oproj_down", "attention_moe", "next_attention")
+    assert sorted(kimi_k3.DEFAULT_POINTS) == [1, 2, 4, 8]
+    # Measured on the H200: oproj_down never paid (at TP 1 it only slows the front GEMM).
+    assert all(kimi_k3.DEFAULT_POINTS[tp] == ("attention_moe", "next_attention")
+               for tp in (1, 2, 4, 8))
+    layers, packed = make_layers(5)
+    assert {e.point for e in plan(layers, packed, 1, {1: {4: 8}})} == {"next_attention"}
+    # NEXT_ATTENTION is all zeros (no measured gain with real collectives), so by
+    # default only TP 8's attention_moe forks.
+    assert {e.point for e in plan(layers, packed, 8)} == {"attention_moe"}
+    assert all(plan(layers, packed, tp) == [] for tp in (1, 2, 4))
+    assert {e.point for e in plan(layers, packed, 8, CAPS24)} == {"attention_moe",
+                                                                  "next_attention"}
+    assert [e.point for e in plan(layers, packed, 8, points=["oproj_down"])] == ["oproj_down"] * 4
+    assert plan(layers, packed, 8, points=()) == []
 
 
 def test_plan_tp8_entry_by_entry():
     layers, packed = make_layers(5)  # 0 dense KDA, 1-2 KDA, 3 MLA, 4 KDA (last)
-    entries = plan(layers, packed, 8)
+    entries = plan(layers, packed, 8, CAPS24, points=POINTS)
     got = [(e.point, e.layer, e.batches) for e in entries]
     assert got == [
         ("oproj_down", 1, (3, 4, 5, 6, 7, 8)), ("attention_moe", 1, (5, 6, 7, 8)),
-        ("next_attention", 1, (1, 2, 3, 4)), ("next_attention", 1, (5, 6, 7, 8)),
+        ("next_attention", 1, (1, 2, 3, 4, 5, 6, 7, 8)),
         ("oproj_down", 2, (3, 4, 5, 6, 7, 8)), ("attention_moe", 2, (5, 6, 7, 8)),
-        ("next_attention", 2, (1, 2, 3, 4)), ("next_attention", 2, (5, 6, 7, 8)),
+        ("next_attention", 2, (1, 2, 3, 4, 5, 6, 7, 8)),
         ("oproj_down", 3, (3, 4, 5, 6, 7, 8)), ("attention_moe", 3, (8,)),
-        ("next_attention", 3, (1, 2, 3, 4)), ("next_attention", 3, (5, 6, 7, 8)),
+        ("next_attention", 3, (1, 2, 3, 4, 5, 6, 7, 8)),
         ("oproj_down", 4, (3, 4, 5, 6, 7, 8)), ("attention_moe", 4, (5, 6, 7, 8)),
     ]
     front = entries[0]
     assert front == PlanEntry("oproj_down", 1, range(3, 9), (packed[1],), grid=FRONT_GRID,
                               carveout=URGENT_CARVEOUT, priority=True)
     shared = layers[3].mlp.shared_experts
-    assert entries[9] == PlanEntry(
+    assert entries[7] == PlanEntry(
         "attention_moe", 3, (8,), (packed[3], shared.gate_up_proj.weight, shared.down_proj.weight),
         grid=SHARED_GRID, carveout=100, priority=True)
     # Layer 2 prefetches layer 3's MLA attention, layer 3 prefetches layer 4's KDA.
-    assert entries[6].weights == attention_weights(layers[3].self_attn)
-    assert entries[10].weights == attention_weights(layers[4].self_attn)
-    assert (entries[6].byte_cap, entries[7].byte_cap) == (32 * 2**20, 16 * 2**20)
+    assert entries[5].weights == attention_weights(layers[3].self_attn)
+    assert entries[8].weights == attention_weights(layers[4].self_attn)
+    assert entries[5].byte_cap == 24 * 2**20
     assert {(e.grid, e.carveout, e.priority) for e in entries if e.point == "next_attention"} == {
         (NEXT_GRID, None, False)}
 
 
 def test_plan_tp4_has_no_attention_moe():
     layers, packed = make_layers(5)
-    points = [e.point for e in plan(layers, packed, 4)]
+    points = [e.point for e in plan(layers, packed, 4, CAPS24, points=POINTS)]
     assert "attention_moe" not in points
-    assert points.count("oproj_down") == 4 and points.count("next_attention") == 6
+    assert points.count("oproj_down") == 4 and points.count("next_attention") == 3
 
 
 def test_dense_layers_get_nothing_and_the_last_layer_no_next_attention():
     layers, packed = make_layers(6, first_dense=3)
-    entries = plan(layers, packed, 8)
+    entries = plan(layers, packed, 8, points=POINTS)
     assert {e.layer for e in entries} == {3, 4, 5}
     assert [e.point for e in entries if e.layer == 5] == ["oproj_down", "attention_moe"]
     # Dense layer 2 gets no next_attention although MoE layer 3 follows it.
@@ -190,19 +230,20 @@ def test_custom_next_attention_groups_caps_and_carveouts():
     layers, packed = make_layers(3)
     table = {4: {1: 8, 2: (8, 100), 3: 8, 4: 0, 5: (8, None), 6: (24, 100), 7: (8, 100),
                  9: (2, -1)}}
-    entries = [e for e in plan(layers, packed, 4, table) if e.point == "next_attention"]
+    entries = [e for e in plan(layers, packed, 4, table, points=POINTS)
+               if e.point == "next_attention"]
     assert [(e.layer, e.batches, e.byte_cap // 2**20, e.carveout) for e in entries] == [
         (1, (1, 3, 5), 8, None), (1, (2, 7), 8, 100), (1, (6,), 24, 100), (1, (9,), 2, -1)]
     assert all(e.weights == attention_weights(layers[2].self_attn) for e in entries)
-    assert_same_tables(plan_tables(plan(layers, packed, 4, table)),
+    assert_same_tables(plan_tables(plan(layers, packed, 4, table, points=POINTS)),
                        seed_tables(layers, packed, 4, table))
 
 
 def test_zero_caps_give_no_next_attention():
     layers, packed = make_layers(4)
-    entries = plan(layers, packed, 2, {2: {b: 0 for b in range(1, 9)}})
+    entries = plan(layers, packed, 2, {2: {b: 0 for b in range(1, 9)}}, points=POINTS)
     assert [e.point for e in entries] == ["oproj_down"] * 3
-    entries = plan(layers, packed, 2, {2: {1: 0, 2: 4}})
+    entries = plan(layers, packed, 2, {2: {1: 0, 2: 4}}, points=POINTS)
     assert [(e.layer, e.batches) for e in entries if e.point == "next_attention"] == [
         (1, (2,)), (2, (2,))]
 
@@ -280,17 +321,29 @@ def test_attention_weights_skip_absent_and_non_tensors():
 
 def test_hook_points_follow_the_plan():
     layers, packed = make_layers(5)
-    points = hook_points(layers, 8)
+    points = hook_points(layers, 8, points=POINTS)
     assert [(m, l) for m, l in points["oproj_down"]] == [
         (layers[i].self_attn.o_proj, i) for i in range(1, 5)]
     assert points["attention_moe"] == [
         (layers[1].self_attn.in_proj_qkvgfab, 1), (layers[2].self_attn.in_proj_qkvgfab, 2),
         (layers[3].self_attn.mla_attn, 3), (layers[4].self_attn.in_proj_qkvgfab, 4)]
     assert points["next_attention"] == [(layers[i].mlp.experts, i) for i in range(1, 4)]
-    planned = {(e.point, e.layer) for e in plan(layers, packed, 8)}
+    planned = {(e.point, e.layer) for e in plan(layers, packed, 8, CAPS24, points=POINTS)}
     hooked = {(point, layer) for point, sites in points.items() for _, layer in sites}
     assert planned == hooked
+    # The default points agree too.  next_attention keeps its hooks although the
+    # shipped caps are zero: a plan built with next_attention= caps needs them, and a
+    # fork of a key the controller does not hold returns False at once.
+    planned = {(e.point, e.layer) for e in plan(layers, packed, 8, CAPS24)}
+    hooked = {(point, layer) for point, sites in hook_points(layers, 8).items()
+              for _, layer in sites}
+    assert planned == hooked and "oproj_down" not in hook_points(layers, 8)
     assert "attention_moe" not in hook_points(layers, 4)
+    # TP 1 forks no oproj_down by default, so nothing hooks the o-projection there.
+    assert sorted(hook_points(layers, 1)) == ["next_attention"]
+    assert sorted(hook_points(layers, 1, points=kimi_k3.POINTS)) == ["next_attention",
+                                                                     "oproj_down"]
+    assert list(hook_points(layers, 8, points=["next_attention"])) == ["next_attention"]
 
 
 def test_hook_points_missing_module():

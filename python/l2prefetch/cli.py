@@ -176,6 +176,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="L2 size for the share column (60: the H200)")
     parser.add_argument("--json", action="store_true",
                         help="print the plan as JSON (weights by module path) instead")
+    parser.add_argument("--next-attention-mib", type=int, metavar="MIB",
+                        help="one next_attention cap for batches 1-8 (default: "
+                             "kimi_k3.NEXT_ATTENTION, 0 at every TP until measured; see its "
+                             "docstring)")
+    parser.add_argument("--seed-points", action="store_true",
+                        help="every point of the seed, oproj_down included (default: "
+                             "kimi_k3.DEFAULT_POINTS, the ones that paid on the H200)")
     return parser
 
 
@@ -205,7 +212,15 @@ def plan_main(argv: Optional[Sequence[str]] = None) -> int:
     from . import kimi_k3
     from .plan import format_plan, plan_to_json
 
-    entries = kimi_k3.plan(layers, packed, args.tp)
+    caps = None
+    if args.next_attention_mib is not None:
+        caps = {args.tp: {batch: args.next_attention_mib for batch in range(1, 9)}}
+    try:
+        entries = kimi_k3.plan(layers, packed, args.tp, caps,
+                               points=kimi_k3.POINTS if args.seed_points else None)
+    except (TypeError, ValueError) as exc:
+        print(f"l2prefetch plan: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(plan_to_json(entries, model))
         return 0

@@ -2,8 +2,12 @@
 
 This is the seed policy (vllm ... specialized_decode/runtime/prefetch.py)
 restated as a plan: the same points, weights, batches, grids, carveouts and
-priorities, so that a controller built from :func:`plan` launches what the
-seed's controller launched.  Three fork points per MoE layer:
+priorities, so that a controller built from ``plan(..., points=POINTS)``
+launches what the seed's controller launched.  Two things differ by default,
+both measured on the H200 (benchmarks/RESULTS.md, caps section):
+:data:`NEXT_ATTENTION` (the seed's table is not part of the reference) and
+:data:`DEFAULT_POINTS` (no ``oproj_down``: it never paid).  Three fork points
+per MoE layer:
 
 * ``oproj_down``: after the o-projection, at batches 3-8, the MoE front's
   packed copy ``[router shard; latent-down shard]``, which the front GEMM
@@ -26,16 +30,18 @@ Layers are duck-typed like the seed's: ``layer.is_moe_layer``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Optional
 
 from .plan import CapSpec, PlanEntry, cap_groups
 
 __all__ = [
     "ATTENTION_INPUTS",
+    "DEFAULT_POINTS",
     "FRONT_GRID",
     "NEXT_ATTENTION",
     "NEXT_GRID",
+    "POINTS",
     "SHARED_GRID",
     "URGENT_CARVEOUT",
     "attention_weights",
@@ -60,12 +66,45 @@ ATTENTION_INPUTS = (
 )
 
 #: next_attention caps per TP: batch -> cap in MiB, or (cap in MiB, carveout).
-#: Provisional until benchmarks/ measures it: the seed's measured table is not
-#: part of the reference text, so these are placeholders of the right shape
-#: (32 MiB at batches 1-4, 16 MiB at 5-8, for every TP; no entry above batch 8).
+#: Zero at every TP, by measurement on the H200 (benchmarks/RESULTS.md, run 7):
+#: the caps section (two Kimi-shaped MoE layers, every cap of 0-32 MiB at
+#: batches 1-8) found no gain at TP 1 (no all-reduce follows the experts: every
+#: cap was slower, 16 MiB by 3%) and ~1% at TP 2, 4 and 8 for 24 MiB, but with a
+#: spin standing in for the all-reduce; with real NCCL all-reduces at TP 2
+#: (``benchmarks/allreduce.py --world 2 --layer-only``) the same 24 MiB fork
+#: made the step 0.3-2.0% slower (inline; as a side branch 0.5% slower to 0.5%
+#: faster).  TP 4 and 8 could not be measured with real collectives here; the
+#: spin's optimism at TP 2 says not to trust it there either.  To turn it on,
+#: measure your TP with allreduce.py and pass ``next_attention=`` to
+#: :func:`plan`.  Nothing above batch 8.
 NEXT_ATTENTION: dict[int, dict[int, CapSpec]] = {
-    tp: {1: 32, 2: 32, 3: 32, 4: 32, 5: 16, 6: 16, 7: 16, 8: 16} for tp in (1, 2, 4, 8)
-}
+    tp: {batch: 0 for batch in range(1, 9)} for tp in (1, 2, 4, 8)}
+
+#: The seed's fork points, in a layer's order.
+POINTS = ("oproj_down", "attention_moe", "next_attention")
+
+#: The points :func:`plan` forks at by default, per TP: the seed's, less those
+#: the H200 measured as losing (benchmarks/RESULTS.md, caps section, "The other
+#: points").  ``oproj_down`` is left out at every TP.  At TP 1 no all-reduce
+#: follows the o-projection, so its load runs beside the front GEMM that reads
+#: the same rows: 10-13 us slower per two layers at batches 3-8 (3%), and worse
+#: at grid 32.  At TP 4 and 8 the step without it was 0.5-3.7 us faster at
+#: batches 3-8 (at TP 8, batches 5-8, attention_moe already loads the same
+#: front); at TP 2 it made no difference.  ``points=POINTS`` restores it.
+DEFAULT_POINTS: dict[int, tuple[str, ...]] = {
+    tp: ("attention_moe", "next_attention") for tp in (1, 2, 4, 8)}
+
+
+def _points(tp: Any, points: Optional[Collection[str]]) -> frozenset:
+    if points is None:
+        return frozenset(DEFAULT_POINTS.get(tp, POINTS))
+    if isinstance(points, str) or not isinstance(points, Collection):
+        raise TypeError(f"points must be a collection of point names from {POINTS}, "
+                        f"got {type(points).__name__} {points!r}")
+    unknown = [p for p in points if p not in POINTS]
+    if unknown:
+        raise ValueError(f"unknown point(s) {unknown!r}: points must be names from {POINTS}")
+    return frozenset(points)
 
 
 def attention_weights(attention: Any) -> tuple[Any, ...]:
@@ -90,20 +129,24 @@ def _packed(packed: Any, index: int) -> Any:
 
 
 def plan(layers: Sequence[Any], packed: Any, tp: int,
-         next_attention: Optional[Mapping[int, Mapping[int, CapSpec]]] = None) -> list[PlanEntry]:
+         next_attention: Optional[Mapping[int, Mapping[int, CapSpec]]] = None, *,
+         points: Optional[Collection[str]] = None) -> list[PlanEntry]:
     """The seed's plan for ``layers`` at tensor parallelism ``tp``.
 
     Only MoE layers get entries, in this order per layer: ``oproj_down``,
     ``attention_moe`` (TP 8), then one ``next_attention`` entry per distinct
     (cap, carveout) of ``(next_attention or NEXT_ATTENTION)[tp]``, in the order
     of each group's first batch in that table (zero caps give no entry).  The
-    last layer has no ``next_attention``.  Raises ValueError for a ``tp`` the
-    table does not have.
+    last layer has no ``next_attention``.  Only the points in ``points`` get
+    entries: by default ``DEFAULT_POINTS[tp]`` (the seed's, less the measured
+    losers); ``points=POINTS`` gives the seed's plan exactly.  Raises
+    ValueError for a ``tp`` the table does not have or an unknown point.
     """
     table = NEXT_ATTENTION if next_attention is None else next_attention
     if tp not in table:
         raise ValueError(f"tp={tp!r} has no next_attention table; supported: {sorted(table)}")
-    groups = cap_groups(table[tp])
+    wanted = _points(tp, points)
+    groups = cap_groups(table[tp]) if "next_attention" in wanted else []
     entries: list[PlanEntry] = []
     for position, layer in enumerate(layers):
         if not layer.is_moe_layer:
@@ -111,9 +154,10 @@ def plan(layers: Sequence[Any], packed: Any, tp: int,
         index, attention = layer.layer_idx, layer.self_attn
         # The front GEMM reads [router shard; down shard] from the packed copy.
         front = _packed(packed, index)
-        entries.append(PlanEntry("oproj_down", index, range(3, 9), (front,), grid=FRONT_GRID,
-                                 carveout=URGENT_CARVEOUT, priority=True))
-        if tp == 8:
+        if "oproj_down" in wanted:
+            entries.append(PlanEntry("oproj_down", index, range(3, 9), (front,),
+                                     grid=FRONT_GRID, carveout=URGENT_CARVEOUT, priority=True))
+        if tp == 8 and "attention_moe" in wanted:
             shared = layer.mlp.shared_experts
             batches = range(5, 9) if hasattr(attention, "in_proj_qkvgfab") else (8,)
             entries.append(PlanEntry(
@@ -140,8 +184,8 @@ def _resolve(layer: Any, path: str) -> Any:
 
 def hook_points(layers: Sequence[Any], tp: int, *, oproj: str = "self_attn.o_proj",
                 kda_input: str = "self_attn.in_proj_qkvgfab",
-                mla_core: str = "self_attn.mla_attn",
-                experts: str = "mlp.experts") -> dict[str, list[tuple[Any, int]]]:
+                mla_core: str = "self_attn.mla_attn", experts: str = "mlp.experts",
+                points: Optional[Collection[str]] = None) -> dict[str, list[tuple[Any, int]]]:
     """Where each point forks, as ``{point: [(module, layer_idx), ...]}`` for ``hooks.attach``.
 
     For servers that run Kimi's layers as ``nn.Module``s rather than the seed's
@@ -149,20 +193,22 @@ def hook_points(layers: Sequence[Any], tp: int, *, oproj: str = "self_attn.o_pro
     ``oproj`` (after the o-projection), ``kda_input`` / ``mla_core`` (TP 8,
     after the KDA input projection or the MLA core; the MLA core's name depends
     on the implementation, vLLM's is ``mla_attn``) and ``experts`` (once the
-    routed experts are launched).  Only MoE layers are hooked; a missing module
+    routed experts are launched).  Only MoE layers are hooked, and only at the
+    ``points`` :func:`plan` forks at (the same default); a missing module
     raises LookupError.
     """
-    points: dict[str, list[tuple[Any, int]]] = {"oproj_down": [], "next_attention": []}
-    if tp == 8:
-        points["attention_moe"] = []
+    wanted = _points(tp, points)
+    sites: dict[str, list[tuple[Any, int]]] = {
+        point: [] for point in POINTS if point in wanted and (point != "attention_moe" or tp == 8)}
     for position, layer in enumerate(layers):
         if not layer.is_moe_layer:
             continue
         index = layer.layer_idx
-        points["oproj_down"].append((_resolve(layer, oproj), index))
-        if tp == 8:
+        if "oproj_down" in sites:
+            sites["oproj_down"].append((_resolve(layer, oproj), index))
+        if "attention_moe" in sites:
             kda = hasattr(layer.self_attn, "in_proj_qkvgfab")
-            points["attention_moe"].append((_resolve(layer, kda_input if kda else mla_core), index))
-        if position + 1 < len(layers):
-            points["next_attention"].append((_resolve(layer, experts), index))
-    return points
+            sites["attention_moe"].append((_resolve(layer, kda_input if kda else mla_core), index))
+        if "next_attention" in sites and position + 1 < len(layers):
+            sites["next_attention"].append((_resolve(layer, experts), index))
+    return sites
