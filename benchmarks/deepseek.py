@@ -1,7 +1,7 @@
 """The real-model proof: Hugging Face DeepSeek-V3 decoding with l2prefetch's hooks.
 
     python benchmarks/deepseek.py [--quick] [--out benchmarks/DEEPSEEK.md] [--device cuda|cpu]
-                                  [--tiny] [--batches 1,2,4,8]
+                                  [--tiny] [--batches 1,2,4,8] [--points next_attention]
 
 Builds a random DeepSeek-V3 (``transformers.DeepseekV3ForCausalLM`` from a
 ``DeepseekV3Config``; weights are never downloaded): hidden 4096, 6 layers,
@@ -14,15 +14,18 @@ position buffer are reset to the prompt length before each replay):
 
   (a) no prefetch;
   (b) l2prefetch attached with ``hooks.attach(model, controller,
-      deepseek_v3.hook_points)``, ``controller =
-      PrefetchController.from_plan(deepseek_v3.plan(model), 0)``: the forks
-      and the join are recorded into the graph at capture;
+      lambda m: deepseek_v3.hook_points(m, points))``, ``controller =
+      PrefetchController.from_plan(deepseek_v3.plan(model, points=points), 0)``
+      (``--points``, comma-separated; default ``deepseek_v3.DEFAULT_POINTS``,
+      next_attention only; ``--points oproj_down,next_attention`` adds the
+      router prefetch): the forks and the join are recorded into the graph at
+      capture;
   (d) the empty-fork control: the same points, layers and batches registered
       with empty tables (same grid, carveout, priority, nothing loaded), so
       the graph has the same fork nodes;
   (c) "hot before step": graph (a) replayed right after the plan's bytes for
       that batch were read on the main stream (latest layer first).  The plan
-      reads ~81 MiB per step against a 60 MiB L2, and layer 0's dense MLP and
+      reads ~80 MiB per step against a 60 MiB L2, and layer 0's dense MLP and
       every MoE layer's routed experts stream hundreds of MiB through L2
       before the planned consumers run, so little of it is still hot when
       used: expect (c) close to (a).  It is reported as "hot before step",
@@ -41,7 +44,7 @@ GPU), checking the hook points, batch detection, the cache counters and
 bitwise logits with and without hooks.  ``--tiny`` uses a small config (the
 GPU test's scale) for a fast check.
 
-Default: 500 graph replays and 30 eager steps per variant and batch, about a
+Default: 300 graph replays and 100 eager steps per variant and batch, about a
 minute on an H200 after the ~6.6 GiB model is built (``--quick``: 100 and 8).
 Results go to --out (Markdown) and stdout.
 """
@@ -275,13 +278,19 @@ def counts_text(counts):
 
 # ---------------------------------------------------------------- checks shared by CPU and GPU
 
-def eager_pair(dec, controller):
+def hook_sites(points=None):
+    """The hook sites of points for hooks.attach, where deepseek_v3.plan(..., points=points)
+    forks (None: deepseek_v3.DEFAULT_POINTS, as both default to)."""
+    return lambda model: deepseek_v3.hook_points(model, points)
+
+
+def eager_pair(dec, controller, points=None):
     """Logits of the same step without and with hooks; the controller's stats of that step."""
     dec.reset()
     ref = dec.step().clone()
     dec.reset()
     controller.reset_stats()
-    attachment = hooks.attach(dec.model, controller, deepseek_v3.hook_points)
+    attachment = hooks.attach(dec.model, controller, hook_sites(points))
     try:
         if not attachment.attached:
             raise RuntimeError("hooks.attach attached nothing (L2PREFETCH_DISABLE is set?)")
@@ -297,12 +306,12 @@ def run_cpu(args, config):
     failures = []
     t0 = time.perf_counter()
     model = build_model(config, "cpu")
-    plan = deepseek_v3.plan(model)
-    points = deepseek_v3.hook_points(model)
+    plan = deepseek_v3.plan(model, points=args.points)
+    points = deepseek_v3.hook_points(model, args.points)
     lines = [f"DeepSeek-V3 on the CPU (eager, fake controller): transformers "
              f"{_transformers_version()}, torch {torch.__version__}, built in "
-             f"{time.perf_counter() - t0:.1f} s.", "", model_summary(model, plan), "",
-             format_plan(plan)]
+             f"{time.perf_counter() - t0:.1f} s; points {', '.join(args.points)}.", "",
+             model_summary(model, plan), "", format_plan(plan)]
 
     sites = {(point, layer) for point, pairs in points.items() for _m, layer in pairs}
     planned = {(e.point, e.layer) for e in plan}
@@ -320,7 +329,7 @@ def run_cpu(args, config):
         lengths, positions = dec.counters()
         prefill_ok = lengths == [PROMPT_LEN] * len(lengths) and positions == [PROMPT_LEN]
         fake = FakeController(plan)
-        ref, got, _stats = eager_pair(dec, fake)
+        ref, got, _stats = eager_pair(dec, fake, args.points)
         same = bitwise_equal(ref, got)
         calls = dict(fake.calls)
         want = {(e.point, e.layer, batch): 1 for e in plan if batch in e.batches}
@@ -386,11 +395,11 @@ def time_interleaved(variants, reps):
 
 
 @contextlib.contextmanager
-def attached(model, controller):
+def attached(model, controller, points=None):
     if controller is None:
         yield None
         return
-    attachment = hooks.attach(model, controller, deepseek_v3.hook_points)
+    attachment = hooks.attach(model, controller, hook_sites(points))
     if not attachment.attached:
         raise RuntimeError("hooks.attach attached nothing (L2PREFETCH_DISABLE is set?)")
     try:
@@ -400,14 +409,15 @@ def attached(model, controller):
 
 
 class Toggle:
-    """Hooks of controller on model, attached or not."""
+    """Hooks of controller on model at points, attached or not."""
 
-    def __init__(self, model, controller):
+    def __init__(self, model, controller, points=None):
         self.model, self.controller, self.attachment = model, controller, None
+        self.points = points
 
     def set(self, on):
         if on and self.attachment is None:
-            self.attachment = hooks.attach(self.model, self.controller, deepseek_v3.hook_points)
+            self.attachment = hooks.attach(self.model, self.controller, hook_sites(self.points))
             if not self.attachment.attached:
                 raise RuntimeError("hooks.attach attached nothing (L2PREFETCH_DISABLE is set?)")
         elif not on and self.attachment is not None:
@@ -415,9 +425,10 @@ class Toggle:
             self.attachment = None
 
 
-def capture(dec, controller, warmup=2):
-    """Capture one decode step (with controller's hooks when not None): (graph, logits, stats)."""
-    with attached(dec.model, controller):
+def capture(dec, controller, warmup=2, points=None):
+    """Capture one decode step (with controller's hooks at points when not None):
+    (graph, logits, stats)."""
+    with attached(dec.model, controller, points):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -520,22 +531,30 @@ def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None
     want = expected_forks(plan, batch)
 
     # -- eager: bitwise and forks, then time
-    ref, got, stats = eager_pair(dec, controller)
+    ref, got, stats = eager_pair(dec, controller, args.points)
     eager_forks = fork_counts(stats)
     eager_same = res.check(bitwise_equal(ref, got),
                            f"batch {batch}: eager logits differ with prefetch "
                            f"(max abs diff {max_abs_diff(ref, got):.3g})")
     res.check(eager_forks == want, f"batch {batch}: eager forks {eager_forks}, planned {want}")
-    toggle = Toggle(model, controller)
+    toggle = Toggle(model, controller, args.points)
     for on in (True, False):                           # warm both paths once
         toggle.set(on)
         dec.reset()
         dec.step()
     # Hooks are attached or removed before the start event: only the step is timed
-    # (eager timing is host-bound, so the forks' host cost is in it).
+    # (eager timing is host-bound, so the forks' host cost is in it).  Each timed step
+    # follows an untimed one in the same state: a server keeps its hooks attached, and
+    # the first step after attaching them is not what it runs.
+    def before(on):
+        toggle.set(on)
+        dec.reset()
+        dec.step()
+        dec.reset()
+
     times = time_interleaved(
-        {"none": (lambda: (toggle.set(False), dec.reset()), dec.step),
-         "prefetch": (lambda: (toggle.set(True), dec.reset()), dec.step)}, args.eager_reps)
+        {"none": (lambda: before(False), dec.step),
+         "prefetch": (lambda: before(True), dec.step)}, args.eager_reps)
     toggle.set(False)
     ea, eb = median(times["none"]), median(times["prefetch"])
     res.eager.append([batch, f"{ea:.0f}", f"{eb:.0f}", f"{ea / eb:.3f}",
@@ -548,7 +567,7 @@ def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None
         variants += [("e", branch[0]), ("f", branch[1])]
     for name, ctrl in variants:
         try:
-            graphs[name] = capture(dec, ctrl)
+            graphs[name] = capture(dec, ctrl, points=args.points)
         except Exception as exc:                                  # noqa: BLE001
             traceback.print_exc()
             if ctrl is not None:
@@ -603,7 +622,7 @@ def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None
     # A graph's replay time depends on the instance (the same capture, instantiated again,
     # can differ by tens of us), so every variant is captured args.instances times and its
     # samples are pooled over the instances.
-    extra = {f"{name}#{i}": capture(dec, ctrl)
+    extra = {f"{name}#{i}": capture(dec, ctrl, points=args.points)
              for i in range(1, args.instances) for name, ctrl in variants}
     runs = {name: (dec.reset, graph.replay)
             for name, (graph, _l, _s) in {**graphs, **extra}.items()}
@@ -643,7 +662,7 @@ def run_gpu(args, config):
     model = build_model(config, "cuda:0")
     torch.cuda.synchronize()
     built = time.perf_counter() - t0
-    plan = deepseek_v3.plan(model)
+    plan = deepseek_v3.plan(model, points=args.points)
     if args.no_carveout or args.no_priority:
         import dataclasses
 
@@ -664,7 +683,8 @@ def run_gpu(args, config):
               f"{_transformers_version()}, l2prefetch {l2prefetch.__version__}, "
               f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.\n"
               f"Command: `python benchmarks/deepseek.py {' '.join(args.argv)}`; model built in "
-              f"{built:.1f} s, controllers prepared in {prepared * 1e3:.0f} ms; "
+              f"{built:.1f} s, controllers prepared in {prepared * 1e3:.0f} ms; points "
+              f"{', '.join(args.points)}; "
               f"{args.instances} graph instances x {args.graph_reps} replays and "
               f"{args.eager_reps} eager steps per variant "
               "and batch.")
@@ -712,12 +732,21 @@ def main(argv=None):
                     help="drop the plan's shared-memory carveout attributes")
     ap.add_argument("--no-priority", action="store_true",
                     help="drop the plan's stream-priority attributes")
+    ap.add_argument("--points", default=",".join(deepseek_v3.DEFAULT_POINTS),
+                    help="comma-separated deepseek_v3 points to plan and hook (default "
+                         f"{','.join(deepseek_v3.DEFAULT_POINTS)}; all: "
+                         f"{','.join(deepseek_v3.POINTS)})")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "DEEPSEEK.md"))
     args = ap.parse_args(argv)
     args.argv = argv
     args.batches = [int(b) for b in args.batches.split(",") if b]
-    args.graph_reps, args.eager_reps = (100, 8) if args.quick else (300, 30)
+    args.points = tuple(p for p in args.points.split(",") if p)
+    unknown = [p for p in args.points if p not in deepseek_v3.POINTS]
+    if unknown or not args.points:
+        ap.error(f"--points: unknown point(s) {unknown}; choose from {deepseek_v3.POINTS}"
+                 if unknown else f"--points: name at least one of {deepseek_v3.POINTS}")
+    args.graph_reps, args.eager_reps = (100, 8) if args.quick else (300, 100)
     if importlib.util.find_spec("transformers") is None:
         print("benchmarks/deepseek.py needs transformers (5.17): pip install transformers==5.17.0")
         return 2

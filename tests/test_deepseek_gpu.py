@@ -4,9 +4,12 @@ A tiny random ``DeepseekV3ForCausalLM`` (3 layers, the first dense; weights
 from a config, never downloaded) decodes one step from a ``StaticCache``
 with and without ``hooks.attach(model, controller, deepseek_v3.hook_points)``:
 the logits must be bitwise identical, eager and in CUDA-graph replay, and the
-controller must count one fork per planned point and layer.  Needs
-transformers 5 (``set_experts_implementation("grouped_mm")``, a StaticCache
-that keeps its position on the device); skipped without it or without a GPU.
+controller must count one fork per planned point and layer, with the default
+points (``next_attention`` only) and with every point
+(``points=deepseek_v3.POINTS``: the router prefetch after ``o_proj`` too).
+Needs transformers 5 (``set_experts_implementation("grouped_mm")``, a
+StaticCache that keeps its position on the device); skipped without it or
+without a GPU.
 benchmarks/deepseek.py is the full-size version with timings.
 """
 
@@ -88,10 +91,20 @@ def same_bits(a, b):
     return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def capture(step, controller=None):
+def sites_of(points):
+    """The hook sites of points, for hooks.attach (the plan of the same points forks there)."""
+    return lambda model: deepseek_v3.hook_points(model, points)
+
+
+#: The points the tests run with, and the forks per step of the 3-layer model (one dense).
+POINT_SETS = {"default": (None, {"next_attention": 2}),
+              "every": (deepseek_v3.POINTS, {"next_attention": 2, "oproj_down": 2})}
+
+
+def capture(step, controller=None, points=None):
     attachment = None
     if controller is not None:
-        attachment = hooks.attach(step.model, controller, deepseek_v3.hook_points)
+        attachment = hooks.attach(step.model, controller, sites_of(points))
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -119,41 +132,50 @@ def test_plan_matches_hook_points(model):
     sites = {(point, layer) for point, pairs in deepseek_v3.hook_points(model).items()
              for _module, layer in pairs}
     assert sites == {(e.point, e.layer) for e in plan}
+    assert sites == {("next_attention", 0), ("next_attention", 1)}
+    plan = deepseek_v3.plan(model, points=deepseek_v3.POINTS)
+    sites = {(point, layer)
+             for point, pairs in deepseek_v3.hook_points(model, deepseek_v3.POINTS).items()
+             for _module, layer in pairs}
+    assert sites == {(e.point, e.layer) for e in plan}
     assert sites == {("next_attention", 0), ("next_attention", 1), ("oproj_down", 1),
                      ("oproj_down", 2)}
 
 
+@pytest.mark.parametrize("which", sorted(POINT_SETS))
 @pytest.mark.parametrize("batch", [1, 3])
 @torch.no_grad()
-def test_eager_step_bitwise_identical_with_prefetch(model, batch):
-    plan = deepseek_v3.plan(model)
+def test_eager_step_bitwise_identical_with_prefetch(model, batch, which):
+    points, expected = POINT_SETS[which]
+    plan = deepseek_v3.plan(model, points=points)
     step = Step(model, batch)
     step.reset()
     ref = step().clone()
     with PrefetchController.from_plan(plan, 0) as controller:
         step.reset()
-        with hooks.attach(model, controller, deepseek_v3.hook_points) as attachment:
+        with hooks.attach(model, controller, sites_of(points)) as attachment:
             assert attachment.attached
             got = step().clone()
         torch.cuda.synchronize()
-        assert forks(controller) == planned_forks(plan, batch) == {"next_attention": 2,
-                                                                   "oproj_down": 2}
+        assert forks(controller) == planned_forks(plan, batch) == expected
         assert not controller.pending          # the root hook joined
     assert same_bits(ref, got)
     assert [int(t) for t in step.lengths] == [PROMPT + 1] * 3
     assert int(step.pos[0, 0]) == PROMPT + 1
 
 
+@pytest.mark.parametrize("which", sorted(POINT_SETS))
 @pytest.mark.parametrize("batch", [1, 4])
 @torch.no_grad()
-def test_graph_replay_bitwise_identical_with_prefetch(model, batch):
-    plan = deepseek_v3.plan(model)
+def test_graph_replay_bitwise_identical_with_prefetch(model, batch, which):
+    points, expected = POINT_SETS[which]
+    plan = deepseek_v3.plan(model, points=points)
     step = Step(model, batch)
     with PrefetchController.from_plan(plan, 0) as controller:
         plain, plain_logits = capture(step)
-        fetched, fetched_logits = capture(step, controller)
+        fetched, fetched_logits = capture(step, controller, points)
         captured = forks(controller)
-        assert captured == planned_forks(plan, batch) == {"next_attention": 2, "oproj_down": 2}
+        assert captured == planned_forks(plan, batch) == expected
         assert not controller.pending
         for _ in range(3):
             step.reset()

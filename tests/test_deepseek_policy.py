@@ -8,10 +8,12 @@ from torch import nn
 
 from l2prefetch import deepseek_v3
 from l2prefetch.deepseek_v3 import (
+    DEFAULT_POINTS,
     FRONT_CARVEOUT,
     FRONT_GRID,
     NEXT_ATTENTION_MIB,
     NEXT_GRID,
+    POINTS,
     attention_weights,
     hook_points,
     plan,
@@ -181,7 +183,7 @@ def test_attention_weights_in_consumption_order():
 def test_plan_entry_by_entry():
     model = ForCausalLM(count=4, first_dense=1)
     layers = model.model.layers
-    entries = plan(model)
+    entries = plan(model, points=POINTS)
     assert [(e.point, e.layer) for e in entries] == [
         ("next_attention", 0),
         ("oproj_down", 1), ("next_attention", 1),
@@ -202,9 +204,83 @@ def test_plan_entry_by_entry():
     assert all(id(w) in params for e in entries for w in e.weights)
 
 
+def test_points_constants():
+    assert POINTS == ("oproj_down", "next_attention")
+    assert DEFAULT_POINTS == ("next_attention",)
+    assert {"POINTS", "DEFAULT_POINTS"} <= set(deepseek_v3.__all__)
+    assert deepseek_v3.__all__ == sorted(deepseek_v3.__all__)
+
+
+def test_default_plan_has_only_next_attention():
+    model = ForCausalLM(count=4, first_dense=1)
+    entries = plan(model)
+    assert [(e.point, e.layer) for e in entries] == [
+        ("next_attention", 0), ("next_attention", 1), ("next_attention", 2)]
+    # The same next_attention entries as with every point, and nothing else.
+    every = plan(model, points=POINTS)
+    assert entries == [e for e in every if e.point == "next_attention"]
+    assert plan(model, points=DEFAULT_POINTS) == entries
+    assert plan(model, points=("oproj_down", "next_attention")) == every
+    assert plan(model, points=["next_attention", "oproj_down"]) == every   # order does not matter
+    assert plan(model, points={"oproj_down"}) == [e for e in every if e.point == "oproj_down"]
+    assert plan(model, points=()) == []
+    # include_shared_experts only changes the oproj_down entries.
+    assert plan(model, include_shared_experts=True) == entries
+    shared = plan(model, include_shared_experts=True, points=POINTS)
+    assert [len(e.weights) for e in shared if e.point == "oproj_down"] == [4, 4, 4]
+
+
+def test_default_hook_points_have_only_next_attention():
+    model = ForCausalLM(count=4, first_dense=1)
+    layers = model.model.layers
+    points = hook_points(model)
+    assert list(points) == ["next_attention"]
+    assert points["next_attention"] == [(layers[i].mlp, i) for i in (0, 1, 2)]
+    assert list(hook_points(model, POINTS)) == ["oproj_down", "next_attention"]
+    assert list(hook_points(model, ["oproj_down"])) == ["oproj_down"]
+    assert hook_points(model, ()) == {}
+
+
+@pytest.mark.parametrize("points", [None, POINTS, DEFAULT_POINTS, ("oproj_down",), ()],
+                         ids=["default", "POINTS", "DEFAULT_POINTS", "oproj_down", "none"])
+@pytest.mark.parametrize("first_dense", [0, 1, 4])
+def test_plan_and_hook_points_agree(points, first_dense):
+    model = ForCausalLM(count=4, first_dense=first_dense)
+    planned = {(e.point, e.layer) for e in plan(model, points=points)}
+    hooked = {(p, layer) for p, sites in hook_points(model, points).items() for _, layer in sites}
+    assert planned == hooked
+
+
+def test_default_forward_forks_at_next_attention_only():
+    model = ForCausalLM(count=3, first_dense=1)
+    controller = Recorder()
+    with attach(model, controller, deepseek_v3.hook_points):
+        model(torch.randn(2, 1, H))
+    assert controller.calls == [("next_attention", 0, 2), ("next_attention", 1, 2), ("join",)]
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    ("oproj_down", TypeError, r"points must be a collection of point names from \('oproj_down', "
+     r"'next_attention'\), got str 'oproj_down'"),
+    (3, TypeError, r"points must be a collection of point names from .*, got int 3"),
+    (iter(["next_attention"]), TypeError, r"points must be a collection of point names"),
+    (["oproj"], ValueError, r"unknown point\(s\) \['oproj'\]: points must be names from "
+     r"\('oproj_down', 'next_attention'\)"),
+    (["attention_moe", "next_attention"], ValueError, r"unknown point\(s\) \['attention_moe'\]"),
+    ([None], ValueError, r"unknown point\(s\) \[None\]"),
+], ids=["a str", "an int", "an iterator", "unknown", "a Kimi point", "None inside"])
+@pytest.mark.parametrize("call", [lambda m, p: plan(m, points=p), lambda m, p: hook_points(m, p),
+                                  lambda m, p: hook_points(m, points=p)],
+                         ids=["plan", "hook_points", "hook_points kw"])
+def test_bad_points_are_refused(call, bad, error, message):
+    with pytest.raises(error, match=message):
+        call(ForCausalLM(count=2), bad)
+
+
 def test_plan_with_shared_experts_and_other_batches():
     model = ForCausalLM(count=3, first_dense=0)
-    entries = plan(model, batches=(1, 2, 3), next_attention_mib=8, include_shared_experts=True)
+    entries = plan(model, batches=(1, 2, 3), next_attention_mib=8, include_shared_experts=True,
+                   points=POINTS)
     mlp = model.model.layers[0].mlp
     front = entries[0]
     assert front.point == "oproj_down" and front.batches == (1, 2, 3)
@@ -242,10 +318,10 @@ def test_decoder_layers_are_found_or_refused():
 def test_hook_points_fork_where_the_plan_says():
     model = ForCausalLM(count=4, first_dense=1)
     layers = model.model.layers
-    points = hook_points(model)
+    points = hook_points(model, POINTS)
     assert points["oproj_down"] == [(layers[i].self_attn.o_proj, i) for i in (1, 2, 3)]
     assert points["next_attention"] == [(layers[i].mlp, i) for i in (0, 1, 2)]
-    planned = {(e.point, e.layer) for e in plan(model)}
+    planned = {(e.point, e.layer) for e in plan(model, points=POINTS)}
     hooked = {(p, layer) for p, sites in points.items() for _, layer in sites}
     assert planned == hooked
 
@@ -261,7 +337,7 @@ def test_forward_forks_after_o_proj_and_after_the_moe_block():
     controller = Recorder()
     real_fork = controller.fork
     controller.fork = lambda p, l, b: order.append((p, l)) or real_fork(p, l, b)
-    with attach(model, controller, deepseek_v3.hook_points):
+    with attach(model, controller, lambda m: deepseek_v3.hook_points(m, POINTS)):
         model(torch.randn(3, 1, H))
     assert controller.calls == [
         ("next_attention", 0, 3), ("oproj_down", 1, 3), ("next_attention", 1, 3),
@@ -275,7 +351,7 @@ def test_plan_json_round_trip():
     from l2prefetch.plan import plan_from_json, plan_to_json
 
     model = ForCausalLM(count=3)
-    entries = plan(model, include_shared_experts=True)
+    entries = plan(model, include_shared_experts=True, points=POINTS)
     text = plan_to_json(entries, model)
     assert '"model.layers.1.mlp.gate.weight"' in text
     assert plan_from_json(text, model) == entries
@@ -293,14 +369,24 @@ def test_real_transformers_model():
         qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=64)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     layers = model.model.layers
+    # The default: next_attention only.
     entries = plan(model)
+    assert [(e.point, e.layer) for e in entries] == [("next_attention", 0), ("next_attention", 1)]
+    assert entries[0].weights[0] is layers[1].self_attn.q_a_proj.weight
+    assert entries[0].weights[-1] is layers[1].self_attn.o_proj.weight
+    controller = Recorder()
+    with attach(model, controller, deepseek_v3.hook_points), torch.no_grad():
+        model(input_ids=torch.zeros(2, 1, dtype=torch.long), use_cache=False)
+    assert controller.calls == [("next_attention", 0, 2), ("next_attention", 1, 2), ("join",)]
+    # Every point: the router prefetch after o_proj too.
+    entries = plan(model, points=POINTS)
     assert [(e.point, e.layer) for e in entries] == [
         ("next_attention", 0), ("oproj_down", 1), ("next_attention", 1), ("oproj_down", 2)]
     assert entries[1].weights[0] is layers[1].mlp.gate.weight
     assert entries[0].weights[0] is layers[1].self_attn.q_a_proj.weight
     assert entries[0].weights[-1] is layers[1].self_attn.o_proj.weight
     controller = Recorder()
-    with attach(model, controller, deepseek_v3.hook_points), torch.no_grad():
+    with attach(model, controller, lambda m: deepseek_v3.hook_points(m, POINTS)), torch.no_grad():
         model(input_ids=torch.zeros(2, 1, dtype=torch.long), use_cache=False)
     assert controller.calls == [
         ("next_attention", 0, 2), ("oproj_down", 1, 2), ("next_attention", 1, 2),

@@ -12,20 +12,29 @@ Where a decode layer leaves HBM bandwidth idle, and what it reads next
 The idle windows are the norms (11-21 us), the router (56-68 us) and the
 attention glue (35-49 us).  The loader moves about 2 TB/s x (window - 2 us)
 and a fork costs 0.5-1.3 us in a replayed graph even when empty.  This policy
-uses the two points of the Kimi policy, mapped onto HF's modules:
+maps two points of the Kimi policy onto HF's modules (:data:`POINTS`); by
+default it forks at ``next_attention`` only (:data:`DEFAULT_POINTS`):
 
-* ``oproj_down``, forked after ``self_attn.o_proj`` of each MoE layer:
-  prefetch the router weight ``mlp.gate.weight``.  Its window is the
-  post-attention RMSNorm; the router's GEMV reads it right after.  Critical
-  path, so the Kimi front's settings: grid 8, carveout 100, top priority.
+* ``oproj_down``, *not forked by default*: after ``self_attn.o_proj`` of each
+  MoE layer, prefetch the router weight ``mlp.gate.weight``.  Its window is
+  the post-attention RMSNorm; the router's GEMV reads it right after.
+  Critical path, so the Kimi front's settings: grid 8, carveout 100, top
+  priority.  Left out because the router weight is too small to pay for its
+  fork: 0.25 MiB in the benchmark model, and on the H200 the effect table
+  (benchmarks/RESULTS.md, W = 1.8 MiB rows) shows a cold-to-hot gap of at
+  most ~0.2 us at that size, while an inline fork node costs ~0.3-0.5 us in a
+  replayed graph; in the Kimi-shaped two-layer benchmark the same point never
+  paid at any TP (caps section, "The other points").  ``points=POINTS`` (or
+  ``points=("oproj_down", "next_attention")``) restores it.
 
-  The shared experts are *not* prefetched here by default.  In HF's
-  ``DeepseekV3MoE.forward`` they run after the routed experts, which stream
-  hundreds of MiB through the 60 MiB L2 and evict anything loaded before
-  them; and forking after the routed experts leaves no window (the loader
-  would compete with the shared experts themselves: -1.1 to -2.9 us at 32 MiB
-  and T=0 in the facts).  ``include_shared_experts=True`` adds them anyway,
-  for measuring that claim.
+  The shared experts are *not* prefetched there even then, by default.  In
+  HF's ``DeepseekV3MoE.forward`` they run after the routed experts, which
+  stream hundreds of MiB through the 60 MiB L2 and evict anything loaded
+  before them; and forking after the routed experts leaves no window (the
+  loader would compete with the shared experts themselves: -1.1 to -2.9 us at
+  32 MiB and T=0 in the facts).  ``include_shared_experts=True`` adds them to
+  the ``oproj_down`` entry anyway, for measuring that claim (it changes
+  nothing unless ``oproj_down`` is among the points).
 
 * ``next_attention``, forked after ``mlp`` (the whole MLP / MoE block) of
   every layer that has a following layer: prefetch the next layer's attention
@@ -47,17 +56,19 @@ weight is the model's own tensor, so plans can be stored with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any, Optional, Union
 
 from .plan import CapSpec, PlanEntry, cap_groups
 
 __all__ = [
     "ATTENTION_PROJECTIONS",
+    "DEFAULT_POINTS",
     "FRONT_CARVEOUT",
     "FRONT_GRID",
     "NEXT_ATTENTION_MIB",
     "NEXT_GRID",
+    "POINTS",
     "attention_weights",
     "decoder_layers",
     "hook_points",
@@ -75,9 +86,34 @@ NEXT_GRID = 32
 #: until benchmarks/ measures it.
 NEXT_ATTENTION_MIB = 16
 
+#: The policy's fork points, in a layer's order.
+POINTS = ("oproj_down", "next_attention")
+
+#: The points :func:`plan` and :func:`hook_points` fork at by default:
+#: ``next_attention`` only.  ``oproj_down`` loads just the router weight
+#: ``mlp.gate.weight`` (0.25 MiB in the benchmark model); on the H200 the effect
+#: table (benchmarks/RESULTS.md, W = 1.8 MiB rows) puts the cold-to-hot gap of
+#: a weight that small at ~0.2 us at most, while an inline fork node costs
+#: ~0.3-0.5 us in a replayed graph, and in the Kimi-shaped two-layer benchmark
+#: the oproj_down point never paid at any TP (caps section, "The other
+#: points").  ``points=POINTS`` restores the router prefetch.
+DEFAULT_POINTS = ("next_attention",)
+
 #: Attention projections in the order HF's DeepseekV3Attention.forward reads them.
 ATTENTION_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                          "o_proj")
+
+
+def _points(points: Optional[Collection[str]]) -> frozenset:
+    if points is None:
+        return frozenset(DEFAULT_POINTS)
+    if isinstance(points, str) or not isinstance(points, Collection):
+        raise TypeError(f"points must be a collection of point names from {POINTS}, "
+                        f"got {type(points).__name__} {points!r}")
+    unknown = [p for p in points if p not in POINTS]
+    if unknown:
+        raise ValueError(f"unknown point(s) {unknown!r}: points must be names from {POINTS}")
+    return frozenset(points)
 
 
 def decoder_layers(model: Any) -> Sequence[Any]:
@@ -119,31 +155,41 @@ def _front_weights(mlp: Any, include_shared_experts: bool) -> tuple[Any, ...]:
 
 def plan(model: Any, batches: Iterable[int] = range(1, 9),
          next_attention_mib: Union[int, Mapping[int, CapSpec]] = NEXT_ATTENTION_MIB, *,
-         include_shared_experts: bool = False) -> list[PlanEntry]:
+         include_shared_experts: bool = False,
+         points: Optional[Collection[str]] = None) -> list[PlanEntry]:
     """The DeepSeek-V3 plan for ``model`` (see the module docstring for why).
 
     ``batches`` are the decode batches that fork at all.  ``next_attention_mib``
     is one cap in MiB for every batch, or a per-batch table ``{batch: cap_mib
     | (cap_mib, carveout)}`` like Kimi's (batches it leaves out, and zero
     caps, get no next_attention).  Entries per layer: ``oproj_down`` (MoE
-    layers), then the ``next_attention`` groups (layers with a following one).
+    layers), then the ``next_attention`` groups (layers with a following one),
+    but only for the points in ``points``: by default :data:`DEFAULT_POINTS`
+    (``next_attention`` only); ``points=POINTS`` adds the router prefetch.
+    ``include_shared_experts=True`` adds the shared experts to the
+    ``oproj_down`` entries, so it changes nothing unless ``oproj_down`` is
+    among the points.  Raises TypeError for a ``points`` that is a str or not
+    a collection, ValueError for an unknown point.
     """
+    wanted = _points(points)
     batches = tuple(batches)
-    if isinstance(next_attention_mib, Mapping):
-        table = next_attention_mib
-    else:
-        table = {batch: next_attention_mib for batch in batches}
-    groups = [(cap, carveout, tuple(b for b in group if b in batches))
-              for cap, carveout, group in cap_groups(table)]
-    groups = [group for group in groups if group[2]]
+    groups = []
+    if "next_attention" in wanted:
+        if isinstance(next_attention_mib, Mapping):
+            table = next_attention_mib
+        else:
+            table = {batch: next_attention_mib for batch in batches}
+        groups = [(cap, carveout, tuple(b for b in group if b in batches))
+                  for cap, carveout, group in cap_groups(table)]
+        groups = [group for group in groups if group[2]]
     layers = decoder_layers(model)
     entries: list[PlanEntry] = []
     for index, layer in enumerate(layers):
-        if is_moe_layer(layer):
+        if "oproj_down" in wanted and is_moe_layer(layer):
             entries.append(PlanEntry("oproj_down", index, batches,
                                      _front_weights(layer.mlp, include_shared_experts),
                                      grid=FRONT_GRID, carveout=FRONT_CARVEOUT, priority=True))
-        if index + 1 < len(layers):
+        if groups and index + 1 < len(layers):
             weights = attention_weights(layers[index + 1].self_attn)
             for cap, carveout, group in groups:
                 entries.append(PlanEntry("next_attention", index, group, weights,
@@ -151,16 +197,24 @@ def plan(model: Any, batches: Iterable[int] = range(1, 9),
     return entries
 
 
-def hook_points(model: Any) -> dict[str, list[tuple[Any, int]]]:
+def hook_points(model: Any, points: Optional[Collection[str]] = None
+                ) -> dict[str, list[tuple[Any, int]]]:
     """Where :func:`plan`'s points fork, for :func:`l2prefetch.hooks.attach`.
 
     ``oproj_down``: after ``self_attn.o_proj`` of each MoE layer;
     ``next_attention``: after ``mlp`` of each layer that has a following layer.
+    Only the points in ``points`` get a key, with :func:`plan`'s default
+    (:data:`DEFAULT_POINTS`), so ``hooks.attach(model, controller,
+    deepseek_v3.hook_points)`` hooks where the default plan forks; for other
+    points pass ``lambda m: deepseek_v3.hook_points(m, points)``.
     """
+    wanted = _points(points)
     layers = decoder_layers(model)
-    return {
-        "oproj_down": [(layer.self_attn.o_proj, index) for index, layer in enumerate(layers)
-                       if is_moe_layer(layer)],
-        "next_attention": [(layer.mlp, index) for index, layer in enumerate(layers)
-                           if index + 1 < len(layers)],
-    }
+    sites: dict[str, list[tuple[Any, int]]] = {}
+    if "oproj_down" in wanted:
+        sites["oproj_down"] = [(layer.self_attn.o_proj, index)
+                               for index, layer in enumerate(layers) if is_moe_layer(layer)]
+    if "next_attention" in wanted:
+        sites["next_attention"] = [(layer.mlp, index) for index, layer in enumerate(layers)
+                                   if index + 1 < len(layers)]
+    return sites
