@@ -1,6 +1,7 @@
 """The all-reduce window: tensor-parallel decode, one process per GPU of one host.
 
     python benchmarks/allreduce.py [--world 2] [--quick] [--out PATH] [--kimi [--layers 8]]
+                                   [--layer] [--layer-only]
 
 At TP = --world, a decode step's all-reduce of the activations x [B, 7168]
 bf16 (B = 1, 2, 4, 8) is followed by a bf16 GEMV y = x @ W^T over this rank's
@@ -32,6 +33,15 @@ and gives the right sums; a mode that fails is reported, not measured.
 once per layer inside a captured graph with one GEMV per layer, the forks
 counted by ``ctrl.stats()`` per point and rank, and the replay with and
 without the forks.
+
+``--layer`` adds the decode step of benchmarks/report.py's layer and caps
+sections (two Kimi-shaped MoE layers, weights sharded for TP = --world) with
+its two all-reduce stand-ins replaced by real all-reduces of x [B, 7168]:
+no forks, ``kimi_k3.plan`` as shipped (inline and as side branches), the
+seed's points (``points=kimi_k3.POINTS``), and the shipped forks with empty
+tables, at batches 1-8 (--quick: 1, 4, 8).  This checks the caps section's
+choices, made with a spin in place of NCCL, against the real collective.
+``--layer-only`` skips the W x B table.
 
 Rank 0 prints a Markdown section (and writes it to --out when given).
 NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 unless already set.
@@ -119,9 +129,24 @@ class Rig:
         self.scratch = torch.empty((), device=self.device)
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(self.device)
+        self.cycles_per_us = None
 
     def flush(self):
         torch.sum(self.flush_buf, dim=0, out=self.scratch)
+
+    def spin(self, us):
+        """One CTA busy for us microseconds, touching no memory (the attention core's
+        stand-in of the --layer step)."""
+        if self.cycles_per_us is None:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1000)
+            s.record()
+            torch.cuda._sleep(2_000_000)
+            e.record()
+            torch.cuda.synchronize()
+            self.cycles_per_us = 2_000_000 / (s.elapsed_time(e) * 1e3)
+        if us > 0:
+            torch.cuda._sleep(int(us * self.cycles_per_us))
 
     def align(self):
         """All ranks at the same point, nothing queued (the last replay done first, so
@@ -248,6 +273,16 @@ def probe_worker(rank, world, port, outdir):
         teardown()
 
 
+def _probe_done(path):
+    """True once a probe rank's file holds a verdict for every mode."""
+    try:
+        with open(path) as f:
+            done = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return all(mode in done for mode in ("none", "branch", "inline"))
+
+
 def probe(world):
     """{mode: "ok" or why not} for "none", "branch", "inline", agreed over all ranks."""
     with tempfile.TemporaryDirectory() as outdir:
@@ -256,7 +291,12 @@ def probe(world):
         deadline = time.monotonic() + PROBE_DEADLINE_S
         died = None
         try:
-            while not context.join(timeout=5):
+            files = [os.path.join(outdir, f"rank{rank}.json") for rank in range(world)]
+            while not context.join(timeout=2):
+                # Every rank has written its verdicts: do not wait for its exit (tearing
+                # down NCCL can hang past the deadline; run 7 lost 120 s to it).
+                if all(_probe_done(f) for f in files):
+                    break
                 if time.monotonic() > deadline:
                     died = f"probe timed out after {PROBE_DEADLINE_S} s"
                     break
@@ -384,6 +424,97 @@ def measure_kimi(rig, layers, mode, reps):
     return {"stats": stats, "entries": len(plan), "mode": mode, **times}
 
 
+def measure_layer(rig, batches, reps, instances=2):
+    """The two-layer step of report.py with real all-reduces, per batch: medians (us) of
+    each variant, pooled over graph instances, and the shipped plan's forks per point."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import report                                            # benchmarks/report.py
+
+    report.DEV = rig.device                                  # its tensors on this rank's GPU
+
+    from l2prefetch import kimi_k3
+
+    if rig.world not in kimi_k3.NEXT_ATTENTION:
+        return {"skipped": f"kimi_k3 has no plan for TP {rig.world}"}
+    out = {"batches": {}}
+    with torch.no_grad():
+        layers, packed = report._kimi_layers(rig.world)
+        shapes = {name: tuple(w.shape) for name, w in layers[0].ws.items()}
+        shipped = kimi_k3.plan(layers, packed, rig.world)
+        seed = kimi_k3.plan(layers, packed, rig.world, points=kimi_k3.POINTS)
+        ctrls = {"shipped": PrefetchController.from_plan(shipped, rig.rank),
+                 "shipped, branch": PrefetchController.from_plan(shipped, rig.rank,
+                                                                 graph_fork="branch"),
+                 "seed points": PrefetchController.from_plan(seed, rig.rank),
+                 "empty forks": PrefetchController(rig.rank)}
+        for e in shipped:
+            ctrls["empty forks"].add(e.point, e.layer, e.batches, PreparedWeightRanges(
+                [], device=rig.rank, grid=e.grid, carveout=e.carveout, priority=e.priority))
+        for batch in batches:
+            def rand(n, batch=batch):
+                return torch.randn(batch, n, device=rig.device, dtype=torch.bfloat16)
+
+            h, a, xar = rand(K), rand(shapes["o_proj"][1]), rand(K)
+            sd = rand(shapes["shared_down"][1])
+            scale = 1.0 / rig.world
+
+            def allreduce(xar=xar, scale=scale):
+                xar.mul_(scale)               # keeps the summed x bounded over replays
+                dist.all_reduce(xar)
+
+            variants = {"none": None, **ctrls}
+            graphs, forks = {}, {}
+            for i in range(instances):
+                for name, ctrl in variants.items():
+                    fn = report._layer_step(rig, layers, ctrl, batch, h, a, sd, allreduce)
+                    reset = ctrl.reset_stats if ctrl is not None else None
+                    graphs[name, i] = rig.capture(fn, before_capture=reset)
+                    if name == "shipped" and i == 0:
+                        forks = {p: st["forks"] for p, st in ctrl.stats().items()}
+            t = rig.time_graphs(graphs, {key: rig.flush for key in graphs}, reps)
+            out["batches"][batch] = {
+                "times": {name: statistics.median(t[name, i] for i in range(instances))
+                          for name in variants},
+                "forks": forks}
+            del graphs
+        for ctrl in ctrls.values():
+            ctrl.close()
+    out["instances"] = instances
+    return out
+
+
+def render_layer(per_rank, world):
+    title = (f"### The two-layer Kimi step at TP {world} with real all-reduces "
+             "(step time, us; mean over ranks of the per-rank medians)")
+    skipped = [r["skipped"] for r in per_rank if "skipped" in r]
+    if skipped:
+        return f"{title}\n\nSkipped: {skipped[0]}."
+    names = list(next(iter(per_rank[0]["batches"].values()))["times"])
+    rows, worst = [], []
+    for batch in per_rank[0]["batches"]:
+        t = {n: statistics.mean(r["batches"][batch]["times"][n] for r in per_rank) for n in names}
+        forks = ", ".join(f"{p} {c}" for p, c in
+                          sorted(per_rank[0]["batches"][batch]["forks"].items()))
+        rows.append((batch, forks or "-", *(f"{t[n]:.2f}" for n in names),
+                     *(f"{t['none'] / t[n]:.3f}x" for n in names if n != "none")))
+        worst.append((t["none"] / t["shipped"], batch))
+    lo = min(worst)
+    return (f"{title}\n\n"
+            "report.py's layer step (per layer: GEMV attn_in, [attention_moe], spin 20 us, "
+            "GEMV o_proj, [oproj_down], all-reduce, GEMVs front, shared gate_up, shared down, "
+            "experts, [next_attention], all-reduce; one join), weights sharded for this TP, "
+            "each all-reduce a real `dist.all_reduce` of x [B, 7168] bf16 (after a scale "
+            "kernel that keeps it bounded).  shipped = `kimi_k3.plan(layers, packed, tp)` "
+            "(graph_fork='inline' unless marked branch); seed points = the same with "
+            "`points=kimi_k3.POINTS` (oproj_down too); empty forks = the shipped forks with "
+            f"empty tables.  Each variant captured {per_rank[0]['instances']} times, the "
+            "replays interleaved, ranks aligned and L2 flushed before each; forks = the "
+            "shipped plan's forks per replay (rank 0).\n\n"
+            + table(["batch", "forks", *names, *(f"none / {n}" for n in names if n != "none")],
+                    rows)
+            + f"\n\nShipped against no forks: {lo[0]:.3f}x at worst (batch {lo[1]}).")
+
+
 def gather(obj, world):
     everyone = [None] * world
     dist.all_gather_object(everyone, obj)
@@ -408,9 +539,19 @@ def worker(rank, world, port, args, command, verdict):
         setup(rank, world, port)
         rig = Rig(rank, world)
         modes = [m for m in MODES if verdict.get(m) == "ok"]
-        everyone = gather(measure(rig, args, modes), world)
-        if rank == 0:
-            emit(render(header(rig, command), everyone, verdict, world), args.out, "w")
+        if args.layer_only:
+            if rank == 0:
+                emit(header(rig, command), args.out, "w")
+        else:
+            everyone = gather(measure(rig, args, modes), world)
+            if rank == 0:
+                emit(render(header(rig, command), everyone, verdict, world), args.out, "w")
+        if args.layer or args.layer_only:
+            batches = [1, 4, 8] if args.quick else list(range(1, 9))
+            reps = 40 if args.quick else 100
+            everyone = gather(measure_layer(rig, batches, reps), world)
+            if rank == 0:
+                emit(render_layer(everyone, world), args.out, "a")
         if args.kimi:
             reps = 40 if args.quick else 150
             mine = (measure_kimi(rig, args.layers, modes[0], reps) if modes
@@ -584,6 +725,10 @@ def parse(argv):
     ap.add_argument("--kimi", action="store_true",
                     help="add the synthetic Kimi-sized TP shards' batch-8 forks")
     ap.add_argument("--layers", type=int, default=8, help="layers of the --kimi model (default 8)")
+    ap.add_argument("--layer", action="store_true",
+                    help="add report.py's two-layer Kimi step with real all-reduces")
+    ap.add_argument("--layer-only", action="store_true",
+                    help="only the two-layer step (skip the W x B table)")
     return ap.parse_args(argv)
 
 

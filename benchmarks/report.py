@@ -21,8 +21,9 @@ Sections:
   layer    a decode step of two Kimi-shaped MoE layers at TP8 shard sizes in
            one graph, with the seed's forks (kimi_k3.plan): no prefetch,
            l2prefetch, empty forks, and the limit, at batches 1-8.
-  caps     the layer step per TP (1, 2, 4, 8), batch and next_attention cap: the
-           measurement kimi_k3.NEXT_ATTENTION is to be chosen from.
+  caps     the layer step per TP (1, 2, 4, 8), batch and next_attention cap, and
+           the other points left out: what kimi_k3.NEXT_ATTENTION and
+           kimi_k3.DEFAULT_POINTS were chosen from.
   kernels  the prefetch kernel variants and grids on the same sequence, their
            own duration, and how much they slow a concurrent memory-bound copy.
   host     host cost of fork+join: the controller, a Python reference built
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import datetime
 import os
 import statistics
@@ -55,6 +57,10 @@ DEV = "cuda:0"
 
 
 # ---------------------------------------------------------------- helpers
+
+#: Graph instances per variant in the layer and caps sections (Rig.time_instances).
+INSTANCES = 3
+
 
 class Rig:
     """Flush buffer, spin calibration, graph pool, event timing."""
@@ -113,6 +119,32 @@ class Rig:
         torch.cuda.synchronize()
         return {name: statistics.median(s.elapsed_time(e) * 1e3 for s, e in p)
                 for name, p in pairs.items()}
+
+    def time_instances(self, fns, befores, reps, instances=INSTANCES):
+        """Like time_graphs, but each variant captured ``instances`` times: two
+        instantiations of one capture can differ by several us (a two-layer
+        step here, up to 44 us in a real model's), more than the effects
+        measured.  Returns ({name: median of all instances' replays},
+        {name: max - min of the per-instance medians})."""
+        graphs = {(name, i): self.capture(fn) for i in range(instances)
+                  for name, fn in fns.items()}
+        pairs = {key: [] for key in graphs}
+        for _ in range(reps):
+            for key, g in graphs.items():
+                befores[key[0]]()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                pairs[key].append((s, e))
+        torch.cuda.synchronize()
+        us = {key: [s.elapsed_time(e) * 1e3 for s, e in p] for key, p in pairs.items()}
+        medians = {name: statistics.median(x for i in range(instances) for x in us[name, i])
+                   for name in fns}
+        spread = {name: max(statistics.median(us[name, i]) for i in range(instances))
+                  - min(statistics.median(us[name, i]) for i in range(instances)) for name in fns}
+        del graphs
+        return medians, spread
 
     def time_graph(self, g, reps, before=None):
         """Median us of g.replay(), with before() (e.g. a flush) run first each time."""
@@ -524,11 +556,17 @@ def _kimi_layers(tp, count=2):
     return layers, {layer.layer_idx: layer.ws["front"] for layer in layers}
 
 
-def _layer_step(rig, layers, ctrl, batch, h, a, s, allreduce_us):
+def _layer_step(rig, layers, ctrl, batch, h, a, s, allreduce):
     """The step of the layer sections: the layers' GEMVs, the stand-ins, the seed's forks
     (when ctrl is not None) and one join at the end.  h [B, 7168], a and s: the inputs of
-    o_proj and shared_down."""
+    o_proj and shared_down.  allreduce: the all-reduce's stand-in in us (a spin), or a
+    callable that runs a real one (benchmarks/allreduce.py --layer)."""
     lin = torch.nn.functional.linear
+    if not callable(allreduce):
+        allreduce_us = allreduce
+
+        def allreduce():
+            rig.spin(allreduce_us)
 
     def fork(point, index):
         if ctrl is not None:
@@ -542,13 +580,13 @@ def _layer_step(rig, layers, ctrl, batch, h, a, s, allreduce_us):
             rig.spin(LAYER_CORE_US)        # attention core
             lin(a, ws["o_proj"])
             fork("oproj_down", i)          # after the o-projection
-            rig.spin(allreduce_us)         # all-reduce
+            allreduce()                    # all-reduce
             lin(h, ws["front"])            # router + latent-down
             lin(h, ws["shared_gate_up"])
             lin(s, ws["shared_down"])
             lin(h, ws["experts"])
             fork("next_attention", i)      # once the routed experts are launched
-            rig.spin(allreduce_us)         # all-reduce
+            allreduce()                    # all-reduce
         if ctrl is not None:
             ctrl.join()                    # one join, at the end of the step
     return fn
@@ -580,9 +618,8 @@ def section_layer(rig, quick):
         def step(ctrl, batch=batch, h=h, a=a, s=s):
             return _layer_step(rig, layers, ctrl, batch, h, a, s, LAYER_ALLREDUCE_US)
 
-        graphs = {"a": rig.capture(step(None)), "b": rig.capture(step(ctrl_b)),
-                  "d": rig.capture(step(ctrl_d))}
-        befores = {name: rig.flush for name in graphs}
+        fns = {"a": step(None), "b": step(ctrl_b), "d": step(ctrl_d)}
+        befores = {name: rig.flush for name in fns}
         # What the forks load at this batch, and which GEMVs read it.
         active = [(p, l) for p, l, bb in ctrl_b.keys() if bb == batch]
         intervals, loaded = [], 0
@@ -597,15 +634,16 @@ def section_layer(rig, quick):
                 if frac > 0:
                     consumers[f"L{layer.layer_idx} {name}"] = (wt, inputs.get(name, h), frac)
         for key, (wt, xin, _) in consumers.items():
-            g = rig.capture(lambda wt=wt, xin=xin: lin(xin, wt))
+            def gemv(wt=wt, xin=xin):
+                lin(xin, wt)
 
             def warm(wt=wt, xin=xin):
                 rig.flush()
                 lin(xin, wt)
 
-            graphs["cold " + key], befores["cold " + key] = g, rig.flush
-            graphs["hot " + key], befores["hot " + key] = g, warm
-        t = rig.time_graphs(graphs, befores, reps)
+            fns["cold " + key], befores["cold " + key] = gemv, rig.flush
+            fns["hot " + key], befores["hot " + key] = gemv, warm
+        t, spread = rig.time_instances(fns, befores, reps)
         saving = sum(frac * max(0.0, t["cold " + key] - t["hot " + key])
                      for key, (_, _, frac) in consumers.items())
         ta, tb, td = t["a"], t["b"], t["d"]
@@ -616,8 +654,8 @@ def section_layer(rig, quick):
                     "points": points, "loaded": loaded, "consumers": list(consumers)})
         rows.append((batch, ", ".join(points) or "-", f"{loaded / MIB:.1f}", f"{ta:.2f}",
                      f"{tb:.2f}", f"{td:.2f}", f"{tc:.2f}", f"{ta / tb:.3f}x", f"{ta - tb:+.2f}",
-                     f"{td - tb:+.2f}", f"{ta - tc:.2f}", "-" if share != share else pct(share)))
-        del graphs
+                     f"{td - tb:+.2f}", f"{ta - tc:.2f}", "-" if share != share else pct(share),
+                     f"{spread['a']:.2f} / {spread['b']:.2f}"))
     ctrl_b.close()
     ctrl_d.close()
     per_layer = sum(wt.nbytes for wt in layers[0].ws.values())
@@ -641,11 +679,13 @@ def section_layer(rig, quick):
             f"{per_layer / MIB:.1f} MiB per layer): {sizes}; norms, activations and routing "
             "are left out, every GEMV reads fixed random inputs.  Forks, weights, batches, "
             "grids, carveouts and priorities come from `l2prefetch.kimi_k3.plan(layers, "
-            "packed, tp=8)` (KDA attention: attention_moe at B5-8 with front + shared expert, "
-            "grid 32; oproj_down at B3-8 with the front, grid 8; both carveout 100 and "
-            "priority; next_attention: layer 1's attn_in + o_proj capped at its provisional "
-            "NEXT_ATTENTION[8], 32 MiB at B1-4, 16 MiB at B5-8, grid 32), graph_fork='inline'.  "
-            "Variants interleaved, each after a flush (a real step's weights are cold): (a) no "
+            "packed, tp=8)` as shipped (points "
+            f"{', '.join(kimi_k3.DEFAULT_POINTS[8])}; KDA attention: attention_moe at B5-8 "
+            "with front + shared expert, grid 32, carveout 100, priority; next_attention: "
+            "layer 1's attn_in + o_proj capped at NEXT_ATTENTION[8] "
+            f"= {kimi_k3.NEXT_ATTENTION[8]}, grid 32), graph_fork='inline'.  "
+            f"Each variant captured {INSTANCES} times (graph instances of one capture differ), "
+            "all replays interleaved, each after a flush (a real step's weights are cold): (a) no "
             "prefetch, (b) l2prefetch, (d) the same forks with empty tables (control).  (c) "
             "the limit: (a) minus, for every GEMV whose weight the forks load at that batch, "
             "its cold - hot time measured alone (hot = weight read just before; scaled by the "
@@ -653,9 +693,11 @@ def section_layer(rig, quick):
             "than replayed because the step streams "
             f"{2 * per_layer / MIB:.0f} MiB, more than L2: weights read before the step would "
             "be evicted before their GEMV runs.  share = (a-b)/(a-c), shown where a-c > 0.5 "
-            "us.  points = forks that launch at that batch; MiB = bytes they load.\n\n"
+            "us.  points = forks that launch at that batch; MiB = bytes they load; spread = "
+            "max - min of the per-instance medians of a and of b.\n\n"
             + table(["batch", "points", "MiB", "a: none", "b: l2prefetch", "d: empty forks",
-                     "c: limit", "a/b", "a-b", "d-b", "a-c", "share of limit"], rows)
+                     "c: limit", "a/b", "a-b", "d-b", "a-c", "share of limit",
+                     "spread a / b"], rows)
             + "\n\nGoal: at least 85% of the limit where the limit exceeds 0.5 us, and never "
             "slower than 0.99x (a/b >= 0.99): "
             + ("met at every batch." if not misses else f"missed at {', '.join(misses)}."))
@@ -673,6 +715,18 @@ CAPS_ALLREDUCE_US = {1: 0, 2: 8, 4: 8, 8: 8}
 CAPS_NOISE_US = 0.3
 
 
+def _ablations(entries, tp):
+    """The shipped plan's variants the caps section times next to it: the MoE front
+    (oproj_down) at grid 32 instead of the seed's 8, without oproj_down, and (TP8)
+    without attention_moe."""
+    out = {"front g32": [dataclasses.replace(e, grid=32) if e.point == "oproj_down" else e
+                         for e in entries],
+           "no front": [e for e in entries if e.point != "oproj_down"]}
+    if tp == 8:
+        out["no attn_moe"] = [e for e in entries if e.point != "attention_moe"]
+    return out
+
+
 def section_caps(rig, quick):
     """kimi_k3.NEXT_ATTENTION by measurement: the two-layer step per TP, batch and cap."""
     from l2prefetch import kimi_k3
@@ -680,33 +734,47 @@ def section_caps(rig, quick):
     batches = [1, 4, 8] if quick else list(range(1, 9))
     caps = CAPS_MIB_QUICK if quick else CAPS_MIB
     reps = 40 if quick else 100
-    rows, raw = [], []
+    rows, raw, summary, ablation_rows = [], [], [], []
     for tp in (1, 2, 4, 8):
         layers, packed = _kimi_layers(tp)
         shapes = {name: tuple(w.shape) for name, w in layers[0].ws.items()}
-        ctrls = {cap: PrefetchController.from_plan(
-                     kimi_k3.plan(layers, packed, tp, {tp: {b: cap for b in range(1, 9)}}), 0)
-                 for cap in caps}
+        # The seed's points at every TP (kimi_k3.plan may leave some out by measurement).
+        seed_like = {cap: kimi_k3.plan(layers, packed, tp, {tp: {b: cap for b in range(1, 9)}},
+                                       points=kimi_k3.POINTS) for cap in caps}
+        ctrls = {cap: PrefetchController.from_plan(entries, 0)
+                 for cap, entries in seed_like.items()}
+        shipped = kimi_k3.plan(layers, packed, tp)
+        ctrls["shipped"] = PrefetchController.from_plan(shipped, 0)
+        shipped_seed = kimi_k3.plan(layers, packed, tp, points=kimi_k3.POINTS)
+        ablations = _ablations(shipped_seed, tp)
+        for name, entries in ablations.items():
+            ctrls[name] = PrefetchController.from_plan(entries, 0)
         allreduce = CAPS_ALLREDUCE_US[tp]
         for batch in batches:
             def rand(n, batch=batch):
                 return torch.randn(batch, n, device=DEV, dtype=torch.bfloat16)
 
             h, a, sd = rand(K), rand(shapes["o_proj"][1]), rand(shapes["shared_down"][1])
-            graphs = {"none": rig.capture(_layer_step(rig, layers, None, batch, h, a, sd,
-                                                      allreduce))}
-            for cap, ctrl in ctrls.items():
-                graphs[cap] = rig.capture(_layer_step(rig, layers, ctrl, batch, h, a, sd,
-                                                      allreduce))
-            t = rig.time_graphs(graphs, {k: rig.flush for k in graphs}, reps)
+            fns = {"none": _layer_step(rig, layers, None, batch, h, a, sd, allreduce)}
+            for key, ctrl in ctrls.items():
+                fns[key] = _layer_step(rig, layers, ctrl, batch, h, a, sd, allreduce)
+            t, _ = rig.time_instances(fns, {k: rig.flush for k in fns}, reps)
             best = min(caps, key=lambda c: t[c])
             choice = min(c for c in caps if t[c] <= t[best] + CAPS_NOISE_US)
             current = kimi_k3.NEXT_ATTENTION[tp].get(batch, 0)
             current = current[0] if isinstance(current, tuple) else current
             raw.append({"tp": tp, "batch": batch, "times": t, "best": best, "choice": choice})
             rows.append((tp, batch, f"{t['none']:.2f}", *(f"{t[c]:.2f}" for c in caps),
-                         f"{best}", f"{choice}", f"{t['none'] / t[choice]:.3f}x", f"{current}"))
-            del graphs
+                         f"{best}", f"{choice}", f"{t['none'] / t[choice]:.3f}x", f"{current}",
+                         f"{t['shipped']:.2f}", f"{t['none'] / t['shipped']:.3f}x"))
+            ablation_rows.append((tp, batch, f"{t['none']:.2f}", f"{t['shipped']:.2f}",
+                                  *(f"{t[n]:.2f}" if n in t else "-"
+                                    for n in ("front g32", "no front", "no attn_moe"))))
+        # One cap per TP: the per-batch choices move between neighbours within noise.
+        mean = {cap: statistics.fmean(r["times"]["none"] / r["times"][cap]
+                                      for r in raw if r["tp"] == tp) for cap in caps}
+        top = max(caps, key=lambda c: mean[c])
+        summary.append((tp, *(f"{mean[c]:.4f}" for c in caps), f"{top}"))
         for ctrl in ctrls.values():
             ctrl.close()
         del layers, packed, ctrls
@@ -715,18 +783,31 @@ def section_caps(rig, quick):
             "The layer section's two Kimi-shaped MoE layers, their weights scaled from TP8 to "
             "each TP (the sharded dimension x 8 / TP), the all-reduce stand-in "
             f"{CAPS_ALLREDUCE_US} us by TP, forks from `kimi_k3.plan(layers, packed, tp, "
-            "{tp: {batch: cap}})` with the same cap at every batch (0 = no next_attention; "
-            "the other points as the plan has them), graph_fork='inline'; each variant after "
-            "a flush, interleaved.  none = no forks at all.  best = the cap with the lowest "
-            f"step; choice = the smallest cap within {CAPS_NOISE_US} us of the best (what "
-            "NEXT_ATTENTION should hold); speed-up = none / choice; shipped = the cap "
-            "NEXT_ATTENTION holds now.\n\n"
+            "{tp: {batch: cap}}, points=kimi_k3.POINTS)` (the seed's points at every TP) with the same cap "
+            "at every batch (0 = no next_attention), graph_fork='inline'; each variant "
+            f"captured {INSTANCES} times, all replays interleaved, each after a flush.  none = no forks at all.  best = the cap with the lowest "
+            f"step; choice = the smallest cap within {CAPS_NOISE_US} us of the best; speed-up "
+            "= none / choice; shipped cap = what NEXT_ATTENTION holds; shipped = the step with "
+            "`kimi_k3.plan(layers, packed, tp)` as shipped.\n\n"
             + table(["TP", "batch", "none"] + [f"cap {c} MiB" for c in caps]
-                    + ["best", "choice", "speed-up", "shipped"], rows))
+                    + ["best", "choice", "speed-up", "shipped cap", "shipped", "none / shipped"],
+                    rows)
+            + "\n\nMean speed-up (none / step) over the batches, per TP and cap; the top cap "
+            "is what `kimi_k3.NEXT_ATTENTION[tp]` should hold at every batch (0: none):\n\n"
+            + table(["TP"] + [f"cap {c}" for c in caps] + ["top"], summary)
+            + "\n\nThe other points, at the shipped caps (step us): shipped plan; the seed's "
+            "points with oproj_down at grid 32 instead of the seed's 8 (front g32); without "
+            "oproj_down (no front); without attention_moe (no attn_moe, TP8).\n\n"
+            + table(["TP", "batch", "none", "shipped", "front g32", "no front", "no attn_moe"],
+                    ablation_rows))
     return text, raw
 
 
 # ---------------------------------------------------------------- kernels
+
+#: H200 HBM3e peak (TB/s): a loader "faster" than this skipped loads.
+HBM_PEAK_TBS = 4.8
+
 
 def section_kernels(rig, quick):
     variants = [v for v, info in l2prefetch.kernel_variants().items()
@@ -770,8 +851,11 @@ def section_kernels(rig, quick):
             c0 = rig.time_graph(rig.capture(copy_with(False)), reps, rig.flush)
             c1 = rig.time_graph(rig.capture(copy_with(True)), reps, rig.flush)
             ctrl.close()
+            rate = mib * MIB / own / 1e6
+            # Faster than the HBM can deliver: the kernel cannot have loaded every byte.
+            flag = " (above HBM peak: not loading)" if rate > HBM_PEAK_TBS else ""
             rows.append((mib, v, grid, p.block, f"{pf:.2f}", "-" if rec != rec else pct(rec),
-                         f"{own:.2f}", f"{mib / own * MIB / 1e6:.2f}", f"{c1 - c0:+.2f}"))
+                         f"{own:.2f}", f"{rate:.2f}{flag}", f"{c1 - c0:+.2f}"))
         rows.append((mib, "(cold / empty / hot)", "", "", f"{r['cold']:.2f} / {r['empty']:.2f} / "
                      f"{r['hot']:.2f}", "", "", "", ""))
         del loaders
