@@ -59,7 +59,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
 
-from .plan import CapSpec, PlanEntry, cap_groups
+from .plan import CapSpec, PlanEntry, cap_groups, select_points
 
 __all__ = [
     "ATTENTION_PROJECTIONS",
@@ -105,15 +105,7 @@ ATTENTION_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
 
 
 def _points(points: Optional[Collection[str]]) -> frozenset:
-    if points is None:
-        return frozenset(DEFAULT_POINTS)
-    if isinstance(points, str) or not isinstance(points, Collection):
-        raise TypeError(f"points must be a collection of point names from {POINTS}, "
-                        f"got {type(points).__name__} {points!r}")
-    unknown = [p for p in points if p not in POINTS]
-    if unknown:
-        raise ValueError(f"unknown point(s) {unknown!r}: points must be names from {POINTS}")
-    return frozenset(points)
+    return select_points(points, POINTS, DEFAULT_POINTS)
 
 
 def decoder_layers(model: Any) -> Sequence[Any]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Optional
 
-from .plan import CapSpec, PlanEntry, cap_groups
+from .plan import CapSpec, PlanEntry, cap_groups, select_points
 
 __all__ = [
     "ATTENTION_INPUTS",
@@ -96,15 +96,7 @@ DEFAULT_POINTS: dict[int, tuple[str, ...]] = {
 
 
 def _points(tp: Any, points: Optional[Collection[str]]) -> frozenset:
-    if points is None:
-        return frozenset(DEFAULT_POINTS.get(tp, POINTS))
-    if isinstance(points, str) or not isinstance(points, Collection):
-        raise TypeError(f"points must be a collection of point names from {POINTS}, "
-                        f"got {type(points).__name__} {points!r}")
-    unknown = [p for p in points if p not in POINTS]
-    if unknown:
-        raise ValueError(f"unknown point(s) {unknown!r}: points must be names from {POINTS}")
-    return frozenset(points)
+    return select_points(points, POINTS, DEFAULT_POINTS.get(tp, POINTS))
 
 
 def attention_weights(attention: Any) -> tuple[Any, ...]:

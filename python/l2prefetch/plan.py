@@ -26,7 +26,7 @@ import json
 import math
 import numbers
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,6 +45,7 @@ __all__ = [
     "GATE_MIN_BYTES",
     "plan_from_json",
     "plan_to_json",
+    "select_points",
 ]
 
 #: The H200's L2 (60 MiB, see h200-facts.md): the default for "share of L2".
@@ -210,6 +211,24 @@ class PlanEntry:
                 f"batches={compact_batches(self.batches)}, weights=[{weights}], "
                 f"byte_cap={self.byte_cap}, grid={self.grid}, carveout={self.carveout}, "
                 f"priority={self.priority})")
+
+
+def select_points(points: object, known: tuple[str, ...],
+                  default: Iterable[str]) -> frozenset:
+    """The policy points a plan is asked for: ``default`` when ``points`` is None.
+
+    Raises TypeError for a ``points`` that is a str or not a collection,
+    ValueError for a name not in ``known``.
+    """
+    if points is None:
+        return frozenset(default)
+    if isinstance(points, str) or not isinstance(points, Collection):
+        raise TypeError(f"points must be a collection of point names from {known}, "
+                        f"got {type(points).__name__} {points!r}")
+    unknown = [p for p in points if p not in known]
+    if unknown:
+        raise ValueError(f"unknown point(s) {unknown!r}: points must be names from {known}")
+    return frozenset(points)
 
 
 def cap_groups(table: Mapping[int, CapSpec]) -> list[tuple[int, Optional[int], tuple[int, ...]]]:
