@@ -136,15 +136,7 @@ class Rig:
 
     def spin(self, us):
         """One CTA busy for us microseconds, touching no memory (the attention core's
-        stand-in of the --layer step)."""
-        if self.cycles_per_us is None:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1000)
-            s.record()
-            torch.cuda._sleep(2_000_000)
-            e.record()
-            torch.cuda.synchronize()
-            self.cycles_per_us = 2_000_000 / (s.elapsed_time(e) * 1e3)
+        stand-in of the --layer step; measure_layer calibrates it)."""
         if us > 0:
             torch.cuda._sleep(int(us * self.cycles_per_us))
 
@@ -431,6 +423,7 @@ def measure_layer(rig, batches, reps, instances=2):
     import report                                            # benchmarks/report.py
 
     report.DEV = rig.device                                  # its tensors on this rank's GPU
+    rig.cycles_per_us = report.spin_cycles_per_us()
 
     from l2prefetch import kimi_k3
 
@@ -446,10 +439,7 @@ def measure_layer(rig, batches, reps, instances=2):
                  "shipped, branch": PrefetchController.from_plan(shipped, rig.rank,
                                                                  graph_fork="branch"),
                  "seed points": PrefetchController.from_plan(seed, rig.rank),
-                 "empty forks": PrefetchController(rig.rank)}
-        for e in shipped:
-            ctrls["empty forks"].add(e.point, e.layer, e.batches, PreparedWeightRanges(
-                [], device=rig.rank, grid=e.grid, carveout=e.carveout, priority=e.priority))
+                 "empty forks": report.empty_controller(shipped, rig.rank)}
         for batch in batches:
             def rand(n, batch=batch):
                 return torch.randn(batch, n, device=rig.device, dtype=torch.bfloat16)

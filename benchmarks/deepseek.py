@@ -68,6 +68,9 @@ import l2prefetch
 from l2prefetch import deepseek_v3, hooks
 from l2prefetch.plan import format_plan
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import empty_controller  # noqa: E402  (also used as deepseek.empty_controller)
+
 MIB = 2**20
 BATCHES = (1, 2, 4, 8)
 PROMPT_LEN = 8
@@ -204,20 +207,6 @@ def bitwise_equal(a, b):
 
 def max_abs_diff(a, b):
     return float((a.float() - b.float()).abs().max())
-
-
-def empty_controller(plan, device=0, kernel=None, graph_fork="inline"):
-    """The control: plan's points, layers and batches with empty tables (same launch settings)."""
-    controller = l2prefetch.PrefetchController(device, graph_fork=graph_fork)
-    tables = {}
-    for entry in plan:
-        key = (entry.grid, entry.carveout, entry.priority)
-        if key not in tables:
-            tables[key] = l2prefetch.PreparedWeightRanges(
-                [], grid=entry.grid, carveout=entry.carveout, priority=entry.priority,
-                device=device, kernel=kernel)
-        controller.add(entry.point, entry.layer, entry.batches, tables[key])
-    return controller
 
 
 def plan_views(plan, batch):

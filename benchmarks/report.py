@@ -62,6 +62,32 @@ DEV = "cuda:0"
 INSTANCES = 3
 
 
+def spin_cycles_per_us():
+    """torch.cuda._sleep cycles per microsecond on the current device (the spin's scale)."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    cycles = 2_000_000
+    s.record()
+    torch.cuda._sleep(cycles)
+    e.record()
+    torch.cuda.synchronize()
+    return cycles / (s.elapsed_time(e) * 1e3)
+
+
+def empty_controller(plan, device=0, kernel=None, graph_fork="inline"):
+    """The control: plan's points, layers and batches with empty tables (same launch settings)."""
+    controller = PrefetchController(device, graph_fork=graph_fork)
+    tables = {}
+    for entry in plan:
+        key = (entry.grid, entry.carveout, entry.priority)
+        if key not in tables:
+            tables[key] = PreparedWeightRanges(
+                [], grid=entry.grid, carveout=entry.carveout, priority=entry.priority,
+                device=device, kernel=kernel)
+        controller.add(entry.point, entry.layer, entry.batches, tables[key])
+    return controller
+
+
 class Rig:
     """Flush buffer, spin calibration, graph pool, event timing."""
 
@@ -73,20 +99,10 @@ class Rig:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream()
         self.name = props.name
-        self.cycles_per_us = self._calibrate()
+        self.cycles_per_us = spin_cycles_per_us()
 
     def flush(self):
         torch.sum(self.flush_buf, dim=0, out=self.scratch)
-
-    def _calibrate(self):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)
-        cycles = 2_000_000
-        s.record()
-        torch.cuda._sleep(cycles)
-        e.record()
-        torch.cuda.synchronize()
-        return cycles / (s.elapsed_time(e) * 1e3)
 
     def spin(self, us):
         if us > 0:
@@ -104,21 +120,26 @@ class Rig:
         torch.cuda.synchronize()
         return g
 
-    def time_graphs(self, graphs, befores, reps):
-        """Medians (us) of each graph's replay, the variants interleaved rep by rep
-        so that drift (clocks, temperature) affects all of them alike."""
-        pairs = {name: [] for name in graphs}
+    def replays(self, graphs, befores, reps):
+        """Every replay's us per graph, the graphs interleaved rep by rep so that
+        drift (clocks, temperature) affects all of them alike; befores[key]()
+        runs before each replay."""
+        pairs = {key: [] for key in graphs}
         for _ in range(reps):
-            for name, g in graphs.items():
-                befores[name]()
+            for key, g in graphs.items():
+                befores[key]()
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
                 g.replay()
                 e.record()
-                pairs[name].append((s, e))
+                pairs[key].append((s, e))
         torch.cuda.synchronize()
-        return {name: statistics.median(s.elapsed_time(e) * 1e3 for s, e in p)
-                for name, p in pairs.items()}
+        return {key: [s.elapsed_time(e) * 1e3 for s, e in p] for key, p in pairs.items()}
+
+    def time_graphs(self, graphs, befores, reps):
+        """Medians (us) of each graph's replay (see replays)."""
+        return {name: statistics.median(us)
+                for name, us in self.replays(graphs, befores, reps).items()}
 
     def time_instances(self, fns, befores, reps, instances=INSTANCES):
         """Like time_graphs, but each variant captured ``instances`` times: two
@@ -128,17 +149,7 @@ class Rig:
         {name: max - min of the per-instance medians})."""
         graphs = {(name, i): self.capture(fn) for i in range(instances)
                   for name, fn in fns.items()}
-        pairs = {key: [] for key in graphs}
-        for _ in range(reps):
-            for key, g in graphs.items():
-                befores[key[0]]()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                g.replay()
-                e.record()
-                pairs[key].append((s, e))
-        torch.cuda.synchronize()
-        us = {key: [s.elapsed_time(e) * 1e3 for s, e in p] for key, p in pairs.items()}
+        us = self.replays(graphs, {key: befores[key[0]] for key in graphs}, reps)
         medians = {name: statistics.median(x for i in range(instances) for x in us[name, i])
                    for name in fns}
         spread = {name: max(statistics.median(us[name, i]) for i in range(instances))
@@ -603,11 +614,7 @@ def section_layer(rig, quick):
     layers, packed = _kimi_layers(8)
     entries = kimi_k3.plan(layers, packed, 8)
     ctrl_b = PrefetchController.from_plan(entries, 0)   # graph_fork='inline', as shipped
-    ctrl_d = PrefetchController(0)
-    for e in entries:
-        ctrl_d.add(e.point, e.layer, e.batches,
-                   PreparedWeightRanges([], device=0, grid=e.grid, carveout=e.carveout,
-                                        priority=e.priority))
+    ctrl_d = empty_controller(entries, 0)
     rows, raw = [], []
     for batch in batches:
         h = torch.randn(batch, K, device=DEV, dtype=torch.bfloat16)
