@@ -44,8 +44,9 @@ GPU), checking the hook points, batch detection, the cache counters and
 bitwise logits with and without hooks.  ``--tiny`` uses a small config (the
 GPU test's scale) for a fast check.
 
-Default: 300 graph replays and 100 eager steps per variant and batch, about a
-minute on an H200 after the ~6.6 GiB model is built (``--quick``: 100 and 8).
+Default: 7 graph instances x 200 replays and 100 eager steps per variant and
+batch, about three minutes on an H200 after the ~6.6 GiB model is built
+(``--quick``: 100 replays and 8 eager steps).
 Results go to --out (Markdown) and stdout.
 """
 
@@ -364,9 +365,11 @@ def spread(xs):
 
 
 def time_interleaved(variants, reps):
-    """variants: {name: (before or None, run)}; per name the GPU us of run(), rotated order."""
+    """variants: {name: (before or None, run)}; rotated order.  Returns ({name: GPU us of
+    each run(), between CUDA events}, {name: host us of each run(), perf_counter})."""
     names = list(variants)
     pairs = {name: [] for name in names}
+    host = {name: [] for name in names}
     for rep in range(reps):
         k = rep % len(names)
         for name in names[k:] + names[:k]:
@@ -375,12 +378,24 @@ def time_interleaved(variants, reps):
                 before()
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             start.record()
             run()
             end.record()
+            host[name].append((time.perf_counter() - t0) * 1e6)
             pairs[name].append((start, end))
     torch.cuda.synchronize()
-    return {name: [s.elapsed_time(e) * 1e3 for s, e in ps] for name, ps in pairs.items()}
+    return {name: [s.elapsed_time(e) * 1e3 for s, e in ps] for name, ps in pairs.items()}, host
+
+
+def instance_ratio(a, b):
+    """a/b of two lists of per-instance medians, by their means, and twice its standard
+    error (instances vary more than replays of one instance)."""
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    ea = statistics.stdev(a) / len(a) ** 0.5 if len(a) > 1 else 0.0
+    eb = statistics.stdev(b) / len(b) ** 0.5 if len(b) > 1 else 0.0
+    r = ma / mb
+    return r, 2 * r * ((ea / ma) ** 2 + (eb / mb) ** 2) ** 0.5
 
 
 @contextlib.contextmanager
@@ -499,11 +514,15 @@ class Results:
                    "f-a: cost of the empty branch forks", "d-a: cost of the empty inline forks"],
                   self.branch),
             "", "Median per graph instance (each variant captured and instantiated separately; "
-            "the tables above pool the instances), us:", "",
-            table(["batch", "(a) none", "(b) prefetch", "(d) empty forks"], self.instances),
-            "", "Eager decode step (no graph), median us between CUDA events (host-bound):", "",
-            table(["batch", "no prefetch", "prefetch", "ratio", "forks per eager step"],
-                  self.eager),
+            "the tables above pool the instances), us, and the ratios of the instances' means "
+            "+- twice their standard error (instances differ more than replays of one do):", "",
+            table(["batch", "(a) none", "(b) prefetch", "(d) empty forks", "a/b by instances",
+                   "a/d by instances"], self.instances),
+            "", "Eager decode step (no graph; host-bound), median us: GPU time between CUDA "
+            "events (+- half the interquartile range), and the host's time to issue the step "
+            "(perf_counter):", "",
+            table(["batch", "no prefetch", "prefetch", "ratio", "host: no prefetch",
+                   "host: prefetch", "host ratio", "forks per eager step"], self.eager),
             "", "Checks on the same step's logits (bitwise: the bytes are equal):", "",
             table(["batch", "eager: prefetch == none", "graph: prefetch == none",
                    "graph: empty forks == none", "replays advance the cache",
@@ -541,13 +560,15 @@ def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None
         dec.step()
         dec.reset()
 
-    times = time_interleaved(
+    times, host = time_interleaved(
         {"none": (lambda: before(False), dec.step),
          "prefetch": (lambda: before(True), dec.step)}, args.eager_reps)
     toggle.set(False)
     ea, eb = median(times["none"]), median(times["prefetch"])
-    res.eager.append([batch, f"{ea:.0f}", f"{eb:.0f}", f"{ea / eb:.3f}",
-                      counts_text(eager_forks)])
+    ha, hb = median(host["none"]), median(host["prefetch"])
+    res.eager.append([batch, f"{ea:.0f} +-{spread(times['none']):.0f}",
+                      f"{eb:.0f} +-{spread(times['prefetch']):.0f}", f"{ea / eb:.3f}",
+                      f"{ha:.0f}", f"{hb:.0f}", f"{ha / hb:.3f}", counts_text(eager_forks)])
 
     # -- graphs: capture (a), (b), (d)
     graphs = {}
@@ -616,14 +637,15 @@ def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None
     runs = {name: (dec.reset, graph.replay)
             for name, (graph, _l, _s) in {**graphs, **extra}.items()}
     runs["c"] = (hot, graphs["a"][0].replay)
-    raw = time_interleaved(runs, args.graph_reps)
+    raw, _host = time_interleaved(runs, args.graph_reps)
     del extra
     times, per_instance = {}, {}
     for name, xs in raw.items():
         times.setdefault(name.split("#")[0], []).extend(xs)
         per_instance.setdefault(name.split("#")[0], []).append(median(xs))
     res.instances.append([batch] + [
-        " / ".join(f"{m:.1f}" for m in per_instance[k]) for k in "abd"])
+        " / ".join(f"{m:.1f}" for m in per_instance[k]) for k in "abd"]
+        + ["%.4f +-%.4f" % instance_ratio(per_instance["a"], per_instance[k]) for k in "bd"])
     a, b, d, c = (median(times[k]) for k in "abdc")
     cell = {k: f"{median(times[k]):.1f} +-{spread(times[k]):.1f}" for k in times}
     res.graph.append([batch] + [cell[k] for k in "abdc"]
@@ -713,7 +735,7 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="a small model (fast; the tests' scale)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
                     help="comma-separated decode batches (default 1,2,4,8)")
-    ap.add_argument("--instances", type=int, default=3,
+    ap.add_argument("--instances", type=int, default=7,
                     help="graph instances per variant (replay time varies by instance)")
     ap.add_argument("--kernel", default=None,
                     help="prefetch kernel variant (default: the device's; see kernel_variants())")
@@ -735,7 +757,7 @@ def main(argv=None):
     if unknown or not args.points:
         ap.error(f"--points: unknown point(s) {unknown}; choose from {deepseek_v3.POINTS}"
                  if unknown else f"--points: name at least one of {deepseek_v3.POINTS}")
-    args.graph_reps, args.eager_reps = (100, 8) if args.quick else (300, 100)
+    args.graph_reps, args.eager_reps = (100, 8) if args.quick else (200, 100)
     if importlib.util.find_spec("transformers") is None:
         print("benchmarks/deepseek.py needs transformers (5.17): pip install transformers==5.17.0")
         return 2

@@ -10,6 +10,8 @@ interleaved, with:
                whose fork() returns False and join() does nothing
   empty        the hooks calling a controller with the plan's keys and empty tables
   plan         the hooks calling the controller of the shipped plan
+  plan, timed  the same controller behind a Python proxy that times each
+               fork() and join() call with perf_counter (the proxy adds ~0.3 us)
 
 and reports the host time of one step (perf_counter, the step's Python) and
 the GPU time between CUDA events around it, for the first step after the
@@ -45,6 +47,24 @@ class NoopController:
         pass
 
 
+class Timed:
+    """controller's fork() and join(), each call's host time kept (us)."""
+
+    def __init__(self, controller):
+        self.controller, self.forks, self.joins = controller, [], []
+
+    def fork(self, point, layer, batch):
+        t0 = time.perf_counter()
+        out = self.controller.fork(point, layer, batch)
+        self.forks.append((time.perf_counter() - t0) * 1e6)
+        return out
+
+    def join(self):
+        t0 = time.perf_counter()
+        self.controller.join()
+        self.joins.append((time.perf_counter() - t0) * 1e6)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=60)
@@ -59,6 +79,8 @@ def main(argv=None) -> int:
         controllers = {"none": None, "noop hooks": NoopController(),
                        "empty": deepseek.empty_controller(plan, 0),
                        "plan": l2prefetch.PrefetchController.from_plan(plan, 0)}
+        timed = Timed(l2prefetch.PrefetchController.from_plan(plan, 0))
+        controllers["plan, timed"] = timed
         print("| batch | variant | step | host us (step's Python) | GPU us (events) | "
               "vs none, host | vs none, GPU |")
         print("|---|---|---|---|---|---|---|")
@@ -96,6 +118,14 @@ def main(argv=None) -> int:
                     h, g = statistics.median(host[name, k]), statistics.median(gpu[name, k])
                     print(f"| {batch} | {name} | {k} | {h:.0f} | {g:.0f} | {h - h0:+.0f} | "
                           f"{g - g0:+.0f} |", flush=True)
+            if timed.forks and timed.joins:
+                print(f"\nbatch {batch}, in the step: fork() median "
+                      f"{statistics.median(timed.forks):.1f} us (p90 "
+                      f"{statistics.quantiles(timed.forks, n=10)[-1]:.1f}, "
+                      f"{len(timed.forks)} calls), join() median "
+                      f"{statistics.median(timed.joins):.1f} us\n", flush=True)
+            timed.forks.clear()
+            timed.joins.clear()
             del dec
     return 0
 

@@ -60,6 +60,9 @@ DEV = "cuda:0"
 
 #: Graph instances per variant in the layer and caps sections (Rig.time_instances).
 INSTANCES = 3
+#: Graph instances per variant in the graph section (an empty fork costs about as much as
+#: two instances of one capture differ).
+GRAPH_INSTANCES = 9
 
 
 def spin_cycles_per_us():
@@ -141,21 +144,26 @@ class Rig:
         return {name: statistics.median(us)
                 for name, us in self.replays(graphs, befores, reps).items()}
 
-    def time_instances(self, fns, befores, reps, instances=INSTANCES):
-        """Like time_graphs, but each variant captured ``instances`` times: two
-        instantiations of one capture can differ by several us (a two-layer
-        step here, up to 44 us in a real model's), more than the effects
-        measured.  Returns ({name: median of all instances' replays},
-        {name: max - min of the per-instance medians})."""
+    def instance_medians(self, fns, befores, reps, instances=INSTANCES):
+        """Each variant of ``fns`` captured ``instances`` times, every graph replayed
+        ``reps`` times (interleaved, see replays): {name: [median us of each instance]}.
+        Two instantiations of one capture can differ by several us (a two-layer step
+        here, up to 48 us in a real model's), more than the effects measured."""
         graphs = {(name, i): self.capture(fn) for i in range(instances)
                   for name, fn in fns.items()}
         us = self.replays(graphs, {key: befores[key[0]] for key in graphs}, reps)
+        del graphs
+        return {name: [statistics.median(us[name, i]) for i in range(instances)]
+                for name in fns}, us
+
+    def time_instances(self, fns, befores, reps, instances=INSTANCES):
+        """Like time_graphs, over ``instances`` captures of each variant (see
+        instance_medians).  Returns ({name: median of all instances' replays},
+        {name: max - min of the per-instance medians})."""
+        per, us = self.instance_medians(fns, befores, reps, instances)
         medians = {name: statistics.median(x for i in range(instances) for x in us[name, i])
                    for name in fns}
-        spread = {name: max(statistics.median(us[name, i]) for i in range(instances))
-                  - min(statistics.median(us[name, i]) for i in range(instances)) for name in fns}
-        del graphs
-        return medians, spread
+        return medians, {name: max(m) - min(m) for name, m in per.items()}
 
     def time_graph(self, g, reps, before=None):
         """Median us of g.replay(), with before() (e.g. a flush) run first each time."""
@@ -1064,33 +1072,39 @@ def section_graph(rig, quick):
                 ctrls[mode].join()
         return fn
 
-    graphs = {("short", None, None): rig.capture(seq(None, "inline"))}
+    # Instances of one capture differ (placement), by about as much as a fork costs, so
+    # each variant is captured GRAPH_INSTANCES times and compared by the median of its
+    # instances' medians.
+    short = {(None, None): seq(None, "inline")}
     for mode in ("inline", "branch"):
         for where in ("mid", "root"):
-            graphs[("short", where, mode)] = rig.capture(seq(where, mode))
-    for mode in (None, "inline", "branch"):
-        graphs[("chain", "mid", mode)] = rig.capture(chain(mode))
-    # Interleave the variants so drift hits all of them alike.
-    res = {k: [] for k in graphs}
-    for _ in range(5):
-        for k, g in graphs.items():
-            res[k].append(rig.time_graph(g, reps // 5))
-    med = {k: statistics.median(v) for k, v in res.items()}
-    base = {"short": med[("short", None, None)], "chain": med[("chain", "mid", None)]}
+            short[(where, mode)] = seq(where, mode)
+    chains = {mode: chain(mode) for mode in (None, "inline", "branch")}
+    noop = lambda: None  # noqa: E731
+    per_short, _ = rig.instance_medians(short, dict.fromkeys(short, noop), reps,
+                                        GRAPH_INSTANCES)
+    per_chain, _ = rig.instance_medians(chains, dict.fromkeys(chains, noop), reps // 10,
+                                        GRAPH_INSTANCES)
     label = {"short": "spin 5 us, GEMV 8 MiB, spin 5 us, GEMV",
              "chain": "300 x (GEMV 2048 x 2048, scale)"}
     rows = []
-    for (shape, where, mode), m in med.items():
-        what = "no fork" if mode is None else (
-            f"empty fork {'mid-graph' if where == 'mid' else 'at the root'}, {mode}")
-        rows.append((label[shape], what, f"{m:.2f}",
-                     "" if mode is None else f"{m - base[shape]:+.2f}"))
+    for shape, per in (("short", per_short),
+                       ("chain", {("mid", m): v for m, v in per_chain.items()})):
+        base = statistics.median(per[next(iter(per))])
+        for (where, mode), meds in per.items():
+            m = statistics.median(meds)
+            what = "no fork" if mode is None else (
+                f"empty fork {'mid-graph' if where == 'mid' else 'at the root'}, {mode}")
+            rows.append((label[shape], what, f"{m:.2f}", f"{min(meds):.2f}-{max(meds):.2f}",
+                         "" if mode is None else f"{m - base:+.2f}"))
     for ctrl in ctrls.values():
         ctrl.close()
     return ("### Cost of a fork inside a replayed graph (us)\n\n"
             "One empty fork and the join at the end, as shipped (graph_fork='inline') and as a "
-            "side branch ('branch'), against the same graph without it.\n\n"
-            + table(["graph", "fork", "replay us", "vs no fork"], rows))
+            f"side branch ('branch'), against the same graph without it.  Each variant captured "
+            f"{GRAPH_INSTANCES} times, all replays interleaved; replay us = the median of the "
+            f"instances' medians, range = the lowest and highest instance median.\n\n"
+            + table(["graph", "fork", "replay us", "instances' range", "vs no fork"], rows))
 
 
 # ---------------------------------------------------------------- table
