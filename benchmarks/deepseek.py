@@ -519,10 +519,13 @@ class Results:
             table(["batch", "(a) none", "(b) prefetch", "(d) empty forks", "a/b by instances",
                    "a/d by instances"], self.instances),
             "", "Eager decode step (no graph; host-bound), median us: GPU time between CUDA "
-            "events (+- half the interquartile range), and the host's time to issue the step "
-            "(perf_counter):", "",
-            table(["batch", "no prefetch", "prefetch", "ratio", "host: no prefetch",
-                   "host: prefetch", "host ratio", "forks per eager step"], self.eager),
+            "events (+- half the interquartile range) with no hooks, with the plan's hooks and "
+            "controller (eager forks), and with the same hooks on a controller made with "
+            "eager=False (its forks return False outside a capture); and the host's time to "
+            "issue the step (perf_counter):", "",
+            table(["batch", "no prefetch", "prefetch", "ratio", "prefetch, eager=False",
+                   "ratio, eager=False", "host: no prefetch", "host: prefetch", "host ratio",
+                   "forks per eager step"], self.eager),
             "", "Checks on the same step's logits (bitwise: the bytes are equal):", "",
             table(["batch", "eager: prefetch == none", "graph: prefetch == none",
                    "graph: empty forks == none", "replays advance the cache",
@@ -533,7 +536,8 @@ class Results:
         return out
 
 
-def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None, None)):
+def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None, None),
+                  capture_only=None):
     tb = time.perf_counter()
     dec = Decoder(model, batch)
     want = expected_forks(plan, batch)
@@ -545,30 +549,51 @@ def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None
                            f"batch {batch}: eager logits differ with prefetch "
                            f"(max abs diff {max_abs_diff(ref, got):.3g})")
     res.check(eager_forks == want, f"batch {batch}: eager forks {eager_forks}, planned {want}")
-    toggle = Toggle(model, controller, args.points)
-    for on in (True, False):                           # warm both paths once
-        toggle.set(on)
+    if capture_only is not None:
+        # eager=False: the hooks run, the forks return False outside a capture.
+        ref2, got2, stats2 = eager_pair(dec, capture_only, args.points)
+        res.check(bitwise_equal(ref2, got2) and not any(fork_counts(stats2).values()),
+                  f"batch {batch}: eager=False forked {fork_counts(stats2)} in an eager step "
+                  f"or changed its logits")
+    toggles = {"none": None, "prefetch": Toggle(model, controller, args.points)}
+    if capture_only is not None:
+        toggles["eager=False"] = Toggle(model, capture_only, args.points)
+
+    def select(name):
+        for other, toggle in toggles.items():
+            if toggle is not None and other != name:
+                toggle.set(False)
+        if toggles[name] is not None:
+            toggles[name].set(True)
+
+    for name in toggles:                               # warm every path once
+        select(name)
         dec.reset()
         dec.step()
     # Hooks are attached or removed before the start event: only the step is timed
     # (eager timing is host-bound, so the forks' host cost is in it).  Each timed step
     # follows an untimed one in the same state: a server keeps its hooks attached, and
     # the first step after attaching them is not what it runs.
-    def before(on):
-        toggle.set(on)
+    def before(name):
+        select(name)
         dec.reset()
         dec.step()
         dec.reset()
 
     times, host = time_interleaved(
-        {"none": (lambda: before(False), dec.step),
-         "prefetch": (lambda: before(True), dec.step)}, args.eager_reps)
-    toggle.set(False)
+        {name: (lambda name=name: before(name), dec.step) for name in toggles}, args.eager_reps)
+    select("none")
     ea, eb = median(times["none"]), median(times["prefetch"])
     ha, hb = median(host["none"]), median(host["prefetch"])
-    res.eager.append([batch, f"{ea:.0f} +-{spread(times['none']):.0f}",
-                      f"{eb:.0f} +-{spread(times['prefetch']):.0f}", f"{ea / eb:.3f}",
-                      f"{ha:.0f}", f"{hb:.0f}", f"{ha / hb:.3f}", counts_text(eager_forks)])
+    row = [batch, f"{ea:.0f} +-{spread(times['none']):.0f}",
+           f"{eb:.0f} +-{spread(times['prefetch']):.0f}", f"{ea / eb:.3f}"]
+    if "eager=False" in times:
+        ec = median(times["eager=False"])
+        row += [f"{ec:.0f} +-{spread(times['eager=False']):.0f}", f"{ea / ec:.3f}"]
+    else:
+        row += ["-", "-"]
+    row += [f"{ha:.0f}", f"{hb:.0f}", f"{ha / hb:.3f}", counts_text(eager_forks)]
+    res.eager.append(row)
 
     # -- graphs: capture (a), (b), (d)
     graphs = {}
@@ -687,6 +712,8 @@ def run_gpu(args, config):
     branch = l2prefetch.PrefetchController.from_plan(plan, 0, kernel=args.kernel,
                                                      graph_fork="branch")
     branch_empty = empty_controller(plan, 0, kernel=args.kernel, graph_fork="branch")
+    capture_only = l2prefetch.PrefetchController.from_plan(plan, 0, kernel=args.kernel,
+                                                           eager=False)
     prepared = time.perf_counter() - t1
     header = (f"Device: {torch.cuda.get_device_name(0)} (sm_{info['sm']}, {info['sm_count']} "
               f"SMs, L2 {info['l2_bytes'] / MIB:.0f} MiB), driver {drv['version'] // 1000}."
@@ -706,7 +733,7 @@ def run_gpu(args, config):
     for batch in args.batches:
         try:
             measure_batch(args, model, plan, controller, empty, batch, res,
-                          branch=(branch, branch_empty))
+                          branch=(branch, branch_empty), capture_only=capture_only)
         except Exception as exc:                                  # noqa: BLE001
             traceback.print_exc()
             first = str(exc).splitlines()[0] if str(exc) else ""
@@ -716,7 +743,7 @@ def run_gpu(args, config):
             torch.cuda.empty_cache()
     tables = res.tables()
     print("\n" + "\n".join(tables), flush=True)
-    for ctl in (controller, empty, branch, branch_empty):
+    for ctl in (controller, empty, branch, branch_empty, capture_only):
         ctl.close()
     return lines + [""] + tables, res.failures
 

@@ -11,6 +11,9 @@
  * puts the prefetch on that stream with launch-order edges (capture.c, NOTE
  * [inline graph fork]): a side branch slows some graphs by tens of us.  Such
  * a fork leaves nothing pending; graph_fork="branch" keeps the side stream.
+ * With eager=False, a fork outside a capture does nothing and returns False:
+ * in a host-bound eager decode step a fork costs host time (~15 us measured in
+ * a real model's step) and cannot gain, as the GPU waits for the host anyway.
  *
  * The hot path allocates no Python object and hashes nothing: point names are
  * interned to small integers at add() and compared by identity first; the
@@ -44,6 +47,7 @@ typedef struct {
     int enabled;
     int closed;
     int graph_fork;           /* GRAPH_FORK_*: how a fork goes into a captured graph */
+    int eager;                /* fork outside graph captures too (the default) */
     CUstream side;
     CUevent join_event;
     PyObject *points;         /* list of interned str; index = point id */
@@ -66,10 +70,11 @@ static l2p_state *state_of(controller *self)
 
 static PyObject *controller_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"device", "graph_fork", NULL};
+    static char *kwlist[] = {"device", "graph_fork", "eager", NULL};
     PyObject *device_obj = Py_None, *graph_fork_obj = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O$O:PrefetchController", kwlist, &device_obj,
-                                     &graph_fork_obj))
+    int eager = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O$Op:PrefetchController", kwlist, &device_obj,
+                                     &graph_fork_obj, &eager))
         return NULL;
     l2p_state *st = l2p_state_of_type(type);
     int device, graph_fork = GRAPH_FORK_INLINE;
@@ -92,6 +97,7 @@ static PyObject *controller_new(PyTypeObject *type, PyObject *args, PyObject *kw
         return NULL;
     self->device = device;
     self->graph_fork = graph_fork;
+    self->eager = eager;
     self->points = PyList_New(0);
     self->entries = PyDict_New();
     if (!self->points || !self->entries)
@@ -117,6 +123,13 @@ static PyObject *controller_new(PyTypeObject *type, PyObject *args, PyObject *kw
     }
     self->drv = d;
     l2p_driver_incref(d);
+    if (!eager && !d->fn.cuStreamGetCaptureInfo) {
+        PyErr_Format(PyExc_ValueError,
+                     "eager=False needs the capture state of a stream (cuStreamGetCaptureInfo, "
+                     "CUDA driver 12.3 or newer); this driver is %d.%d: leave eager=True",
+                     d->version / 1000, d->version % 1000 / 10);
+        goto error;
+    }
     CUcontext popped;
     const char *op = "cuCtxPushCurrent";
     r = d->fn.cuCtxPushCurrent(self->dev->ctx);
@@ -508,7 +521,8 @@ PyDoc_STRVAR(fork_doc,
 "after the work already queued on stream (default: torch's current stream).\n"
 "While stream is being captured (graph_fork='inline'), the launch goes on\n"
 "stream itself with launch-order edges, overlapping what follows.\n"
-"Returns False, doing nothing, when nothing is registered there.");
+"Returns False, doing nothing, when nothing is registered there, and with\n"
+"eager=False when stream is not being captured.");
 
 static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames)
@@ -530,7 +544,7 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
         return NULL;
     int inline_ok = self->graph_fork == GRAPH_FORK_INLINE && l2p_capture_inline_available(d);
     unsigned long long cap = 0;
-    if (inline_ok || !self->pending || self->capture_id != 0)
+    if (inline_ok || !self->pending || self->capture_id != 0 || !self->eager)
         cap = capture_of(self, cur);
     if (self->pending && self->capture_id != 0 && cap != self->capture_id) {
         self->pending = 0;
@@ -540,6 +554,8 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
                             "without join(): call join() at the end of every captured step "
                             "(the earlier capture is invalid)");
     }
+    if (!cap && !self->eager)
+        Py_RETURN_FALSE;
     if (cap && inline_ok) {
         const char *failed;
         CUresult r = l2p_capture_inline_launch(d, cur, entry, &failed);
@@ -707,6 +723,7 @@ static PyObject *get_graph_fork(controller *self, void *c)
     return PyUnicode_FromString(graph_fork_names[self->graph_fork]);
 }
 static PyObject *get_points(controller *self, void *c) { return PyList_AsTuple(self->points); }
+static PyObject *get_eager(controller *self, void *c) { return PyBool_FromLong(self->eager); }
 
 static PyGetSetDef controller_getset[] = {
     {"stream", (getter)get_stream, NULL, "The side stream as a torch.cuda.ExternalStream (None when disabled).", NULL},
@@ -720,6 +737,8 @@ static PyGetSetDef controller_getset[] = {
      "captured stream with launch-order edges; the default) or 'branch' (the side stream).",
      NULL},
     {"points", (getter)get_points, NULL, "Point names in registration order.", NULL},
+    {"eager", (getter)get_eager, NULL,
+     "Whether fork() launches outside CUDA graph captures (False: only while capturing).", NULL},
     {NULL},
 };
 
@@ -754,12 +773,14 @@ static PyObject *controller_repr(controller *self)
 }
 
 PyDoc_STRVAR(controller_doc,
-"PrefetchController(device=None, *, graph_fork='inline')\n--\n\n"
+"PrefetchController(device=None, *, graph_fork='inline', eager=True)\n--\n\n"
 "Prefetch launches per (point, layer, batch) on one side stream of one CUDA\n"
 "device (default: torch's current device).  graph_fork says how a fork goes\n"
 "into a CUDA graph being captured: 'inline' puts the prefetch node on the\n"
 "captured stream with launch-order edges (no side branch; driver 12.3+,\n"
 "older drivers fall back), 'branch' forks to the side stream as in eager mode.\n"
+"eager=False makes fork() outside a capture return False without launching:\n"
+"a host-bound eager decode step pays a fork's host time and cannot gain.\n"
 "With L2PREFETCH_DISABLE=1 in the environment at construction, nothing\n"
 "touches the GPU and fork() returns False.");
 

@@ -628,6 +628,8 @@ ROWS = [
         Raises(ValueError, r"graph_fork must be 'inline' \(the default\) or 'branch', not 'side'")),
     row("PrefetchController.from_plan", "graph_fork 'branch' (valid: passed on)",
         lambda e: PC.from_plan([e.entry], graph_fork="branch").graph_fork, Returns("branch")),
+    row("PrefetchController.from_plan", "eager False (valid: passed on)",
+        lambda e: PC.from_plan([e.entry], eager=False).eager, Returns(False)),
 
     # ---- PlanEntry(point, layer, batches, weights, byte_cap=0, grid=32, carveout=None, priority=False)
     row("PlanEntry", "point None", lambda e: PlanEntry(None, 0, [1], (cpu(4),)),

@@ -666,6 +666,50 @@ def test_capture_info_missing_from_old_driver(fake):
     assert fake.calls("cuStreamWaitEvent") == 2
 
 
+# -- eager=False: forks only while capturing ----------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["inline", "branch"])
+def test_eager_false_forks_only_in_captures(fake, table, mode):
+    ctl = _populated(fake, table, graph_fork=mode, eager=False)
+    assert ctl.eager is False and PC(device=0).eager is True
+    fake.clear_log()
+    fake.set_capture(0)
+    assert ctl.fork("attn", 0, 1, stream=STREAM) is False      # eager: nothing launched
+    assert not ctl.pending
+    assert [len(fake.log(c)) for c in ("cuLaunchKernelEx", "cuEventRecord",
+                                        "cuStreamWaitEvent")] == [0, 0, 0]
+    ctl.join(stream=STREAM)                                     # nothing to join
+    assert len(fake.log("cuStreamWaitEvent")) == 0
+    assert ctl.stats()["attn"]["forks"] == 0
+    fake.set_capture(7)
+    assert ctl.fork("attn", 0, 1, stream=STREAM) is True        # captured: launched
+    assert len(fake.log("cuLaunchKernelEx")) == 1
+    ctl.join(stream=STREAM)
+    assert ctl.stats()["attn"] == {"forks": 1, "bytes": table.nbytes}
+    fake.set_capture(0)
+    assert ctl.fork("mlp", 0, 1, stream=STREAM) is False
+    assert len(fake.log("cuLaunchKernelEx")) == 1
+
+
+def test_eager_false_capture_ended_without_join(fake, table):
+    """The check for a capture that ended without join() comes before the eager skip."""
+    ctl = _populated(fake, table, graph_fork="branch", eager=False)
+    fake.set_capture(7)
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    fake.set_capture(0)
+    with pytest.raises(l2prefetch.Error, match=r"join\(\)"):
+        ctl.fork("attn", 0, 1, stream=STREAM)
+    assert ctl.fork("attn", 0, 1, stream=STREAM) is False
+
+
+def test_eager_false_needs_capture_info(fake):
+    reopen(fake, driver_version=12000)                 # no cuStreamGetCaptureInfo (12.3 ABI)
+    with pytest.raises(ValueError, match=r"eager=False needs .*12\.3.* this driver is 12\.0"):
+        PC(device=0, eager=False)
+    assert fake.live("stream") == 0
+    assert PC(device=0).eager is True                  # the default still works there
+
+
 # -- the inline graph fork (capture.c) -------------------------------------------------------------
 
 def _deps(line):

@@ -161,6 +161,35 @@ def test_fork_join_in_cuda_graph_replays_like_eager():
         assert torch.all(seen == v) and torch.all(out == v + 1), v
 
 
+@pytest.mark.parametrize("mode", ["inline", "branch"])
+def test_eager_false_forks_only_while_capturing(mode):
+    """eager=False: an eager fork launches nothing; the same fork captured into a
+    graph is a prefetch node that replays, with the graph's result unchanged."""
+    ctrl = PrefetchController(0, graph_fork=mode, eager=False)
+    w = _rand((1024, 1024))
+    ctrl.add("p", 0, [1], PreparedWeightRanges([w]))
+    x = _rand((1, 1024))
+    assert ctrl.fork("p", 0, 1) is False and not ctrl.pending
+    ctrl.join()
+    assert ctrl.stats()["p"]["forks"] == 0
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            assert ctrl.fork("p", 0, 1) is True
+            y = x @ w.t()
+            ctrl.join()
+    torch.cuda.current_stream().wait_stream(s)
+    assert ctrl.stats()["p"] == {"forks": 1, "bytes": w.numel() * w.element_size()}
+    want = x @ w.t()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want)
+    assert ctrl.fork("p", 0, 1) is False                   # eager again after the capture
+
+
 def test_unjoined_capture_is_reported_by_us():
     drv = pytest.importorskip("cuda.bindings.driver")
     ctrl = PrefetchController(0, graph_fork="branch")      # inline forks leave nothing unjoined

@@ -22,11 +22,13 @@ class PrefetchController(_C.PrefetchController):
 
     @classmethod
     def from_plan(cls, plan: Iterable[PlanEntry], device=None, *, kernel: str | None = None,
-                  graph_fork: str = "inline") -> "PrefetchController":
+                  graph_fork: str = "inline", eager: bool = True) -> "PrefetchController":
         """Prepare and register every entry of plan.
 
-        ``graph_fork`` is the constructor's: how forks go into a CUDA graph
-        being captured ('inline', the default, or 'branch').
+        ``graph_fork`` and ``eager`` are the constructor's: how forks go into a
+        CUDA graph being captured ('inline', the default, or 'branch'), and
+        whether forks outside a capture launch (False: they return False; a
+        host-bound eager decode step only pays their host time).
 
         Entries with the same weights (by identity) and the same byte_cap,
         grid, carveout and priority share one PreparedWeightRanges.  With
@@ -37,7 +39,7 @@ class PrefetchController(_C.PrefetchController):
         for i, entry in enumerate(entries):
             if not isinstance(entry, PlanEntry):
                 raise TypeError(f"plan[{i}] must be a PlanEntry, not {type(entry).__name__}")
-        controller = cls(device, graph_fork=graph_fork)
+        controller = cls(device, graph_fork=graph_fork, eager=eager)
         if not controller.enabled:
             logger.info("L2PREFETCH_DISABLE is set: %d plan entries not prepared", len(entries))
             return controller
