@@ -197,8 +197,9 @@ def pct(x):
 
 # ---------------------------------------------------------------- effect
 
-def run_sequence(rig, w, batch, window, prepared_by_name, reps):
-    """cold / empty / prefetched / hot medians (us) of [fork?] spin(window) gemv [join?]."""
+def run_sequence(rig, w, batch, window, prepared_by_name, reps, window_fn=None):
+    """cold / empty / prefetched / hot medians (us) of [fork?] spin(window) gemv [join?];
+    window_fn() enqueues the window instead of the spin when given."""
     x = torch.randn(batch, K, device=DEV, dtype=torch.bfloat16)
     # Names ending in " (branch)" fork to the side stream inside the graph (graph_fork="branch").
     ctrls = {mode: PrefetchController(0, graph_fork=mode) for mode in ("inline", "branch")}
@@ -218,7 +219,10 @@ def run_sequence(rig, w, batch, window, prepared_by_name, reps):
             before.add_(1.0)   # the work the fork follows: the fork is mid-graph, as in a layer
             if ctrl:
                 ctrl.fork(point, 0, batch)
-            rig.spin(window)
+            if window_fn is None:
+                rig.spin(window)
+            else:
+                window_fn()
             torch.nn.functional.linear(x, w)
             if ctrl:
                 ctrl.join()
@@ -278,6 +282,63 @@ def section_effect(rig, quick):
             "sees against not forking).\n\n"
             + table(["W MiB", "batch", "T us", "cold", "empty fork", "prefetched", "hot", "gap",
                      "net", "recovered", "vs cold", "branch: empty", "branch: prefetched",
+                     "branch: recovered", "branch: vs cold"], rows))
+    return text, raw
+
+
+# ---------------------------------------------------------------- glue
+
+def section_glue(rig, quick):
+    """The effect with a window of small kernels instead of the spin.
+
+    A real layer's bandwidth-idle windows (norms, RoPE and cache updates, the
+    router, an all-reduce) are chains of small latency-bound kernels that do
+    touch memory; the spin touches none.  Here the window is n rounds of an
+    RMSNorm, a scale and an add on a [B, 7168] bf16 activation (3n kernels)."""
+    sizes = [16, 32]
+    batches = [1, 8]
+    rounds = [2, 5] if quick else [2, 5, 10]
+    reps = 60 if quick else 150
+    empty = PreparedWeightRanges([], device=0, carveout=100)
+    rows, raw = [], []
+    for mib in sizes:
+        w = weight(mib)
+        pf = PreparedWeightRanges([w], carveout=100)
+        for b in batches:
+            h = torch.randn(b, K, device=DEV, dtype=torch.bfloat16)
+            g = torch.ones(K, device=DEV, dtype=torch.bfloat16)
+            for n in rounds:
+                def glue(n=n, h=h, g=g):
+                    v = h
+                    for _ in range(n):
+                        v = torch.nn.functional.rms_norm(v, (K,), g)
+                        v = v * 0.5
+                        v = v + h
+                # the glue alone, hot: its length in us
+                alone = rig.time_graphs({"g": rig.capture(glue)}, {"g": lambda: None}, reps)["g"]
+                r = run_sequence(rig, w, b, 0, {"empty": empty, "prefetched": pf,
+                                                "empty (branch)": empty,
+                                                "prefetched (branch)": pf}, reps, window_fn=glue)
+                gap = r["cold"] - r["hot"]
+                net = r["empty"] - r["prefetched"]
+                net_b = r["empty (branch)"] - r["prefetched (branch)"]
+                rec = net / gap if gap > 0.3 else float("nan")
+                raw.append((mib, b, n, alone, r, rec))
+                rows.append((f"{pf.nbytes / MIB:.1f}", b, 3 * n, f"{alone:.1f}",
+                             f"{r['cold']:.2f}", f"{r['empty']:.2f}", f"{r['prefetched']:.2f}",
+                             f"{r['hot']:.2f}", f"{gap:.2f}", f"{net:+.2f}",
+                             "-" if rec != rec else pct(rec),
+                             f"{r['cold'] - r['prefetched']:+.2f}",
+                             "-" if gap <= 0.3 else pct(net_b / gap),
+                             f"{r['cold'] - r['prefetched (branch)']:+.2f}"))
+        del w, pf
+    text = ("### The effect with a window of small kernels (step time, us)\n\n"
+            "As the effect section, but the window is a chain of small kernels that touch "
+            "memory (n x RMSNorm, scale, add on x [B, 7168] bf16: the shape of a layer's norms "
+            "and glue) instead of a spin that touches none.  window us = the chain alone, "
+            "replayed (hot).\n\n"
+            + table(["W MiB", "batch", "window kernels", "window us", "cold", "empty fork",
+                     "prefetched", "hot", "gap", "net", "recovered", "vs cold",
                      "branch: recovered", "branch: vs cold"], rows))
     return text, raw
 
@@ -1224,7 +1285,8 @@ def plot(raws, outdir):
 
 # ---------------------------------------------------------------- main
 
-SECTIONS = {"effect": section_effect, "persist": section_persist, "layer": section_layer,
+SECTIONS = {"effect": section_effect, "glue": section_glue, "persist": section_persist,
+            "layer": section_layer,
             "caps": section_caps, "kernels": section_kernels, "host": section_host, "graph": section_graph,
             "table": section_table}
 
