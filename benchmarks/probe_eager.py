@@ -6,7 +6,8 @@ than a fork's host cost (~4 us).  This probe times the same eager step,
 interleaved, with:
 
   none         no hooks
-  noop hooks   the hooks of deepseek_v3.hook_points, calling a Python object
+  noop hooks   the hooks of deepseek_v3.hook_points(model, ("next_attention",)),
+               calling a Python object
                whose fork() returns False and join() does nothing
   empty        the hooks calling a controller with the plan's keys and empty tables
   plan         the hooks calling the controller of the shipped plan
@@ -37,6 +38,13 @@ import deepseek  # noqa: E402  (benchmarks/deepseek.py: model, decoder, empty co
 
 import l2prefetch  # noqa: E402
 from l2prefetch import deepseek_v3, hooks  # noqa: E402
+
+
+NEXT = ("next_attention",)
+
+
+def sites(model):
+    return deepseek_v3.hook_points(model, NEXT)
 
 
 class NoopController:
@@ -75,7 +83,7 @@ def main(argv=None) -> int:
         return 0
     with torch.no_grad():
         model = deepseek.build_model(deepseek.BENCH_CONFIG, "cuda:0")
-        plan = deepseek_v3.plan(model)
+        plan = deepseek_v3.plan(model, points=NEXT)       # the default plan is empty
         controllers = {"none": None, "noop hooks": NoopController(),
                        "empty": deepseek.empty_controller(plan, 0),
                        "plan": l2prefetch.PrefetchController.from_plan(plan, 0)}
@@ -93,7 +101,7 @@ def main(argv=None) -> int:
                 names = names[rep % len(names):] + names[:rep % len(names)]
                 for name in names:
                     ctrl = controllers[name]
-                    att = hooks.attach(model, ctrl, deepseek_v3.hook_points) if ctrl else None
+                    att = hooks.attach(model, ctrl, sites) if ctrl else None
                     # The first step after attaching the hooks, then a second one.
                     for k in ("first", "second"):
                         dec.reset()

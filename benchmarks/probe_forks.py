@@ -320,7 +320,7 @@ def main():
         synthetic(args.reps)
         return
     model = ds.build_model(ds.TINY_CONFIG if args.tiny else ds.BENCH_CONFIG, "cuda")
-    plan = deepseek_v3.plan(model)
+    plan = deepseek_v3.plan(model, points=("next_attention",))   # the default plan is empty
     shipped = l2prefetch.PrefetchController.from_plan(plan, 0)          # graph_fork="inline"
     empty = ds.empty_controller(plan, 0)
     branch = l2prefetch.PrefetchController.from_plan(plan, 0, graph_fork="branch")

@@ -5,8 +5,9 @@ from a config, never downloaded) decodes one step from a ``StaticCache``
 with and without ``hooks.attach(model, controller, deepseek_v3.hook_points)``:
 the logits must be bitwise identical, eager and in CUDA-graph replay, and the
 controller must count one fork per planned point and layer, with the default
-points (``next_attention`` only) and with every point
-(``points=deepseek_v3.POINTS``: the router prefetch after ``o_proj`` too).
+points (none: only the join hook is attached), with ``next_attention`` and with
+every point (``points=deepseek_v3.POINTS``: the router prefetch after
+``o_proj`` too).
 Needs transformers 5 (``set_experts_implementation("grouped_mm")``, a
 StaticCache that keeps its position on the device); skipped without it or
 without a GPU.
@@ -97,7 +98,9 @@ def sites_of(points):
 
 
 #: The points the tests run with, and the forks per step of the 3-layer model (one dense).
-POINT_SETS = {"default": (None, {"next_attention": 2}),
+NEXT = ("next_attention",)
+POINT_SETS = {"default": (None, {}),
+              "next": (NEXT, {"next_attention": 2}),
               "every": (deepseek_v3.POINTS, {"next_attention": 2, "oproj_down": 2})}
 
 
@@ -128,8 +131,9 @@ def capture(step, controller=None, points=None):
 
 
 def test_plan_matches_hook_points(model):
-    plan = deepseek_v3.plan(model)
-    sites = {(point, layer) for point, pairs in deepseek_v3.hook_points(model).items()
+    assert deepseek_v3.plan(model) == [] and deepseek_v3.hook_points(model) == {}
+    plan = deepseek_v3.plan(model, points=NEXT)
+    sites = {(point, layer) for point, pairs in deepseek_v3.hook_points(model, NEXT).items()
              for _module, layer in pairs}
     assert sites == {(e.point, e.layer) for e in plan}
     assert sites == {("next_attention", 0), ("next_attention", 1)}
@@ -205,17 +209,17 @@ def test_hooked_model_runs_compiled(model, mode):
     them, and the logits match the uncompiled model without prefetch to bf16
     tolerance (Inductor may fuse differently around the ops' `after` tensors,
     so bit equality is not asked here; tests/test_compile_gpu.py asks it of a
-    bias-free model).  Not yet run on the H200 (written in session 2)."""
+    bias-free model)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     batch = 2
-    plan = deepseek_v3.plan(model)
+    plan = deepseek_v3.plan(model, points=NEXT)
     step = Step(model, batch)
     step.reset()
     ref = step().clone()
     with PrefetchController.from_plan(plan, 0) as controller:
-        with hooks.attach(model, controller, deepseek_v3.hook_points):
+        with hooks.attach(model, controller, sites_of(NEXT)):
             compiled = torch.compile(step.__call__, mode=mode)
             outs = []
             for _ in range(4):                 # warm-up, recording, replays

@@ -22,6 +22,7 @@ from l2prefetch.hooks import attach
 
 H, E, I = 16, 4, 8
 MIB = 2**20
+NEXT = ("next_attention",)
 
 
 class Norm(nn.Module):
@@ -206,34 +207,36 @@ def test_plan_entry_by_entry():
 
 def test_points_constants():
     assert POINTS == ("oproj_down", "next_attention")
-    assert DEFAULT_POINTS == ("next_attention",)
+    assert DEFAULT_POINTS == ()
     assert {"POINTS", "DEFAULT_POINTS"} <= set(deepseek_v3.__all__)
     assert deepseek_v3.__all__ == sorted(deepseek_v3.__all__)
 
 
-def test_default_plan_has_only_next_attention():
+def test_default_plan_is_empty_and_points_select():
     model = ForCausalLM(count=4, first_dense=1)
-    entries = plan(model)
+    assert plan(model) == [] and plan(model, points=DEFAULT_POINTS) == []
+    assert plan(model, include_shared_experts=True) == []
+    entries = plan(model, points=NEXT)
     assert [(e.point, e.layer) for e in entries] == [
         ("next_attention", 0), ("next_attention", 1), ("next_attention", 2)]
     # The same next_attention entries as with every point, and nothing else.
     every = plan(model, points=POINTS)
     assert entries == [e for e in every if e.point == "next_attention"]
-    assert plan(model, points=DEFAULT_POINTS) == entries
     assert plan(model, points=("oproj_down", "next_attention")) == every
     assert plan(model, points=["next_attention", "oproj_down"]) == every   # order does not matter
     assert plan(model, points={"oproj_down"}) == [e for e in every if e.point == "oproj_down"]
     assert plan(model, points=()) == []
     # include_shared_experts only changes the oproj_down entries.
-    assert plan(model, include_shared_experts=True) == entries
+    assert plan(model, include_shared_experts=True, points=NEXT) == entries
     shared = plan(model, include_shared_experts=True, points=POINTS)
     assert [len(e.weights) for e in shared if e.point == "oproj_down"] == [4, 4, 4]
 
 
-def test_default_hook_points_have_only_next_attention():
+def test_default_hook_points_are_empty_and_points_select():
     model = ForCausalLM(count=4, first_dense=1)
     layers = model.model.layers
-    points = hook_points(model)
+    assert hook_points(model) == {}
+    points = hook_points(model, NEXT)
     assert list(points) == ["next_attention"]
     assert points["next_attention"] == [(layers[i].mlp, i) for i in (0, 1, 2)]
     assert list(hook_points(model, POINTS)) == ["oproj_down", "next_attention"]
@@ -241,8 +244,9 @@ def test_default_hook_points_have_only_next_attention():
     assert hook_points(model, ()) == {}
 
 
-@pytest.mark.parametrize("points", [None, POINTS, DEFAULT_POINTS, ("oproj_down",), ()],
-                         ids=["default", "POINTS", "DEFAULT_POINTS", "oproj_down", "none"])
+@pytest.mark.parametrize("points", [None, POINTS, DEFAULT_POINTS, NEXT, ("oproj_down",), ()],
+                         ids=["default", "POINTS", "DEFAULT_POINTS", "next_attention",
+                              "oproj_down", "none"])
 @pytest.mark.parametrize("first_dense", [0, 1, 4])
 def test_plan_and_hook_points_agree(points, first_dense):
     model = ForCausalLM(count=4, first_dense=first_dense)
@@ -251,10 +255,14 @@ def test_plan_and_hook_points_agree(points, first_dense):
     assert planned == hooked
 
 
-def test_default_forward_forks_at_next_attention_only():
+def test_forward_forks_where_points_say():
     model = ForCausalLM(count=3, first_dense=1)
     controller = Recorder()
-    with attach(model, controller, deepseek_v3.hook_points):
+    with attach(model, controller, deepseek_v3.hook_points):          # the default: no forks
+        model(torch.randn(2, 1, H))
+    assert controller.calls == [("join",)]
+    controller = Recorder()
+    with attach(model, controller, lambda m: deepseek_v3.hook_points(m, NEXT)):
         model(torch.randn(2, 1, H))
     assert controller.calls == [("next_attention", 0, 2), ("next_attention", 1, 2), ("join",)]
 
@@ -293,16 +301,17 @@ def test_plan_with_shared_experts_and_other_batches():
 def test_plan_with_a_per_batch_table():
     model = ForCausalLM(count=2, first_dense=0)
     table = {1: 32, 2: 32, 3: (16, 100), 4: 0, 9: 64}  # 9 is not among the batches
-    entries = [e for e in plan(model, batches=range(1, 5), next_attention_mib=table)
+    entries = [e for e in plan(model, batches=range(1, 5), next_attention_mib=table, points=NEXT)
                if e.point == "next_attention"]
     assert [(e.layer, e.batches, e.byte_cap // MIB, e.carveout) for e in entries] == [
         (0, (1, 2), 32, None), (0, (3,), 16, 100)]
-    assert [e for e in plan(model, next_attention_mib=0) if e.point == "next_attention"] == []
+    assert [e for e in plan(model, next_attention_mib=0, points=NEXT)
+            if e.point == "next_attention"] == []
 
 
 def test_plan_q_proj_model_and_all_dense():
     model = ForCausalLM(count=3, first_dense=3, q_lora_rank=None)
-    entries = plan(model)
+    entries = plan(model, points=NEXT)
     assert [e.point for e in entries] == ["next_attention", "next_attention"]
     assert entries[0].weights[0] is model.model.layers[1].self_attn.q_proj.weight
 
@@ -369,13 +378,13 @@ def test_real_transformers_model():
         qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=64)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     layers = model.model.layers
-    # The default: next_attention only.
-    entries = plan(model)
+    assert plan(model) == [] and hook_points(model) == {}     # the default forks nowhere
+    entries = plan(model, points=NEXT)
     assert [(e.point, e.layer) for e in entries] == [("next_attention", 0), ("next_attention", 1)]
     assert entries[0].weights[0] is layers[1].self_attn.q_a_proj.weight
     assert entries[0].weights[-1] is layers[1].self_attn.o_proj.weight
     controller = Recorder()
-    with attach(model, controller, deepseek_v3.hook_points), torch.no_grad():
+    with attach(model, controller, lambda m: deepseek_v3.hook_points(m, NEXT)), torch.no_grad():
         model(input_ids=torch.zeros(2, 1, dtype=torch.long), use_cache=False)
     assert controller.calls == [("next_attention", 0, 2), ("next_attention", 1, 2), ("join",)]
     # Every point: the router prefetch after o_proj too.

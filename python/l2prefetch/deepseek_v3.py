@@ -11,9 +11,11 @@ Where a decode layer leaves HBM bandwidth idle, and what it reads next
 
 The idle windows are the norms (11-21 us), the router (56-68 us) and the
 attention glue (35-49 us).  The loader moves about 2 TB/s x (window - 2 us)
-and a fork costs 0.5-1.3 us in a replayed graph even when empty.  This policy
-maps two points of the Kimi policy onto HF's modules (:data:`POINTS`); by
-default it forks at ``next_attention`` only (:data:`DEFAULT_POINTS`):
+and a fork costs 0.3-1.0 us in a replayed graph even when empty.  This policy
+maps two points of the Kimi policy onto HF's modules (:data:`POINTS`).  **By
+default it forks nowhere** (:data:`DEFAULT_POINTS` is empty): on the H200 neither
+point paid in the benchmark model (benchmarks/RESULTS.md, run 8); pass
+``points=`` to opt in and measure against the empty-fork control:
 
 * ``oproj_down``, *not forked by default*: after ``self_attn.o_proj`` of each
   MoE layer, prefetch the router weight ``mlp.gate.weight``.  Its window is
@@ -36,13 +38,19 @@ default it forks at ``next_attention`` only (:data:`DEFAULT_POINTS`):
   the ``oproj_down`` entry anyway, for measuring that claim (it changes
   nothing unless ``oproj_down`` is among the points).
 
-* ``next_attention``, forked after ``mlp`` (the whole MLP / MoE block) of
-  every layer that has a following layer: prefetch the next layer's attention
-  weights in consumption order (``q_a_proj`` or ``q_proj``, ``q_b_proj``,
-  ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``), capped per batch.  The
-  window is the residual add and the next input RMSNorm (~15 us), so the
-  default cap is 16 MiB (~10 us of loading plus the launch); the cap is
-  provisional until benchmarks/ measures it.  The fork is after ``mlp`` rather
+* ``next_attention``, *not forked by default either*: after ``mlp`` (the whole
+  MLP / MoE block) of every layer that has a following layer, prefetch the
+  next layer's attention weights in consumption order (``q_a_proj`` or
+  ``q_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``,
+  ``o_proj``), capped per batch.  The window is the residual add and the next
+  input RMSNorm (~15 us), so the cap is 16 MiB (~10 us of loading plus the
+  launch).  Measured in HF DeepSeek-V3 decode graphs (7 instances per variant)
+  the five forks' loads made the step 8-19 us slower than the same forks with
+  empty tables at every batch (0.9915-0.9963x against no forks), and the
+  report's glue section shows why: in a window of small kernels that touch
+  memory (a norm is one), the loader slows those kernels by about what it
+  saves the consumer, while a spin of the same length showed a gain.
+  ``points=("next_attention",)`` turns it on.  The fork is after ``mlp`` rather
   than after ``mlp.experts`` or the router because in HF the shared experts
   come last: forking earlier makes the loader compete with HBM-bound expert
   GEMMs (or be evicted by them).  Dense layers get it too: a dense MLP also
@@ -82,22 +90,24 @@ FRONT_GRID = 8
 FRONT_CARVEOUT = 100
 #: Loader CTAs for the next attention (the facts' 32-CTA bulk-copy ring: ~2.1 TB/s).
 NEXT_GRID = 32
-#: Default next_attention cap in MiB: fits the ~15 us norm window.  Provisional
-#: until benchmarks/ measures it.
+#: next_attention cap in MiB when that point is chosen: fits the ~15 us norm window.
+#: Not forked by default (see :data:`DEFAULT_POINTS`).
 NEXT_ATTENTION_MIB = 16
 
 #: The policy's fork points, in a layer's order.
 POINTS = ("oproj_down", "next_attention")
 
-#: The points :func:`plan` and :func:`hook_points` fork at by default:
-#: ``next_attention`` only.  ``oproj_down`` loads just the router weight
-#: ``mlp.gate.weight`` (0.25 MiB in the benchmark model); on the H200 the effect
-#: table (benchmarks/RESULTS.md, W = 1.8 MiB rows) puts the cold-to-hot gap of
-#: a weight that small at ~0.2 us at most, while an inline fork node costs
-#: ~0.3-0.5 us in a replayed graph, and in the Kimi-shaped two-layer benchmark
-#: the oproj_down point never paid at any TP (caps section, "The other
-#: points").  ``points=POINTS`` restores the router prefetch.
-DEFAULT_POINTS = ("next_attention",)
+#: The points :func:`plan` and :func:`hook_points` fork at by default: none.
+#: ``oproj_down`` loads just the router weight ``mlp.gate.weight`` (0.25 MiB in
+#: the benchmark model); on the H200 the effect table (benchmarks/RESULTS.md,
+#: W = 1.8 MiB rows) puts the cold-to-hot gap of a weight that small at ~0.2 us
+#: at most, while an inline fork node costs ~0.3-0.9 us in a replayed graph, and
+#: in the Kimi-shaped two-layer benchmark the oproj_down point never paid at any
+#: TP (caps section, "The other points").  ``next_attention``'s loads lost 8-19 us
+#: per step against its empty-fork control in the real model at batch 1-8
+#: (RESULTS.md, "Run 8, continued").  ``points=("next_attention",)`` or
+#: ``points=POINTS`` opt in.
+DEFAULT_POINTS: tuple[str, ...] = ()
 
 #: Attention projections in the order HF's DeepseekV3Attention.forward reads them.
 ATTENTION_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
@@ -157,7 +167,8 @@ def plan(model: Any, batches: Iterable[int] = range(1, 9),
     caps, get no next_attention).  Entries per layer: ``oproj_down`` (MoE
     layers), then the ``next_attention`` groups (layers with a following one),
     but only for the points in ``points``: by default :data:`DEFAULT_POINTS`
-    (``next_attention`` only); ``points=POINTS`` adds the router prefetch.
+    (none: the plan is empty); ``points=("next_attention",)`` or
+    ``points=POINTS`` opt in.
     ``include_shared_experts=True`` adds the shared experts to the
     ``oproj_down`` entries, so it changes nothing unless ``oproj_down`` is
     among the points.  Raises TypeError for a ``points`` that is a str or not
