@@ -176,15 +176,14 @@ def plan(model: Any, batches: Iterable[int] = range(1, 9),
     """
     wanted = _points(points)
     batches = tuple(batches)
-    groups = []
-    if "next_attention" in wanted:
-        if isinstance(next_attention_mib, Mapping):
-            table = next_attention_mib
-        else:
-            table = {batch: next_attention_mib for batch in batches}
-        groups = [(cap, carveout, tuple(b for b in group if b in batches))
-                  for cap, carveout, group in cap_groups(table)]
-        groups = [group for group in groups if group[2]]
+    # The batches and caps are checked whatever the points (cap_groups raises).
+    if isinstance(next_attention_mib, Mapping):
+        table = next_attention_mib
+    else:
+        table = {batch: next_attention_mib for batch in batches}
+    groups = [(cap, carveout, tuple(b for b in group if b in batches))
+              for cap, carveout, group in cap_groups(table)]
+    groups = [group for group in groups if group[2]] if "next_attention" in wanted else []
     layers = decoder_layers(model)
     entries: list[PlanEntry] = []
     for index, layer in enumerate(layers):

@@ -239,7 +239,10 @@ def attach(model: Any, controller: Any, points: Union[Points, Callable[[Any], Po
     ``L2PREFETCH_DISABLE`` nothing is attached.
 
     Hooks run when the model's Python runs: in eager mode on every step, and
-    only while capturing under CUDA graphs (the captured forks replay).  Under
+    only while capturing under CUDA graphs (the captured forks replay).  A
+    controller made with ``eager=False`` turns the eager steps' forks into a
+    capture-state read that returns False (an eager decode step pays a fork's
+    host time and cannot gain from it).  Under
     ``torch.compile`` they run while Dynamo traces and put the
     ``l2prefetch::fork`` / ``join`` ops into the graph; for that the
     controller is registered with :func:`l2prefetch.ops.register` (so it must
