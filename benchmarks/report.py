@@ -8,19 +8,24 @@ layer_speedup.png) with the device, driver, torch version and the exact
 command.  GPU time comes from CUDA events around CUDA-graph replays, so
 host launch costs do not blur kernel times; medians over many repetitions; L2
 is flushed before every cold measurement by reading a buffer 8x the L2 size;
-weights are random, never zeros.
+weights are random, never zeros.  A section that fails is reported as
+failed (traceback on stderr) and the others still run; the exit status is 1.
 
 Sections:
   effect   a bf16 GEMV y = x @ W^T (K = 7168) after a bandwidth-idle window of T
            us on the main stream (one CTA spinning), in four variants: cold,
            empty fork (the control), prefetched (fork at the window's start,
            join at the end), hot (W read just before: the physical limit).
+  glue     the effect with a window of small kernels that touch memory
+           (RMSNorm, scale, add) instead of the spin, loader at grid 32/16/8.
   persist  the alternative: CUDA L2 persistence (a set-aside and a persisting
            access-policy window over W, through cuda-python) on the effect's
            sequence, flushed and steady, against cold, l2prefetch and hot.
   layer    a decode step of two Kimi-shaped MoE layers at TP8 shard sizes in
            one graph, with the seed's forks (kimi_k3.plan): no prefetch,
            l2prefetch, empty forks, and the limit, at batches 1-8.
+  layer_glue  the same step with chains of small kernels in place of the
+           attention-core and all-reduce spins.
   caps     the layer step per TP (1, 2, 4, 8), batch and next_attention cap, and
            the other points left out: what kimi_k3.NEXT_ATTENTION and
            kimi_k3.DEFAULT_POINTS were chosen from.
@@ -37,6 +42,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -45,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -593,6 +600,29 @@ LAYER_WEIGHTS = (
 LAYER_CORE_US = 20
 #: TP8 all-reduce stand-in (after o_proj and after the MoE): one CTA spinning.
 LAYER_ALLREDUCE_US = 8
+#: layer_glue section: about how long one small kernel of the glue chain runs in a graph
+#: at batch 1-8 (glue section, run 8: 6 kernels took 19-24 us, 30 took 88-99 us).
+GLUE_KERNEL_US = 3.2
+
+
+_GAMMAS = {}
+
+
+def _glue(h, us):
+    """Enqueue about us microseconds of small kernels that touch memory: RMSNorm, scale
+    and add on h [B, 7168] in turn (the glue section's chain), at least one kernel."""
+    key = (h.device, h.dtype, h.shape[-1])
+    gamma = _GAMMAS.get(key)
+    if gamma is None:
+        gamma = _GAMMAS[key] = torch.ones(h.shape[-1], device=h.device, dtype=h.dtype)
+    v = h
+    for k in range(max(1, round(us / GLUE_KERNEL_US))):
+        if k % 3 == 0:
+            v = torch.nn.functional.rms_norm(v, (h.shape[-1],), gamma)
+        elif k % 3 == 1:
+            v = v * 0.5
+        else:
+            v = v + h
 
 
 def _layer_weight(shape):
@@ -637,17 +667,25 @@ def _kimi_layers(tp, count=2):
     return layers, {layer.layer_idx: layer.ws["front"] for layer in layers}
 
 
-def _layer_step(rig, layers, ctrl, batch, h, a, s, allreduce):
+def _layer_step(rig, layers, ctrl, batch, h, a, s, allreduce, glue=False):
     """The step of the layer sections: the layers' GEMVs, the stand-ins, the seed's forks
     (when ctrl is not None) and one join at the end.  h [B, 7168], a and s: the inputs of
     o_proj and shared_down.  allreduce: the all-reduce's stand-in in us (a spin), or a
-    callable that runs a real one (benchmarks/allreduce.py --layer)."""
+    callable that runs a real one (benchmarks/allreduce.py --layer).  glue: the stand-ins
+    are chains of small kernels that touch memory (_glue) instead of spins."""
     lin = torch.nn.functional.linear
+
+    def wait(us):
+        if glue:
+            _glue(h, us)
+        else:
+            rig.spin(us)
+
     if not callable(allreduce):
         allreduce_us = allreduce
 
         def allreduce():
-            rig.spin(allreduce_us)
+            wait(allreduce_us)
 
     def fork(point, index):
         if ctrl is not None:
@@ -658,7 +696,7 @@ def _layer_step(rig, layers, ctrl, batch, h, a, s, allreduce):
             ws, i = layer.ws, layer.layer_idx
             lin(h, ws["attn_in"])
             fork("attention_moe", i)       # after the KDA input projection
-            rig.spin(LAYER_CORE_US)        # attention core
+            wait(LAYER_CORE_US)            # attention core
             lin(a, ws["o_proj"])
             fork("oproj_down", i)          # after the o-projection
             allreduce()                    # all-reduce
@@ -673,8 +711,9 @@ def _layer_step(rig, layers, ctrl, batch, h, a, s, allreduce):
     return fn
 
 
-def section_layer(rig, quick):
-    """Two Kimi-shaped MoE decode layers (TP8 shard sizes) in one graph, with the seed's forks."""
+def section_layer(rig, quick, glue=False):
+    """Two Kimi-shaped MoE decode layers (TP8 shard sizes) in one graph, with the seed's forks;
+    with glue, the attention-core and all-reduce stand-ins are small kernels, not spins."""
     from l2prefetch import kimi_k3
 
     batches = [1, 8] if quick else [1, 2, 4, 8]
@@ -693,7 +732,7 @@ def section_layer(rig, quick):
         inputs = {"o_proj": a, "shared_down": s}
 
         def step(ctrl, batch=batch, h=h, a=a, s=s):
-            return _layer_step(rig, layers, ctrl, batch, h, a, s, LAYER_ALLREDUCE_US)
+            return _layer_step(rig, layers, ctrl, batch, h, a, s, LAYER_ALLREDUCE_US, glue)
 
         fns = {"a": step(None), "b": step(ctrl_b), "d": step(ctrl_d)}
         befores = {name: rig.flush for name in fns}
@@ -746,12 +785,26 @@ def section_layer(rig, quick):
         goal.append(ok_speed and ok_share)
         row["goal"] = goal[-1]
     misses = [f"B{row['batch']}" for row in raw if not row["goal"]]
-    text = ("### A decode step: two Kimi-shaped MoE layers at TP8 (step time, us)\n\n"
+    if glue:
+        x1 = torch.randn(1, K, device=DEV, dtype=torch.bfloat16)
+        lengths = rig.time_graphs({us: rig.capture(lambda us=us: _glue(x1, us))
+                                   for us in (LAYER_CORE_US, LAYER_ALLREDUCE_US)},
+                                  {us: (lambda: None) for us in (LAYER_CORE_US, LAYER_ALLREDUCE_US)},
+                                  reps)
+        title = "A decode step with real glue: the same two layers, small kernels for the spins"
+        core = (f"{round(LAYER_CORE_US / GLUE_KERNEL_US)} small kernels (RMSNorm, scale, add "
+                f"on x [B, 7168]; {lengths[LAYER_CORE_US]:.1f} us alone at B1)")
+        ar = (f"{round(LAYER_ALLREDUCE_US / GLUE_KERNEL_US)} such kernels "
+              f"({lengths[LAYER_ALLREDUCE_US]:.1f} us at B1)")
+    else:
+        title = "A decode step: two Kimi-shaped MoE layers at TP8"
+        core = f"spin({LAYER_CORE_US} us) (one CTA, reads no weights)"
+        ar = f"spin({LAYER_ALLREDUCE_US} us)"
+    text = (f"### {title} (step time, us)\n\n"
             f"One CUDA graph of two layers back to back, per layer: GEMV attn_in; "
-            f"[attention_moe]; attention core stand-in = spin({LAYER_CORE_US} us) (one CTA, "
-            "reads no weights); GEMV o_proj; [oproj_down]; all-reduce stand-in = "
-            f"spin({LAYER_ALLREDUCE_US} us); GEMVs front, shared gate_up, shared down, routed "
-            f"experts; [next_attention]; all-reduce stand-in = spin({LAYER_ALLREDUCE_US} us); "
+            f"[attention_moe]; attention core stand-in = {core}; GEMV o_proj; [oproj_down]; "
+            f"all-reduce stand-in = {ar}; GEMVs front, shared gate_up, shared down, routed "
+            f"experts; [next_attention]; all-reduce stand-in = {ar}; "
             "one join at the end of the step.  Weights (bf16, hidden 7168, per TP8 rank, "
             f"{per_layer / MIB:.1f} MiB per layer): {sizes}; norms, activations and routing "
             "are left out, every GEMV reads fixed random inputs.  Forks, weights, batches, "
@@ -1288,6 +1341,7 @@ def plot(raws, outdir):
 
 SECTIONS = {"effect": section_effect, "glue": section_glue, "persist": section_persist,
             "layer": section_layer,
+            "layer_glue": lambda rig, quick: section_layer(rig, quick, glue=True),
             "caps": section_caps, "kernels": section_kernels, "host": section_host, "graph": section_graph,
             "table": section_table}
 
@@ -1317,9 +1371,18 @@ def main(argv=None):
               f" (spin calibrated at {rig.cycles_per_us:.0f} cycles/us).")
     print(header, flush=True)
     parts, raws = [header], {}
+    failed = []
     for name in names:
         t0 = time.perf_counter()
-        result = SECTIONS[name](rig, args.quick)
+        try:
+            result = SECTIONS[name](rig, args.quick)
+        except Exception as exc:  # a failing section must not cost the others their results
+            traceback.print_exc()
+            failed.append(name)
+            result = (f"### Section {name}: failed\n\n`{type(exc).__name__}: {exc}` "
+                      "(traceback on stderr)")
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
         text = result[0] if isinstance(result, tuple) else result
         if isinstance(result, tuple):
             raws[name] = result[1]
@@ -1339,6 +1402,9 @@ def main(argv=None):
     with open(args.out, "w") as f:
         f.write("# l2prefetch benchmark results\n\n" + "\n\n".join(parts) + "\n")
     print(f"\nwrote {args.out}")
+    if failed:
+        print(f"failed sections: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
