@@ -251,6 +251,46 @@ def run_sequence(rig, w, batch, window, prepared_by_name, reps, window_fn=None):
     return out
 
 
+#: A loss smaller than this (us) is noise in the effect's short graphs.
+EFFECT_NOISE_US = 0.3
+
+
+def break_even(raw, noise=EFFECT_NOISE_US, bytes_per_us=None):
+    """Where a fork stops losing, from the effect section's raw rows (mib, batch, T, {cold,
+    prefetched, ...}, recovered).  Per (W MiB, batch), sorted: (mib, batch, T*, gate_us,
+    gate_ok) with T* the shortest measured window from which on the fork loses at most
+    ``noise`` us against not forking (cold - prefetched >= -noise there and at every longer
+    window; None if it never gets there), gate_us the window plan.gate asks for (W /
+    bytes_per_us, default plan.GATE_BYTES_PER_US), and gate_ok whether every measured
+    window the gate lets fork (T >= gate_us) lost at most ``noise``."""
+    if bytes_per_us is None:
+        from l2prefetch.plan import GATE_BYTES_PER_US as bytes_per_us
+    by = {}
+    for mib, batch, t, r, _rec in raw:
+        by.setdefault((mib, batch), []).append((t, r["cold"] - r["prefetched"]))
+    out = []
+    for (mib, batch), points in sorted(by.items()):
+        points.sort()
+        first = next((t for i, (t, _) in enumerate(points)
+                      if all(v >= -noise for _, v in points[i:])), None)
+        gate_us = mib * MIB / bytes_per_us
+        ok = all(v >= -noise for t, v in points if t >= gate_us)
+        out.append((mib, batch, first, gate_us, ok))
+    return out
+
+
+def break_even_table(raw):
+    rows = [(mib, batch, "-" if first is None else first, f"{gate_us:.1f}", "yes" if ok else "no")
+            for mib, batch, first, gate_us, ok in break_even(raw)]
+    return ("Break-even, from the table above: the shortest measured window T from which on the "
+            f"inline fork loses at most {EFFECT_NOISE_US} us against not forking (vs cold), and "
+            "the window `plan.gate` asks for at its default rate (W / "
+            "plan.GATE_BYTES_PER_US); gate avoids losses = every measured window the gate lets "
+            "fork lost at most that much.\n\n"
+            + table(["W MiB", "batch", "break-even T us", "gate's window us",
+                     "gate avoids losses"], rows))
+
+
 def section_effect(rig, quick):
     sizes = [16, 32] if quick else [2, 4, 8, 16, 24, 32, 48]
     batches = [1, 8] if quick else [1, 2, 4, 8]
@@ -289,7 +329,8 @@ def section_effect(rig, quick):
             "sees against not forking).\n\n"
             + table(["W MiB", "batch", "T us", "cold", "empty fork", "prefetched", "hot", "gap",
                      "net", "recovered", "vs cold", "branch: empty", "branch: prefetched",
-                     "branch: recovered", "branch: vs cold"], rows))
+                     "branch: recovered", "branch: vs cold"], rows)
+            + "\n\n" + break_even_table(raw))
     return text, raw
 
 

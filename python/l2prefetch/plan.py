@@ -450,12 +450,14 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
 GATE_BYTES_PER_US = 3.2e6
 
 #: The smallest load that can pay for its fork, measured on the H200
-#: (benchmarks/RESULTS.md, run 1 "The effect" and run 5): at 2 MiB the whole
-#: cold-to-hot gap is 0.4-0.8 us and the net gain of a prefetch scatters around
-#: zero (-0.4 to +0.5 us), about what an empty fork itself costs in a graph
-#: (+0.1 to +0.5 us); from 4 MiB on it nets +0.2 to +0.7 us after a window.
+#: (benchmarks/RESULTS.md, run 8, the break-even table under "The effect"; run
+#: 7's table gives the same pattern): at 2, 4 and 8 MiB the inline fork loses
+#: more than 0.3 us against not forking at most windows up to 40 us (the
+#: cold-to-hot gap is 0.1-0.5 us there, about what the fork node costs), while
+#: from 16 MiB on it stops losing once the window reaches bytes /
+#: GATE_BYTES_PER_US (5-20 us).  Sizes between 8 and 16 MiB were not measured.
 #: Opt-in: ``gate(plan, windows, min_bytes=GATE_MIN_BYTES)``.
-GATE_MIN_BYTES = 4 << 20
+GATE_MIN_BYTES = 16 << 20
 
 
 def gate(plan: Sequence[PlanEntry], windows_us: Mapping[str, float], *,

@@ -1,0 +1,48 @@
+"""benchmarks/report.py's break-even: where a fork stops losing, and whether the gate agrees.
+
+Pure arithmetic over the effect section's rows; runs without a GPU.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+pytest.importorskip("torch")
+
+_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "report.py")
+_spec = importlib.util.spec_from_file_location("l2p_bench_report", _PATH)
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+MIB = 2**20
+
+
+def rows(mib, batch, losses):
+    """Effect rows for one (W, batch): {T: cold - prefetched}."""
+    return [(mib, batch, t, {"cold": 10.0 + v, "prefetched": 10.0}, float("nan"))
+            for t, v in losses.items()]
+
+
+def test_break_even_is_the_first_window_from_which_on_nothing_loses():
+    raw = (rows(16, 1, {0: -3.0, 5: -0.5, 10: +0.8, 20: +1.2, 40: -0.2})
+           + rows(16, 8, {0: -2.0, 5: +0.1, 10: -0.6, 20: +1.0, 40: +1.1})
+           + rows(32, 1, {0: -5.0, 5: -3.0, 10: -1.0, 20: -0.4, 40: -0.9}))
+    got = report.break_even(raw, noise=0.3, bytes_per_us=3.2e6)
+    assert [(m, b, t) for m, b, t, _g, _ok in got] == [(16, 1, 10), (16, 8, 20), (32, 1, None)]
+    gate = {(m, b): (g, ok) for m, b, _t, g, ok in got}
+    assert gate[16, 1][0] == pytest.approx(16 * MIB / 3.2e6)      # 5.24 us
+    assert gate[16, 1][1] is True       # the gate forks at 10, 20, 40: none loses over 0.3
+    assert gate[16, 8][1] is False      # it would fork at 10, which lost 0.6
+    assert gate[32, 1][1] is False
+
+
+def test_break_even_uses_the_plans_rate_by_default_and_renders():
+    from l2prefetch.plan import GATE_BYTES_PER_US
+
+    raw = rows(8, 1, {0: -1.0, 5: 0.0})
+    (mib, batch, first, gate_us, ok), = report.break_even(raw)
+    assert (mib, batch, first, ok) == (8, 1, 5, True)
+    assert gate_us == pytest.approx(8 * MIB / GATE_BYTES_PER_US)
+    text = report.break_even_table(raw)
+    assert "| 8 | 1 | 5 | 2.6 | yes |" in text
