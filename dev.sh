@@ -50,7 +50,7 @@ sanitized_suite() {
     fi
     local dir
     dir=$(mktemp -d)
-    cp -r setup.py pyproject.toml README.md csrc kernels python tests "$dir"/
+    cp -r setup.py pyproject.toml README.md csrc kernels python tests benchmarks "$dir"/
     (cd "$dir" && L2PREFETCH_SANITIZE=1 "$PY" setup.py -q build_ext --inplace \
         --build-temp "$dir/build-asan" >/dev/null 2>&1) || { echo "dev.sh: sanitizer build failed"; return 1; }
     echo "dev.sh: CPU suite under ASan/UBSan"
