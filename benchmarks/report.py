@@ -1197,18 +1197,23 @@ def section_graph(rig, quick):
         ctrl.add("e", 0, [1], empty)
 
     def seq(where, mode):
-        ctrl = ctrls[mode]
+        # mode "plain": no fork, one plain kernel node (a zero-length spin) in its place:
+        # the floor of what any node added to the graph costs.
+        ctrl = ctrls.get(mode)
 
         def fn():
             if where == "root":
                 ctrl.fork("e", 0, 1)
             rig.spin(5)
             if where == "mid":
-                ctrl.fork("e", 0, 1)
+                if ctrl is None:
+                    torch.cuda._sleep(0)
+                else:
+                    ctrl.fork("e", 0, 1)
             torch.nn.functional.linear(x, w)
             rig.spin(5)
             torch.nn.functional.linear(x, w)
-            if where:
+            if where and ctrl is not None:
                 ctrl.join()
         return fn
 
@@ -1235,6 +1240,7 @@ def section_graph(rig, quick):
     for mode in ("inline", "branch"):
         for where in ("mid", "root"):
             short[(where, mode)] = seq(where, mode)
+    short[("mid", "plain")] = seq("mid", "plain")
     chains = {mode: chain(mode) for mode in (None, "inline", "branch")}
     noop = lambda: None  # noqa: E731
     per_short, _ = rig.instance_medians(short, dict.fromkeys(short, noop), reps,
@@ -1249,8 +1255,12 @@ def section_graph(rig, quick):
         base = statistics.median(per[next(iter(per))])
         for (where, mode), meds in per.items():
             m = statistics.median(meds)
-            what = "no fork" if mode is None else (
-                f"empty fork {'mid-graph' if where == 'mid' else 'at the root'}, {mode}")
+            if mode is None:
+                what = "no fork"
+            elif mode == "plain":
+                what = "no fork; a plain kernel node mid-graph (a zero-length spin): the floor"
+            else:
+                what = f"empty fork {'mid-graph' if where == 'mid' else 'at the root'}, {mode}"
             rows.append((label[shape], what, f"{m:.2f}", f"{min(meds):.2f}-{max(meds):.2f}",
                          "" if mode is None else f"{m - base:+.2f}"))
     for ctrl in ctrls.values():
