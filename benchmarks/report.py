@@ -336,6 +336,27 @@ def section_effect(rig, quick):
 
 # ---------------------------------------------------------------- glue
 
+_GAMMAS = {}
+
+
+def glue_chain(h, kernels):
+    """Enqueue ``kernels`` small kernels that touch memory: RMSNorm, scale and add on
+    h [B, 7168] in turn (the glue section's window and the layer_glue stand-ins)."""
+    key = (h.device, h.dtype, h.shape[-1])
+    gamma = _GAMMAS.get(key)
+    if gamma is None:
+        gamma = _GAMMAS[key] = torch.ones(h.shape[-1], device=h.device, dtype=h.dtype)
+    v = h
+    for k in range(kernels):
+        if k % 3 == 0:
+            v = torch.nn.functional.rms_norm(v, (h.shape[-1],), gamma)
+        elif k % 3 == 1:
+            v = v * 0.5
+        else:
+            v = v + h
+    return v
+
+
 def section_glue(rig, quick):
     """The effect with a window of small kernels instead of the spin.
 
@@ -356,14 +377,9 @@ def section_glue(rig, quick):
         pfs = {g: PreparedWeightRanges([w], carveout=100, grid=g) for g in grids}
         for b in batches:
             h = torch.randn(b, K, device=DEV, dtype=torch.bfloat16)
-            gamma = torch.ones(K, device=DEV, dtype=torch.bfloat16)
             for n in rounds:
-                def glue(n=n, h=h, gamma=gamma):
-                    v = h
-                    for _ in range(n):
-                        v = torch.nn.functional.rms_norm(v, (K,), gamma)
-                        v = v * 0.5
-                        v = v + h
+                def glue(n=n, h=h):
+                    glue_chain(h, 3 * n)
                 # the glue alone, hot: its length in us
                 alone = rig.time_graphs({"g": rig.capture(glue)}, {"g": lambda: None}, reps)["g"]
                 variants = {"empty": empty}
@@ -646,24 +662,9 @@ LAYER_ALLREDUCE_US = 8
 GLUE_KERNEL_US = 3.2
 
 
-_GAMMAS = {}
-
-
 def _glue(h, us):
-    """Enqueue about us microseconds of small kernels that touch memory: RMSNorm, scale
-    and add on h [B, 7168] in turn (the glue section's chain), at least one kernel."""
-    key = (h.device, h.dtype, h.shape[-1])
-    gamma = _GAMMAS.get(key)
-    if gamma is None:
-        gamma = _GAMMAS[key] = torch.ones(h.shape[-1], device=h.device, dtype=h.dtype)
-    v = h
-    for k in range(max(1, round(us / GLUE_KERNEL_US))):
-        if k % 3 == 0:
-            v = torch.nn.functional.rms_norm(v, (h.shape[-1],), gamma)
-        elif k % 3 == 1:
-            v = v * 0.5
-        else:
-            v = v + h
+    """Enqueue about us microseconds of the glue chain on h, at least one kernel."""
+    glue_chain(h, max(1, round(us / GLUE_KERNEL_US)))
 
 
 def _layer_weight(shape):

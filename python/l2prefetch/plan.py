@@ -446,7 +446,7 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
 #: That window was a spin that touches no memory.  A window of small kernels
 #: that do (norms, glue, an all-reduce) did not pay at batch 1 at any length
 #: measured (19-98 us; RESULTS.md, run 8, "a window of small kernels"): count
-#: only compute-bound, memory-idle time as the window.
+#: only memory-idle time as the window.
 GATE_BYTES_PER_US = 3.2e6
 
 #: The smallest load that can pay for its fork, measured on the H200
