@@ -204,9 +204,12 @@ def pct(x):
 
 # ---------------------------------------------------------------- effect
 
-def run_sequence(rig, w, batch, window, prepared_by_name, reps, window_fn=None):
+def run_sequence(rig, w, batch, window, prepared_by_name, reps, window_fn=None, instances=1):
     """cold / empty / prefetched / hot medians (us) of [fork?] spin(window) gemv [join?];
-    window_fn() enqueues the window instead of the spin when given."""
+    window_fn() enqueues the window instead of the spin when given.  With instances > 1
+    every variant is captured that many times and the median of the instances' medians
+    is returned (hot replays cold's instances); out["spread"] = {variant: max - min of
+    the instances' medians}."""
     x = torch.randn(batch, K, device=DEV, dtype=torch.bfloat16)
     # Names ending in " (branch)" fork to the side stream inside the graph (graph_fork="branch").
     ctrls = {mode: PrefetchController(0, graph_fork=mode) for mode in ("inline", "branch")}
@@ -235,17 +238,24 @@ def run_sequence(rig, w, batch, window, prepared_by_name, reps, window_fn=None):
                 ctrl.join()
         return fn
 
-    graphs = {"cold": rig.capture(step()), "hot": None}
-    graphs["hot"] = graphs["cold"]
-    for name in prepared_by_name:
-        graphs[name] = rig.capture(step(name))
+    graphs = {}
+    for i in range(instances):
+        graphs["cold", i] = graphs["hot", i] = rig.capture(step())
+        for name in prepared_by_name:
+            graphs[name, i] = rig.capture(step(name))
 
     def warm():
         rig.flush()
         torch.nn.functional.linear(x, w)
 
-    befores = {name: (warm if name == "hot" else rig.flush) for name in graphs}
-    out = rig.time_graphs(graphs, befores, reps)
+    befores = {key: (warm if key[0] == "hot" else rig.flush) for key in graphs}
+    us = rig.replays(graphs, befores, reps)
+    del graphs
+    per = {name: [statistics.median(us[name, i]) for i in range(instances)]
+           for name in ("cold", "hot", *prepared_by_name)}
+    out = {name: statistics.median(m) for name, m in per.items()}
+    if instances > 1:
+        out["spread"] = {name: max(m) - min(m) for name, m in per.items()}
     for ctrl in ctrls.values():
         ctrl.close()
     return out
@@ -357,6 +367,15 @@ def glue_chain(h, kernels):
     return v
 
 
+#: The loaders the glue section compares, (kernel variant, grid): the default,
+#: half its grid, and the two variants that hold no shared memory and slowed a
+#: concurrent memory-bound kernel least in the kernels section.  Grid 8 was
+#: measured in run 8 (it does not finish: -10..-16 us at 32 MiB).
+GLUE_LOADERS = (("ring", 32), ("ring", 16), ("bulk_prefetch", 32), ("line_prefetch", 32))
+#: Graph instances per variant in the glue section.
+GLUE_INSTANCES = 5
+
+
 def section_glue(rig, quick):
     """The effect with a window of small kernels instead of the spin.
 
@@ -364,17 +383,19 @@ def section_glue(rig, quick):
     router, an all-reduce) are chains of small latency-bound kernels that do
     touch memory; the spin touches none.  Here the window is n rounds of an
     RMSNorm, a scale and an add on a [B, 7168] bf16 activation (3n kernels),
-    and the loader runs at grid 32 (the default), 16 and 8."""
+    with each loader of GLUE_LOADERS."""
     sizes = [16, 32]
     batches = [1, 8]
     rounds = [2, 5] if quick else [2, 5, 10]
-    grids = [32, 16, 8]
-    reps = 60 if quick else 150
+    reps = 40 if quick else 100
+    instances = 3 if quick else GLUE_INSTANCES
     empty = PreparedWeightRanges([], device=0, carveout=100)
+    names = [f"{k} g{g}" for k, g in GLUE_LOADERS]
     rows, raw = [], []
     for mib in sizes:
         w = weight(mib)
-        pfs = {g: PreparedWeightRanges([w], carveout=100, grid=g) for g in grids}
+        pfs = {name: PreparedWeightRanges([w], carveout=100, grid=g, kernel=k)
+               for name, (k, g) in zip(names, GLUE_LOADERS)}
         for b in batches:
             h = torch.randn(b, K, device=DEV, dtype=torch.bfloat16)
             for n in rounds:
@@ -383,27 +404,36 @@ def section_glue(rig, quick):
                 # the glue alone, hot: its length in us
                 alone = rig.time_graphs({"g": rig.capture(glue)}, {"g": lambda: None}, reps)["g"]
                 variants = {"empty": empty}
-                variants.update({f"g{g}": pfs[g] for g in grids})
-                r = run_sequence(rig, w, b, 0, variants, reps, window_fn=glue)
+                variants.update(pfs)
+                r = run_sequence(rig, w, b, 0, variants, reps, window_fn=glue,
+                                 instances=instances)
                 gap = r["cold"] - r["hot"]
-                row = [f"{pfs[32].nbytes / MIB:.1f}", b, 3 * n, f"{alone:.1f}",
+                row = [f"{w.nbytes / MIB:.1f}", b, 3 * n, f"{alone:.1f}",
                        f"{r['cold']:.2f}", f"{r['empty']:.2f}", f"{r['hot']:.2f}", f"{gap:.2f}"]
-                for g in grids:
-                    net = r["empty"] - r[f"g{g}"]
-                    row += [f"{r[f'g{g}']:.2f}", "-" if gap <= 0.3 else pct(net / gap),
-                            f"{r['cold'] - r[f'g{g}']:+.2f}"]
+                for name in names:
+                    net = r["empty"] - r[name]
+                    row += [f"{r[name]:.2f}", "-" if gap <= 0.3 else pct(net / gap),
+                            f"{r['cold'] - r[name]:+.2f}"]
+                row.append(f"{max(r['spread'].values()):.2f}")
                 raw.append((mib, b, n, alone, r))
                 rows.append(row)
         del w, pfs
     head = ["W MiB", "batch", "window kernels", "window us", "cold", "empty fork", "hot", "gap"]
-    for g in grids:
-        head += [f"grid {g}: prefetched", f"grid {g}: recovered", f"grid {g}: vs cold"]
+    for name in names:
+        head += [f"{name}: prefetched", f"{name}: recovered", f"{name}: vs cold"]
+    head.append("spread")
     text = ("### The effect with a window of small kernels (step time, us)\n\n"
             "As the effect section (inline fork, carveout 100), but the window is a chain of "
             "small kernels that touch memory (n x RMSNorm, scale, add on x [B, 7168] bf16: the "
-            "shape of a layer's norms and glue) instead of a spin that touches none, and the "
-            "loader at grid 32 (the default), 16 and 8.  window us = the chain alone, replayed "
-            "(hot); recovered = (empty fork - prefetched) / gap; vs cold = cold - prefetched."
+            "shape of a layer's norms and glue) instead of a spin that touches none.  Loaders "
+            "(kernel variant, grid): " + ", ".join(names) + ".  window us = the chain alone, "
+            "replayed (hot); recovered = (empty fork - prefetched) / gap; vs cold = cold - "
+            f"prefetched.  The empty fork is the default kernel's.  Each variant captured "
+            f"{instances} times, every instance replayed {reps} times (interleaved): the "
+            "median of the instances' medians; spread = the largest max - min of the "
+            "instances' medians over the row's variants (one capture of a chain of small "
+            "kernels can be ~10 us off the next; run 9's first pass, one instance each, "
+            "was)."
             "\n\n" + table(head, rows))
     return text, raw
 
@@ -753,6 +783,14 @@ def _layer_step(rig, layers, ctrl, batch, h, a, s, allreduce, glue=False):
     return fn
 
 
+#: The layer sections' fork points (kimi_k3.plan's points=): the candidate, which
+#: is what kimi_k3 shipped at TP 8 until run 9 (attention_moe at B5-8; the
+#: next_attention caps are 0).  None: kimi_k3.DEFAULT_POINTS, as shipped.
+LAYER_POINTS = ("attention_moe", "next_attention")
+#: Loader kernel variants the layer sections also try in (b)'s place.
+LAYER_ALT_KERNELS = ("line_prefetch", "bulk_prefetch")
+
+
 def section_layer(rig, quick, glue=False):
     """Two Kimi-shaped MoE decode layers (TP8 shard sizes) in one graph, with the seed's forks;
     with glue, the attention-core and all-reduce stand-ins are small kernels, not spins."""
@@ -763,9 +801,10 @@ def section_layer(rig, quick, glue=False):
     lin = torch.nn.functional.linear
     shapes = dict(LAYER_WEIGHTS)
     layers, packed = _kimi_layers(8)
-    entries = kimi_k3.plan(layers, packed, 8)
+    entries = kimi_k3.plan(layers, packed, 8, points=LAYER_POINTS)
     ctrl_b = PrefetchController.from_plan(entries, 0)   # graph_fork='inline', as shipped
     ctrl_d = empty_controller(entries, 0)
+    ctrl_alt = {k: PrefetchController.from_plan(entries, 0, kernel=k) for k in LAYER_ALT_KERNELS}
     rows, raw = [], []
     for batch in batches:
         h = torch.randn(batch, K, device=DEV, dtype=torch.bfloat16)
@@ -777,6 +816,7 @@ def section_layer(rig, quick, glue=False):
             return _layer_step(rig, layers, ctrl, batch, h, a, s, LAYER_ALLREDUCE_US, glue)
 
         fns = {"a": step(None), "b": step(ctrl_b), "d": step(ctrl_d)}
+        fns.update({k: step(c) for k, c in ctrl_alt.items()})
         befores = {name: rig.flush for name in fns}
         # What the forks load at this batch, and which GEMVs read it.
         active = [(p, l) for p, l, bb in ctrl_b.keys() if bb == batch]
@@ -809,13 +849,15 @@ def section_layer(rig, quick, glue=False):
         share = (ta - tb) / (ta - tc) if ta - tc > 0.5 else float("nan")
         points = sorted({p for p, _ in active})
         raw.append({"batch": batch, "a": ta, "b": tb, "d": td, "c": tc, "share": share,
-                    "points": points, "loaded": loaded, "consumers": list(consumers)})
+                    "points": points, "loaded": loaded, "consumers": list(consumers),
+                    "alt": {k: t[k] for k in LAYER_ALT_KERNELS}})
         rows.append((batch, ", ".join(points) or "-", f"{loaded / MIB:.1f}", f"{ta:.2f}",
                      f"{tb:.2f}", f"{td:.2f}", f"{tc:.2f}", f"{ta / tb:.3f}x", f"{ta - tb:+.2f}",
                      f"{td - tb:+.2f}", f"{ta - tc:.2f}", "-" if share != share else pct(share),
-                     f"{spread['a']:.2f} / {spread['b']:.2f}"))
-    ctrl_b.close()
-    ctrl_d.close()
+                     f"{spread['a']:.2f} / {spread['b']:.2f}",
+                     *(f"{t[k]:.2f} ({ta / t[k]:.3f}x)" for k in LAYER_ALT_KERNELS)))
+    for ctrl in (ctrl_b, ctrl_d, *ctrl_alt.values()):
+        ctrl.close()
     per_layer = sum(wt.nbytes for wt in layers[0].ws.values())
     sizes = ", ".join(f"{name} [{r} x {c}] {r * c * 2 / MIB:.2f} MiB"
                       for name, (r, c) in LAYER_WEIGHTS)
@@ -851,14 +893,16 @@ def section_layer(rig, quick, glue=False):
             f"{per_layer / MIB:.1f} MiB per layer): {sizes}; norms, activations and routing "
             "are left out, every GEMV reads fixed random inputs.  Forks, weights, batches, "
             "grids, carveouts and priorities come from `l2prefetch.kimi_k3.plan(layers, "
-            "packed, tp=8)` as shipped (points "
-            f"{', '.join(kimi_k3.DEFAULT_POINTS[8])}; KDA attention: attention_moe at B5-8 "
+            f"packed, tp=8, points={LAYER_POINTS!r})` (shipped points: "
+            f"{', '.join(kimi_k3.DEFAULT_POINTS[8]) or 'none'}; KDA attention: attention_moe at B5-8 "
             "with front + shared expert, grid 32, carveout 100, priority; next_attention: "
             "layer 1's attn_in + o_proj capped at NEXT_ATTENTION[8] "
             f"= {kimi_k3.NEXT_ATTENTION[8]}, grid 32), graph_fork='inline'.  "
             f"Each variant captured {INSTANCES} times (graph instances of one capture differ), "
             "all replays interleaved, each after a flush (a real step's weights are cold): (a) no "
-            "prefetch, (b) l2prefetch, (d) the same forks with empty tables (control).  (c) "
+            "prefetch, (b) l2prefetch, (d) the same forks with empty tables (control), and (b) "
+            "with the loader kernel " + " or ".join(LAYER_ALT_KERNELS) + " (last columns; "
+            "a/that in brackets).  (c) "
             "the limit: (a) minus, for every GEMV whose weight the forks load at that batch, "
             "its cold - hot time measured alone (hot = weight read just before; scaled by the "
             "share of the weight loaded), interleaved with the rest.  It is computed rather "
@@ -869,7 +913,7 @@ def section_layer(rig, quick, glue=False):
             "max - min of the per-instance medians of a and of b.\n\n"
             + table(["batch", "points", "MiB", "a: none", "b: l2prefetch", "d: empty forks",
                      "c: limit", "a/b", "a-b", "d-b", "a-c", "share of limit",
-                     "spread a / b"], rows)
+                     "spread a / b", *(f"b: {k}" for k in LAYER_ALT_KERNELS)], rows)
             + "\n\nGoal: at least 85% of the limit where the limit exceeds 0.5 us, and never "
             "slower than 0.99x (a/b >= 0.99): "
             + ("met at every batch." if not misses else f"missed at {', '.join(misses)}."))

@@ -53,7 +53,9 @@ def test_plan_tp8_prints_points_and_totals(capsys):
     needs_c()
     assert plan_main(["--tp", "8"]) == 0
     out = capsys.readouterr().out    # kimi_k3.DEFAULT_POINTS and NEXT_ATTENTION (all zero)
-    assert "oproj_down" not in out and "next_attention" not in out and "attention_moe" in out
+    assert "oproj_down" not in out and "next_attention" not in out
+    assert "attention_moe" not in out
+    assert "No entries: by default the plan forks nowhere" in out
     assert plan_main(["--tp", "8", "--seed-points", "--next-attention-mib", "24"]) == 0
     out = capsys.readouterr().out
     assert "TP 8" in out and "61 layers (60 MoE)" in out

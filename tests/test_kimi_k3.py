@@ -167,17 +167,17 @@ def test_default_plan_is_the_seed_tables_at_the_default_points(tp):
 def test_default_points():
     assert kimi_k3.POINTS == ("oproj_down", "attention_moe", "next_attention")
     assert sorted(kimi_k3.DEFAULT_POINTS) == [1, 2, 4, 8]
-    # Measured on the H200: oproj_down never paid (at TP 1 it only slows the front GEMM).
-    assert all(kimi_k3.DEFAULT_POINTS[tp] == ("attention_moe", "next_attention")
-               for tp in (1, 2, 4, 8))
+    # Measured on the H200: oproj_down and attention_moe never paid with real
+    # glue around them; next_attention stays, with caps of zero.
+    assert all(kimi_k3.DEFAULT_POINTS[tp] == ("next_attention",) for tp in (1, 2, 4, 8))
     layers, packed = make_layers(5)
     assert {e.point for e in plan(layers, packed, 1, {1: {4: 8}})} == {"next_attention"}
-    # NEXT_ATTENTION is all zeros (no measured gain with real collectives), so by
-    # default only TP 8's attention_moe forks.
-    assert {e.point for e in plan(layers, packed, 8)} == {"attention_moe"}
-    assert all(plan(layers, packed, tp) == [] for tp in (1, 2, 4))
-    assert {e.point for e in plan(layers, packed, 8, CAPS24)} == {"attention_moe",
-                                                                  "next_attention"}
+    # NEXT_ATTENTION is all zeros, so by default nothing forks at any TP ...
+    assert all(plan(layers, packed, tp) == [] for tp in (1, 2, 4, 8))
+    # ... and caps alone turn next_attention on; attention_moe needs points=.
+    assert {e.point for e in plan(layers, packed, 8, CAPS24)} == {"next_attention"}
+    assert {e.point for e in plan(layers, packed, 8, points=["attention_moe"])} == {
+        "attention_moe"}
     assert [e.point for e in plan(layers, packed, 8, points=["oproj_down"])] == ["oproj_down"] * 4
     assert plan(layers, packed, 8, points=()) == []
 
@@ -349,5 +349,7 @@ def test_hook_points_follow_the_plan():
 def test_hook_points_missing_module():
     layers, _ = make_layers(5)
     with pytest.raises(LookupError, match="layer 3 has no 'self_attn.core'"):
-        hook_points(layers, 8, mla_core="self_attn.core")
-    assert hook_points(layers, 4, mla_core="self_attn.core")  # not needed below TP 8
+        hook_points(layers, 8, mla_core="self_attn.core", points=POINTS)
+    # The MLA core is needed only where attention_moe forks: TP 8, when asked for.
+    assert hook_points(layers, 4, mla_core="self_attn.core", points=POINTS)
+    assert hook_points(layers, 8, mla_core="self_attn.core")

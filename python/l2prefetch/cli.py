@@ -235,4 +235,8 @@ def plan_main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"Kimi K3 plan, synthetic model on meta: {d['layers']} layers ({moe} MoE), KDA:MLA "
           f"{d['mla_every'] - 1}:1, hidden {d['hidden']}, {d['dtype']}, TP {args.tp}\n")
     print(table, end="")
+    if not entries:
+        print("\nNo entries: by default the plan forks nowhere (kimi_k3.DEFAULT_POINTS and "
+              "NEXT_ATTENTION, measured on the H200: benchmarks/RESULTS.md).  --seed-points "
+              "and --next-attention-mib MIB opt in.")
     return 0

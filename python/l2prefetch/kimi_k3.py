@@ -4,10 +4,12 @@ This is the seed policy (vllm ... specialized_decode/runtime/prefetch.py)
 restated as a plan: the same points, weights, batches, grids, carveouts and
 priorities, so that a controller built from ``plan(..., points=POINTS)``
 launches what the seed's controller launched.  Two things differ by default,
-both measured on the H200 (benchmarks/RESULTS.md, caps section):
-:data:`NEXT_ATTENTION` (the seed's table is not part of the reference) and
-:data:`DEFAULT_POINTS` (no ``oproj_down``: it never paid).  Three fork points
-per MoE layer:
+both measured on the H200 (benchmarks/RESULTS.md): :data:`NEXT_ATTENTION`
+(the seed's table is not part of the reference; all zero) and
+:data:`DEFAULT_POINTS` (no ``oproj_down`` and no ``attention_moe``: neither
+paid).  So ``plan(layers, packed, tp)`` is empty by default; pass
+``points=`` and ``next_attention=`` to opt in after measuring.  Three fork
+points per MoE layer:
 
 * ``oproj_down``: after the o-projection, at batches 3-8, the MoE front's
   packed copy ``[router shard; latent-down shard]``, which the front GEMM
@@ -84,15 +86,24 @@ NEXT_ATTENTION: dict[int, dict[int, CapSpec]] = {
 POINTS = ("oproj_down", "attention_moe", "next_attention")
 
 #: The points :func:`plan` forks at by default, per TP: the seed's, less those
-#: the H200 measured as losing (benchmarks/RESULTS.md, caps section, "The other
-#: points").  ``oproj_down`` is left out at every TP.  At TP 1 no all-reduce
-#: follows the o-projection, so its load runs beside the front GEMM that reads
-#: the same rows: 10-13 us slower per two layers at batches 3-8 (3%), and worse
-#: at grid 32.  At TP 4 and 8 the step without it was 0.5-3.7 us faster at
-#: batches 3-8 (at TP 8, batches 5-8, attention_moe already loads the same
-#: front); at TP 2 it made no difference.  ``points=POINTS`` restores it.
-DEFAULT_POINTS: dict[int, tuple[str, ...]] = {
-    tp: ("attention_moe", "next_attention") for tp in (1, 2, 4, 8)}
+#: the H200 measured as losing (benchmarks/RESULTS.md).  ``next_attention``
+#: stays (its caps, :data:`NEXT_ATTENTION`, are zero: pass ``next_attention=``
+#: to turn it on).
+#:
+#: * ``oproj_down`` is left out at every TP (run 7, caps section, "The other
+#:   points").  At TP 1 no all-reduce follows the o-projection, so its load
+#:   runs beside the front GEMM that reads the same rows: 10-13 us slower per
+#:   two layers at batches 3-8 (3%).  At TP 4 and 8 the step without it was
+#:   0.5-3.7 us faster at batches 3-8; at TP 2 it made no difference.
+#: * ``attention_moe`` (TP 8 only) is left out since run 9 (layer sections).
+#:   With a spin standing in for the attention core it gained 1.3-1.6 us per
+#:   two layers at batch 8 (1.008-1.009x, 22-36% of its limit); with small
+#:   memory-touching kernels in the spin's place (layer_glue) it lost 4.3 and
+#:   4.7 us in two passes (0.975-0.977x), and the loader kernels that hold no
+#:   shared memory did no better (line_prefetch 0.991x, bulk_prefetch 0.996x).
+#:
+#: ``points=POINTS`` restores the seed's points.
+DEFAULT_POINTS: dict[int, tuple[str, ...]] = {tp: ("next_attention",) for tp in (1, 2, 4, 8)}
 
 
 def _points(tp: Any, points: Optional[Collection[str]]) -> frozenset:
