@@ -1,5 +1,9 @@
 """Time PrefetchController.from_plan for the 61-layer Kimi-sized TP8 plan in this process.
 
+The plan is the seed's (``points=kimi_k3.POINTS``, next_attention capped at
+24 MiB at every batch): the shipped defaults fork nowhere, and an empty plan
+would time nothing.
+
     L2PREFETCH_CACHE_DIR=/some/dir python benchmarks/construct.py
 
 Prints one line: "<ms> <entries> <tables>".  benchmarks/report.py runs it in fresh
@@ -16,7 +20,8 @@ from l2prefetch import PrefetchController, kimi_k3
 from l2prefetch.cli import build_synthetic_kimi
 
 _, layers, packed = build_synthetic_kimi(tp=8, device="cuda:0")
-plan = kimi_k3.plan(layers, packed, tp=8)
+plan = kimi_k3.plan(layers, packed, tp=8, next_attention={8: {b: 24 for b in range(1, 9)}},
+                    points=kimi_k3.POINTS)
 torch.cuda.synchronize()
 t0 = time.perf_counter()
 controller = PrefetchController.from_plan(plan, 0)

@@ -17,24 +17,26 @@ Sections:
            empty fork (the control), prefetched (fork at the window's start,
            join at the end), hot (W read just before: the physical limit).
   glue     the effect with a window of small kernels that touch memory
-           (RMSNorm, scale, add) instead of the spin, loader at grid 32/16/8.
+           (RMSNorm, scale, add) instead of the spin, for the loaders of
+           GLUE_LOADERS (kernel variant, grid), over GLUE_INSTANCES captures.
   persist  the alternative: CUDA L2 persistence (a set-aside and a persisting
            access-policy window over W, through cuda-python) on the effect's
            sequence, flushed and steady, against cold, l2prefetch and hot.
   layer    a decode step of two Kimi-shaped MoE layers at TP8 shard sizes in
-           one graph, with the seed's forks (kimi_k3.plan): no prefetch,
-           l2prefetch, empty forks, and the limit, at batches 1-8.
+           one graph, with kimi_k3.plan's forks at LAYER_POINTS (the candidate;
+           the shipped default forks nowhere): no prefetch, l2prefetch, empty
+           forks, the limit, and the loaders of LAYER_ALT_KERNELS, at batches 1-8.
   layer_glue  the same step with chains of small kernels in place of the
            attention-core and all-reduce spins.
   caps     the layer step per TP (1, 2, 4, 8), batch and next_attention cap, and
            the other points left out: what kimi_k3.NEXT_ATTENTION and
-           kimi_k3.DEFAULT_POINTS were chosen from.
+           kimi_k3.DEFAULT_POINTS were chosen from (with spin stand-ins).
   kernels  the prefetch kernel variants and grids on the same sequence, their
            own duration, and how much they slow a concurrent memory-bound copy.
   host     host cost of fork+join: the controller, a Python reference built
            the seed's way, and the C floor; controller construction time.
   graph    the cost of an empty fork inside a replayed graph, mid-graph and
-           at the graph's root, against no fork.
+           at the graph's root, against no fork and against a plain kernel node.
   table    the range table as kernel parameters (shipped) against a table in
            device memory (the seed's way).
 """
@@ -1224,7 +1226,8 @@ def section_host(rig, quick):
             f"{n})\n\n" + table(["path", "us", "vs floor"], rows)
             + f"\n\n(a) is {b / a:.1f}x cheaper than (b).  Current stream found through: "
             f"`{_C.stream_source()}`.\n\n"
-            f"Building a controller for the 61-layer Kimi-sized TP8 plan ({plan_note}), in a "
+            "Building a controller for the 61-layer Kimi-sized TP8 plan with the seed's points "
+            f"and next_attention at 24 MiB ({plan_note}), in a "
             "fresh process (benchmarks/construct.py): "
             + ", ".join(f"{k} {v}" for k, v in times.items()) + ".")
     return text
