@@ -19,6 +19,7 @@ Sections:
   glue     the effect with a window of small kernels that touch memory
            (RMSNorm, scale, add) instead of the spin, for the loaders of
            GLUE_LOADERS (kernel variant, grid), over GLUE_INSTANCES captures.
+  compute  the same with a compute-bound window: GEMMs on L2-resident matrices.
   persist  the alternative: CUDA L2 persistence (a set-aside and a persisting
            access-policy window over W, through cuda-python) on the effect's
            sequence, flushed and steady, against cold, l2prefetch and hot.
@@ -378,6 +379,12 @@ GLUE_LOADERS = (("ring", 32), ("ring", 16), ("bulk_prefetch", 32), ("line_prefet
 GLUE_INSTANCES = 5
 
 
+#: The compute section's window: n products of two L2-resident [COMPUTE_N x COMPUTE_N]
+#: bf16 matrices (6 MiB in all; COMPUTE_N**3 * 2 flop each), as for an attention core
+#: that is compute-bound.
+COMPUTE_N = 1024
+
+
 def section_glue(rig, quick):
     """The effect with a window of small kernels instead of the spin.
 
@@ -386,6 +393,37 @@ def section_glue(rig, quick):
     touch memory; the spin touches none.  Here the window is n rounds of an
     RMSNorm, a scale and an add on a [B, 7168] bf16 activation (3n kernels),
     with each loader of GLUE_LOADERS."""
+    def window(h, n):
+        glue_chain(h, 3 * n)
+    return _window_effect(
+        rig, quick, window, lambda n: 3 * n,
+        "The effect with a window of small kernels",
+        "a chain of small kernels that touch memory (n x RMSNorm, scale, add on x [B, 7168] "
+        "bf16: the shape of a layer's norms and glue)")
+
+
+def section_compute(rig, quick):
+    """The effect with a compute-bound window: n GEMMs on small L2-resident matrices.
+
+    The gate's rule (a window is memory-idle time) says a compute-bound kernel
+    should leave room for the loader as the spin does; this measures it."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    a, b = (torch.randn(COMPUTE_N, COMPUTE_N, device=DEV, generator=g).to(torch.bfloat16)
+            for _ in range(2))
+
+    def window(h, n):
+        for _ in range(n):
+            torch.mm(a, b)
+    return _window_effect(
+        rig, quick, window, lambda n: n,
+        "The effect with a compute-bound window",
+        f"n GEMMs of two L2-resident [{COMPUTE_N} x {COMPUTE_N}] bf16 matrices "
+        f"({2 * COMPUTE_N ** 3 / 1e9:.1f} GFLOP each, 6 MiB in all)")
+
+
+def _window_effect(rig, quick, window, kernels, title, what):
+    """The effect's four variants and each loader of GLUE_LOADERS, with window(h, n)
+    (n rounds, kernels(n) kernels) in the spin's place."""
     sizes = [16, 32]
     batches = [1, 8]
     rounds = [2, 5] if quick else [2, 5, 10]
@@ -401,16 +439,16 @@ def section_glue(rig, quick):
         for b in batches:
             h = torch.randn(b, K, device=DEV, dtype=torch.bfloat16)
             for n in rounds:
-                def glue(n=n, h=h):
-                    glue_chain(h, 3 * n)
-                # the glue alone, hot: its length in us
-                alone = rig.time_graphs({"g": rig.capture(glue)}, {"g": lambda: None}, reps)["g"]
+                def fn(n=n, h=h):
+                    window(h, n)
+                # the window alone, hot: its length in us
+                alone = rig.time_graphs({"g": rig.capture(fn)}, {"g": lambda: None}, reps)["g"]
                 variants = {"empty": empty}
                 variants.update(pfs)
-                r = run_sequence(rig, w, b, 0, variants, reps, window_fn=glue,
+                r = run_sequence(rig, w, b, 0, variants, reps, window_fn=fn,
                                  instances=instances)
                 gap = r["cold"] - r["hot"]
-                row = [f"{w.nbytes / MIB:.1f}", b, 3 * n, f"{alone:.1f}",
+                row = [f"{w.nbytes / MIB:.1f}", b, kernels(n), f"{alone:.1f}",
                        f"{r['cold']:.2f}", f"{r['empty']:.2f}", f"{r['hot']:.2f}", f"{gap:.2f}"]
                 for name in names:
                     net = r["empty"] - r[name]
@@ -424,19 +462,18 @@ def section_glue(rig, quick):
     for name in names:
         head += [f"{name}: prefetched", f"{name}: recovered", f"{name}: vs cold"]
     head.append("spread")
-    text = ("### The effect with a window of small kernels (step time, us)\n\n"
-            "As the effect section (inline fork, carveout 100), but the window is a chain of "
-            "small kernels that touch memory (n x RMSNorm, scale, add on x [B, 7168] bf16: the "
-            "shape of a layer's norms and glue) instead of a spin that touches none.  Loaders "
-            "(kernel variant, grid): " + ", ".join(names) + ".  window us = the chain alone, "
-            "replayed (hot); recovered = (empty fork - prefetched) / gap; vs cold = cold - "
-            f"prefetched.  The empty fork is the default kernel's.  Each variant captured "
-            f"{instances} times, every instance replayed {reps} times (interleaved): the "
-            "median of the instances' medians; spread = the largest max - min of the "
-            "instances' medians over the row's variants (one capture of a chain of small "
-            "kernels can be ~10 us off the next; run 9's first pass, one instance each, "
-            "was)."
-            "\n\n" + table(head, rows))
+    text = (f"### {title} (step time, us)\n\n"
+            f"As the effect section (inline fork, carveout 100), but the window is {what} "
+            "instead of a spin that touches no memory.  Loaders (kernel variant, grid): "
+            + ", ".join(names) + ".  window us = the window alone, replayed (hot); "
+            "recovered = (empty fork - prefetched) / gap; vs cold = cold - prefetched.  The "
+            f"empty fork is the default kernel's.  Each variant captured {instances} times, "
+            f"every instance replayed {reps} times (interleaved): the median of the "
+            "instances' medians; spread = the largest max - min of the instances' medians "
+            "over the row's variants.  In some processes the no-fork graph of a chain of "
+            "small kernels replays 2-11 us slower than the same graph with an empty fork "
+            "(RESULTS.md, run 9), which inflates cold and the gap; compare against the empty "
+            "fork.\n\n" + table(head, rows))
     return text, raw
 
 
@@ -1438,7 +1475,8 @@ def plot(raws, outdir):
 
 # ---------------------------------------------------------------- main
 
-SECTIONS = {"effect": section_effect, "glue": section_glue, "persist": section_persist,
+SECTIONS = {"effect": section_effect, "glue": section_glue, "compute": section_compute,
+            "persist": section_persist,
             "layer": section_layer,
             "layer_glue": lambda rig, quick: section_layer(rig, quick, glue=True),
             "caps": section_caps, "kernels": section_kernels, "host": section_host, "graph": section_graph,

@@ -443,10 +443,12 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
 #: with the default kernel at grid 32, a fork pays when the bandwidth-idle
 #: window after it lasts at least its bytes / 3.2 TB/s (16 MiB: 5 us, 32 MiB:
 #: 10.5 us); shorter windows lose up to 3-5 us at 16-32 MiB against not forking.
-#: That window was a spin that touches no memory.  A window of small kernels
-#: that do (norms, glue, an all-reduce) did not pay at batch 1 at any length
-#: measured (19-98 us; RESULTS.md, run 8, "a window of small kernels"): count
-#: only memory-idle time as the window.
+#: That window was a spin on one CTA: an idle GPU.  No window of real kernels
+#: measured so far pays (RESULTS.md, run 9): small kernels that touch memory
+#: (norms, glue; 20-100 us), GEMMs on L2-resident operands (compute-bound;
+#: 14-56 us: every loader lost 2.2-9.5 us against its empty fork) and NCCL
+#: all-reduces (TP 2) are all slowed by the loader about as much as, or more
+#: than, it saves.  Count only time in which the GPU is nearly idle.
 GATE_BYTES_PER_US = 3.2e6
 
 #: The smallest load that can pay for its fork, measured on the H200
@@ -465,8 +467,8 @@ def gate(plan: Sequence[PlanEntry], windows_us: Mapping[str, float], *,
     """The entries of plan whose fork can pay: those whose point's bandwidth-idle
     window (``windows_us[point]``, microseconds) is long enough to load their
     bytes at ``bytes_per_us``.  Entries of points not in windows_us are kept.
-    A window is time in which HBM idles and no latency-bound kernel runs (see
-    :data:`GATE_BYTES_PER_US`).
+    A window is time in which the GPU is nearly idle: no memory-touching,
+    compute-bound or collective kernel runs (see :data:`GATE_BYTES_PER_US`).
     With ``min_bytes`` (e.g. :data:`GATE_MIN_BYTES`), entries that load fewer
     bytes are dropped too, whatever their point.
 
