@@ -113,6 +113,10 @@ class Rig:
         self.stream = torch.cuda.Stream()
         self.name = props.name
         self.cycles_per_us = spin_cycles_per_us()
+        # True: wait for the GPU after each round of replays (every graph once), so
+        # that the host never runs more than a round ahead.  benchmarks/probe_queue.py
+        # found the same glue tables either way (RESULTS.md, run 9): off.
+        self.sync_rounds = False
 
     def flush(self):
         torch.sum(self.flush_buf, dim=0, out=self.scratch)
@@ -146,6 +150,8 @@ class Rig:
                 g.replay()
                 e.record()
                 pairs[key].append((s, e))
+            if self.sync_rounds:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
         return {key: [s.elapsed_time(e) * 1e3 for s, e in p] for key, p in pairs.items()}
 
