@@ -95,12 +95,13 @@ POINTS = ("oproj_down", "attention_moe", "next_attention")
 #:   runs beside the front GEMM that reads the same rows: 10-13 us slower per
 #:   two layers at batches 3-8 (3%).  At TP 4 and 8 the step without it was
 #:   0.5-3.7 us faster at batches 3-8; at TP 2 it made no difference.
-#: * ``attention_moe`` (TP 8 only) is left out since run 9 (layer sections).
-#:   With a spin standing in for the attention core it gained 1.3-1.6 us per
-#:   two layers at batch 8 (1.008-1.009x, 22-36% of its limit); with small
-#:   memory-touching kernels in the spin's place (layer_glue) it lost 4.3 and
-#:   4.7 us in two passes (0.975-0.977x), and the loader kernels that hold no
-#:   shared memory did no better (line_prefetch 0.991x, bulk_prefetch 0.996x).
+#: * ``attention_moe`` (TP 8 only) is left out since session 5 (RESULTS.md,
+#:   runs 9 and 10, layer sections).  With a spin standing in for the
+#:   attention core it gained 1.2-1.6 us per two layers at batch 8
+#:   (1.007-1.009x, 22-36% of its limit); with small memory-touching kernels
+#:   in the spin's place (layer_glue) it lost 4.1-4.7 us in four passes
+#:   (0.975-0.978x), and the loader kernels that hold no shared memory did no
+#:   better (line_prefetch 0.988-0.991x, bulk_prefetch 0.992-0.997x).
 #:
 #: ``points=POINTS`` restores the seed's points.
 DEFAULT_POINTS: dict[int, tuple[str, ...]] = {tp: ("next_attention",) for tp in (1, 2, 4, 8)}

@@ -444,11 +444,12 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
 #: window after it lasts at least its bytes / 3.2 TB/s (16 MiB: 5 us, 32 MiB:
 #: 10.5 us); shorter windows lose up to 3-5 us at 16-32 MiB against not forking.
 #: That window was a spin on one CTA: an idle GPU.  No window of real kernels
-#: measured so far pays (RESULTS.md, run 9): small kernels that touch memory
-#: (norms, glue; 20-100 us), GEMMs on L2-resident operands (compute-bound;
-#: 14-56 us: every loader lost 2.2-9.5 us against its empty fork) and NCCL
-#: all-reduces (TP 2) are all slowed by the loader about as much as, or more
-#: than, it saves.  Count only time in which the GPU is nearly idle.
+#: measured so far pays (RESULTS.md, runs 9 and 10): small kernels that touch
+#: memory (norms, glue; 20-100 us), GEMMs on L2-resident operands
+#: (compute-bound; 14-58 us: every loader lost 2.2-10.2 us against its empty
+#: fork) and NCCL all-reduces (TP 2) are all slowed by the loader about as
+#: much as, or more than, it saves.  Count only time in which the GPU is
+#: nearly idle.
 GATE_BYTES_PER_US = 3.2e6
 
 #: The smallest load that can pay for its fork, measured on the H200
