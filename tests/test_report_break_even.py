@@ -46,3 +46,26 @@ def test_break_even_uses_the_plans_rate_by_default_and_renders():
     assert gate_us == pytest.approx(8 * MIB / GATE_BYTES_PER_US)
     text = report.break_even_table(raw)
     assert "| 8 | 1 | 5 | 2.6 | yes |" in text
+
+
+def test_plot_writes_one_png_per_size_and_the_layer_bars(tmp_path):
+    pytest.importorskip("matplotlib")
+    effect = [(mib, b, t, {"cold": 20.0 + t, "empty": 20.5 + t, "prefetched": 18.5 + t,
+                          "hot": 18.0 + t}, 0.9)
+              for mib in (16, 32) for b in (1, 8) for t in (0, 10, 20)]
+    layer = [{"batch": b, "a": 100.0, "b": 99.0} for b in (1, 8)]
+    glue = [{"batch": 8, "a": 100.0, "b": 102.0}]
+    paths, note = report.plot({"effect": effect, "layer": layer, "layer_glue": glue},
+                              str(tmp_path))
+    assert note == ""
+    assert sorted(os.path.basename(p) for p in paths) == [
+        "effect_16mib.png", "effect_32mib.png", "layer_speedup.png"]
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_sections_writes_nothing(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert report.plot({}, str(tmp_path)) == ([], "")
+    assert list(tmp_path.iterdir()) == []
