@@ -6,8 +6,10 @@ dlopen()ed at run time.  kernels/prefetch.cu is embedded into the extension as a
 C string (build/gen/kernel_source.h), so an installed package carries its kernel
 and the on-disk CUBIN cache can key on the exact source that was built in.
 
-L2PREFETCH_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
-(used by .ci/run for the sanitizer pass of the CPU suite).
+The extension is stripped at link time (-s): a release build ships no symbol
+table or debug information.  L2PREFETCH_SANITIZE=1 builds with AddressSanitizer
+and UndefinedBehaviorSanitizer instead, with -g and its symbols kept, for the
+sanitizer pass of the CPU suite (./dev.sh test).
 """
 
 import os
@@ -51,6 +53,8 @@ if os.environ.get("L2PREFETCH_SANITIZE") == "1":
              "-fno-sanitize-recover=undefined"]
     compile_args += flags
     link_args += flags
+else:
+    link_args.append("-s")
 
 setup(
     ext_modules=[
@@ -58,7 +62,8 @@ setup(
             "l2prefetch._C",
             sources=[f"csrc/{name}" for name in SOURCES],
             include_dirs=["csrc", str(GEN)],
-            depends=[str(p) for p in (ROOT / "csrc").glob("*.h")] + ["kernels/prefetch.cu"],
+            depends=sorted(f"csrc/{p.name}" for p in (ROOT / "csrc").glob("*.h"))
+            + ["kernels/prefetch.cu"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             libraries=["dl"],

@@ -84,7 +84,9 @@ import threading
 import weakref
 from typing import Any, Optional
 
-import torch
+from ._torch import require
+
+torch = require("l2prefetch.ops")
 
 __all__ = ["fork", "join", "lookup", "register", "unregister"]
 
