@@ -55,8 +55,9 @@ def test_plan_tp8_prints_points_and_totals(capsys):
     out = capsys.readouterr().out    # kimi_k3.DEFAULT_POINTS and NEXT_ATTENTION (all zero)
     assert "oproj_down" not in out and "next_attention" not in out
     assert "attention_moe" not in out
-    assert "No entries: by default the plan forks nowhere" in out
-    assert plan_main(["--tp", "8", "--seed-points", "--next-attention-mib", "24"]) == 0
+    assert "No entries: by default the Kimi plan prefetches nothing" in out
+    assert "| point |" not in out                 # no empty table
+    assert plan_main(["--tp", "8", "--all-points", "--next-attention-mib", "24"]) == 0
     out = capsys.readouterr().out
     assert "TP 8" in out and "61 layers (60 MoE)" in out
     for point in ("oproj_down", "attention_moe", "next_attention"):
@@ -84,7 +85,7 @@ def test_plan_tp4_and_other_l2(capsys):
 
 
 def test_plan_json_round_trips_without_c(capsys):
-    assert plan_main(["--tp", "2", "--json", "--layers", "6", "--seed-points",
+    assert plan_main(["--tp", "2", "--json", "--layers", "6", "--all-points",
                       "--next-attention-mib", "24"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["version"] == 1
@@ -104,7 +105,7 @@ def test_shapes_file_and_options(tmp_path, capsys):
     needs_c()
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"hidden": 4096, "layers": 5, "experts": 64, "moe_latent": 64}))
-    assert plan_main(["--tp", "8", "--shapes", str(shapes), "--seed-points"]) == 0
+    assert plan_main(["--tp", "8", "--shapes", str(shapes), "--seed-points"]) == 0  # old name
     out = capsys.readouterr().out
     assert "5 layers (4 MoE)" in out and "hidden 4096" in out
     front = (64 // 8 + 64 // 8) * 4096 * 2
@@ -133,6 +134,100 @@ def test_usage(capsys):
     assert plan_main(["--tp", "3"]) == 2
     assert "invalid choice" in capsys.readouterr().err
     assert plan_main(["--next-attention-mib", "-1"]) == 2
-    assert "cap must be an int >= 0 (MiB), got -1" in capsys.readouterr().err
+    assert "--next-attention-mib: must be an int of MiB in 0..8796093022207, got -1" in \
+        capsys.readouterr().err
     assert plan_main(["--shapes", "/nonexistent/shapes.json"]) == 2
     assert set(DEFAULT_DIMS) >= {"hidden", "layers", "mla_every", "experts"}
+
+
+# -- bad input: exit status 2 and one line on stderr, never a traceback (issue 16) -----------
+
+def run_plan(*args, no_torch=False):
+    """`python -m l2prefetch plan ARGS` in a fresh interpreter (without torch if asked)."""
+    import os
+    import subprocess
+    import sys
+
+    import l2prefetch
+
+    code = ("import sys, runpy\n"
+            + ("sys.modules['torch'] = None\n" if no_torch else "")
+            + "runpy.run_module('l2prefetch', run_name='__main__')\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(l2prefetch.__file__)))
+    return subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def deep_json(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100000)
+    return str(path)
+
+
+@pytest.mark.parametrize("args, no_torch, words", [
+    (["--l2-mib", "1e308"], False, r"argument --l2-mib: must be below 2\*\*63 bytes"),
+    (["--hidden", "4611686018427387904"], False,
+     r"dimensions too large: in_proj_qkvgfab would be 3336 x 4611686018427387904 bfloat16"),
+    (["--shapes", "DEEP"], False, r"deep.json: JSON nested too deeply"),
+    ([], True, r"^l2prefetch plan: needs torch, which is not installed: "
+               r"pip install 'l2prefetch\[torch\]'$"),
+])
+def test_issue_16_inputs_exit_2_with_one_line(tmp_path, args, no_torch, words):
+    args = [deep_json(tmp_path) if a == "DEEP" else a for a in args]
+    proc = run_plan(*args, no_torch=no_torch)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and re.search(words, proc.stderr), proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("shapes, words", [
+    ('{"hidden": 1.5}', "dimension hidden must be an int >= 1, got float 1.5"),
+    ('{"hidden": 1e999}', "dimension hidden must be an int >= 1, got float inf"),
+    ('{"layers": true}', "dimension layers must be an int >= 1, got bool True"),
+    ('{"layers": 65537}', "dimension layers must be at most 65536"),
+    ('{"hidden": ' + "9" * 5000 + "}", "Exceeds the limit"),
+    ('{"dtype": "complex64"}', "not a floating-point dtype"),
+    ('{"dtype": ["bfloat16"]}', "is not a torch dtype name"),
+    ('{"kda_heads": 4611686018427387904, "kda_head_dim": 4}', "dimensions too large"),
+    ('{"mla_heads": 8, "kv_lora_rank": 2**62}'.replace("2**62", str(2**62)),
+     "dimensions too large: fused_qkv_a_proj"),
+    ('"7168"', "must hold a JSON object of dimensions, not a str"),
+    ("[" * 5000, "JSON nested too deeply"),
+    (b"\xff\xfe", "codec can't decode"),
+    (None, "Is a directory"),
+])
+def test_bad_shapes_files(tmp_path, capsys, shapes, words):
+    path = tmp_path / "shapes.json"
+    if shapes is None:
+        path.mkdir()
+    elif isinstance(shapes, bytes):
+        path.write_bytes(shapes)
+    else:
+        path.write_text(shapes)
+    assert plan_main(["--shapes", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--l2-mib", "1e-300"], "--l2-mib: must be a finite number of MiB, at least one byte"),
+    (["--l2-mib", "inf"], "--l2-mib: must be a finite number of MiB"),
+    (["--l2-mib", "8796093022208"], "--l2-mib: must be below 2**63 bytes"),
+    (["--next-attention-mib", "8796093022208"], "--next-attention-mib: must be an int of MiB"),
+    (["--next-attention-mib", "1.5"], "--next-attention-mib: not an int: '1.5'"),
+    (["--layers", "65537"], "dimension layers must be at most 65536"),
+    (["--hidden", "0"], "dimension hidden must be an int >= 1, got 0"),
+    (["--hidden", "9" * 5000], "--hidden: invalid int value"),
+])
+def test_bad_options(capsys, args, words):
+    assert plan_main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and words in err, err
+
+
+def test_huge_but_valid_dimensions_plan(capsys):
+    needs_c()
+    # Every tensor just under torch's 2**63-byte limit at TP 8: the plan's sums are exact.
+    assert plan_main(["--layers", "2", "--hidden", str(2**40), "--all-points",
+                      "--next-attention-mib", "24"]) == 0
+    assert "| oproj_down | 1 | 3-8 |" in capsys.readouterr().out

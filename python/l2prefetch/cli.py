@@ -1,11 +1,27 @@
-"""``python -m l2prefetch plan``: print the Kimi plan for a synthetic Kimi-sized model.
+"""The command line: ``python -m l2prefetch [info | plan | tune] [options]``.
 
-The model lives on the ``meta`` device (shapes, no memory, no GPU), so the
-plan's bytes per point and per layer, and their share of L2, can be read on
-any machine.  Its dimensions are Kimi-K2-like guesses (the reference design
-does not give Kimi K3's shapes); override them with options or ``--shapes
-FILE.json`` (a JSON object of the keys of :data:`DEFAULT_DIMS`).
+* ``info`` (also what runs with no command): what l2prefetch does on this
+  machine.  On a GPU it prepares ~32 MiB of weights, launches the prefetch and
+  times a GEMV over them cold, after the prefetch and hot.  Without one it says
+  why (the whole reason: where it looked for the driver and what it found),
+  then compiles the kernel for sm_90 with NVRTC and sizes the byte ranges of a
+  synthetic weight set.
+* ``plan``: the Kimi K3 prefetch plan of a synthetic Kimi-sized model, which
+  lives on torch's ``meta`` device (shapes only: no memory, no GPU).
+* ``tune``: from :mod:`l2prefetch.tuning.cli`, where that module exists.
 
+Every command is a pair ``add_parser(subparsers)``, which adds its parser and
+sets ``func=run``, and ``run(args) -> int``, its exit status.
+
+Exit status: 0 when the command did its work (``info`` without a GPU
+included); 2, with one line on stderr, for a bad option, a bad dimension, an
+unreadable ``--shapes`` file or a missing torch; 1, with the error on stderr,
+when CUDA or NVRTC fails while running; 130 on Ctrl-C.  Importing this module,
+and ``--help``, do not import torch.
+
+The synthetic model of ``plan``: its dimensions are Kimi-K2-like guesses (the
+reference design does not give Kimi K3's shapes); override them with options
+or ``--shapes FILE.json`` (a JSON object of the keys of :data:`DEFAULT_DIMS`).
 Per TP shard, in bf16 by default (``rows x columns``; ``/tp``: sharded):
 
 * KDA attention (3 of every 4 layers): ``in_proj_qkvgfab`` [3 x kda_heads x
@@ -30,11 +46,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
+import statistics
 import sys
+import textwrap
+import time
+import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-__all__ = ["DEFAULT_DIMS", "build_synthetic_kimi", "plan_main"]
+from . import _C, _torch, __version__
+
+__all__ = ["DEFAULT_DIMS", "build_synthetic_kimi", "main", "plan_main"]
+
+MIB = 2**20
 
 #: Full (TP 1) dimensions of the synthetic model: Kimi K2's where it has them
 #: (hidden 7168, 61 layers, 384 experts, MLA with 64 heads, q-LoRA 1536, KV-LoRA
@@ -60,6 +87,342 @@ DEFAULT_DIMS: dict[str, Any] = {
     "dtype": "bfloat16",
 }
 
+#: At most this many layers: a controller's layer indices are 0..65535.
+MAX_LAYERS = 65536
+#: torch's limit on one tensor's bytes (and compute_ranges' on one span).
+MAX_TENSOR_BYTES = 2**63 - 1
+
+
+class UsageError(Exception):
+    """A bad option or input: one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line on stderr (exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# -- the command line ------------------------------------------------------------------------
+
+def _program() -> str:
+    """How the user started us: the ``l2prefetch`` script or ``python -m l2prefetch``."""
+    return "l2prefetch" if os.path.basename(sys.argv[0]) == "l2prefetch" else "python -m l2prefetch"
+
+
+def _commands() -> list[Any]:
+    """The ``add_parser`` of every command, in ``--help`` order."""
+    adders = [_add_info, _add_plan]
+    try:
+        from .tuning import cli as tuning_cli  # add_parser(subparsers) adds 'tune'
+    except ImportError as exc:  # no l2prefetch.tuning, or no tuning.cli in it
+        if exc.name not in ("l2prefetch.tuning", "l2prefetch.tuning.cli"):
+            raise          # tune exists but cannot import: say so rather than hide it
+        tuning_cli = None
+    if tuning_cli is not None:
+        adders.append(tuning_cli.add_parser)
+    return adders
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=_program(),
+        description="L2 weight prefetch for LLM decode on a side CUDA stream.  With no "
+                    "command, runs 'info'.",
+        epilog="Exit status: 0 done; 1 CUDA or NVRTC failed while running; 2 a bad option "
+               "or input, or torch missing (one line on stderr).  '%(prog)s COMMAND --help' "
+               "describes a command.")
+    parser.add_argument("--version", action="version", version=f"l2prefetch {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="info: also print the kernel's compile options and the mix of "
+                             "its PTX instructions")
+    parser.set_defaults(func=_run_info, command=None)
+    subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    for add_parser in _commands():
+        add_parser(subparsers)
+    return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, with arguments a command does not know blamed on that command."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        culprit = commands.choices.get(args.command, parser)
+        culprit.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _import_torch(what: str) -> Any:
+    """torch (or _torch's ModuleNotFoundError), without its warning that numpy is missing:
+    a command's stderr is its errors."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+        return _torch.require(what)
+
+
+def _exit_code(code: Any) -> int:
+    """A SystemExit's code as an exit status (what sys.exit would make of it)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    parser = _parser()
+    try:
+        args = _parse(parser, sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exc:  # --help, --version, or a usage error already printed
+        return _exit_code(exc.code)
+    name = f"l2prefetch {args.command or 'info'}"
+    try:
+        return args.func(args)
+    except SystemExit as exc:
+        return _exit_code(exc.code)
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except UsageError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    except (_C.Error, _C.CudaUnavailableError) as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 1
+
+
+def plan_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m l2prefetch plan ARGV``; returns the exit status."""
+    return main(["plan", *(sys.argv[1:] if argv is None else argv)])
+
+
+# -- info ------------------------------------------------------------------------------------
+
+def _add_info(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "info", help="what l2prefetch does on this machine (the default)",
+        description="On a GPU: prepare ~32 MiB of weights, launch the prefetch, and time a "
+                    "GEMV over them cold, after the prefetch, and hot.  Without one: say why, "
+                    "compile the kernel for sm_90 and size a synthetic weight set's ranges.")
+    parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="also print the kernel's compile options and the mix of its PTX "
+                             "instructions")
+    parser.set_defaults(func=_run_info)
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    reason = _why_no_gpu()
+    if reason is None:
+        return _info_gpu(args.verbose)
+    print(f"l2prefetch {__version__}: no GPU to measure on here:")
+    print(textwrap.indent(reason, "  "))
+    print("\nWithout a GPU, l2prefetch can still compile its kernel and size weight ranges.\n")
+    _print_kernel("ring", 90, args.verbose)
+    print()
+    _print_ranges()
+    return 0
+
+
+def _why_no_gpu() -> Optional[str]:
+    """None when info can measure on a GPU here; else the whole reason why not."""
+    try:
+        count = _C.driver_info()["device_count"]
+    except (_C.CudaUnavailableError, _C.Error) as exc:
+        return str(exc)
+    if count == 0:
+        return "the CUDA driver found no GPU"
+    try:
+        torch = _import_torch("measuring on the GPU")
+    except ModuleNotFoundError as exc:
+        return str(exc)
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device (a CPU-only build of torch?)"
+    return None
+
+
+def _instruction_mix(ptx: str) -> Counter:
+    ops: Counter = Counter()
+    for line in ptx.splitlines():
+        m = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)", line)
+        if m and not line.lstrip().startswith((".", "//", "{", "}", "$")):
+            op = m.group(1)
+            ops[op.split(".")[0] if not op.startswith(("cp.", "mbarrier", "prefetch", "ld.")) else
+                ".".join(op.split(".")[:3])] += 1
+    return ops
+
+
+def _resource_use(log: str) -> list[str]:
+    """ptxas -v's log as 'entry: resources' lines, one per kernel entry point."""
+    lines, entry = [], None
+    for line in log.splitlines():
+        m = re.search(r"entry function '([^']+)'", line)
+        if m:
+            entry = m.group(1)
+            continue
+        m = re.search(r"Used (.*)", line)
+        if m and entry:
+            lines.append(f"{entry}: {m.group(1).replace(', used ', ', ')}")
+            entry = None
+    return lines
+
+
+def _print_kernel(variant: str, sm: int, verbose: bool) -> None:
+    """Compile ``variant`` for ``sm`` with NVRTC and say what came out."""
+    try:
+        nvrtc = _C.nvrtc_info()
+        built = _C.compile(variant, sm)
+        ptx = _C.compile(variant, sm, ptx=True) if verbose else None
+    except (_C.CudaUnavailableError, _C.Error) as exc:
+        print("NVRTC, which compiles the kernel, is not available:")
+        print(textwrap.indent(str(exc), "  "))
+        return
+    print(f"NVRTC {nvrtc['version'][0]}.{nvrtc['version'][1]} at {nvrtc['path']}")
+    print(f"kernel '{variant}' for sm_{sm}: {len(built['image'])} bytes of CUBIN")
+    usage = _resource_use(built["log"])
+    if usage:
+        print("resources of each entry point (l2p_prefetch_N takes up to N ranges):")
+        for line in usage:
+            print(f"  {line}")
+    if not verbose:
+        return
+    print(f"NVRTC options: {' '.join(built['options'])}")
+    mix = _instruction_mix(ptx["image"].decode(errors="replace"))
+    if mix:
+        print("PTX instructions, the 12 most frequent over all entry points:")
+        for op, n in mix.most_common(12):
+            print(f"  {op:40s} {n}")
+
+
+class _Shape:
+    """A weight with a shape, an address and no memory (``__cuda_array_interface__``)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...]):
+        self.ptr, self.shape = ptr, shape
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        # '<f2': 2-byte elements, the size of the bf16 weights they stand for.
+        return {"shape": self.shape, "typestr": "<f2", "data": (self.ptr, False),
+                "strides": None, "version": 3}
+
+
+#: A Kimi-like next-layer attention shard (bf16, rows multiples of 32).
+SYNTHETIC_SHAPES = ((2336, 7168), (64, 7168), (1024, 1536), (7168, 160))
+
+
+def _print_ranges(cap_mib: int = 24) -> None:
+    """compute_ranges over SYNTHETIC_SHAPES, whole and under a byte cap."""
+    weights, ptr = [], 1 << 40
+    for shape in SYNTHETIC_SHAPES:
+        weights.append(_Shape(ptr, shape))
+        ptr += (math.prod(shape) * 2 + 255) // 256 * 256
+    whole = _C.compute_ranges(weights)
+    capped = _C.compute_ranges(weights, cap_mib * MIB)
+    print(f"Byte ranges of a Kimi-sized attention shard (4 bf16 weights; sizes only), whole "
+          f"and under a {cap_mib} MiB cap (compute_ranges):")
+    print(f"  {'weight':6}  {'shape':14}  {'MiB':>6}  {'under the cap':>13}")
+    for i, (weight, (_, size)) in enumerate(zip(weights, whole)):
+        kept = capped[i][1] / MIB if i < len(capped) else 0.0
+        print(f"  {i:<6}  {str(weight.shape):14}  {size / MIB:6.2f}  {kept:13.2f}")
+    print(f"  {'total':6}  {'':14}  {sum(n for _, n in whole) / MIB:6.2f}  "
+          f"{sum(n for _, n in capped) / MIB:13.2f}")
+
+
+def _synthetic_weights(device: str) -> list[Any]:
+    """SYNTHETIC_SHAPES as bf16 tensors of random values on ``device``."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    return [torch.randn(s, generator=gen, dtype=torch.float32).to(torch.bfloat16).to(device)
+            for s in SYNTHETIC_SHAPES]
+
+
+def _median_ms(fn: Any, reps: int = 50) -> float:
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn(start, end)
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _info_gpu(verbose: bool) -> int:
+    import torch
+
+    from . import PreparedWeightRanges
+
+    dev = torch.cuda.current_device()
+    info = _C.device_info(dev)
+    props = torch.cuda.get_device_properties(dev)
+    weights = _synthetic_weights(f"cuda:{dev}")
+    w = weights[0]
+    prepared = PreparedWeightRanges((w,), grid=32, carveout=100, priority=True)
+    print(f"l2prefetch {__version__} on {props.name} (cuda:{dev}, sm_{info['sm']}, "
+          f"{info['sm_count']} SMs, L2 {info['l2_bytes'] / MIB:.0f} MiB, driver "
+          f"{info['driver_version']}, torch {torch.__version__})")
+    print(f"kernel '{prepared.kernel}', grid {prepared.grid} x {prepared.block} threads, "
+          f"{prepared.smem} B shared memory, {prepared.nbytes / MIB:.2f} MiB in "
+          f"{len(prepared.ranges)} range(s)")
+    side = torch.cuda.Stream()
+    prepared.launch(side)
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(200):
+        t0 = time.perf_counter_ns()
+        prepared.launch(side)
+        host.append(time.perf_counter_ns() - t0)
+    torch.cuda.synchronize()
+    print(f"host time of one launch: median {statistics.median(host) / 1e3:.2f} us")
+
+    flush = torch.empty(512 * MIB // 4, dtype=torch.float32, device=w.device).normal_()
+    x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
+    cur = torch.cuda.current_stream()
+
+    def cold(s, e):
+        flush.add_(1.0)
+        s.record()
+        torch.nn.functional.linear(x, w)
+        e.record()
+
+    def prefetched(s, e):
+        flush.add_(1.0)
+        side.wait_stream(cur)
+        prepared.launch(side)
+        cur.wait_stream(side)
+        s.record()
+        torch.nn.functional.linear(x, w)
+        e.record()
+
+    def hot(s, e):
+        flush.add_(1.0)
+        torch.nn.functional.linear(x, w)
+        s.record()
+        torch.nn.functional.linear(x, w)
+        e.record()
+
+    results = {name: _median_ms(fn) * 1e3 for name, fn in
+               (("cold", cold), ("prefetched", prefetched), ("hot", hot))}
+    print(f"GEMV y = x @ W^T, W {tuple(w.shape)} bf16, batch 1 (median of 50, us): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in results.items()))
+    gap = results["cold"] - results["hot"]
+    if gap > 0:
+        share = (results["cold"] - results["prefetched"]) / gap
+        print(f"the prefetch recovered {100 * share:.0f}% of the cold->hot gap of {gap:.2f} us "
+              "(the prefetch ran to completion first; benchmarks/ measures real overlap)")
+    if verbose:
+        print()
+        _print_kernel(prepared.kernel, info["sm"], verbose)
+    return 0
+
+
+# -- plan ------------------------------------------------------------------------------------
 
 def _shard(dims: Mapping[str, Any], key: str, tp: int) -> int:
     value = dims[key]
@@ -68,19 +431,7 @@ def _shard(dims: Mapping[str, Any], key: str, tp: int) -> int:
     return value // tp
 
 
-def build_synthetic_kimi(dims: Optional[Mapping[str, Any]] = None, tp: int = 8,
-                         device: str = "meta") -> tuple[Any, list[Any], dict[int, Any]]:
-    """A Kimi-shaped model of one TP shard: ``(model, layers, packed)`` for ``kimi_k3.plan``.
-
-    ``model`` is an ``nn.Module`` whose ``layers`` hold the duck-typed layers
-    (``layer_idx``, ``is_moe_layer``, ``self_attn``, ``mlp``); ``packed[i]`` is
-    layer i's front tensor, also the buffer ``layers.i.mlp.front_packed`` so
-    plans can be stored as JSON.
-    """
-    import torch
-    from torch import nn
-
-    d = {**DEFAULT_DIMS, **(dims or {})}
+def _check_dims(d: Mapping[str, Any]) -> None:
     unknown = sorted(set(d) - set(DEFAULT_DIMS))
     if unknown:
         raise ValueError(f"unknown dimensions {unknown}; known: {sorted(DEFAULT_DIMS)}")
@@ -93,39 +444,71 @@ def build_synthetic_kimi(dims: Optional[Mapping[str, Any]] = None, tp: int = 8,
                             f"got {type(value).__name__} {value!r}")
         if value < low:
             raise ValueError(f"dimension {key} must be an int >= {low}, got {value}")
+    if d["layers"] > MAX_LAYERS:
+        raise ValueError(f"dimension layers must be at most {MAX_LAYERS} (a controller's "
+                         f"layers are 0..{MAX_LAYERS - 1}), got {d['layers']}")
+
+
+def build_synthetic_kimi(dims: Optional[Mapping[str, Any]] = None, tp: int = 8,
+                         device: str = "meta") -> tuple[Any, list[Any], dict[int, Any]]:
+    """A Kimi-shaped model of one TP shard: ``(model, layers, packed)`` for ``kimi_k3.plan``.
+
+    ``model`` is an ``nn.Module`` whose ``layers`` hold the duck-typed layers
+    (``layer_idx``, ``is_moe_layer``, ``self_attn``, ``mlp``); ``packed[i]`` is
+    layer i's front tensor, also the buffer ``layers.i.mlp.front_packed`` so
+    plans can be stored as JSON.  Bad dimensions raise ValueError or TypeError
+    naming the dimension, a tensor they would make too large ValueError.
+    """
+    torch = _torch.require("build_synthetic_kimi")
+    from torch import nn
+
+    d = {**DEFAULT_DIMS, **(dims or {})}
+    _check_dims(d)
     dtype = getattr(torch, str(d["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype {d['dtype']!r} is not a torch dtype name")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype {d['dtype']!r} is not a floating-point dtype (the model's "
                          "nn.Linear layers need one)")
+    item = torch.empty((), dtype=dtype, device="meta").element_size()
     hidden = d["hidden"]
     factory = {"device": device, "dtype": dtype}
 
-    def linear(rows: int, columns: int) -> nn.Module:
+    def fits(what: str, *shape: int) -> tuple[int, ...]:
+        if math.prod(shape) * item > MAX_TENSOR_BYTES:
+            raise ValueError(f"dimensions too large: {what} would be "
+                             f"{' x '.join(map(str, shape))} {d['dtype']}, over 2**63 bytes")
+        return shape
+
+    def empty(what: str, *shape: int) -> Any:
+        return torch.empty(fits(what, *shape), **factory)
+
+    def linear(what: str, rows: int, columns: int) -> nn.Module:
+        fits(what, rows, columns)
         return nn.Linear(columns, rows, bias=False, **factory)
 
     def kda() -> nn.Module:
         width = _shard(d, "kda_heads", tp) * d["kda_head_dim"]
         attention = nn.Module()
         attention.in_proj_qkvgfab = linear(
-            3 * width + 2 * d["kda_rank"] + _shard(d, "kda_heads", tp), hidden)
-        attention.f_b_proj = linear(width, d["kda_rank"])
-        attention.g_proj = linear(width, d["kda_rank"])
-        attention.o_proj = linear(hidden, width)
+            "in_proj_qkvgfab", 3 * width + 2 * d["kda_rank"] + _shard(d, "kda_heads", tp), hidden)
+        attention.f_b_proj = linear("f_b_proj", width, d["kda_rank"])
+        attention.g_proj = linear("g_proj", width, d["kda_rank"])
+        attention.o_proj = linear("o_proj", hidden, width)
         return attention
 
     def mla() -> nn.Module:
         heads = _shard(d, "mla_heads", tp)
         attention = nn.Module()
         attention.fused_qkv_a_proj = linear(
-            d["q_lora_rank"] + d["kv_lora_rank"] + d["qk_rope_head_dim"], hidden)
-        attention.q_b_proj = linear(heads * (d["qk_nope_head_dim"] + d["qk_rope_head_dim"]),
-                                    d["q_lora_rank"])
+            "fused_qkv_a_proj", d["q_lora_rank"] + d["kv_lora_rank"] + d["qk_rope_head_dim"],
+            hidden)
+        attention.q_b_proj = linear(
+            "q_b_proj", heads * (d["qk_nope_head_dim"] + d["qk_rope_head_dim"]), d["q_lora_rank"])
         # Plain tensor attributes, as vLLM's MLA keeps its absorbed kv_b halves.
-        attention.W_UK_T = torch.empty(heads, d["qk_nope_head_dim"], d["kv_lora_rank"], **factory)
-        attention.W_UV = torch.empty(heads, d["kv_lora_rank"], d["v_head_dim"], **factory)
-        attention.o_proj = linear(hidden, heads * d["v_head_dim"])
+        attention.W_UK_T = empty("W_UK_T", heads, d["qk_nope_head_dim"], d["kv_lora_rank"])
+        attention.W_UV = empty("W_UV", heads, d["kv_lora_rank"], d["v_head_dim"])
+        attention.o_proj = linear("o_proj", hidden, heads * d["v_head_dim"])
         return attention
 
     model = nn.Module()
@@ -138,14 +521,14 @@ def build_synthetic_kimi(dims: Optional[Mapping[str, Any]] = None, tp: int = 8,
         layer.self_attn = mla() if (index + 1) % d["mla_every"] == 0 else kda()
         layer.mlp = nn.Module()
         if layer.is_moe_layer:
-            front = torch.empty(_shard(d, "experts", tp) + _shard(d, "moe_latent", tp), hidden,
-                                **factory)
+            front = empty("the MoE front", _shard(d, "experts", tp) + _shard(d, "moe_latent", tp),
+                          hidden)
             layer.mlp.register_buffer("front_packed", front, persistent=False)
             packed[index] = front
             shared = layer.mlp.shared_experts = nn.Module()
             width = _shard(d, "shared_intermediate", tp)
-            shared.gate_up_proj = linear(2 * width, hidden)
-            shared.down_proj = linear(hidden, width)
+            shared.gate_up_proj = linear("gate_up_proj", 2 * width, hidden)
+            shared.down_proj = linear("down_proj", hidden, width)
         model.layers.append(layer)
     return model, list(model.layers), packed
 
@@ -155,59 +538,87 @@ def _l2_mib(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value * 2**20 >= 1):
+    if not (math.isfinite(value) and value * MIB >= 1):
         raise argparse.ArgumentTypeError(
             f"must be a finite number of MiB, at least one byte, got {text}")
+    if value * MIB > MAX_TENSOR_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"must be below 2**63 bytes ({MAX_TENSOR_BYTES // MIB} MiB), got {text}")
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m l2prefetch plan",
-        description="Print the Kimi K3 prefetch plan for a synthetic Kimi-sized model on the "
-                    "meta device: bytes per point and per layer, and their share of L2.")
+def _mib_cap(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    if not 0 <= value * MIB <= MAX_TENSOR_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"must be an int of MiB in 0..{MAX_TENSOR_BYTES // MIB}, got {text}")
+    return value
+
+
+def _add_plan(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="print the Kimi K3 prefetch plan of a synthetic Kimi-sized model",
+        description="Print the Kimi K3 prefetch plan of a synthetic Kimi-sized model: which "
+                    "weights are prefetched at which point of which layer, their MiB, and "
+                    "their share of L2.  The model has shapes only (torch's meta device: no "
+                    "memory, no GPU).  Needs torch.")
     parser.add_argument("--tp", type=int, default=8, choices=(1, 2, 4, 8),
-                        help="tensor parallelism (shards the model; picks the cap table)")
+                        help="tensor-parallel size: the model is one shard of this many "
+                             "(default 8)")
     parser.add_argument("--shapes", metavar="FILE.json",
-                        help="JSON object overriding dimensions: " + ", ".join(DEFAULT_DIMS))
-    parser.add_argument("--hidden", type=int, help=f"hidden size ({DEFAULT_DIMS['hidden']})")
-    parser.add_argument("--layers", type=int, help=f"decoder layers ({DEFAULT_DIMS['layers']})")
-    parser.add_argument("--l2-mib", type=_l2_mib, default=60.0,
-                        help="L2 size for the share column (60: the H200)")
+                        help="a JSON object of model dimensions to change: "
+                             + ", ".join(DEFAULT_DIMS))
+    parser.add_argument("--hidden", type=int, metavar="N",
+                        help=f"hidden size (default {DEFAULT_DIMS['hidden']})")
+    parser.add_argument("--layers", type=int, metavar="N",
+                        help=f"decoder layers (default {DEFAULT_DIMS['layers']})")
+    parser.add_argument("--l2-mib", type=_l2_mib, default=60.0, metavar="MIB",
+                        help="L2 size for the share-of-L2 column (default 60, an H200's)")
     parser.add_argument("--json", action="store_true",
-                        help="print the plan as JSON (weights by module path) instead")
-    parser.add_argument("--next-attention-mib", type=int, metavar="MIB",
-                        help="one next_attention cap for batches 1-8 (default: "
-                             "kimi_k3.NEXT_ATTENTION, 0 at every TP until measured; see its "
-                             "docstring)")
-    parser.add_argument("--seed-points", action="store_true",
-                        help="every point of the seed, oproj_down included (default: "
-                             "kimi_k3.DEFAULT_POINTS, the ones that paid on the H200)")
-    return parser
+                        help="print the plan as JSON, weights named by module path, instead "
+                             "of tables")
+    parser.add_argument("--next-attention-mib", type=_mib_cap, metavar="MIB",
+                        help="prefetch up to MIB of the next layer's attention weights at "
+                             "batches 1-8 (default 0: it did not pay on the H200)")
+    parser.add_argument("--all-points", action="store_true",
+                        help="plan at every point of the Kimi policy (oproj_down, "
+                             "attention_moe, next_attention), also those that made the H200 "
+                             "slower (default: kimi_k3.DEFAULT_POINTS)")
+    parser.add_argument("--seed-points", action="store_true", dest="all_points",
+                        help=argparse.SUPPRESS)  # the old name of --all-points
+    parser.set_defaults(func=_run_plan)
 
 
-def plan_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``plan`` with ``argv`` (without the ``plan`` word); returns the exit status."""
-    parser = _parser()
+def _load_shapes(path: str) -> dict[str, Any]:
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error argparse already printed
-        return int(exc.code or 0)
-    dims: dict[str, Any] = {}
+        with open(path, encoding="utf-8") as f:
+            loaded = json.load(f)
+    except RecursionError:
+        raise UsageError(f"{path}: JSON nested too deeply for a dimensions object") from None
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON, not UTF-8
+        raise UsageError(str(exc) if isinstance(exc, OSError) else f"{path}: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise UsageError(f"{path} must hold a JSON object of dimensions, "
+                         f"not a {type(loaded).__name__}")
+    return loaded
+
+
+def _run_plan(args: argparse.Namespace) -> int:
     try:
-        if args.shapes:
-            with open(args.shapes, encoding="utf-8") as f:
-                loaded = json.load(f)
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{args.shapes} must hold a JSON object of dimensions")
-            dims.update(loaded)
-        for key in ("hidden", "layers"):
-            if getattr(args, key) is not None:
-                dims[key] = getattr(args, key)
+        _import_torch("python -m l2prefetch plan")
+    except ModuleNotFoundError:
+        raise UsageError(_torch.MISSING) from None
+    dims: dict[str, Any] = _load_shapes(args.shapes) if args.shapes else {}
+    for key in ("hidden", "layers"):
+        if getattr(args, key) is not None:
+            dims[key] = getattr(args, key)
+    try:
         model, layers, packed = build_synthetic_kimi(dims, args.tp)
-    except (OSError, ValueError, TypeError) as exc:
-        print(f"l2prefetch plan: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
 
     from . import kimi_k3
     from .plan import format_plan, plan_to_json
@@ -217,26 +628,20 @@ def plan_main(argv: Optional[Sequence[str]] = None) -> int:
         caps = {args.tp: {batch: args.next_attention_mib for batch in range(1, 9)}}
     try:
         entries = kimi_k3.plan(layers, packed, args.tp, caps,
-                               points=kimi_k3.POINTS if args.seed_points else None)
-    except (TypeError, ValueError) as exc:
-        print(f"l2prefetch plan: {exc}", file=sys.stderr)
-        return 2
+                               points=kimi_k3.POINTS if args.all_points else None)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise UsageError(str(exc)) from None
     if args.json:
         print(plan_to_json(entries, model))
         return 0
-    try:
-        table = format_plan(entries, l2_bytes=int(args.l2_mib * 2**20))
-    except ImportError as exc:
-        print(f"l2prefetch plan: needs the C extension l2prefetch._C to size ranges ({exc}); "
-              "build it with `pip install -e .`", file=sys.stderr)
-        return 1
     d = {**DEFAULT_DIMS, **dims}
     moe = sum(1 for layer in layers if layer.is_moe_layer)
     print(f"Kimi K3 plan, synthetic model on meta: {d['layers']} layers ({moe} MoE), KDA:MLA "
           f"{d['mla_every'] - 1}:1, hidden {d['hidden']}, {d['dtype']}, TP {args.tp}\n")
-    print(table, end="")
     if not entries:
-        print("\nNo entries: by default the plan forks nowhere (kimi_k3.DEFAULT_POINTS and "
-              "NEXT_ATTENTION, measured on the H200: benchmarks/RESULTS.md).  --seed-points "
-              "and --next-attention-mib MIB opt in.")
+        print("No entries: by default the Kimi plan prefetches nothing (kimi_k3.DEFAULT_POINTS "
+              "and NEXT_ATTENTION, as measured on the H200: benchmarks/RESULTS.md).  "
+              "--all-points and --next-attention-mib MIB add entries.")
+        return 0
+    print(format_plan(entries, l2_bytes=int(args.l2_mib * MIB)), end="")
     return 0
