@@ -59,7 +59,7 @@ from typing import Any, Optional
 
 from . import _C, _torch, __version__
 
-__all__ = ["DEFAULT_DIMS", "build_synthetic_kimi", "main", "plan_main"]
+__all__ = ["DEFAULT_DIMS", "UsageError", "build_synthetic_kimi", "main", "plan_main"]
 
 MIB = 2**20
 
@@ -94,11 +94,14 @@ MAX_TENSOR_BYTES = 2**63 - 1
 
 
 class UsageError(Exception):
-    """A bad option or input: one line on stderr, exit status 2."""
+    """A bad option or input, raised by a command's run(): one line on stderr, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with usage errors as one line on stderr (exit status 2)."""
+
+    #: The top-level parser's commands, name -> parser (set by _parser()).
+    commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -125,7 +128,7 @@ def _commands() -> list[Any]:
     return adders
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> _Parser:
     parser = _Parser(
         prog=_program(),
         description="L2 weight prefetch for LLM decode on a side CUDA stream.  With no "
@@ -141,16 +144,16 @@ def _parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for add_parser in _commands():
         add_parser(subparsers)
+    parser.commands = subparsers.choices
     return parser
 
 
-def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+def _parse(parser: _Parser, argv: list[str]) -> argparse.Namespace:
     """parse_args, with arguments a command does not know blamed on that command."""
     args, extra = parser.parse_known_args(argv)
     if extra:
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        culprit = commands.choices.get(args.command, parser)
-        culprit.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.commands.get(args.command, parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 
