@@ -97,12 +97,12 @@ case "${1:-}" in
     quick)
         pick_python; install
         shift
-        jobs=(-n "${L2P_JOBS:-auto}")
+        workers=(-n "${L2P_JOBS:-auto}")
         if ! "$PY" -c 'import xdist' >/dev/null 2>&1; then
             echo "dev.sh: no pytest-xdist in $PY: the CPU suite runs in one process"
-            jobs=()
+            workers=()
         fi
-        "$PY" -m pytest -p no:cacheprovider -q -m "not gpu" "${jobs[@]}" tests "$@"
+        "$PY" -m pytest -p no:cacheprovider -q -m "not gpu" "${workers[@]}" tests "$@"
         echo "dev.sh: quick done in $((SECONDS / 60)) min $((SECONDS % 60)) s" ;;
     package)
         pick_python

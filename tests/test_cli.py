@@ -93,7 +93,7 @@ def test_no_gpu_prints_the_whole_reason(tmp_path):
     for line in reason.splitlines():
         assert line.strip() in out, f"{line!r} missing from:\n{out}"
     assert "PTX instructions" not in out and "NVRTC options" not in out  # only with --verbose
-    assert "Byte ranges of a Kimi-sized attention shard" in out
+    assert "Byte ranges (compute_ranges) of a Kimi-sized attention shard" in out
     assert re.search(r"^\s+total\s+38\.00\s+24\.00$", out, re.M), out
 
 

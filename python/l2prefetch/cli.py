@@ -325,8 +325,8 @@ def _print_ranges(cap_mib: int = 24) -> None:
         ptr += (math.prod(shape) * 2 + 255) // 256 * 256
     whole = _C.compute_ranges(weights)
     capped = _C.compute_ranges(weights, cap_mib * MIB)
-    print(f"Byte ranges of a Kimi-sized attention shard (4 bf16 weights; sizes only), whole "
-          f"and under a {cap_mib} MiB cap (compute_ranges):")
+    print(f"Byte ranges (compute_ranges) of a Kimi-sized attention shard, 4 bf16 weights "
+          f"(sizes only),\nwhole and under a {cap_mib} MiB cap:")
     print(f"  {'weight':6}  {'shape':14}  {'MiB':>6}  {'under the cap':>13}")
     for i, (weight, (_, size)) in enumerate(zip(weights, whole)):
         kept = capped[i][1] / MIB if i < len(capped) else 0.0
@@ -642,9 +642,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(f"Kimi K3 plan, synthetic model on meta: {d['layers']} layers ({moe} MoE), KDA:MLA "
           f"{d['mla_every'] - 1}:1, hidden {d['hidden']}, {d['dtype']}, TP {args.tp}\n")
     if not entries:
-        print("No entries: by default the Kimi plan prefetches nothing (kimi_k3.DEFAULT_POINTS "
-              "and NEXT_ATTENTION, as measured on the H200: benchmarks/RESULTS.md).  "
-              "--all-points and --next-attention-mib MIB add entries.")
+        print(textwrap.fill(
+            "No entries: by default the Kimi plan prefetches nothing (kimi_k3.DEFAULT_POINTS "
+            "and NEXT_ATTENTION, as measured on the H200: benchmarks/RESULTS.md).  "
+            "--all-points and --next-attention-mib MIB add entries.", width=88))
         return 0
     print(format_plan(entries, l2_bytes=int(args.l2_mib * MIB)), end="")
     return 0
