@@ -71,10 +71,14 @@ class GraphBackend:
         self.rig = Rig(device)
         self.device = self.rig.device
         self._roles: dict[str, Role] = {}
+        #: The caps the search tries (bytes): the probe counts reads up to the largest.
+        self.caps_bytes: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ setup
-    def use_roles(self, roles: Sequence[Role]) -> None:
+    def use_roles(self, roles: Sequence[Role], caps_bytes: Sequence[int] = ()) -> None:
+        """The roles variants name, and the caps the search will try."""
         self._roles = {role.name: role for role in roles}
+        self.caps_bytes = tuple(caps_bytes)
 
     def prepare(self, batch: int) -> Prepared:
         torch = self.torch
@@ -108,22 +112,45 @@ class GraphBackend:
         return fn
 
     # ------------------------------------------------------------------ variants
-    def _entries(self, variant: Variant, batch: int) -> list[Any]:
-        entries = []
-        for name, setting in variant.roles:
-            role = self._roles[name]
-            entries += role.entries((batch,), byte_cap=setting.byte_cap, grid=setting.grid,
-                                    kernel=setting.kernel, graph_fork=setting.graph_fork)
-        return entries
-
     def _controller(self, variant: Variant, batch: int) -> Any:
-        from .. import PrefetchController
-        from .rig import empty_controller
+        """A controller for ``variant`` at ``batch``: one prepared table per role and
+        layer (empty ones for the control), made with ``eager=False`` as deployed.
+        A variant whose roles all fork the same way gets that mode as the
+        controller's; a mixed one sets it per entry."""
+        from .. import PrefetchController, PreparedWeightRanges
 
-        entries = self._entries(variant, batch)
-        if variant.empty:
-            return empty_controller(entries, self.device.index, eager=False)
-        return PrefetchController.from_plan(entries, self.device.index, eager=False)
+        modes = {setting.graph_fork for _, setting in variant.roles}
+        mixed = len(modes) > 1
+        controller = PrefetchController(self.device.index, eager=False,
+                                        graph_fork="inline" if mixed else modes.pop())
+        try:
+            empties: dict[tuple, Any] = {}
+            for name, setting in variant.roles:
+                role = self._roles[name]
+                carveout = role.default("carveout", None)
+                priority = role.default("priority", False)
+                for site in role.sites:
+                    if variant.empty:
+                        key = (setting.grid, setting.kernel)
+                        table = empties.get(key)
+                        if table is None:
+                            table = empties[key] = PreparedWeightRanges(
+                                [], grid=setting.grid, carveout=carveout, priority=priority,
+                                kernel=setting.kernel, device=self.device.index)
+                    else:
+                        table = PreparedWeightRanges(
+                            site.weights, byte_cap=setting.byte_cap, grid=setting.grid,
+                            carveout=carveout, priority=priority, kernel=setting.kernel,
+                            device=self.device.index)
+                    if mixed:
+                        controller.add(name, site.layer, (batch,), table,
+                                       graph_fork=setting.graph_fork)
+                    else:
+                        controller.add(name, site.layer, (batch,), table)
+        except BaseException:
+            controller.close()
+            raise
+        return controller
 
     def _points(self, variant: Variant) -> dict[str, list]:
         return {name: self._roles[name].hook_sites(self.model) for name, _ in variant.roles}
@@ -178,19 +205,38 @@ class GraphBackend:
             logger.warning("probing windows at batch %d failed (%s: %s); measuring every role",
                            batch, type(exc).__name__, exc)
             return None
+        def gap(read: str) -> float:
+            if read in cold["dur"] and read in hot["dur"]:
+                return cold["dur"][read] - hot["dur"][read]
+            return 0.0
+
         out = {}
+        largest = max(self.caps_bytes, default=0)
         for role in discovered:
-            windows, gap = [], 0.0
+            windows, consumer_gap, chain_gap = [], 0.0, 0.0
             for site in role.sites:
                 consumer = site.reads[0]
                 start = cold["start"].get(consumer)
                 if start is not None and site.site in cold["site"]:
                     windows.append(start - cold["site"][site.site])
-                for read in site.reads:
-                    if read in cold["dur"] and read in hot["dur"]:
-                        gap += cold["dur"][read] - hot["dur"][read]
-            out[role.name] = Probe(statistics.fmean(windows) if windows else None, gap)
+                consumer_gap += gap(consumer)
+                loaded = 0
+                for read, nbytes in zip(site.reads, self._read_bytes(site)):
+                    if largest and loaded >= largest:
+                        break
+                    chain_gap += gap(read)
+                    loaded += nbytes
+            out[role.name] = Probe(statistics.fmean(windows) if windows else None,
+                                   consumer_gap, chain_gap)
         return out
+
+    def _read_bytes(self, site: Any) -> list[int]:
+        """Bytes of each read of a site's chain (its weights grouped by module)."""
+        sizes = []
+        for path in site.reads:
+            module = self.model.get_submodule(path)
+            sizes.append(sum(p.numel() * p.element_size() for p in module.parameters(recurse=False)))
+        return sizes
 
     def _probe_graph(self, batch: int, roles: Sequence[Role], hot: bool) -> dict[str, dict]:
         from .. import PreparedWeightRanges

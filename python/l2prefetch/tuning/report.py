@@ -93,13 +93,14 @@ def markdown(result: Any) -> str:
                 best = max(role.trials, key=lambda t: t.gain.estimate)
             rows.append([
                 role.role, role.layers, f"{role.max_bytes / 2**20:.1f}", _opt(role.gap_us, 2),
-                _opt(role.window_us), "" if best is None else best.setting.label(),
+                _opt(role.chain_gap_us, 2), _opt(role.window_us), "" if best is None else best.setting.label(),
                 "" if best is None else _t(best.a), "" if best is None else _t(best.b),
                 "" if best is None else _t(best.d),
                 "" if best is None else best.gain.format(2),
                 "kept" if role.kept else role.reason])
         out.append("Roles (the best or verified setting of each):\n")
-        out.append(table(["role", "layers", "max MiB", "gap us", "window us", "setting",
+        out.append(table(["role", "layers", "max MiB", "gap us", "loads' gap us", "window us",
+                          "setting",
                           "a us", "b us", "d us", "a - b us", "kept / why not"], rows))
     return "\n".join(out)
 

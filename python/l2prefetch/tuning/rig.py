@@ -99,9 +99,11 @@ class Measurement:
 class Rig:
     """Graph capture and interleaved, event-timed replays on one device.
 
-    All graphs share one memory pool: they are replayed one at a time on one
-    stream, so none overwrites memory another is using, and a step captured
-    many times costs one step's activations, not one per graph.
+    The graphs of one :meth:`measure` share one memory pool: they are replayed
+    one at a time on one stream, so none overwrites memory another is using,
+    and a step captured many times costs one step's activations, not one per
+    graph.  (A pool is freed with its last graph, so each measurement makes
+    its own.)
     """
 
     def __init__(self, device: Any = None) -> None:
@@ -112,7 +114,6 @@ class Rig:
             else torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"the rig measures on a CUDA device, got {self.device}")
-        self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream()
         self._cycles_per_us: Optional[float] = None
@@ -130,10 +131,12 @@ class Rig:
             self.torch.cuda._sleep(int(us * self.cycles_per_us))
 
     # ------------------------------------------------------------ capture
-    def capture(self, fn: Callable[[], Any], *, warmup: int = 1) -> tuple[Any, Any]:
+    def capture(self, fn: Callable[[], Any], *, warmup: int = 1,
+                pool: Any = None) -> tuple[Any, Any]:
         """Capture ``fn()`` into a CUDA graph after ``warmup`` eager calls on the
-        capture stream (cuBLAS handles, workspaces, lazy init).  Returns
-        ``(graph, output)``; the output tensor is refreshed by each replay."""
+        capture stream (cuBLAS handles, workspaces, lazy init), in memory pool
+        ``pool`` (None: a private one).  Returns ``(graph, output)``; the output
+        tensor is refreshed by each replay."""
         torch = self.torch
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
@@ -142,7 +145,7 @@ class Rig:
                 for _ in range(warmup):
                     fn()
                 torch.cuda.synchronize()
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
                     output = fn()
             torch.cuda.current_stream().wait_stream(self.stream)
             torch.cuda.synchronize()
@@ -187,13 +190,14 @@ class Rig:
         import contextlib
 
         t0 = time.perf_counter()
+        pool = self.torch.cuda.graph_pool_handle()
         graphs: dict[tuple[str, int], Any] = {}
         outputs: dict[str, list[Any]] = {name: [] for name in variants}
         for i in range(instances):
             for name, fn in variants.items():
                 ctx = setup[name]() if setup and name in setup else contextlib.nullcontext()
                 with ctx:
-                    graph, out = self.capture(fn, warmup=1 if i == 0 else 0)
+                    graph, out = self.capture(fn, warmup=1 if i == 0 else 0, pool=pool)
                 graphs[(name, i)] = graph
                 outputs[name].append(out)
         t1 = time.perf_counter()

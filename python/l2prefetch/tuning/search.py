@@ -96,11 +96,13 @@ class Variant:
 @dataclasses.dataclass(frozen=True)
 class Probe:
     """What a probe of the step found for one role at one batch: the window from
-    the fork to the consumer (us, mean over layers) and the cold-to-hot gap of
-    the reads its largest load covers (us, summed over layers)."""
+    the fork to the consumer (us, mean over layers), the consumer's cold-to-hot
+    gap (us, summed over layers) and that of every read its largest load
+    covers (``chain_gap_us``: the most its loads could gain)."""
 
     window_us: Optional[float]
     gap_us: Optional[float]
+    chain_gap_us: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +158,7 @@ class RoleReport:
     max_bytes: int
     window_us: Optional[float] = None
     gap_us: Optional[float] = None
+    chain_gap_us: Optional[float] = None
     trials: list[Trial] = dataclasses.field(default_factory=list)
     chosen: Optional[Trial] = None
     kept: bool = False
@@ -164,7 +167,7 @@ class RoleReport:
     def as_dict(self) -> dict:
         return {"role": self.role, "layers": self.layers, "max_bytes": self.max_bytes,
                 "window_us": self.window_us, "gap_us": self.gap_us,
-                "trials": [t.as_dict() for t in self.trials],
+                "chain_gap_us": self.chain_gap_us, "trials": [t.as_dict() for t in self.trials],
                 "chosen": None if self.chosen is None else self.chosen.as_dict(),
                 "kept": self.kept, "reason": self.reason}
 
@@ -299,15 +302,19 @@ class _Batch:
         probes = self.backend.probe(self.batch, self.roles) or {}
         for name, probe in probes.items():
             if name in reports:
-                reports[name].window_us, reports[name].gap_us = probe.window_us, probe.gap_us
+                rep = reports[name]
+                rep.window_us, rep.gap_us = probe.window_us, probe.gap_us
+                rep.chain_gap_us = probe.gap_us if probe.chain_gap_us is None \
+                    else probe.chain_gap_us
 
         # screen, then the most promising roles first
         order = []
         for role in self.roles:
             rep = reports[role.name]
-            if rep.gap_us is not None and rep.gap_us < self.p.min_gain_us:
-                rep.reason = (f"screened out: its loads could gain at most {rep.gap_us:.2f} us "
-                              f"per step (min_gain_us={self.p.min_gain_us})")
+            if rep.chain_gap_us is not None and rep.chain_gap_us < self.p.min_gain_us:
+                rep.reason = (f"screened out: its loads could gain at most "
+                              f"{rep.chain_gap_us:.2f} us per step "
+                              f"(min_gain_us={self.p.min_gain_us})")
                 continue
             order.append(role)
         order.sort(key=lambda r: -(reports[r.name].gap_us or 0.0))

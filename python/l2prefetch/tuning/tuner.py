@@ -30,6 +30,10 @@ __all__ = ["TuneResult", "tune"]
 logger = logging.getLogger(__name__)
 
 MAX_BATCH = 65535
+#: Loaders the refine step tries besides the device's default (where the device has them):
+#: 16-byte loads and the bulk L2 prefetch (benchmarks/RESULTS.md, "glue": the loaders differ
+#: most beside small kernels).
+ALTERNATIVE_KERNELS = ("load", "bulk_prefetch")
 #: Replays per graph instance in a measuring group.
 DEFAULT_ROUNDS = 60
 
@@ -230,7 +234,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
          candidates: Optional[Sequence[Union[str, Role]]] = None, budget_s: float = 300,
          instances: int = MIN_INSTANCES, rounds: int = DEFAULT_ROUNDS,
          caps_mib: Sequence[float] = DEFAULT_CAPS_MIB, grids: Sequence[int] = DEFAULT_GRIDS,
-         kernels: Sequence[Optional[str]] = (None,),
+         kernels: Optional[Sequence[Optional[str]]] = None,
          graph_forks: Sequence[str] = ("inline", "branch"),
          min_gain_us: float = DEFAULT_MIN_GAIN_US, min_bytes: int = 1 << 20,
          device: Any = None, progress: Any = sys.stderr,
@@ -288,25 +292,32 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
             g not in ("inline", "branch") for g in graph_forks):
         raise ValueError(f"graph_forks must be a non-empty sequence of 'inline' and 'branch', "
                          f"got {graph_forks!r}")
-    if isinstance(kernels, str) or not kernels:
-        raise TypeError(f"kernels must be a non-empty sequence of kernel names or None, got "
-                        f"{kernels!r}")
     from .. import _C
 
     known = _C.kernel_variants()
-    bad = [k for k in kernels if k is not None and k not in known]
-    if bad:
-        raise ValueError(f"unknown kernel(s) {bad}; kernels are {sorted(known)} (None: the "
-                         "device's default)")
+    if kernels is not None:
+        if isinstance(kernels, str) or not isinstance(kernels, Sequence) or not kernels:
+            raise TypeError(f"kernels must be None or a non-empty sequence of kernel names "
+                            f"(None in it: the device's default), got {kernels!r}")
+        bad = [k for k in kernels if k is not None and k not in known]
+        if bad:
+            raise ValueError(f"unknown kernel(s) {bad}; kernels are {sorted(known)} (None: the "
+                             "device's default)")
 
     t0 = time.monotonic()
     if backend is None:
         from .measure import GraphBackend
 
         backend = GraphBackend(model, step, device=device, rounds=rounds)
+        if kernels is None:
+            sm = _C.device_info(backend.device.index)["sm"]
+            kernels = (None, *(k for k in ALTERNATIVE_KERNELS
+                               if k in known and known[k]["min_sm"] <= sm))
+    if kernels is None:
+        kernels = (None,)
     roles = _resolve_candidates(model, step, batches[0], candidates, min_bytes)
     if hasattr(backend, "use_roles"):
-        backend.use_roles(roles)
+        backend.use_roles(roles, [int(c * (1 << 20)) for c in caps_mib])
     if progress is not None:
         print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
               f"budget {budget_s:.0f} s", file=progress, flush=True)
