@@ -47,6 +47,14 @@ def _bitwise_equal(x: Any, y: Any) -> bool:
     return x is None and y is None
 
 
+def _max_diff(x: Any, y: Any) -> Optional[float]:
+    import torch
+
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape:
+        return (x.float() - y.float()).abs().max().item()
+    return None
+
+
 class GraphBackend:
     """Measures variants of ``step(batch)`` in CUDA graphs on one device.
 
@@ -181,7 +189,13 @@ class GraphBackend:
         identical = {}
         reference = m.outputs.get("a", [None])[0]
         for name, outs in m.outputs.items():
-            identical[name] = all(_bitwise_equal(reference, out) for out in outs)
+            flags = [_bitwise_equal(reference, out) for out in outs]
+            identical[name] = all(flags)
+            if not identical[name]:
+                diffs = [_max_diff(reference, out) for out in outs]
+                logger.warning("batch %d, variant %s: outputs of instances %s differ from the "
+                               "no-fork step's first instance (max abs diff %s)", batch, name,
+                               [i for i, f in enumerate(flags) if not f], diffs)
         return m.medians, identical
 
     # ------------------------------------------------------------------ probe
