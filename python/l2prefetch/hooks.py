@@ -31,17 +31,29 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
-__all__ = ["Attachment", "BatchFn", "Points", "Site", "attach", "disabled"]
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
-logger = logging.getLogger("l2prefetch")
+__all__ = ["Attachment", "BatchFn", "Controller", "Points", "Site", "attach", "disabled"]
+
+logger = logging.getLogger(__name__)
+
+
+class Controller(Protocol):
+    """What :func:`attach` needs of a controller (a PrefetchController has both)."""
+
+    def fork(self, point: str, layer: int, batch: int, /) -> object: ...
+
+    def join(self) -> object: ...
+
 
 #: A fork site: a module and the decoder layer index its forks carry.
-Site = tuple[Any, int]
+Site = tuple["torch.nn.Module", int]
 #: ``batch_fn(module, args, kwargs) -> batch``: overrides how a hook reads the batch;
 #: a batch of 0 (or None) skips the fork.
-BatchFn = Callable[[Any, tuple, dict], Optional[int]]
+BatchFn = Callable[["torch.nn.Module", tuple, dict], Optional[int]]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _disabled_logged = False
@@ -220,10 +232,12 @@ def _sites(model: Any, point: object, spec: object, module_type: type) -> list[S
     return sites
 
 
-Points = Mapping[str, Union[Sequence[Site], Callable[[Any], Sequence[Site]]]]
+#: Fork sites per point name: a list of sites, or a callable ``model -> list``.
+Points = Mapping[str, Union[Sequence[Site], Callable[["torch.nn.Module"], Sequence[Site]]]]
 
 
-def attach(model: Any, controller: Any, points: Union[Points, Callable[[Any], Points]], *,
+def attach(model: torch.nn.Module, controller: Controller,
+           points: Union[Points, Callable[[torch.nn.Module], Points]], *,
            batch_fn: Optional[BatchFn] = None, join: bool = True) -> Attachment:
     """Hook ``controller``'s forks and join into ``model``; returns what to detach.
 
@@ -307,6 +321,14 @@ def attach(model: Any, controller: Any, points: Union[Points, Callable[[Any], Po
         if op_handle is not None:
             ops.unregister(op_handle)
         raise
-    logger.debug("l2prefetch attached %d fork hooks%s (ops handle %s)", len(sites),
-                 " and a join hook" if join else "", op_handle)
+    if logger.isEnabledFor(logging.INFO):
+        per_point: dict[str, int] = {}
+        for point, _, _ in sites:
+            per_point[point] = per_point.get(point, 0) + 1
+        logger.info("attach: %d fork hook%s on %s (%s); %s; ops handle %s", len(sites),
+                    "" if len(sites) == 1 else "s", type(model).__name__,
+                    ", ".join(f"{point}: {n} site{'s' if n != 1 else ''}"
+                              for point, n in per_point.items()) or "no sites",
+                    f"a join hook on the root {type(model).__name__}" if join else "no join hook",
+                    op_handle)
     return Attachment(controller, handles, sites, op_handle)
