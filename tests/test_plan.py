@@ -200,6 +200,22 @@ def test_kernel_names_are_the_c_extensions():
     assert GRAPH_FORKS == ("inline", "branch") == get_args(GraphFork)
 
 
+def test_annotations_name_the_literal_types():
+    from collections.abc import Sequence
+    from typing import Optional, get_type_hints
+
+    from l2prefetch import PrefetchController, hooks
+
+    hints = get_type_hints(PlanEntry, localns={"torch": torch})
+    assert hints["kernel"] == Optional[KernelName]
+    assert hints["graph_fork"] == Optional[GraphFork]
+    assert hints["weights"] == Sequence[torch.Tensor]
+    hints = get_type_hints(PrefetchController.from_plan, localns={"torch": torch})
+    assert hints["kernel"] == Optional[KernelName] and hints["graph_fork"] == GraphFork
+    hints = get_type_hints(hooks.attach, localns={"torch": torch})
+    assert hints["model"] is torch.nn.Module and hints["controller"] is hooks.Controller
+
+
 def test_kernel_and_graph_fork_default_to_none():
     entry = PlanEntry("p", 0, (1,), (w(4),))
     assert (entry.kernel, entry.graph_fork) == (None, None)

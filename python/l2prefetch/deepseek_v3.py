@@ -3,9 +3,10 @@
 A decode layer leaves HBM bandwidth idle in its norms, its router and its
 attention glue; this policy maps two points of the Kimi policy onto HF's
 modules (:data:`POINTS`).  **By default it forks nowhere**
-(:data:`DEFAULT_POINTS` is empty): on the H200 neither point paid in HF
-DeepSeek-V3 decode graphs (benchmarks/RESULTS.md, Headlines, "real model").
-Pass ``points=`` to opt in, and measure against the empty-fork control:
+(:data:`DEFAULT_POINTS` is empty): neither point paid on the H200
+(benchmarks/RESULTS.md, Headlines: ``next_attention`` in HF DeepSeek-V3
+decode graphs, ``oproj_down`` in the Kimi-shaped layers).  Pass ``points=``
+to opt in, and measure against the empty-fork control:
 
 * ``oproj_down``: after ``self_attn.o_proj`` of each MoE layer, prefetch the
   router weight ``mlp.gate.weight``, which the router's GEMV reads after the

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -142,6 +142,7 @@ def _first_tensor(value: Any, tensor: type, depth: int = 0) -> Any:
     if isinstance(value, tensor):
         return value
     if depth < 4:
+        items: Iterable[Any]
         if isinstance(value, (tuple, list)):
             items = value
         elif isinstance(value, Mapping):
@@ -165,7 +166,7 @@ def _unregistered(name: str) -> Callable[..., None]:
 
 
 def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
-               batch_fn: Optional[BatchFn], tensor: type, is_compiling: Callable[[], bool],
+               batch_fn: Optional[BatchFn], tensor: type[torch.Tensor], is_compiling: Callable[[], bool],
                fork_op: Callable[..., None], handle: Optional[int]) -> Callable[..., None]:
     """The forward hook (with kwargs) of one site; it always returns None.
 
@@ -174,17 +175,18 @@ def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
     """
 
     if batch_fn is not None:
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook_with_batch_fn(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             batch = batch_fn(module, args, kwargs)
             if batch:
                 if is_compiling():
                     fork_op(handle, point, layer, batch, _first_tensor(output, tensor))
                 else:
                     fork(point, layer, batch)
-        return hook
+        return hook_with_batch_fn
 
-    def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         # The first tensor argument; decode inputs are [B, 1, H] or [B, H].
+        value: Any
         for value in args:
             if isinstance(value, tensor):
                 break
@@ -212,12 +214,12 @@ def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
     return hook
 
 
-def _sites(model: Any, point: object, spec: object, module_type: type) -> list[Site]:
+def _sites(model: Any, point: object, spec: Any, module_type: type) -> list[Site]:
     if not isinstance(point, str) or not point:
         raise TypeError(f"point names must be non-empty str, got {point!r}")
     sites = spec(model) if callable(spec) else spec
     try:
-        sites = list(sites)  # type: ignore[call-overload]
+        sites = list(sites)
     except TypeError:
         raise TypeError(f"points[{point!r}] must be a list of (module, layer) or a callable "
                         f"returning one, got {type(sites).__name__}") from None
@@ -287,7 +289,8 @@ def attach(model: torch.nn.Module, controller: Controller,
     from . import ops
 
     is_compiling = torch.compiler.is_compiling
-    fork_op, join_op = torch.ops.l2prefetch.fork.default, torch.ops.l2prefetch.join.default
+    fork_op: Callable[..., Any] = torch.ops.l2prefetch.fork.default
+    join_op: Callable[..., Any] = torch.ops.l2prefetch.join.default
     try:
         op_handle: Optional[int] = ops.register(controller)
     except TypeError:  # no weak references: eager use still works, compiled code cannot

@@ -68,8 +68,9 @@ ATTENTION_INPUTS = (
 )
 
 #: next_attention caps per TP: batch -> cap in MiB, or (cap in MiB, carveout).
-#: Zero everywhere: no cap paid on the H200 at TP 1, and before real NCCL
-#: all-reduces at TP 2 every cap was slower (benchmarks/RESULTS.md, "Choosing
+#: Zero everywhere: on the H200 no cap paid at TP 1, and at TP 2 the best cap
+#: (24 MiB) made the step slower before real NCCL all-reduces inline and did
+#: not pay as a side branch (benchmarks/RESULTS.md, "Choosing
 #: kimi_k3.NEXT_ATTENTION" and "The all-reduce window").  TP 4 and 8 were
 #: measured only with a spin standing in for the all-reduce, which overstated
 #: the gain at TP 2.  Measure your TP with benchmarks/allreduce.py and pass
@@ -174,9 +175,9 @@ def plan(layers: Sequence[Any], packed: Any, tp: int,
                                      grid=FRONT_GRID, carveout=URGENT_CARVEOUT, priority=True))
         if tp == 8 and "attention_moe" in wanted:
             shared = layer.mlp.shared_experts
-            batches = range(5, 9) if hasattr(attention, "in_proj_qkvgfab") else (8,)
+            moe_batches = range(5, 9) if hasattr(attention, "in_proj_qkvgfab") else (8,)
             entries.append(PlanEntry(
-                "attention_moe", index, batches,
+                "attention_moe", index, moe_batches,
                 (front, shared.gate_up_proj.weight, shared.down_proj.weight),
                 grid=SHARED_GRID, carveout=URGENT_CARVEOUT, priority=True))
         if position + 1 < len(layers):

@@ -86,7 +86,7 @@ KernelName = Literal[
 ]
 
 # The fields of an entry in each plan JSON version.
-_JSON_FIELDS = {
+_JSON_FIELDS: dict[int, tuple[str, ...]] = {
     1: ("point", "layer", "batches", "weights", "byte_cap", "grid", "carveout", "priority"),
 }
 _JSON_FIELDS[2] = (*_JSON_FIELDS[1], "kernel", "graph_fork")
@@ -466,14 +466,14 @@ def plan_to_json(plan: Iterable[PlanEntry], model: Any) -> str:
     for i, entry in enumerate(plan):
         weights = []
         for j, weight in enumerate(entry.weights):
-            name = names.get(id(weight))
-            if name is None:
+            found = names.get(id(weight))
+            if found is None:
                 raise ValueError(
                     f"plan entry {i} ({entry.point!r}, layer {entry.layer}): weights[{j}] "
                     f"({_describe(weight)}) is not a parameter, buffer or tensor attribute of "
                     "the model, so it has no name to store; register it on a module "
                     "(a view or copy of a parameter is a different tensor)")
-            weights.append(name)
+            weights.append(found)
         entries.append({"point": entry.point, "layer": entry.layer,
                         "batches": list(entry.batches), "weights": weights,
                         "byte_cap": entry.byte_cap, "grid": entry.grid,
