@@ -234,7 +234,7 @@ def test_the_first_controller_logs_the_driver_and_nvrtc_once(fake, fresh_log, ca
     assert {r.levelno for r in records} == {logging.INFO}
     nvrtc = _C.nvrtc_info()
     assert messages(records) == [
-        f"CUDA driver 13.0 from {fake.path} (1 devices)",
+        f"CUDA driver 13.0 from {fake.path} (1 device)",
         f"NVRTC {'.'.join(map(str, nvrtc['version']))} from {nvrtc['path']}"]
 
 
@@ -280,7 +280,7 @@ def test_from_plan_logs_a_summary(fake, fresh_log, caplog):
     per_step = 2 * 3072 / MIB
     assert summary == (
         "from_plan: 3 entries in 2 tables on cuda:0; points attn (2), mlp (1); kernels load, "
-        "ring; graph_fork 'inline' (1 entries their own); MiB per decode step by batch (1-3): "
+        "ring; graph_fork 'inline' ('branch' for 1 entry); MiB per decode step by batch (1-3): "
         f"1-2: {per_step:.2f}; 3: {1024 / MIB:.2f}")
 
 

@@ -62,8 +62,9 @@ def _log_runtime() -> None:
         version = driver.get("version")
         if isinstance(version, int):
             version = f"{version // 1000}.{version % 1000 // 10}"
-        logger.info("CUDA driver %s from %s (%s devices)", version, driver.get("path"),
-                    driver.get("device_count"))
+        count = driver.get("device_count")
+        logger.info("CUDA driver %s from %s (%s device%s)", version, driver.get("path"), count,
+                    "" if count == 1 else "s")
     try:
         nvrtc = _C.nvrtc_info()
     except Exception as exc:  # noqa: BLE001
@@ -163,10 +164,11 @@ def _log_plan(controller: PrefetchController, entries: list[PlanEntry],
         return
     points: dict[str, int] = {}
     per_batch: dict[int, int] = {}
-    branch = 0
+    own_modes: dict[str, int] = {}   # entries whose graph_fork is not the controller's
     for entry, ranges in zip(entries, tables):
         points[entry.point] = points.get(entry.point, 0) + 1
-        branch += entry.graph_fork is not None and entry.graph_fork != controller.graph_fork
+        if entry.graph_fork is not None and entry.graph_fork != controller.graph_fork:
+            own_modes[entry.graph_fork] = own_modes.get(entry.graph_fork, 0) + 1
         for batch in entry.batches:
             per_batch[batch] = per_batch.get(batch, 0) + ranges.nbytes
     distinct = {id(ranges): ranges for ranges in tables}.values()
@@ -177,7 +179,8 @@ def _log_plan(controller: PrefetchController, entries: list[PlanEntry],
         len(entries), len(distinct), controller.device,
         ", ".join(f"{p} ({n})" for p, n in points.items()) or "none",
         ", ".join(kernels) or "none", controller.graph_fork,
-        f" ({branch} entries their own)" if branch else "",
+        "".join(f" ({mode!r} for {n} entr{'y' if n == 1 else 'ies'})"
+                for mode, n in own_modes.items()),
         compact_batches(per_batch) or "none", _per_batch(per_batch) or "none")
 
 
