@@ -279,3 +279,14 @@ def kimi(n_layers: int = 2, h: int = 7168) -> CausalLM:
         layer.self_attn = KimiAttention(h)
         layers.append(layer)
     return CausalLM(layers, h, 4096)
+
+
+FAKE_DEVICE = {"name": "NVIDIA H200", "sm": 90, "sm_count": 132, "l2_bytes": 60 << 20,
+               "driver_version": 13000}
+
+
+class DeviceBackend(PlantedBackend):
+    """A planted backend that also says which (fake) device it measured on."""
+
+    def device_fingerprint(self) -> dict:
+        return dict(FAKE_DEVICE)

@@ -1,7 +1,8 @@
 """The controller as users see it: the C type, plus building it from a plan.
 
 :class:`PrefetchController` subclasses the C type, so fork and join stay C
-methods.  This module adds :meth:`PrefetchController.from_plan`, refuses
+methods.  This module adds :meth:`PrefetchController.from_plan` and
+:meth:`PrefetchController.from_profile`, refuses
 pickling with a clear error, and logs at INFO (logger ``l2prefetch.controller``)
 what was loaded the first time an enabled controller is built in the process
 (the CUDA driver, NVRTC, the kernels compiled or read from the disk cache) and
@@ -266,4 +267,29 @@ class PrefetchController(_C.PrefetchController):
             raise
         _log_kernels()
         _log_plan(controller, entries, tables)
+        return controller
+
+    @classmethod
+    def from_profile(cls, profile: Any, model: Any, device: DeviceLike = None, *,
+                     eager: bool = False) -> PrefetchController:
+        """A controller with a tuned profile's plan, for ``model`` at server start.
+
+        ``profile`` is the path of a profile written by ``python -m l2prefetch
+        tune`` (or :meth:`l2prefetch.tuning.TuneResult.save`), or one already
+        read with :func:`l2prefetch.tuning.load_profile`.  A profile tuned on
+        another GPU or another model is refused
+        (:class:`~l2prefetch.tuning.ProfileMismatchError`, naming what
+        differs).  ``eager=False`` by default: the tuner measured captured
+        steps.  Attach the forks with ``hooks.attach(model, controller,
+        profile.hook_points)``.
+        """
+        from .tuning.profile import Profile, load_profile
+        from .tuning.rig import build_controller
+
+        if not isinstance(profile, Profile):
+            profile = load_profile(profile, model, device=device)
+        controller = build_controller(profile.plan, device, eager=eager)
+        if not isinstance(controller, cls):  # pragma: no cover - a subclass asked for itself
+            controller.close()
+            raise TypeError(f"from_profile builds a PrefetchController, not a {cls.__name__}")
         return controller

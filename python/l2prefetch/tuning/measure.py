@@ -1,10 +1,9 @@
 """The tuner's measurement backend on a GPU: the real step, captured as deployed.
 
 Each variant of :class:`~l2prefetch.tuning.search.Variant` becomes a
-controller (:meth:`PrefetchController.from_plan` for the loads,
-:func:`~l2prefetch.tuning.rig.empty_controller` for the control) made with
-``eager=False`` and attached with :func:`l2prefetch.hooks.attach`, the way a
-server deploys it; the step is captured with its hooks in place, several
+controller (:func:`~l2prefetch.tuning.rig.build_controller`: the plan's loads,
+or empty tables for the control) made with ``eager=False`` and attached with
+:func:`l2prefetch.hooks.attach`, the way a server deploys it; the step is captured with its hooks in place, several
 instances per variant, and replayed interleaved (:class:`~l2prefetch.tuning.rig.Rig`).
 
 The probe captures two extra graphs with timing events recorded inside
@@ -121,44 +120,16 @@ class GraphBackend:
 
     # ------------------------------------------------------------------ variants
     def _controller(self, variant: Variant, batch: int) -> Any:
-        """A controller for ``variant`` at ``batch``: one prepared table per role and
-        layer (empty ones for the control), made with ``eager=False`` as deployed.
-        A variant whose roles all fork the same way gets that mode as the
-        controller's; a mixed one sets it per entry."""
-        from .. import PrefetchController, PreparedWeightRanges
+        """A controller for ``variant`` at ``batch`` (:func:`~l2prefetch.tuning.rig.build_controller`:
+        ``eager=False``, as deployed; empty tables for the control)."""
+        from .rig import build_controller
 
-        modes = {setting.graph_fork for _, setting in variant.roles}
-        mixed = len(modes) > 1
-        controller = PrefetchController(self.device.index, eager=False,
-                                        graph_fork="inline" if mixed else modes.pop())
-        try:
-            empties: dict[tuple, Any] = {}
-            for name, setting in variant.roles:
-                role = self._roles[name]
-                carveout = role.default("carveout", None)
-                priority = role.default("priority", False)
-                for site in role.sites:
-                    if variant.empty:
-                        key = (setting.grid, setting.kernel)
-                        table = empties.get(key)
-                        if table is None:
-                            table = empties[key] = PreparedWeightRanges(
-                                [], grid=setting.grid, carveout=carveout, priority=priority,
-                                kernel=setting.kernel, device=self.device.index)
-                    else:
-                        table = PreparedWeightRanges(
-                            site.weights, byte_cap=setting.byte_cap, grid=setting.grid,
-                            carveout=carveout, priority=priority, kernel=setting.kernel,
-                            device=self.device.index)
-                    if mixed:
-                        controller.add(name, site.layer, (batch,), table,
-                                       graph_fork=setting.graph_fork)
-                    else:
-                        controller.add(name, site.layer, (batch,), table)
-        except BaseException:
-            controller.close()
-            raise
-        return controller
+        entries = []
+        for name, setting in variant.roles:
+            entries += self._roles[name].entries(
+                (batch,), byte_cap=setting.byte_cap, grid=setting.grid, kernel=setting.kernel,
+                graph_fork=setting.graph_fork)
+        return build_controller(entries, self.device.index, empty=variant.empty)
 
     def _points(self, variant: Variant) -> dict[str, list]:
         return {name: self._roles[name].hook_sites(self.model) for name, _ in variant.roles}

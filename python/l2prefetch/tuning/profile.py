@@ -123,13 +123,12 @@ class Profile:
         return {point: [(model.get_submodule(path) if path else model, layer)
                         for path, layer in sites] for point, sites in self.sites.items()}
 
-    def controller(self, device: Any = None, **kwargs: Any) -> Any:
+    def controller(self, device: Any = None, *, eager: bool = False) -> Any:
         """A :class:`~l2prefetch.PrefetchController` with the profile's plan
         (``eager=False`` unless given: the tuner measured captured steps)."""
-        from .. import PrefetchController
+        from .rig import build_controller
 
-        kwargs.setdefault("eager", False)
-        return PrefetchController.from_plan(self.plan, device, **kwargs)
+        return build_controller(self.plan, device, eager=eager)
 
 
 def _fail(where: str, what: str) -> ValueError:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
-__all__ = ["Measurement", "Rig", "empty_controller", "spin_cycles_per_us"]
+__all__ = ["Measurement", "Rig", "build_controller", "empty_controller", "spin_cycles_per_us"]
 
 
 def spin_cycles_per_us(device: Any = None) -> float:
@@ -74,6 +74,29 @@ def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optiona
         else:
             controller.add(entry.point, entry.layer, entry.batches, tables[key], graph_fork=mode)
     return controller
+
+
+def build_controller(plan: Sequence[Any], device: Any = None, *, empty: bool = False,
+                     eager: bool = False) -> Any:
+    """A controller for ``plan`` (``empty``: the control, same forks with empty tables).
+
+    When every entry forks the same way into a captured graph, that mode is
+    the controller's and the entries carry none (so this works with any C
+    build); a plan that mixes 'inline' and 'branch' sets the mode per entry.
+    ``eager=False`` by default: a tuned plan is measured and deployed in
+    captured decode steps.
+    """
+    from .. import PrefetchController
+
+    modes = {getattr(entry, "graph_fork", None) or "inline" for entry in plan}
+    mode = "inline"
+    if len(modes) == 1:
+        mode = modes.pop()
+        plan = [dataclasses.replace(entry, graph_fork=None)
+                if getattr(entry, "graph_fork", None) is not None else entry for entry in plan]
+    if empty:
+        return empty_controller(plan, device, graph_fork=mode, eager=eager)
+    return PrefetchController.from_plan(plan, device, graph_fork=mode, eager=eager)
 
 
 @dataclasses.dataclass

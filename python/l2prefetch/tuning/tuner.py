@@ -172,6 +172,9 @@ def _check_number(name: str, value: object, low: float, integer: bool = False) -
 
 def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
                         candidates: object, min_bytes: int) -> list[Role]:
+    if isinstance(candidates, (str, bytes)):
+        raise TypeError("candidates must be None (discover them), a list of role names, or a "
+                        f"list of Role objects, got the string {candidates!r}: wrap it in a list")
     if candidates is None or (isinstance(candidates, Sequence) and candidates
                               and all(isinstance(c, str) for c in candidates)):
         def run() -> Any:
