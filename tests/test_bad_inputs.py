@@ -21,11 +21,13 @@ bad-input table the short form of it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import gc
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -129,9 +131,26 @@ def kimi_layer(layer_idx):
                                                                       down_proj=linear)))
 
 
-def plan_json(**fields):
+def plan_json(version=1, **fields):
     entry = {"point": "attn", "layer": 0, "batches": [1], "weights": ["0.weight"], **fields}
-    return json.dumps({"version": 1, "entries": [entry]})
+    return json.dumps({"version": version, "entries": [entry]})
+
+
+class AddWithoutGraphFork(PC):
+    """A controller whose add() takes no graph_fork= (the C type's before it did)."""
+
+    def add(self, point, layer, batches, ranges):
+        return super().add(point, layer, batches, ranges)
+
+
+class AddWithGraphFork(PC):
+    """A controller whose add() takes graph_fork= and records what it was given."""
+
+    def add(self, point, layer, batches, ranges, **graph_fork):
+        self.__dict__.setdefault("modes", {})[(point, layer)] = graph_fork.pop("graph_fork",
+                                                                             "not passed")
+        assert not graph_fork, graph_fork
+        return super().add(point, layer, batches, ranges)
 
 
 def subprocess_status(*args):
@@ -193,6 +212,10 @@ class Env:
     @functools.cached_property
     def entry(self):        # a plan entry of cuda:0 weights
         return PlanEntry("attn", 0, [1], (cuda_tensor(P0),))
+
+    @functools.cached_property
+    def entry_branch(self):  # ... whose forks go into a captured graph as a side branch
+        return PlanEntry("attn", 0, [1], (cuda_tensor(P0),), graph_fork="branch")
 
     @functools.cached_property
     def model(self):        # a one-layer CPU model for hooks and plan JSON
@@ -598,7 +621,8 @@ ROWS = [
         Returns({"attn": {"forks": 1, "bytes": 4096}})),
     row("PrefetchController.close", "closed (valid: None)", lambda e: e.closed.close(), Returns(None)),
 
-    # ---- PrefetchController.from_plan(plan, device=None, *, kernel=None, graph_fork='inline') --------
+    # ---- PrefetchController.from_plan(plan, device=None, *, kernel=None, graph_fork='inline', eager=True)
+    # ---- and pickling or copying a controller
     row("PrefetchController.from_plan", "plan None", lambda e: PC.from_plan(None),
         Raises(TypeError, r"'NoneType' object is not iterable")),
     row("PrefetchController.from_plan", "a None entry", lambda e: PC.from_plan([e.entry, None]),
@@ -631,7 +655,33 @@ ROWS = [
     row("PrefetchController.from_plan", "eager False (valid: passed on)",
         lambda e: PC.from_plan([e.entry], eager=False).eager, Returns(False)),
 
-    # ---- PlanEntry(point, layer, batches, weights, byte_cap=0, grid=32, carveout=None, priority=False)
+    row("PrefetchController.from_plan", "weights of cuda:1, no device= (the default is cuda:0)",
+        lambda e: PC.from_plan([PlanEntry("attn", 0, [1], (cuda_tensor(P1, device=1),))]),
+        Raises(ValueError, r"plan entry 0 \('attn', layer 0\): the weights are on cuda:1, but no "
+                           r"device= was given and the controller defaulted to cuda:0 .*pass device=1")),
+    row("PrefetchController.from_plan", "weights of cuda:1, device=1 (valid)",
+        lambda e: PC.from_plan([PlanEntry("attn", 0, [1], (cuda_tensor(P1, device=1),))], device=1).device,
+        Returns(1)),
+    row("PrefetchController.from_plan", "an entry's graph_fork, add() without that keyword",
+        lambda e: AddWithoutGraphFork.from_plan([e.entry_branch]),
+        Raises(NotImplementedError, r"plan entry 0 \('attn', layer 0\) sets graph_fork='branch', but "
+                                    r"this build's PrefetchController.add\(\) takes no graph_fork.*"
+                                    r"from_plan\(graph_fork=...\)")),
+    row("PrefetchController.from_plan", "an entry's graph_fork (valid: passed to add() only where set)",
+        lambda e: AddWithGraphFork.from_plan([e.entry_branch, PlanEntry("attn", 1, [1], (cuda_tensor(P0),))]).modes,
+        Returns({("attn", 0): "branch", ("attn", 1): "not passed"})),
+    row("PrefetchController.from_plan", "an entry's kernel (valid: it beats kernel=)",
+        lambda e: PC.from_plan([PlanEntry("attn", 0, [1], (cuda_tensor(P0),), kernel="load")],
+                               kernel="ring").get("attn", 0, 1).kernel,
+        Returns("load")),
+    row("pickle.dumps(PrefetchController)", "a controller", lambda e: pickle.dumps(e.ctl),
+        Raises(TypeError, r"a PrefetchController cannot be pickled or copied: it holds this process's "
+                          r"CUDA stream, events and prepared tables; send the plan instead")),
+    row("copy.copy(PrefetchController)", "a controller", lambda e: copy.copy(e.ctl),
+        Raises(TypeError, r"a PrefetchController cannot be pickled or copied")),
+
+    # ---- PlanEntry(point, layer, batches, weights, byte_cap=0, grid=32, carveout=None, priority=False,
+    #                kernel=None, graph_fork=None)
     row("PlanEntry", "point None", lambda e: PlanEntry(None, 0, [1], (cpu(4),)),
         Raises(TypeError, r"PlanEntry.point must be a non-empty str, got NoneType None")),
     row("PlanEntry", "point empty", lambda e: PlanEntry("", 0, [1], (cpu(4),)),
@@ -691,15 +741,51 @@ ROWS = [
     row("PlanEntry.nbytes", "misaligned weight", lambda e: PlanEntry("p", 0, [1], (misaligned_cpu(),)).nbytes,
         Raises(ValueError, r"16-byte aligned: weight 0 .*on cpu\) starts at 0x[0-9a-f]+, 2 bytes past")),
 
+    row("PlanEntry", "layer 65536 (past the controller's limit)", lambda e: PlanEntry("p", 65536, [1], (cpu(4),)),
+        Raises(ValueError, r"PlanEntry.layer must be at most 65535 \(the controller's limit\), got 65536")),
+    row("PlanEntry", "layer 2**40", lambda e: PlanEntry("p", 2**40, [1], (cpu(4),)),
+        Raises(ValueError, r"PlanEntry.layer must be at most 65535 .*got 1099511627776")),
+    row("PlanEntry", "layer 65535 (valid)", lambda e: PlanEntry("p", 65535, [1], (cpu(4),)).layer, Returns(65535)),
+    row("PlanEntry", "batch 2**40", lambda e: PlanEntry("p", 0, [1, 2**40], (cpu(4),)),
+        Raises(ValueError, r"PlanEntry.batches must hold batches of at most 65535 \(the controller's "
+                           r"limit\), got 1099511627776")),
+    row("PlanEntry", "batch 65535 (valid)", lambda e: PlanEntry("p", 0, [65535], (cpu(4),)).batches,
+        Returns((65535,))),
+    row("PlanEntry", "weights a set", lambda e: PlanEntry("p", 0, [1], {cpu(4), cpu(8)}),
+        Raises(TypeError, r"PlanEntry.weights must be an ordered sequence of tensors, got set, a set; "
+                          r"pass a list or tuple in the order the kernels read them")),
+    row("PlanEntry", "weights a frozenset", lambda e: PlanEntry("p", 0, [1], frozenset([cpu(4)])),
+        Raises(TypeError, r"must be an ordered sequence of tensors, got frozenset, a set")),
+    row("PlanEntry", "weights a dict", lambda e: PlanEntry("p", 0, [1], {"w": cpu(4)}),
+        Raises(TypeError, r"must be an ordered sequence of tensors, got dict, a mapping \(it iterates its keys\)")),
+    row("PlanEntry", "weights a generator (valid: taken in order)",
+        lambda e: len(PlanEntry("p", 0, [1], (cpu(4) for _ in range(3))).weights), Returns(3)),
+    row("PlanEntry", "kernel an int", lambda e: PlanEntry("p", 0, [1], (cpu(4),), kernel=3),
+        Raises(TypeError, r"PlanEntry.kernel must be a kernel variant name \(str\) or None \(the "
+                          r"device's default\), got int 3")),
+    row("PlanEntry", "kernel unknown", lambda e: PlanEntry("p", 0, [1], (cpu(4),), kernel="fast"),
+        Raises(ValueError, r"PlanEntry.kernel 'fast' is not a kernel variant; known: bulk_prefetch, .*ring")),
+    row("PlanEntry", "kernel 'ring' (valid)", lambda e: PlanEntry("p", 0, [1], (cpu(4),), kernel="ring").kernel,
+        Returns("ring")),
+    row("PlanEntry", "graph_fork an int", lambda e: PlanEntry("p", 0, [1], (cpu(4),), graph_fork=1),
+        Raises(TypeError, r"PlanEntry.graph_fork must be 'inline' or 'branch', or None \(the "
+                          r"controller's mode\), got int 1")),
+    row("PlanEntry", "graph_fork a bool", lambda e: PlanEntry("p", 0, [1], (cpu(4),), graph_fork=True),
+        Raises(TypeError, r"PlanEntry.graph_fork must be 'inline' or 'branch'.*got bool True")),
+    row("PlanEntry", "graph_fork unknown", lambda e: PlanEntry("p", 0, [1], (cpu(4),), graph_fork="side"),
+        Raises(ValueError, r"PlanEntry.graph_fork must be 'inline' or 'branch', or None .*got 'side'")),
+    row("PlanEntry", "graph_fork 'branch' (valid)",
+        lambda e: PlanEntry("p", 0, [1], (cpu(4),), graph_fork="branch").graph_fork, Returns("branch")),
+
     # ---- kimi_k3.plan(layers, packed, tp, next_attention=None) --------------------------------------
     row("kimi_k3.plan", "tp 3", lambda e: kimi_k3.plan(e.kimi[1], e.kimi[2], 3),
         Raises(ValueError, r"tp=3 has no next_attention table; supported: \[1, 2, 4, 8\]")),
     row("kimi_k3.plan", "tp a str", lambda e: kimi_k3.plan(e.kimi[1], e.kimi[2], "8"),
-        Raises(ValueError, r"tp='8' has no next_attention table; supported")),
+        Raises(TypeError, r"tp must be an int, the tensor-parallel degree \(one of \[1, 2, 4, 8\]\), got str '8'")),
     row("kimi_k3.plan", "tp None", lambda e: kimi_k3.plan(e.kimi[1], e.kimi[2], None),
-        Raises(ValueError, r"tp=None has no next_attention table")),
+        Raises(TypeError, r"tp must be an int, .*got NoneType None")),
     row("kimi_k3.plan", "layers None", lambda e: kimi_k3.plan(None, {}, 8),
-        Raises(TypeError, r"'NoneType' object is not iterable")),
+        Raises(TypeError, r"layers must be a sequence of decoder layers \(a list or nn.ModuleList\), got NoneType")),
     row("kimi_k3.plan", "a MoE layer without its packed front", lambda e: kimi_k3.plan(e.kimi[1], {}, 8),
         Raises(LookupError, r"packed has no front tensor for MoE layer 1")),
     row("kimi_k3.plan", "layer_idx a str", lambda e: kimi_k3.plan([kimi_layer("1")], {"1": cpu(4)}, 4,
@@ -724,25 +810,50 @@ ROWS = [
         lambda e: kimi_k3.hook_points(e.kimi[1], 8, points=["next"]),
         Raises(ValueError, r"unknown point\(s\) \['next'\]")),
 
+    row("kimi_k3.plan", "tp a bool (True is not TP 1)", lambda e: kimi_k3.plan(e.kimi[1], e.kimi[2], True),
+        Raises(TypeError, r"tp must be an int, the tensor-parallel degree .*got bool True")),
+    row("kimi_k3.plan", "tp a list", lambda e: kimi_k3.plan(e.kimi[1], e.kimi[2], [8]),
+        Raises(TypeError, r"tp must be an int, the tensor-parallel degree .*got list \[8\]")),
+    row("kimi_k3.plan", "tp 3 of a custom table", lambda e: kimi_k3.plan(e.kimi[1], e.kimi[2], 3, {8: {1: 16}}),
+        Raises(ValueError, r"tp=3 has no next_attention table; supported: \[8\] \(pass next_attention=")),
+    row("kimi_k3.plan", "next_attention a list", lambda e: kimi_k3.plan(e.kimi[1], e.kimi[2], 8, [1, 2]),
+        Raises(TypeError, r"next_attention must map tp -> \{batch: cap_mib or \(cap_mib, carveout\)\}, "
+                          r"e.g. \{8: \{1: 16, 2: 16\}\}, got list \[1, 2\]")),
+    row("kimi_k3.plan", "next_attention[tp] a list", lambda e: kimi_k3.plan(e.kimi[1], e.kimi[2], 8, {8: [1, 2]}),
+        Raises(TypeError, r"next_attention\[8\] must map batch -> cap_mib or \(cap_mib, carveout\), "
+                          r"e.g. \{1: 16, 2: 16\}, got list \[1, 2\]")),
+    row("kimi_k3.plan", "layers an int", lambda e: kimi_k3.plan(3, {}, 8),
+        Raises(TypeError, r"layers must be a sequence of decoder layers .*got int")),
+    row("kimi_k3.plan", "layer_idx 2**40", lambda e: kimi_k3.plan([kimi_layer(2**40)], {2**40: cpu(4)}, 4,
+                                                                    points=kimi_k3.POINTS),
+        Raises(ValueError, r"PlanEntry.layer must be at most 65535 .*got 1099511627776")),
+    row("kimi_k3.hook_points", "tp a bool", lambda e: kimi_k3.hook_points(e.kimi[1], True),
+        Raises(TypeError, r"tp must be an int, the tensor-parallel degree .*got bool True")),
+    row("kimi_k3.hook_points", "tp a list", lambda e: kimi_k3.hook_points(e.kimi[1], [8]),
+        Raises(TypeError, r"tp must be an int, .*got list \[8\]")),
+
     # ---- deepseek_v3.plan(model, batches=range(1, 9), next_attention_mib=16, *, ...) ---------------
     row("deepseek_v3.plan", "model None", lambda e: deepseek_v3.plan(None),
         Raises(ValueError, r"NoneType has no decoder layers with self_attn and mlp")),
     row("deepseek_v3.plan", "model without layers", lambda e: deepseek_v3.plan(nn.Linear(2, 2)),
         Raises(ValueError, r"Linear has no decoder layers with self_attn and mlp")),
     row("deepseek_v3.plan", "batches None", lambda e: deepseek_v3.plan(deepseek_model(), None),
-        Raises(TypeError, r"'NoneType' object is not iterable")),
+        Raises(TypeError, r"batches must be an iterable of decode batches \(ints >= 1\), e.g. range\(1, 9\), got NoneType None")),
     row("deepseek_v3.plan", "batches an int", lambda e: deepseek_v3.plan(deepseek_model(), 8),
-        Raises(TypeError, r"'int' object is not iterable")),
+        Raises(TypeError, r"batches must be an iterable of decode batches .*got int 8")),
     row("deepseek_v3.plan", "batch 0", lambda e: deepseek_v3.plan(deepseek_model(), [0]),
-        Raises(ValueError, r"cap table batches must be ints >= 1, got 0")),
+        Raises(ValueError, r"batches must hold ints >= 1, got 0")),
     row("deepseek_v3.plan", "a str batch", lambda e: deepseek_v3.plan(deepseek_model(), ["1"]),
-        Raises(TypeError, r"cap table batches must be ints >= 1, got '1'")),
+        Raises(TypeError, r"batches must hold ints >= 1, got str '1'")),
     row("deepseek_v3.plan", "cap negative", lambda e: deepseek_v3.plan(deepseek_model(), [1], -1),
-        Raises(ValueError, r"cap table entry for batch 1: cap must be an int >= 0 \(MiB\), got -1")),
+        Raises(ValueError, r"next_attention_mib must be a cap in MiB >= 0 \(0: no next_attention\), got -1")),
     row("deepseek_v3.plan", "cap None", lambda e: deepseek_v3.plan(deepseek_model(), [1], None),
-        Raises(TypeError, r"cap table entry for batch 1: cap must be an int >= 0 \(MiB\), got None")),
+        Raises(TypeError, r"next_attention_mib must be a cap in MiB \(an int >= 0\) or a table \{batch: cap_mib or \(cap_mib, carveout\)\}, got NoneType None")),
     row("deepseek_v3.plan", "cap a float", lambda e: deepseek_v3.plan(deepseek_model(), [1], 1.5),
-        Raises(TypeError, r"cap table entry for batch 1: cap must be an int >= 0 \(MiB\), got 1.5")),
+        Raises(TypeError, r"next_attention_mib must be a cap in MiB .*got float 1.5")),
+    row("deepseek_v3.plan", "a negative cap in a table",
+        lambda e: deepseek_v3.plan(deepseek_model(), [1], {1: -1}),
+        Raises(ValueError, r"cap table entry for batch 1: cap must be an int >= 0 \(MiB\), got -1")),
     row("deepseek_v3.plan", "no batches",
         lambda e: deepseek_v3.plan(deepseek_model(), (), points=deepseek_v3.POINTS),
         Raises(ValueError, r"PlanEntry.batches must name at least one batch")),
@@ -761,6 +872,18 @@ ROWS = [
     row("deepseek_v3.hook_points", "an unknown point",
         lambda e: deepseek_v3.hook_points(deepseek_model(), points=["next"]),
         Raises(ValueError, r"unknown point\(s\) \['next'\]")),
+
+    row("deepseek_v3.plan", "batches a str", lambda e: deepseek_v3.plan(deepseek_model(), "18"),
+        Raises(TypeError, r"batches must be an iterable of decode batches .*got str '18'")),
+    row("deepseek_v3.plan", "a bool batch", lambda e: deepseek_v3.plan(deepseek_model(), [True]),
+        Raises(TypeError, r"batches must hold ints >= 1, got bool True")),
+    row("deepseek_v3.plan", "cap a bool", lambda e: deepseek_v3.plan(deepseek_model(), [1], True),
+        Raises(TypeError, r"next_attention_mib must be a cap in MiB .*got bool True")),
+    row("deepseek_v3.plan", "cap a list", lambda e: deepseek_v3.plan(deepseek_model(), [1], [16]),
+        Raises(TypeError, r"next_attention_mib must be a cap in MiB .*got list \[16\]")),
+    row("deepseek_v3.plan", "include_shared_experts a str",
+        lambda e: deepseek_v3.plan(deepseek_model(), include_shared_experts="no"),
+        Raises(TypeError, r"include_shared_experts must be a bool, got str 'no'")),
 
     # ---- hooks.attach(model, controller, points, *, batch_fn=None, join=True) -------------------------
     row("hooks.attach", "model None", lambda e: hooks.attach(None, e.ctl, {}),
@@ -806,8 +929,8 @@ ROWS = [
         Raises(ValueError, r"plan JSON does not parse")),
     row("plan_from_json", "a list", lambda e: plan_from_json("[]", e.model),
         Raises(ValueError, r"plan JSON must be an object with 'version' and 'entries'")),
-    row("plan_from_json", "version 2", lambda e: plan_from_json('{"version": 2, "entries": []}', e.model),
-        Raises(ValueError, r"plan JSON version 2 is not supported; this l2prefetch reads version 1")),
+    row("plan_from_json", "version 3", lambda e: plan_from_json('{"version": 3, "entries": []}', e.model),
+        Raises(ValueError, r"plan JSON version 3 is not supported; this l2prefetch reads versions 1 and 2")),
     row("plan_from_json", "version true", lambda e: plan_from_json('{"version": true, "entries": []}', e.model),
         Raises(ValueError, r"plan JSON version True is not supported")),
     row("plan_from_json", "entries an object", lambda e: plan_from_json('{"version": 1, "entries": {}}', e.model),
@@ -823,6 +946,31 @@ ROWS = [
         Raises(TypeError, r"PlanEntry.layer must be an int >= 0, got str '0'")),
     row("plan_from_json", "grid 0", lambda e: plan_from_json(plan_json(grid=0), e.model),
         Raises(ValueError, r"PlanEntry.grid must be an int in 1\.\.65535, got 0")),
+
+    row("plan_from_json", "100000 nested brackets", lambda e: plan_from_json("[" * 100000, e.model),
+        Raises(ValueError, r"plan JSON does not parse: it is nested too deeply")),
+    row("plan_from_json", "entries nested 100000 deep",
+        lambda e: plan_from_json('{"version": 2, "entries": ' + "[" * 100000, e.model),
+        Raises(ValueError, r"plan JSON does not parse: it is nested too deeply")),
+    row("plan_from_json", "version 1.0", lambda e: plan_from_json('{"version": 1.0, "entries": []}', e.model),
+        Raises(ValueError, r"plan JSON version 1.0 is not supported; this l2prefetch reads versions 1 and 2")),
+    row("plan_from_json", "layer 2**40", lambda e: plan_from_json(plan_json(layer=2**40), e.model),
+        Raises(ValueError, r"PlanEntry.layer must be at most 65535 .*got 1099511627776")),
+    row("plan_from_json", "a version 1 entry with a kernel",
+        lambda e: plan_from_json(plan_json(kernel="ring"), e.model),
+        Raises(ValueError, r"plan JSON entry 0: missing fields \[\], unknown fields \['kernel'\]; "
+                           r"fields of version 1 are")),
+    row("plan_from_json", "an unknown kernel", lambda e: plan_from_json(plan_json(2, kernel="nope"), e.model),
+        Raises(ValueError, r"PlanEntry.kernel 'nope' is not a kernel variant; known:")),
+    row("plan_from_json", "an unknown graph_fork", lambda e: plan_from_json(plan_json(2, graph_fork="side"), e.model),
+        Raises(ValueError, r"PlanEntry.graph_fork must be 'inline' or 'branch', or None .*got 'side'")),
+    row("plan_from_json", "version 2 with kernel and graph_fork (valid)",
+        lambda e: [(x.kernel, x.graph_fork) for x in
+                   plan_from_json(plan_json(2, kernel="ring", graph_fork="branch"), e.model)],
+        Returns([("ring", "branch")])),
+    row("plan_from_json", "a version 1 file (valid: kernel and graph_fork None)",
+        lambda e: [(x.kernel, x.graph_fork) for x in plan_from_json(plan_json(), e.model)],
+        Returns([(None, None)])),
 
     # ---- plan.gate(plan, windows_us, *, bytes_per_us=3.2e6, min_bytes=0) --------------------------------
     row("plan.gate", "plan None", lambda e: gate(None, {}),

@@ -10,7 +10,7 @@ import torch
 
 from l2prefetch import kimi_k3
 from l2prefetch.cli import DEFAULT_DIMS, build_synthetic_kimi, plan_main
-from l2prefetch.plan import plan_from_json
+from l2prefetch.plan import PLAN_JSON_VERSION, plan_from_json
 
 MIB = 2**20
 
@@ -88,7 +88,7 @@ def test_plan_json_round_trips_without_c(capsys):
     assert plan_main(["--tp", "2", "--json", "--layers", "6", "--all-points",
                       "--next-attention-mib", "24"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["version"] == 1
+    assert data["version"] == PLAN_JSON_VERSION
     assert data["entries"][0]["weights"] == ["layers.1.mlp.front_packed"]
     # Layer 2 prefetches layer 3's attention, an MLA with plain tensor attributes.
     layer2 = [e for e in data["entries"] if e["point"] == "next_attention" and e["layer"] == 2]

@@ -285,6 +285,31 @@ def test_bad_points_are_refused(call, bad, error, message):
         call(ForCausalLM(count=2), bad)
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(batches=None), TypeError, r"^batches must be an iterable of decode batches \(ints >= "
+                                    r"1\), e\.g\. range\(1, 9\), got NoneType None$"),
+    (dict(batches=8), TypeError, r"^batches must be an iterable .*got int 8$"),
+    (dict(batches="18"), TypeError, r"^batches must be an iterable .*got str '18'$"),
+    (dict(batches=[1, 0]), ValueError, r"^batches must hold ints >= 1, got 0$"),
+    (dict(batches=[1, 2.0]), TypeError, r"^batches must hold ints >= 1, got float 2.0$"),
+    (dict(batches=[True]), TypeError, r"^batches must hold ints >= 1, got bool True$"),
+    (dict(next_attention_mib=None), TypeError,
+     r"^next_attention_mib must be a cap in MiB \(an int >= 0\) or a table \{batch: cap_mib "
+     r"or \(cap_mib, carveout\)\}, got NoneType None$"),
+    (dict(next_attention_mib=True), TypeError, r"^next_attention_mib must be .*got bool True$"),
+    (dict(next_attention_mib=16.0), TypeError, r"^next_attention_mib must be .*got float 16.0$"),
+    (dict(next_attention_mib=[16]), TypeError, r"^next_attention_mib must be .*got list \[16\]$"),
+    (dict(next_attention_mib=-1), ValueError,
+     r"^next_attention_mib must be a cap in MiB >= 0 \(0: no next_attention\), got -1$"),
+    (dict(include_shared_experts=1), TypeError,
+     r"^include_shared_experts must be a bool, got int 1$"),
+])
+@pytest.mark.parametrize("points", [None, POINTS], ids=["default points", "every point"])
+def test_bad_arguments_are_refused_whatever_the_points(kwargs, error, message, points):
+    with pytest.raises(error, match=message):
+        plan(ForCausalLM(count=2), **kwargs, points=points)
+
+
 def test_plan_with_shared_experts_and_other_batches():
     model = ForCausalLM(count=3, first_dense=0)
     entries = plan(model, batches=(1, 2, 3), next_attention_mib=8, include_shared_experts=True,

@@ -208,12 +208,30 @@ def test_disabled_by_environment(monkeypatch, caplog, value):
         second = attach(model, controller, points_of(model))
     assert all_hooks(model) == []
     assert not first.attached and not second.attached and first.sites == ()
-    messages = [r.getMessage() for r in caplog.records if r.name == "l2prefetch"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "l2prefetch.hooks"]
     assert len(messages) == 1 and "L2PREFETCH_DISABLE" in messages[0]
     model(torch.zeros(1, 1, H))
     first.join()
     first.detach()
     assert controller.calls == []
+
+
+def test_attach_logs_a_summary_at_info(caplog):
+    model, controller = Tiny(3), Recorder()
+    with caplog.at_level(logging.INFO, logger="l2prefetch"):
+        attachment = attach(model, controller, points_of(model))
+        attach(model, controller, {"next_attention": [(model.layers[0].mlp, 0)]}, join=False)
+    records = [r for r in caplog.records if r.name == "l2prefetch.hooks"]
+    assert [r.levelno for r in records] == [logging.INFO, logging.INFO]
+    assert records[0].getMessage() == (
+        f"attach: 5 fork hooks on Tiny (oproj_down: 3 sites, next_attention: 2 sites); "
+        f"a join hook on the root Tiny; ops handle {attachment.op_handle}")
+    assert records[1].getMessage().startswith(
+        "attach: 1 fork hook on Tiny (next_attention: 1 site); no join hook; ops handle ")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="l2prefetch"):
+        attach(model, controller, points_of(model))
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize("value", ["", "0", "false", "no", "off"])

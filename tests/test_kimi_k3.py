@@ -258,6 +258,48 @@ def test_unknown_tp_lists_supported():
         plan([], {}, 16)
 
 
+@pytest.mark.parametrize("tp", [True, False, [8], (8,), 8.0, "8", None])
+def test_tp_must_be_an_int(tp):
+    # True == 1 and hashes like it: without the check, plan(..., True) was the TP-1 plan.
+    layers, packed = make_layers(3)
+    with pytest.raises(TypeError, match=r"^tp must be an int, the tensor-parallel degree "
+                                        r"\(one of \[1, 2, 4, 8\]\), got "
+                                        + type(tp).__name__):
+        plan(layers, packed, tp, CAPS24)
+    with pytest.raises(TypeError, match=r"^tp must be an int"):
+        hook_points(layers, tp)
+
+
+@pytest.mark.parametrize("table, words", [
+    ([1, 2], "next_attention must map tp -> {batch: cap_mib or (cap_mib, carveout)}, "
+             "e.g. {8: {1: 16, 2: 16}}, got list [1, 2]"),
+    ({8: [1, 2]}, "next_attention[8] must map batch -> cap_mib or (cap_mib, carveout), "
+                  "e.g. {1: 16, 2: 16}, got list [1, 2]"),
+    ({8: 16}, "next_attention[8] must map batch -> cap_mib"),
+])
+def test_next_attention_must_be_a_table_per_tp(table, words):
+    layers, packed = make_layers(3)
+    with pytest.raises(TypeError) as info:
+        plan(layers, packed, 8, table)
+    assert str(info.value) == words or str(info.value).startswith(words)
+
+
+def test_layers_must_be_a_sequence():
+    layers, packed = make_layers(3)
+    assert plan(nn.ModuleList(layers), packed, 8, CAPS24) == plan(layers, packed, 8, CAPS24)
+    for bad in (None, 3, iter(layers), "layers"):
+        with pytest.raises(TypeError, match="layers must be a sequence of decoder layers"):
+            plan(bad, packed, 8)
+
+
+def test_attention_weights_are_not_at_the_package_root():
+    import l2prefetch
+
+    assert not hasattr(l2prefetch, "attention_weights")
+    assert "attention_weights" not in l2prefetch.__all__
+    assert "attention_weights" in kimi_k3.__all__
+
+
 def test_missing_packed_front_is_a_clear_error():
     layers, packed = make_layers(3)
     del packed[2]

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import types
+from typing import get_args
 
 import pytest
 
@@ -16,6 +17,11 @@ from torch import nn
 import l2prefetch
 from l2prefetch.plan import (
     DEFAULT_L2_BYTES,
+    GRAPH_FORKS,
+    MAX_BATCH,
+    MAX_LAYER,
+    GraphFork,
+    KernelName,
     PlanEntry,
     cap_groups,
     compact_batches,
@@ -59,8 +65,7 @@ def test_entry_is_frozen_and_slotted():
     entry = PlanEntry("p", 0, (1,), (w(4),))
     with pytest.raises(dataclasses.FrozenInstanceError):
         entry.layer = 2  # type: ignore[misc]
-    if sys.version_info >= (3, 10):
-        assert not hasattr(entry, "__dict__")
+    assert not hasattr(entry, "__dict__")
 
 
 GOOD = dict(point="p", layer=0, batches=(1,), byte_cap=0, grid=32, carveout=None, priority=False)
@@ -131,7 +136,7 @@ def test_settings_decide_table_sharing():
     a, b = w(4, 4), w(8)
     one = PlanEntry("next_attention", 1, (1, 2), (a, b), byte_cap=MIB, carveout=50)
     other = PlanEntry("oproj_down", 7, (5,), [a, b], byte_cap=MIB, carveout=50)
-    assert one.settings == other.settings == ((id(a), id(b)), MIB, 32, 50, False)
+    assert one.settings == other.settings == ((id(a), id(b)), MIB, 32, 50, False, None)
     assert one.settings != PlanEntry("p", 1, (1,), (b, a), byte_cap=MIB, carveout=50).settings
     assert one.settings != PlanEntry("p", 1, (1,), (a, b), byte_cap=MIB).settings
     assert one.settings != PlanEntry("p", 1, (1,), (a, b), byte_cap=MIB, carveout=50,
@@ -159,6 +164,112 @@ def test_names_are_not_weights():
     # Weights are tensors; names belong in the JSON form only.
     with pytest.raises(TypeError):
         PlanEntry("p", 0, (1,), ("model.layers.0.weight",))
+
+
+def test_layer_and_batches_are_bounded_like_the_controller():
+    assert (MAX_LAYER, MAX_BATCH) == (65535, 65535)
+    assert PlanEntry("p", MAX_LAYER, (MAX_BATCH,), (w(4),)).layer == MAX_LAYER
+    with pytest.raises(ValueError, match=r"layer must be at most 65535 \(the controller's limit\), "
+                                         r"got 65536"):
+        PlanEntry("p", MAX_LAYER + 1, (1,), (w(4),))
+    with pytest.raises(ValueError, match=r"at most 65535 .*got 1099511627776"):
+        PlanEntry("p", 0, (1, 2**40), (w(4),))
+
+
+@pytest.mark.parametrize("weights, kind", [
+    (lambda a, b: {a, b}, "set"), (lambda a, b: frozenset((a,)), "frozenset"),
+    (lambda a, b: {"a": a}, "dict"), (lambda a, b: {a: 1}.keys(), "dict_keys"),
+])
+def test_weights_must_be_ordered(weights, kind):
+    a, b = w(4), w(8)
+    with pytest.raises(TypeError, match=f"ordered sequence of tensors, got {kind}, .*list or tuple"):
+        PlanEntry("p", 0, (1,), weights(a, b))
+    # Ordered collections keep their order.
+    assert PlanEntry("p", 0, (1,), {"a": a, "b": b}.values()).weights == (a, b)
+    assert PlanEntry("p", 0, (1,), [b, a]).weights == (b, a)
+
+
+# ----------------------------------------------------------------------------- kernel, graph_fork
+
+def test_kernel_names_are_the_c_extensions():
+    pytest.importorskip("l2prefetch._C", reason="needs the C extension (build it first)")
+    from l2prefetch import _C
+
+    assert set(get_args(KernelName)) == set(_C.kernel_variants()), (
+        "plan.KernelName must list exactly l2prefetch.kernel_variants(): update it")
+    assert GRAPH_FORKS == ("inline", "branch") == get_args(GraphFork)
+
+
+def test_annotations_name_the_literal_types():
+    from collections.abc import Sequence
+    from typing import Optional, get_type_hints
+
+    from l2prefetch import PrefetchController, hooks
+
+    hints = get_type_hints(PlanEntry, localns={"torch": torch})
+    assert hints["kernel"] == Optional[KernelName]
+    assert hints["graph_fork"] == Optional[GraphFork]
+    assert hints["weights"] == Sequence[torch.Tensor]
+    hints = get_type_hints(PrefetchController.from_plan, localns={"torch": torch})
+    assert hints["kernel"] == Optional[KernelName] and hints["graph_fork"] == GraphFork
+    hints = get_type_hints(hooks.attach, localns={"torch": torch})
+    assert hints["model"] is torch.nn.Module and hints["controller"] is hooks.Controller
+
+
+def test_kernel_and_graph_fork_default_to_none():
+    entry = PlanEntry("p", 0, (1,), (w(4),))
+    assert (entry.kernel, entry.graph_fork) == (None, None)
+    for kernel in get_args(KernelName):
+        assert PlanEntry("p", 0, (1,), (w(4),), kernel=kernel).kernel == kernel
+    for mode in GRAPH_FORKS:
+        assert PlanEntry("p", 0, (1,), (w(4),), graph_fork=mode).graph_fork == mode
+
+
+@pytest.mark.parametrize("field, value, error, words", [
+    ("kernel", 3, TypeError, ["PlanEntry.kernel", "variant name (str) or None", "int 3"]),
+    ("kernel", b"ring", TypeError, ["PlanEntry.kernel", "bytes"]),
+    ("kernel", "Ring", ValueError, ["'Ring' is not a kernel variant", "known: ", "ring,",
+                                    "line_prefetch", "None for the device's default"]),
+    ("kernel", "", ValueError, ["'' is not a kernel variant"]),
+    ("graph_fork", 0, TypeError, ["PlanEntry.graph_fork", "'inline' or 'branch'", "int 0"]),
+    ("graph_fork", "Inline", ValueError, ["'inline' or 'branch', or None", "'Inline'"]),
+])
+def test_kernel_and_graph_fork_are_checked(field, value, error, words):
+    with pytest.raises(error) as info:
+        PlanEntry(**{**GOOD, field: value}, weights=(w(4),))
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_kernel_is_checked_only_when_named(fake_c):
+    # The stand-in _C has no kernel_variants: entries without a kernel never ask for it.
+    PlanEntry("p", 0, (1,), (w(4),), graph_fork="branch")
+    fake_c.kernel_variants = lambda: {"only": {}}
+    assert PlanEntry("p", 0, (1,), (w(4),), kernel="only").kernel == "only"
+    with pytest.raises(ValueError, match="known: only "):
+        PlanEntry("p", 0, (1,), (w(4),), kernel="ring")
+
+
+def test_settings_and_equality_with_kernel_and_graph_fork():
+    a = w(4, 4)
+    plain = PlanEntry("p", 0, (1,), (a,))
+    ring = PlanEntry("p", 0, (1,), (a,), kernel="ring")
+    branch = PlanEntry("p", 0, (1,), (a,), graph_fork="branch")
+    # kernel changes the table; graph_fork only how the controller forks.
+    assert ring.settings[-1] == "ring" and ring.settings != plain.settings
+    assert branch.settings == plain.settings
+    assert len({plain, ring, branch}) == 3
+    assert branch == PlanEntry("p", 0, (1,), (a,), graph_fork="branch")
+    assert branch != PlanEntry("p", 0, (1,), (a,), graph_fork="inline")
+
+
+def test_repr_shows_kernel_and_graph_fork_only_when_set():
+    a = w(4)
+    assert "kernel" not in repr(PlanEntry("p", 0, (1,), (a,)))
+    assert "graph_fork" not in repr(PlanEntry("p", 0, (1,), (a,)))
+    text = repr(PlanEntry("p", 0, (1,), (a,), kernel="load", graph_fork="branch"))
+    assert text.endswith("priority=False, kernel='load', graph_fork='branch')")
+    assert "graph_fork" not in repr(PlanEntry("p", 0, (1,), (a,), kernel="load"))
 
 
 # ----------------------------------------------------------------------------- nbytes
@@ -247,6 +358,25 @@ def test_format_plan_other_l2_and_empty(fake_c):
             format_plan(plan, l2_bytes=bad)
 
 
+def test_format_plan_shows_kernel_and_graph_fork_columns_only_when_set(fake_c):
+    fake_c.kernel_variants = lambda: dict.fromkeys(get_args(KernelName), {})
+    a = w(MIB // 2)
+    plain = [PlanEntry("p", 0, (1,), (a,))]
+    assert "kernel" not in format_plan(plain) and "graph fork" not in format_plan(plain)
+    lines = format_plan([*plain, PlanEntry("q", 1, (1,), (a,), kernel="load")]).splitlines()
+    assert "| point | layer | batches | tensors | MiB | % of L2 | kernel |" in lines
+    assert "| p | 0 | 1 | 1 | 1.00 | 1.7% | default |" in lines
+    assert "| q | 1 | 1 | 1 | 1.00 | 1.7% | load |" in lines
+    assert all("graph fork" not in line for line in lines)
+    lines = format_plan([*plain, PlanEntry("q", 1, (1,), (a,), graph_fork="branch"),
+                         PlanEntry("r", 1, (1,), (a,), kernel="ring")]).splitlines()
+    assert "| point | layer | batches | tensors | MiB | % of L2 | kernel | graph fork |" in lines
+    assert "|---|---:|---|---:|---:|---:|---|---|" in lines
+    assert "| p | 0 | 1 | 1 | 1.00 | 1.7% | default | controller |" in lines
+    assert "| q | 1 | 1 | 1 | 1.00 | 1.7% | default | branch |" in lines
+    assert "| r | 1 | 1 | 1 | 1.00 | 1.7% | ring | controller |" in lines
+
+
 # ----------------------------------------------------------------------------- JSON
 
 class Attention(nn.Module):
@@ -287,11 +417,11 @@ def test_json_round_trip(model):
     plan = sample_plan(model)
     text = plan_to_json(plan, model)
     data = json.loads(text)
-    assert data["version"] == 1
+    assert data["version"] == 2
     assert data["entries"][0] == {
         "point": "oproj_down", "layer": 0, "batches": [3, 4, 5, 6, 7, 8],
         "weights": ["layers.0.front"], "byte_cap": 0, "grid": 8, "carveout": 100,
-        "priority": True}
+        "priority": True, "kernel": None, "graph_fork": None}
     assert data["entries"][1]["weights"] == [
         "layers.1.self_attn.q_proj.weight", "layers.1.self_attn.W_UK_T",
         "layers.1.self_attn.o_proj.weight"]
@@ -299,6 +429,38 @@ def test_json_round_trip(model):
     back = plan_from_json(text, model)
     assert back == plan
     assert all(a is b for x, y in zip(back, plan) for a, b in zip(x.weights, y.weights))
+
+
+def test_json_round_trip_of_kernel_and_graph_fork(model):
+    one, two = model.layers
+    plan = [PlanEntry("oproj_down", 0, (1,), (one.front,), kernel="load", graph_fork="branch"),
+            PlanEntry("oproj_down", 1, (1,), (two.front,), graph_fork="inline"),
+            PlanEntry("oproj_down", 2, (1,), (two.front,))]
+    text = plan_to_json(plan, model)
+    entries = json.loads(text)["entries"]
+    assert [(e["kernel"], e["graph_fork"]) for e in entries] == [
+        ("load", "branch"), (None, "inline"), (None, None)]
+    back = plan_from_json(text, model)
+    assert back == plan
+    assert [(e.kernel, e.graph_fork) for e in back] == [
+        ("load", "branch"), (None, "inline"), (None, None)]
+
+
+def test_json_reads_version_1(model):
+    # What plan_to_json wrote before entries had a kernel and a graph_fork.
+    data = json.loads(plan_to_json(sample_plan(model), model))
+    for entry in data["entries"]:
+        del entry["kernel"], entry["graph_fork"]
+    back = plan_from_json(json.dumps({"version": 1, "entries": data["entries"]}), model)
+    assert back == sample_plan(model)
+    assert all((e.kernel, e.graph_fork) == (None, None) for e in back)
+    # Version 1 knows no kernel; version 2 may leave it out.
+    data["entries"][0]["kernel"] = "load"
+    with pytest.raises(ValueError, match=r"unknown fields \['kernel'\]; fields of version 1"):
+        plan_from_json(json.dumps({"version": 1, "entries": data["entries"]}), model)
+    del data["entries"][0]["kernel"]
+    assert plan_from_json(json.dumps({"version": 2, "entries": data["entries"]}),
+                          model) == sample_plan(model)
 
 
 def test_json_resolves_into_another_instance():
@@ -335,7 +497,10 @@ def test_json_reports_unresolvable_names(model):
 @pytest.mark.parametrize("text, words", [
     ("not json", "does not parse"),
     ("[]", "'version'"),
-    ('{"version": 2, "entries": []}', "version 2 is not supported"),
+    ('{"version": 3, "entries": []}', "version 3 is not supported; this l2prefetch reads "
+                                      "versions 1 and 2"),
+    ('{"version": "2", "entries": []}', "version '2' is not supported"),
+    ("[" * 100000, "nested too deeply"),
     ('{"version": 1}', "'entries' must be a list"),
     ('{"version": 1, "entries": [3]}', "entry 0 must be an object"),
     ('{"version": 1, "entries": [{"point": "p", "layer": 0, "batches": [1]}]}',

@@ -3,7 +3,7 @@
 Small-batch decode is bound by HBM bandwidth.  At fixed points of each layer,
 :class:`PrefetchController` launches a small kernel on a side CUDA stream that
 loads the byte ranges of the weights the next kernels will read into L2, so
-they start warm.  See README.md for the five-line integration.
+they start warm.  See README.md for how to integrate it.
 
 Importing this package needs neither a GPU, nor the CUDA driver, nor torch:
 the driver and NVRTC are loaded on first use.  ``L2PREFETCH_DISABLE=1`` in the
@@ -27,7 +27,9 @@ from ._C import (
 from .controller import PrefetchController
 from .plan import PlanEntry
 
-logging.getLogger("l2prefetch").addHandler(logging.NullHandler())
+# Modules log to child loggers (l2prefetch.controller, l2prefetch.hooks); the
+# application decides where records go.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "__version__",
@@ -39,7 +41,6 @@ __all__ = [
     "PlanEntry",
     "PrefetchController",
     "PreparedWeightRanges",
-    "attention_weights",
     "compute_ranges",
     "disabled",
     "kernel_variants",
@@ -49,10 +50,3 @@ __all__ = [
 def disabled() -> bool:
     """Whether L2PREFETCH_DISABLE asks for no prefetching (1, true, yes, on)."""
     return os.environ.get("L2PREFETCH_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def attention_weights(attention):
-    """The next layer's attention weights in consumption order (the seed's list)."""
-    from .kimi_k3 import attention_weights as weights
-
-    return weights(attention)

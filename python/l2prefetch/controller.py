@@ -1,39 +1,241 @@
-"""The controller as users see it: the C type plus building it from a plan."""
+"""The controller as users see it: the C type, plus building it from a plan.
+
+:class:`PrefetchController` subclasses the C type, so fork and join stay C
+methods.  This module adds :meth:`PrefetchController.from_plan` and
+:meth:`PrefetchController.from_profile`, refuses
+pickling with a clear error, and logs at INFO (logger ``l2prefetch.controller``)
+what was loaded the first time an enabled controller is built in the process
+(the CUDA driver, NVRTC, the kernels compiled or read from the disk cache) and
+a summary of each plan prepared.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 from . import _C
-from .plan import PlanEntry
+from .plan import GraphFork, KernelName, PlanEntry, _per_batch, compact_batches
 
-logger = logging.getLogger("l2prefetch")
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["DeviceLike", "PrefetchController"]
+
+logger = logging.getLogger(__name__)
+
+#: What ``device=`` takes: None (torch's current device), an index, 'cuda' / 'cuda:N'
+#: or a torch.device.
+DeviceLike = Union[None, int, str, "torch.device"]
+
+# Whether the driver and NVRTC were logged, and which kernel records were: each
+# is logged once per process (only while INFO is enabled, so that building a
+# controller with logging off loads nothing extra).
+_log_lock = threading.Lock()
+_runtime_logged = False
+_kernels_logged: set = set()
+
+# The C type's own __init__, if it has one (today it builds everything in __new__).
+_BASE_INIT = _C.PrefetchController.__init__
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _log_runtime() -> None:
+    """At INFO, once per process: the CUDA driver and NVRTC in use (paths, versions)."""
+    global _runtime_logged
+    if _runtime_logged or not logger.isEnabledFor(logging.INFO):
+        return
+    with _log_lock:
+        if _runtime_logged:
+            return
+        _runtime_logged = True
+    try:
+        driver = _C.driver_info()
+    except Exception as exc:  # noqa: BLE001 - a log line, never a failure
+        logger.info("CUDA driver: unavailable (%s)", _first_line(exc))
+    else:
+        version = driver.get("version")
+        if isinstance(version, int):
+            version = f"{version // 1000}.{version % 1000 // 10}"
+        count = driver.get("device_count")
+        logger.info("CUDA driver %s from %s (%s device%s)", version, driver.get("path"), count,
+                    "" if count == 1 else "s")
+    try:
+        nvrtc = _C.nvrtc_info()
+    except Exception as exc:  # noqa: BLE001
+        logger.info("NVRTC: unavailable (%s); kernels can come only from the disk cache",
+                    _first_line(exc))
+    else:
+        version = nvrtc.get("version")
+        if isinstance(version, tuple):
+            version = ".".join(str(part) for part in version)
+        logger.info("NVRTC %s from %s", version, nvrtc.get("path"))
+
+
+def _kernel_record(key: Any, record: Any) -> tuple[Any, str]:
+    """(identity, text) of one record of ``_C.kernel_cache_info()``.
+
+    A record is a mapping with the variant (``variant`` or ``name``), ``sm``,
+    where the image came from (``source``, or a bool ``cache_hit``) and the
+    time it took (``ms``); other forms are logged as they are.
+    """
+    if not isinstance(record, Mapping):
+        return (key, repr(record)), f"{key}: {record!r}"
+    name = record.get("variant", record.get("name", key))
+    sm = record.get("sm")
+    source = record.get("source")
+    if source is None and "cache_hit" in record:
+        source = "disk cache hit" if record["cache_hit"] else "compiled"
+    ms = record.get("ms")
+    text = f"{name}" + (f" for sm_{sm}" if sm is not None else "")
+    text += f": {source}" if source is not None else ""
+    text += f" in {ms:.1f} ms" if isinstance(ms, (int, float)) else ""
+    known = {"variant", "name", "sm", "source", "cache_hit", "ms"}
+    rest = {k: v for k, v in record.items() if k not in known}
+    if rest:
+        text += " (" + ", ".join(f"{k}={v}" for k, v in rest.items()) + ")"
+    return (name, sm, source, ms), text
+
+
+def _log_kernels() -> None:
+    """At INFO: each kernel not logged yet, compiled or a disk-cache hit, and its time.
+
+    Needs ``_C.kernel_cache_info()``; a build without it logs no kernels.
+    """
+    info_of = getattr(_C, "kernel_cache_info", None)
+    if info_of is None or not logger.isEnabledFor(logging.INFO):
+        return
+    try:
+        info = info_of()
+    except Exception as exc:  # noqa: BLE001
+        logger.debug("kernel_cache_info() failed: %s", _first_line(exc))
+        return
+    records = info.items() if isinstance(info, Mapping) else enumerate(info)
+    for key, record in records:
+        identity, text = _kernel_record(key, record)
+        with _log_lock:
+            if identity in _kernels_logged:
+                continue
+            _kernels_logged.add(identity)
+        logger.info("kernel %s", text)
+
+
+def _check_default_device(entries: list[PlanEntry], device: int) -> None:
+    """Raise if an entry's weights are on another CUDA device than the defaulted one."""
+    for i, entry in enumerate(entries):
+        where = entry.weights[0].device  # PlanEntry: one device per entry
+        if where.type == "cuda" and where.index is not None and where.index != device:
+            raise ValueError(
+                f"plan entry {i} ({entry.point!r}, layer {entry.layer}): the weights are on "
+                f"cuda:{where.index}, but no device= was given and the controller defaulted "
+                f"to cuda:{device} (torch's current device); pass device={where.index} to "
+                "from_plan (or make that device current)")
+
+
+def _add(controller: PrefetchController, index: int, entry: PlanEntry,
+         ranges: _C.PreparedWeightRanges) -> None:
+    """controller.add for one entry, with ``graph_fork=`` only where the entry sets it."""
+    if entry.graph_fork is None:
+        controller.add(entry.point, entry.layer, entry.batches, ranges)
+        return
+    try:
+        controller.add(entry.point, entry.layer, entry.batches, ranges,  # type: ignore[call-arg]
+                       graph_fork=entry.graph_fork)
+    except TypeError as exc:
+        if "keyword" not in str(exc):
+            raise
+        raise NotImplementedError(
+            f"plan entry {index} ({entry.point!r}, layer {entry.layer}) sets "
+            f"graph_fork={entry.graph_fork!r}, but this build's PrefetchController.add() "
+            "takes no graph_fork (per-entry graph forks need a newer l2prefetch C "
+            "extension); leave PlanEntry.graph_fork None and choose the mode for the "
+            "whole controller with from_plan(graph_fork=...)") from exc
+
+
+def _log_plan(controller: PrefetchController, entries: list[PlanEntry],
+              tables: list[_C.PreparedWeightRanges]) -> None:
+    """At INFO: entries, tables, points, kernels and bytes per decode step by batch."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    points: dict[str, int] = {}
+    per_batch: dict[int, int] = {}
+    own_modes: dict[str, int] = {}   # entries whose graph_fork is not the controller's
+    for entry, ranges in zip(entries, tables):
+        points[entry.point] = points.get(entry.point, 0) + 1
+        if entry.graph_fork is not None and entry.graph_fork != controller.graph_fork:
+            own_modes[entry.graph_fork] = own_modes.get(entry.graph_fork, 0) + 1
+        for batch in entry.batches:
+            per_batch[batch] = per_batch.get(batch, 0) + ranges.nbytes
+    distinct = {id(ranges): ranges for ranges in tables}.values()
+    kernels = sorted({ranges.kernel for ranges in distinct})
+    logger.info(
+        "from_plan: %d entries in %d tables on cuda:%d; points %s; kernels %s; "
+        "graph_fork %r%s; MiB per decode step by batch (%s): %s",
+        len(entries), len(distinct), controller.device,
+        ", ".join(f"{p} ({n})" for p, n in points.items()) or "none",
+        ", ".join(kernels) or "none", controller.graph_fork,
+        "".join(f" ({mode!r} for {n} entr{'y' if n == 1 else 'ies'})"
+                for mode, n in own_modes.items()),
+        compact_batches(per_batch) or "none", _per_batch(per_batch) or "none")
 
 
 class PrefetchController(_C.PrefetchController):
     """Prefetch launches per (point, layer, batch) on one side stream of one device.
 
-    The hot methods (fork, join) are the C type's; this subclass adds only
-    :meth:`from_plan`.
+    The hot methods (fork, join) are the C type's; this subclass adds
+    :meth:`from_plan`, logging, and a clear refusal to be pickled or copied
+    (a controller holds this process's CUDA stream, events and tables).
     """
 
     __slots__ = ()
 
+    if TYPE_CHECKING:  # the C type's signature, for type checkers
+        def __init__(self, device: DeviceLike = None, *, graph_fork: GraphFork = "inline",
+                     eager: bool = True) -> None: ...
+    else:
+        def __init__(self, *args, **kwargs):
+            # The C type's __new__ parsed and checked the arguments; forward them to
+            # its own __init__ where it has one.
+            if _BASE_INIT is not object.__init__:
+                _BASE_INIT(self, *args, **kwargs)
+            if self.enabled:
+                _log_runtime()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError(
+            "a PrefetchController cannot be pickled or copied: it holds this process's CUDA "
+            "stream, events and prepared tables; send the plan instead "
+            "(l2prefetch.plan.plan_to_json) and build a controller where it is used "
+            "(PrefetchController.from_plan)")
+
+    def __reduce__(self) -> NoReturn:
+        self.__reduce_ex__(0)
+
     @classmethod
-    def from_plan(cls, plan: Iterable[PlanEntry], device=None, *, kernel: str | None = None,
-                  graph_fork: str = "inline", eager: bool = True) -> "PrefetchController":
+    def from_plan(cls, plan: Iterable[PlanEntry], device: DeviceLike = None, *,
+                  kernel: Optional[KernelName] = None, graph_fork: GraphFork = "inline",
+                  eager: bool = True) -> PrefetchController:
         """Prepare and register every entry of plan.
 
+        ``device``: where the controller runs (None: torch's current device;
+        every entry's weights must be on it).  ``kernel``: the loader variant
+        for entries whose ``kernel`` is None (None: the device's default).
         ``graph_fork`` and ``eager`` are the constructor's: how forks go into a
-        CUDA graph being captured ('inline', the default, or 'branch'), and
-        whether forks outside a capture launch (False: they return False; a
-        host-bound eager decode step only pays their host time).
+        CUDA graph being captured ('inline', the default, or 'branch'; an
+        entry's own ``graph_fork`` overrides it for that entry), and whether
+        forks outside a capture launch (False: they return False; a host-bound
+        eager decode step only pays their host time).
 
         Entries with the same weights (by identity) and the same byte_cap,
-        grid, carveout and priority share one PreparedWeightRanges.  With
-        L2PREFETCH_DISABLE set, nothing is prepared (no compile, no GPU work)
-        and the controller's forks return False.
+        grid, carveout, priority and kernel share one PreparedWeightRanges.
+        With L2PREFETCH_DISABLE set, nothing is prepared (no compile, no GPU
+        work) and the controller's forks return False.
         """
         entries = list(plan)
         for i, entry in enumerate(entries):
@@ -43,16 +245,51 @@ class PrefetchController(_C.PrefetchController):
         if not controller.enabled:
             logger.info("L2PREFETCH_DISABLE is set: %d plan entries not prepared", len(entries))
             return controller
-        prepared: dict[tuple, _C.PreparedWeightRanges] = {}
-        for entry in entries:
-            ranges = prepared.get(entry.settings)
-            if ranges is None:
-                ranges = _C.PreparedWeightRanges(
-                    entry.weights, byte_cap=entry.byte_cap, grid=entry.grid,
-                    carveout=entry.carveout, priority=entry.priority, kernel=kernel,
-                    device=controller.device)
-                prepared[entry.settings] = ranges
-            controller.add(entry.point, entry.layer, entry.batches, ranges)
-        logger.debug("prepared %d tables for %d plan entries on cuda:%d", len(prepared),
-                     len(entries), controller.device)
+        try:
+            if device is None:
+                _check_default_device(entries, controller.device)
+            prepared: dict[tuple, _C.PreparedWeightRanges] = {}
+            tables = []
+            for i, entry in enumerate(entries):
+                table_kernel = entry.kernel if entry.kernel is not None else kernel
+                key = (*entry.settings[:-1], table_kernel)
+                ranges = prepared.get(key)
+                if ranges is None:
+                    ranges = _C.PreparedWeightRanges(
+                        entry.weights, byte_cap=entry.byte_cap, grid=entry.grid,
+                        carveout=entry.carveout, priority=entry.priority, kernel=table_kernel,
+                        device=controller.device)
+                    prepared[key] = ranges
+                _add(controller, i, entry, ranges)
+                tables.append(ranges)
+        except BaseException:
+            controller.close()
+            raise
+        _log_kernels()
+        _log_plan(controller, entries, tables)
+        return controller
+
+    @classmethod
+    def from_profile(cls, profile: Any, model: Any, device: DeviceLike = None, *,
+                     eager: bool = False) -> PrefetchController:
+        """A controller with a tuned profile's plan, for ``model`` at server start.
+
+        ``profile`` is the path of a profile written by ``python -m l2prefetch
+        tune`` (or :meth:`l2prefetch.tuning.TuneResult.save`), or one already
+        read with :func:`l2prefetch.tuning.load_profile`.  A profile tuned on
+        another GPU or another model is refused
+        (:class:`~l2prefetch.tuning.ProfileMismatchError`, naming what
+        differs).  ``eager=False`` by default: the tuner measured captured
+        steps.  Attach the forks with ``hooks.attach(model, controller,
+        profile.hook_points)``.
+        """
+        from .tuning.profile import Profile, load_profile
+        from .tuning.rig import build_controller
+
+        if not isinstance(profile, Profile):
+            profile = load_profile(profile, model, device=device)
+        controller = build_controller(profile.plan, device, eager=eager)
+        if not isinstance(controller, cls):  # pragma: no cover - a subclass asked for itself
+            controller.close()
+            raise TypeError(f"from_profile builds a PrefetchController, not a {cls.__name__}")
         return controller

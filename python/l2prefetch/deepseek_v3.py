@@ -1,60 +1,36 @@
 """A prefetch policy for Hugging Face transformers' DeepSeek-V3 (``DeepseekV3ForCausalLM``).
 
-Where a decode layer leaves HBM bandwidth idle, and what it reads next
-(one MoE layer at batch 1 in graph replay on the H200, h200-facts.md)::
+A decode layer leaves HBM bandwidth idle in its norms, its router and its
+attention glue; this policy maps two points of the Kimi policy onto HF's
+modules (:data:`POINTS`).  **By default it forks nowhere**
+(:data:`DEFAULT_POINTS` is empty): neither point paid on the H200
+(benchmarks/RESULTS.md, Headlines: ``next_attention`` in HF DeepSeek-V3
+decode graphs, ``oproj_down`` in the Kimi-shaped layers).  Pass ``points=``
+to opt in, and measure against the empty-fork control:
 
-    input RMSNorm 15 us | q_a_proj 12 MiB | q_a_layernorm 14 us | q_b_proj 18 MiB
-    | kv_a_proj 4.5 MiB | kv_a_layernorm 15 us | RoPE + cache 37 us | kv_b_proj 8 MiB
-    | copies + SDPA 35 us | o_proj 32 MiB | post-attention RMSNorm 15 us
-    | router 56 us (22 small kernels) | routed experts 193 us (HBM-bound, evict L2)
-    | shared experts 3 x 12 MiB
+* ``oproj_down``: after ``self_attn.o_proj`` of each MoE layer, prefetch the
+  router weight ``mlp.gate.weight``, which the router's GEMV reads after the
+  post-attention RMSNorm.  Critical path, so the Kimi front's settings: grid
+  8, carveout 100, top priority.  A router weight is small (0.25 MiB in the
+  benchmark model), and a load that small gains less than its fork costs
+  (RESULTS.md, "The effect").  ``include_shared_experts=True`` adds the shared
+  experts to this entry, for measuring: in HF's ``DeepseekV3MoE.forward`` they
+  run after the routed experts, which stream hundreds of MiB through L2 and
+  evict what was loaded before them.
 
-The idle windows are the norms (11-21 us), the router (56-68 us) and the
-attention glue (35-49 us).  The loader moves about 2 TB/s x (window - 2 us)
-and a fork costs 0.3-1.0 us in a replayed graph even when empty.  This policy
-maps two points of the Kimi policy onto HF's modules (:data:`POINTS`).  **By
-default it forks nowhere** (:data:`DEFAULT_POINTS` is empty): on the H200 neither
-point paid in the benchmark model (benchmarks/RESULTS.md, run 8); pass
-``points=`` to opt in and measure against the empty-fork control:
-
-* ``oproj_down``, *not forked by default*: after ``self_attn.o_proj`` of each
-  MoE layer, prefetch the router weight ``mlp.gate.weight``.  Its window is
-  the post-attention RMSNorm; the router's GEMV reads it right after.
-  Critical path, so the Kimi front's settings: grid 8, carveout 100, top
-  priority.  Left out because the router weight is too small to pay for its
-  fork: 0.25 MiB in the benchmark model, and on the H200 the effect table
-  (benchmarks/RESULTS.md, W = 1.8 MiB rows) shows a cold-to-hot gap of at
-  most ~0.2 us at that size, while an inline fork node costs ~0.3-0.5 us in a
-  replayed graph; in the Kimi-shaped two-layer benchmark the same point never
-  paid at any TP (caps section, "The other points").  ``points=POINTS`` (or
-  ``points=("oproj_down", "next_attention")``) restores it.
-
-  The shared experts are *not* prefetched there even then, by default.  In
-  HF's ``DeepseekV3MoE.forward`` they run after the routed experts, which
-  stream hundreds of MiB through the 60 MiB L2 and evict anything loaded
-  before them; and forking after the routed experts leaves no window (the
-  loader would compete with the shared experts themselves: -1.1 to -2.9 us at
-  32 MiB and T=0 in the facts).  ``include_shared_experts=True`` adds them to
-  the ``oproj_down`` entry anyway, for measuring that claim (it changes
-  nothing unless ``oproj_down`` is among the points).
-
-* ``next_attention``, *not forked by default either*: after ``mlp`` (the whole
-  MLP / MoE block) of every layer that has a following layer, prefetch the
-  next layer's attention weights in consumption order (``q_a_proj`` or
-  ``q_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``,
-  ``o_proj``), capped per batch.  The window is the residual add and the next
-  input RMSNorm (~15 us), so the cap is 16 MiB (~10 us of loading plus the
-  launch).  Measured in HF DeepSeek-V3 decode graphs (7 instances per variant)
-  the five forks' loads made the step 8-19 us slower than the same forks with
-  empty tables at every batch (0.9915-0.9963x against no forks), and the
-  report's glue section shows why: in a window of small kernels that touch
-  memory (a norm is one), the loader slows those kernels by about what it
-  saves the consumer, while a spin of the same length showed a gain.
-  ``points=("next_attention",)`` turns it on.  The fork is after ``mlp`` rather
-  than after ``mlp.experts`` or the router because in HF the shared experts
-  come last: forking earlier makes the loader compete with HBM-bound expert
-  GEMMs (or be evicted by them).  Dense layers get it too: a dense MLP also
-  streams far more than L2 and is followed by the same norm window.
+* ``next_attention``: after ``mlp`` (the whole MLP / MoE block) of every
+  layer that has a following layer, prefetch the next layer's attention
+  weights in consumption order (``q_a_proj`` or ``q_proj``, ``q_b_proj``,
+  ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``), capped per batch.  The
+  window is the residual add and the next input RMSNorm (~15 us), so the cap
+  is 16 MiB.  The fork is after ``mlp`` rather than the router or
+  ``mlp.experts`` because in HF the shared experts come last: forking earlier
+  makes the loader compete with the HBM-bound expert GEMMs.  Dense layers get
+  it too: a dense MLP also streams far more than L2 and is followed by the
+  same norm window.  In the real model its loads made the step slower than
+  the same forks with empty tables, because a norm is a small kernel that
+  touches memory, and the loader slows such kernels by about what it saves
+  (RESULTS.md, Headlines, "small kernels that touch memory").
 
 Layer indices are positions in the decoder's ``layers`` list (HF's
 ``layer_idx``); :func:`plan` and :func:`hook_points` agree on them.  Every
@@ -65,9 +41,12 @@ weight is the model's own tensor, so plans can be stored with
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .plan import CapSpec, PlanEntry, cap_groups, select_points
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 __all__ = [
     "ATTENTION_PROJECTIONS",
@@ -88,25 +67,17 @@ __all__ = [
 FRONT_GRID = 8
 #: Shared-memory carveout (percent) of the critical-path router load.
 FRONT_CARVEOUT = 100
-#: Loader CTAs for the next attention (the facts' 32-CTA bulk-copy ring: ~2.1 TB/s).
+#: Loader CTAs for the next attention (the default ring kernel at 32 CTAs: ~2 TB/s).
 NEXT_GRID = 32
 #: next_attention cap in MiB when that point is chosen: fits the ~15 us norm window.
-#: Not forked by default (see :data:`DEFAULT_POINTS`).
 NEXT_ATTENTION_MIB = 16
 
 #: The policy's fork points, in a layer's order.
 POINTS = ("oproj_down", "next_attention")
 
-#: The points :func:`plan` and :func:`hook_points` fork at by default: none.
-#: ``oproj_down`` loads just the router weight ``mlp.gate.weight`` (0.25 MiB in
-#: the benchmark model); on the H200 the effect table (benchmarks/RESULTS.md,
-#: W = 1.8 MiB rows) puts the cold-to-hot gap of a weight that small at ~0.2 us
-#: at most, while an inline fork node costs ~0.3-0.9 us in a replayed graph, and
-#: in the Kimi-shaped two-layer benchmark the oproj_down point never paid at any
-#: TP (caps section, "The other points").  ``next_attention``'s loads lost 8-19 us
-#: per step against its empty-fork control in the real model at batch 1-8
-#: (RESULTS.md, "Run 8, continued").  ``points=("next_attention",)`` or
-#: ``points=POINTS`` opt in.
+#: The points :func:`plan` and :func:`hook_points` fork at by default: none, as
+#: neither paid on the H200 (see the module docstring).  ``points=POINTS`` or
+#: ``points=("next_attention",)`` opt in.
 DEFAULT_POINTS: tuple[str, ...] = ()
 
 #: Attention projections in the order HF's DeepseekV3Attention.forward reads them.
@@ -134,7 +105,7 @@ def is_moe_layer(layer: Any) -> bool:
     return hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
 
 
-def attention_weights(attention: Any) -> tuple[Any, ...]:
+def attention_weights(attention: Any) -> tuple[torch.Tensor, ...]:
     """The attention's projection weights in consumption order (``q_proj`` without q-LoRA)."""
     weights = []
     for name in ATTENTION_PROJECTIONS:
@@ -155,6 +126,20 @@ def _front_weights(mlp: Any, include_shared_experts: bool) -> tuple[Any, ...]:
     return tuple(weights)
 
 
+def _check_batches(batches: object) -> tuple[int, ...]:
+    if isinstance(batches, (str, bytes)) or not isinstance(batches, Iterable):
+        raise TypeError("batches must be an iterable of decode batches (ints >= 1), e.g. "
+                        f"range(1, 9), got {type(batches).__name__} {batches!r}")
+    batches = tuple(batches)
+    for batch in batches:
+        if isinstance(batch, bool) or not isinstance(batch, int):
+            raise TypeError(f"batches must hold ints >= 1, got {type(batch).__name__} "
+                            f"{batch!r}")
+        if batch < 1:
+            raise ValueError(f"batches must hold ints >= 1, got {batch}")
+    return batches
+
+
 def plan(model: Any, batches: Iterable[int] = range(1, 9),
          next_attention_mib: Union[int, Mapping[int, CapSpec]] = NEXT_ATTENTION_MIB, *,
          include_shared_experts: bool = False,
@@ -171,14 +156,27 @@ def plan(model: Any, batches: Iterable[int] = range(1, 9),
     ``points=POINTS`` opt in.
     ``include_shared_experts=True`` adds the shared experts to the
     ``oproj_down`` entries, so it changes nothing unless ``oproj_down`` is
-    among the points.  Raises TypeError for a ``points`` that is a str or not
-    a collection, ValueError for an unknown point.
+    among the points.  Raises TypeError for ``batches`` that are not an
+    iterable of ints, a ``next_attention_mib`` that is neither an int nor a
+    mapping, a non-bool ``include_shared_experts`` or a ``points`` that is a
+    str or not a collection; ValueError for a batch < 1, a negative cap or an
+    unknown point.
     """
     wanted = _points(points)
-    batches = tuple(batches)
-    # The batches and caps are checked whatever the points (cap_groups raises).
+    # The arguments are checked whatever the points.
+    batches = _check_batches(batches)
+    if not isinstance(include_shared_experts, bool):
+        raise TypeError("include_shared_experts must be a bool, got "
+                        f"{type(include_shared_experts).__name__} {include_shared_experts!r}")
     if isinstance(next_attention_mib, Mapping):
         table = next_attention_mib
+    elif isinstance(next_attention_mib, bool) or not isinstance(next_attention_mib, int):
+        raise TypeError("next_attention_mib must be a cap in MiB (an int >= 0) or a table "
+                        "{batch: cap_mib or (cap_mib, carveout)}, got "
+                        f"{type(next_attention_mib).__name__} {next_attention_mib!r}")
+    elif next_attention_mib < 0:
+        raise ValueError("next_attention_mib must be a cap in MiB >= 0 (0: no next_attention), "
+                         f"got {next_attention_mib}")
     else:
         table = {batch: next_attention_mib for batch in batches}
     groups = [(cap, carveout, tuple(b for b in group if b in batches))

@@ -30,18 +30,30 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional, Union
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
-__all__ = ["Attachment", "BatchFn", "Points", "Site", "attach", "disabled"]
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
-logger = logging.getLogger("l2prefetch")
+__all__ = ["Attachment", "BatchFn", "Controller", "Points", "Site", "attach", "disabled"]
+
+logger = logging.getLogger(__name__)
+
+
+class Controller(Protocol):
+    """What :func:`attach` needs of a controller (a PrefetchController has both)."""
+
+    def fork(self, point: str, layer: int, batch: int, /) -> object: ...
+
+    def join(self) -> object: ...
+
 
 #: A fork site: a module and the decoder layer index its forks carry.
-Site = tuple[Any, int]
+Site = tuple["torch.nn.Module", int]
 #: ``batch_fn(module, args, kwargs) -> batch``: overrides how a hook reads the batch;
 #: a batch of 0 (or None) skips the fork.
-BatchFn = Callable[[Any, tuple, dict], Optional[int]]
+BatchFn = Callable[["torch.nn.Module", tuple, dict], Optional[int]]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _disabled_logged = False
@@ -130,6 +142,7 @@ def _first_tensor(value: Any, tensor: type, depth: int = 0) -> Any:
     if isinstance(value, tensor):
         return value
     if depth < 4:
+        items: Iterable[Any]
         if isinstance(value, (tuple, list)):
             items = value
         elif isinstance(value, Mapping):
@@ -153,7 +166,7 @@ def _unregistered(name: str) -> Callable[..., None]:
 
 
 def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
-               batch_fn: Optional[BatchFn], tensor: type, is_compiling: Callable[[], bool],
+               batch_fn: Optional[BatchFn], tensor: type[torch.Tensor], is_compiling: Callable[[], bool],
                fork_op: Callable[..., None], handle: Optional[int]) -> Callable[..., None]:
     """The forward hook (with kwargs) of one site; it always returns None.
 
@@ -162,17 +175,18 @@ def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
     """
 
     if batch_fn is not None:
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook_with_batch_fn(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             batch = batch_fn(module, args, kwargs)
             if batch:
                 if is_compiling():
                     fork_op(handle, point, layer, batch, _first_tensor(output, tensor))
                 else:
                     fork(point, layer, batch)
-        return hook
+        return hook_with_batch_fn
 
-    def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         # The first tensor argument; decode inputs are [B, 1, H] or [B, H].
+        value: Any
         for value in args:
             if isinstance(value, tensor):
                 break
@@ -200,12 +214,12 @@ def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
     return hook
 
 
-def _sites(model: Any, point: object, spec: object, module_type: type) -> list[Site]:
+def _sites(model: Any, point: object, spec: Any, module_type: type) -> list[Site]:
     if not isinstance(point, str) or not point:
         raise TypeError(f"point names must be non-empty str, got {point!r}")
     sites = spec(model) if callable(spec) else spec
     try:
-        sites = list(sites)  # type: ignore[call-overload]
+        sites = list(sites)
     except TypeError:
         raise TypeError(f"points[{point!r}] must be a list of (module, layer) or a callable "
                         f"returning one, got {type(sites).__name__}") from None
@@ -220,10 +234,12 @@ def _sites(model: Any, point: object, spec: object, module_type: type) -> list[S
     return sites
 
 
-Points = Mapping[str, Union[Sequence[Site], Callable[[Any], Sequence[Site]]]]
+#: Fork sites per point name: a list of sites, or a callable ``model -> list``.
+Points = Mapping[str, Union[Sequence[Site], Callable[["torch.nn.Module"], Sequence[Site]]]]
 
 
-def attach(model: Any, controller: Any, points: Union[Points, Callable[[Any], Points]], *,
+def attach(model: torch.nn.Module, controller: Controller,
+           points: Union[Points, Callable[[torch.nn.Module], Points]], *,
            batch_fn: Optional[BatchFn] = None, join: bool = True) -> Attachment:
     """Hook ``controller``'s forks and join into ``model``; returns what to detach.
 
@@ -273,7 +289,8 @@ def attach(model: Any, controller: Any, points: Union[Points, Callable[[Any], Po
     from . import ops
 
     is_compiling = torch.compiler.is_compiling
-    fork_op, join_op = torch.ops.l2prefetch.fork.default, torch.ops.l2prefetch.join.default
+    fork_op: Callable[..., Any] = torch.ops.l2prefetch.fork.default
+    join_op: Callable[..., Any] = torch.ops.l2prefetch.join.default
     try:
         op_handle: Optional[int] = ops.register(controller)
     except TypeError:  # no weak references: eager use still works, compiled code cannot
@@ -307,6 +324,14 @@ def attach(model: Any, controller: Any, points: Union[Points, Callable[[Any], Po
         if op_handle is not None:
             ops.unregister(op_handle)
         raise
-    logger.debug("l2prefetch attached %d fork hooks%s (ops handle %s)", len(sites),
-                 " and a join hook" if join else "", op_handle)
+    if logger.isEnabledFor(logging.INFO):
+        per_point: dict[str, int] = {}
+        for point, _, _ in sites:
+            per_point[point] = per_point.get(point, 0) + 1
+        logger.info("attach: %d fork hook%s on %s (%s); %s; ops handle %s", len(sites),
+                    "" if len(sites) == 1 else "s", type(model).__name__,
+                    ", ".join(f"{point}: {n} site{'s' if n != 1 else ''}"
+                              for point, n in per_point.items()) or "no sites",
+                    f"a join hook on the root {type(model).__name__}" if join else "no join hook",
+                    op_handle)
     return Attachment(controller, handles, sites, op_handle)

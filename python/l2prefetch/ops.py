@@ -201,7 +201,7 @@ def _mark_effectful() -> None:
             if hasattr(effects, "_register_effectful_op"):
                 effects._register_effectful_op(overload, ordered)
             else:
-                effects.SIDE_EFFECTS[overload] = ordered
+                effects.SIDE_EFFECTS[overload] = ordered  # type: ignore[attr-defined]
     # Belt and braces for FX dead-code elimination where Node.is_impure does
     # not consult the effect registry.
     side_effectful = getattr(torch.fx.node, "_side_effectful_functions", None)

@@ -4,8 +4,10 @@ A plan is a list of :class:`PlanEntry`.  Each entry says: at fork point
 ``point`` of decoder layer ``layer``, for each decode batch in ``batches``,
 prefetch the byte ranges of ``weights`` (in order, capped at ``byte_cap``
 bytes when it is not 0) with a loader of ``grid`` CTAs, an optional
-shared-memory ``carveout`` and, when ``priority`` is true, the greatest stream
-priority.  Policies (:mod:`l2prefetch.kimi_k3`, :mod:`l2prefetch.deepseek_v3`)
+shared-memory ``carveout``, when ``priority`` is true the greatest stream
+priority, the loader ``kernel`` variant (None: the device's default) and, in a
+CUDA graph being captured, the ``graph_fork`` mode (None: the controller's).
+Policies (:mod:`l2prefetch.kimi_k3`, :mod:`l2prefetch.deepseek_v3`)
 build plans; the controller turns each entry into one prepared range table and
 launches it from ``fork(point, layer, batch)``.
 
@@ -14,8 +16,10 @@ as JSON with weights named by their module path, never by pointer
 (:func:`plan_to_json`, :func:`plan_from_json`), so a plan survives a restart
 and can be reviewed or edited by hand.
 
-Importing this module does not import torch: a plan can only hold tensors if
-torch is already imported, so the type check looks torch up in ``sys.modules``.
+Importing this module imports neither torch nor the C extension: a plan can
+only hold tensors if torch is already imported, so the type check looks torch
+up in ``sys.modules``, and kernel names are checked against
+``l2prefetch.kernel_variants()`` only when an entry names one.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import math
 import numbers
 import sys
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union, get_args
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -35,6 +40,11 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "CapSpec",
     "DEFAULT_L2_BYTES",
+    "GRAPH_FORKS",
+    "GraphFork",
+    "KernelName",
+    "MAX_BATCH",
+    "MAX_LAYER",
     "PLAN_JSON_VERSION",
     "PlanEntry",
     "cap_groups",
@@ -48,19 +58,38 @@ __all__ = [
     "select_points",
 ]
 
-#: The H200's L2 (60 MiB, see h200-facts.md): the default for "share of L2".
+#: The H200's L2 (60 MiB): the default for "share of L2".
 DEFAULT_L2_BYTES = 60 * 2**20
-#: The version written into, and the only one read from, a plan's JSON.
-PLAN_JSON_VERSION = 1
+#: The version plan_to_json writes; plan_from_json reads this one and version 1
+#: (written before entries had ``kernel`` and ``graph_fork``).
+PLAN_JSON_VERSION = 2
+#: The largest layer index and batch the controller's table takes (csrc/controller.c,
+#: MAX_LAYER and MAX_BATCH).
+MAX_LAYER = 65535
+MAX_BATCH = 65535
 MIB = 2**20
 
 #: A per-batch cap of a capped point: the cap in MiB, or (cap in MiB, carveout).
 CapSpec = Union[int, tuple[int, Optional[int]]]
 
-_ENTRY_FIELDS = ("point", "layer", "batches", "weights", "byte_cap", "grid", "carveout",
-                 "priority")
-# dataclass(slots=True) exists from Python 3.10; the package supports 3.9.
-_SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
+#: How a fork goes into a CUDA graph being captured: on the captured stream
+#: ('inline') or as a side branch ('branch'); see PrefetchController.
+GraphFork = Literal["inline", "branch"]
+GRAPH_FORKS: tuple[str, ...] = get_args(GraphFork)
+
+#: The loader kernel variants, as ``l2prefetch.kernel_variants()`` names them
+#: (tests/test_plan.py checks that the two lists agree).
+KernelName = Literal[
+    "ring", "ring_c16k_s4", "ring_c8k_s4", "ring_c16k_s2", "ring_c16k_s8", "ring_c32k_s6",
+    "ring_c16k_s12", "bulk_prefetch", "bulk_prefetch_evict_last", "line_prefetch",
+    "line_prefetch_evict_last", "load", "load_b128",
+]
+
+# The fields of an entry in each plan JSON version.
+_JSON_FIELDS: dict[int, tuple[str, ...]] = {
+    1: ("point", "layer", "batches", "weights", "byte_cap", "grid", "carveout", "priority"),
+}
+_JSON_FIELDS[2] = (*_JSON_FIELDS[1], "kernel", "graph_fork")
 
 
 def _tensor_type() -> type | None:
@@ -93,6 +122,9 @@ def _check_batches(value: object) -> tuple[int, ...]:
                             f"got {type(batch).__name__} {batch!r} in {batches!r}")
         if batch < 1:
             raise ValueError(f"PlanEntry.batches must hold ints >= 1, got {batch} in {batches!r}")
+        if batch > MAX_BATCH:
+            raise ValueError(f"PlanEntry.batches must hold batches of at most {MAX_BATCH} (the "
+                             f"controller's limit), got {batch}")
     if len(set(batches)) != len(batches):
         repeated = sorted({b for b in batches if batches.count(b) > 1})
         raise ValueError(f"PlanEntry.batches must name each batch once, {repeated} repeat "
@@ -112,6 +144,13 @@ def _check_weights(value: object) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError("PlanEntry.weights must be a sequence of tensors, "
                         f"got {type(value).__name__} {value!r}")
+    if isinstance(value, (AbstractSet, Mapping)):
+        # The loader reads the weights in order and a cap cuts the last ones:
+        # an unordered collection would make both depend on hashing.
+        kind = "a set" if isinstance(value, AbstractSet) else "a mapping (it iterates its keys)"
+        raise TypeError(f"PlanEntry.weights must be an ordered sequence of tensors, got "
+                        f"{type(value).__name__}, {kind}; pass a list or tuple in the order "
+                        "the kernels read them")
     weights = tuple(value)
     if not weights:
         raise ValueError("PlanEntry.weights must hold at least one tensor, got none")
@@ -127,16 +166,43 @@ def _check_weights(value: object) -> tuple[Any, ...]:
     return weights
 
 
-@dataclasses.dataclass(frozen=True, eq=False, repr=False, **_SLOTS)
+def _check_kernel(value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError("PlanEntry.kernel must be a kernel variant name (str) or None (the "
+                        f"device's default), got {type(value).__name__} {value!r}")
+    from . import _C  # only here, so that importing this module stays free
+
+    known = sorted(_C.kernel_variants())
+    if value not in known:
+        raise ValueError(f"PlanEntry.kernel {value!r} is not a kernel variant; known: "
+                         f"{', '.join(known)} (or None for the device's default)")
+
+
+def _check_graph_fork(value: object) -> None:
+    known = " or ".join(repr(mode) for mode in GRAPH_FORKS)
+    if not isinstance(value, str):
+        raise TypeError(f"PlanEntry.graph_fork must be {known}, or None (the controller's "
+                        f"mode), got {type(value).__name__} {value!r}")
+    if value not in GRAPH_FORKS:
+        raise ValueError(f"PlanEntry.graph_fork must be {known}, or None (the controller's "
+                         f"mode), got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, slots=True)
 class PlanEntry:
     """One prefetch: at ``point`` of ``layer``, for each of ``batches``, load ``weights``.
 
-    ``batches`` becomes a sorted tuple of distinct ints and ``weights`` a tuple
-    of tensors (all on one device, since the controller builds one range table
-    per entry).  ``byte_cap`` is in bytes (0: no cap); ``grid`` is the number
-    of loader CTAs; ``carveout`` is the preferred shared-memory carveout in
+    ``batches`` becomes a sorted tuple of distinct ints in 1..65535 and
+    ``weights`` a tuple of tensors in the order given (all on one device, since
+    the controller builds one range table per entry).  ``layer`` is in
+    0..65535.  ``byte_cap`` is in bytes (0: no cap); ``grid`` is the number of
+    loader CTAs; ``carveout`` is the preferred shared-memory carveout in
     percent (-1 is the driver's default, None sets no attribute); ``priority``
-    asks for the greatest stream priority.  Wrong types raise TypeError, bad
+    asks for the greatest stream priority.  ``kernel`` names the loader
+    variant (one of ``l2prefetch.kernel_variants()``; None: the device's
+    default, or ``from_plan(kernel=...)``).  ``graph_fork`` says how this
+    entry's forks go into a CUDA graph being captured ('inline' or 'branch';
+    None: the controller's ``graph_fork``).  Wrong types raise TypeError, bad
     values ValueError, both naming the field.
 
     Entries compare and hash by value, with weights by identity (two entries
@@ -145,12 +211,14 @@ class PlanEntry:
 
     point: str
     layer: int
-    batches: tuple[int, ...]
-    weights: tuple[torch.Tensor, ...]
+    batches: Sequence[int]
+    weights: Sequence[torch.Tensor]
     byte_cap: int = 0
     grid: int = 32
     carveout: Optional[int] = None
     priority: bool = False
+    kernel: Optional[KernelName] = None
+    graph_fork: Optional[GraphFork] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.point, str):
@@ -159,6 +227,9 @@ class PlanEntry:
         if not self.point:
             raise ValueError("PlanEntry.point must be a non-empty str, got ''")
         _check_int("layer", self.layer, 0)
+        if self.layer > MAX_LAYER:
+            raise ValueError(f"PlanEntry.layer must be at most {MAX_LAYER} (the controller's "
+                             f"limit), got {self.layer}")
         object.__setattr__(self, "batches", _check_batches(self.batches))
         object.__setattr__(self, "weights", _check_weights(self.weights))
         _check_int("byte_cap", self.byte_cap, 0)
@@ -171,10 +242,14 @@ class PlanEntry:
         if not isinstance(self.priority, bool):
             raise TypeError("PlanEntry.priority must be a bool, "
                             f"got {type(self.priority).__name__} {self.priority!r}")
+        if self.kernel is not None:
+            _check_kernel(self.kernel)
+        if self.graph_fork is not None:
+            _check_graph_fork(self.graph_fork)
 
     @property
     def nbytes(self) -> int:
-        """Bytes this entry prefetches: the sum of its ranges under the seed's rules.
+        """Bytes this entry prefetches: the sum of its ranges (``compute_ranges``' rules).
 
         Needs the C extension (``l2prefetch._C.compute_ranges``), which works
         on CPU and meta tensors as well as CUDA ones.
@@ -184,17 +259,19 @@ class PlanEntry:
         return sum(n for _, n in _C.compute_ranges(self.weights, self.byte_cap))
 
     @property
-    def settings(self) -> tuple[tuple[int, ...], int, int, Optional[int], bool]:
-        """What fixes the prepared table: (weight ids, byte_cap, grid, carveout, priority).
+    def settings(self) -> tuple[tuple[int, ...], int, int, Optional[int], bool, Optional[str]]:
+        """What fixes the prepared table: (weight ids, byte_cap, grid, carveout, priority,
+        kernel).
 
         Entries with equal settings can share one prepared table (the ids
-        stay valid while an entry holds its weights).
+        stay valid while an entry holds its weights).  ``graph_fork`` is not
+        among them: it is how the controller forks, not part of the table.
         """
         return (tuple(id(w) for w in self.weights), self.byte_cap, self.grid, self.carveout,
-                self.priority)
+                self.priority, self.kernel)
 
     def _key(self) -> tuple:
-        return (self.point, self.layer, self.batches, *self.settings)
+        return (self.point, self.layer, self.batches, *self.settings, self.graph_fork)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PlanEntry):
@@ -207,10 +284,13 @@ class PlanEntry:
     def __repr__(self) -> str:
         # Never print tensor contents: on a GPU that would synchronise and copy.
         weights = ", ".join(_describe(w) for w in self.weights)
+        optional = "".join(f", {name}={value!r}" for name, value in
+                           (("kernel", self.kernel), ("graph_fork", self.graph_fork))
+                           if value is not None)
         return (f"PlanEntry(point={self.point!r}, layer={self.layer}, "
                 f"batches={compact_batches(self.batches)}, weights=[{weights}], "
                 f"byte_cap={self.byte_cap}, grid={self.grid}, carveout={self.carveout}, "
-                f"priority={self.priority})")
+                f"priority={self.priority}{optional})")
 
 
 def select_points(points: object, known: tuple[str, ...],
@@ -294,7 +374,9 @@ def format_plan(plan: Iterable[PlanEntry], l2_bytes: int | None = None) -> str:
     """A plan as two Markdown tables: one row per entry, then totals per point.
 
     Entry rows: point, layer, batches (as runs), tensors, MiB prefetched and
-    that as a share of L2 (``l2_bytes``, default the H200's 60 MiB).  Totals:
+    that as a share of L2 (``l2_bytes``, default the H200's 60 MiB), then a
+    ``kernel`` and a ``graph fork`` column where some entry sets one
+    (``default`` and ``controller`` for the entries that do not).  Totals:
     per point the entries, the layers, and the MiB prefetched per decode step
     at each batch (entries for other batches do not fire, so this sums only
     the entries that hold the batch), plus the largest entry's share of L2.
@@ -306,13 +388,20 @@ def format_plan(plan: Iterable[PlanEntry], l2_bytes: int | None = None) -> str:
     if isinstance(l2, bool) or not isinstance(l2, int) or l2 <= 0:
         raise ValueError(f"l2_bytes must be a positive int (bytes) or None, got {l2_bytes!r}")
     sizes = [entry.nbytes for entry in plan]
+    # Columns for the per-entry settings, only where some entry sets them.
+    extra = [(title, field, unset) for title, field, unset in
+             (("kernel", "kernel", "default"), ("graph fork", "graph_fork", "controller"))
+             if any(getattr(entry, field) is not None for entry in plan)]
     lines = [f"L2 prefetch plan: {len(plan)} entries; share of L2 against {l2 / MIB:.2f} MiB",
              "",
-             "| point | layer | batches | tensors | MiB | % of L2 |",
-             "|---|---:|---|---:|---:|---:|"]
+             "| point | layer | batches | tensors | MiB | % of L2 |"
+             + "".join(f" {title} |" for title, _, _ in extra),
+             "|---|---:|---|---:|---:|---:|" + "---|" * len(extra)]
     for entry, size in zip(plan, sizes):
+        cells = "".join(f" {getattr(entry, field) or unset} |" for _, field, unset in extra)
         lines.append(f"| {entry.point} | {entry.layer} | {compact_batches(entry.batches)} | "
-                     f"{len(entry.weights)} | {size / MIB:.2f} | {100 * size / l2:.1f}% |")
+                     f"{len(entry.weights)} | {size / MIB:.2f} | {100 * size / l2:.1f}% |"
+                     + cells)
 
     points: dict[str, list[tuple[PlanEntry, int]]] = {}
     for entry, size in zip(plan, sizes):
@@ -377,37 +466,47 @@ def plan_to_json(plan: Iterable[PlanEntry], model: Any) -> str:
     for i, entry in enumerate(plan):
         weights = []
         for j, weight in enumerate(entry.weights):
-            name = names.get(id(weight))
-            if name is None:
+            found = names.get(id(weight))
+            if found is None:
                 raise ValueError(
                     f"plan entry {i} ({entry.point!r}, layer {entry.layer}): weights[{j}] "
                     f"({_describe(weight)}) is not a parameter, buffer or tensor attribute of "
                     "the model, so it has no name to store; register it on a module "
                     "(a view or copy of a parameter is a different tensor)")
-            weights.append(name)
+            weights.append(found)
         entries.append({"point": entry.point, "layer": entry.layer,
                         "batches": list(entry.batches), "weights": weights,
                         "byte_cap": entry.byte_cap, "grid": entry.grid,
-                        "carveout": entry.carveout, "priority": entry.priority})
+                        "carveout": entry.carveout, "priority": entry.priority,
+                        "kernel": entry.kernel, "graph_fork": entry.graph_fork})
     return json.dumps({"version": PLAN_JSON_VERSION, "entries": entries}, indent=1)
 
 
 def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
     """Read a plan written by :func:`plan_to_json`, resolving names in ``model``.
 
-    Raises ValueError for malformed JSON, another version, missing or unknown
-    fields, or a weight name that does not resolve (with the closest names);
-    TypeError/ValueError from :class:`PlanEntry` for bad field values.
+    Reads version 2 and version 1 (whose entries have no ``kernel`` and
+    ``graph_fork``: both None).  Raises ValueError for malformed or too deeply
+    nested JSON, another version, missing or unknown fields, or a weight name
+    that does not resolve (with the closest names); TypeError/ValueError from
+    :class:`PlanEntry` for bad field values.
     """
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"plan JSON does not parse: {exc}") from exc
+    except RecursionError:
+        # json's scanner recurses once per nesting level; a plan nests four deep.
+        raise ValueError("plan JSON does not parse: it is nested too deeply (a plan is an "
+                         "object of entries, each a flat object)") from None
     if not isinstance(data, dict) or "version" not in data:
         raise ValueError("plan JSON must be an object with 'version' and 'entries'")
-    if isinstance(data["version"], bool) or data["version"] != PLAN_JSON_VERSION:
-        raise ValueError(f"plan JSON version {data['version']!r} is not supported; "
-                         f"this l2prefetch reads version {PLAN_JSON_VERSION}")
+    version = data["version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version not in _JSON_FIELDS:
+        readable = " and ".join(str(v) for v in sorted(_JSON_FIELDS))
+        raise ValueError(f"plan JSON version {version!r} is not supported; "
+                         f"this l2prefetch reads versions {readable}")
+    fields_of_version = _JSON_FIELDS[version]
     raw_entries = data.get("entries")
     if not isinstance(raw_entries, list):
         raise ValueError("plan JSON 'entries' must be a list")
@@ -417,10 +516,11 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
         if not isinstance(raw, dict):
             raise ValueError(f"plan JSON entry {i} must be an object, got {raw!r}")
         missing = [f for f in ("point", "layer", "batches", "weights") if f not in raw]
-        unknown = sorted(set(raw) - set(_ENTRY_FIELDS))
+        unknown = sorted(set(raw) - set(fields_of_version))
         if missing or unknown:
             raise ValueError(f"plan JSON entry {i}: missing fields {missing}, "
-                             f"unknown fields {unknown}; fields are {list(_ENTRY_FIELDS)}")
+                             f"unknown fields {unknown}; fields of version {version} are "
+                             f"{list(fields_of_version)}")
         names = raw["weights"]
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError(f"plan JSON entry {i}: 'weights' must be a list of names, "
@@ -439,27 +539,17 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
     return plan
 
 
-#: The gate's rate, measured on the H200 (benchmarks/RESULTS.md, "The effect"):
-#: with the default kernel at grid 32, a fork pays when the bandwidth-idle
-#: window after it lasts at least its bytes / 3.2 TB/s (16 MiB: 5 us, 32 MiB:
-#: 10.5 us); shorter windows lose up to 3-5 us at 16-32 MiB against not forking.
-#: That window was a spin on one CTA: an idle GPU.  No window of real kernels
-#: measured so far pays (RESULTS.md, runs 9 and 10): small kernels that touch
-#: memory (norms, glue; 20-100 us), GEMMs on L2-resident operands
-#: (compute-bound; 14-58 us: every loader lost 2.2-10.2 us against its empty
-#: fork) and NCCL all-reduces (TP 2) are all slowed by the loader about as
-#: much as, or more than, it saves.  Count only time in which the GPU is
-#: nearly idle.
+#: The gate's rate: a fork pays when the bandwidth-idle window after it lasts at
+#: least its bytes / 3.2 TB/s (the H200's break-even, benchmarks/RESULTS.md,
+#: Headlines, "where a fork cannot pay").  Count only time in which the GPU is
+#: nearly idle: a window of small memory-touching kernels, of compute-bound
+#: GEMMs or of an NCCL all-reduce is no window (same table).
 GATE_BYTES_PER_US = 3.2e6
 
-#: The smallest load that can pay for its fork, measured on the H200
-#: (benchmarks/RESULTS.md, run 8, the break-even table under "The effect"; run
-#: 7's table gives the same pattern): at 2, 4 and 8 MiB the inline fork loses
-#: more than 0.3 us against not forking at most windows up to 40 us (the
-#: cold-to-hot gap is 0.1-0.5 us there, about what the fork node costs), while
-#: from 16 MiB on it stops losing once the window reaches bytes /
-#: GATE_BYTES_PER_US (5-20 us).  Sizes between 8 and 16 MiB were not measured.
-#: Opt-in: ``gate(plan, windows, min_bytes=GATE_MIN_BYTES)``.
+#: The smallest load that can pay for its fork: at 2-8 MiB the cold-to-hot gap is
+#: about what the fork node itself costs (RESULTS.md, Headlines and "The
+#: effect"; 8-16 MiB was not measured).  Opt-in:
+#: ``gate(plan, windows, min_bytes=GATE_MIN_BYTES)``.
 GATE_MIN_BYTES = 16 << 20
 
 

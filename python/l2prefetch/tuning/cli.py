@@ -1,0 +1,199 @@
+"""``python -m l2prefetch tune``: tune a Hugging Face causal LM on this GPU, write its profile.
+
+    python -m l2prefetch tune MODEL [--set KEY=VALUE ...] [--batches 1,8] [--budget 300]
+                                    [--out PROFILE.json] [--report REPORT.md] [--plot PLOT.png]
+
+MODEL is a local checkpoint directory, a config.json, a config class name
+(LlamaConfig) or a model type (llama); the last three get random weights.
+``--list-roles`` only discovers the candidate roles (works on the CPU with
+``--device cpu``).  Exit status: 0 when tuning finished (an empty plan is a
+result), 2 for a bad option or model or no GPU (one line on stderr), 1 when
+the step fails or cannot be captured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Optional
+
+__all__ = ["add_parser", "main", "run"]
+
+HELP = "measure which prefetches pay for a Hugging Face model on this GPU; write a profile"
+
+
+class UsageError(Exception):
+    """A bad option or input: exit status 2, one line."""
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got "
+                                         f"{text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{what} must name at least one value")
+    return values
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated numbers, got "
+                                         f"{text!r}") from None
+    if not values or not all(0 < v < 2**40 for v in values):
+        raise argparse.ArgumentTypeError(f"{what} must be numbers > 0, got {text!r}")
+    return values
+
+
+def _positive(kind: type, what: str, low: float = 0.0, high: float = 1e9) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
+        if not low < value <= high:
+            raise argparse.ArgumentTypeError(f"{what} must be in ({low}, {high:g}], got {text}")
+        return value
+    return parse
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a local checkpoint directory, a config.json, a config "
+                        "class name (LlamaConfig) or a model type (llama)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="a config field, e.g. num_hidden_layers=8 "
+                        "(repeatable; values are read as JSON where they parse)")
+    parser.add_argument("--batches", type=lambda t: _ints(t, "--batches"), default=[1, 8],
+                        help="decode batches to tune, comma-separated (default 1,8)")
+    parser.add_argument("--budget", type=_positive(float, "--budget", 0, 86400), default=300.0,
+                        help="seconds of measuring, all batches together (default 300)")
+    parser.add_argument("--out", default="l2prefetch-profile.json",
+                        help="the profile to write (default l2prefetch-profile.json)")
+    parser.add_argument("--report", default=None,
+                        help="the Markdown report (default: the profile's name with .md)")
+    parser.add_argument("--plot", default=None,
+                        help="a PNG of the gains (needs matplotlib; default: none)")
+    parser.add_argument("--device", default="cuda", help="where to build the model (default cuda)")
+    parser.add_argument("--dtype", default="bfloat16", help="weight dtype for random weights "
+                        "(default bfloat16)")
+    parser.add_argument("--seed", type=int, default=0, help="random-weight seed (default 0)")
+    parser.add_argument("--roles", action="append", default=None, metavar="NAME",
+                        help="measure only this role (repeatable; see --list-roles)")
+    parser.add_argument("--list-roles", action="store_true",
+                        help="only discover and list the candidate roles (no measuring)")
+    parser.add_argument("--instances", type=_positive(int, "--instances", 4, 1000), default=5,
+                        help="graph instances per variant (>= 5, default 5)")
+    parser.add_argument("--rounds", type=_positive(int, "--rounds", 0, 100000), default=60,
+                        help="replays of each graph instance per measuring group (default 60)")
+    parser.add_argument("--caps-mib", type=lambda t: _floats(t, "--caps-mib"),
+                        default=[4, 8, 16, 24, 32, 48], help="byte caps to try, in MiB")
+    parser.add_argument("--grids", type=lambda t: _ints(t, "--grids"), default=[16, 32, 64],
+                        help="loader CTA counts to try (default 16,32,64)")
+    parser.add_argument("--kernels", default=None,
+                        help="kernel variants to try, comma-separated; 'default' is the "
+                        "device's (default: the device's, then the other loaders it supports)")
+    parser.add_argument("--graph-forks", default="inline,branch",
+                        help="how forks go into the graph: inline, branch or both (default both)")
+    parser.add_argument("--min-gain-us", type=_positive(float, "--min-gain-us", -1, 1e6),
+                        default=1.0, help="skip roles whose loads could gain less (us per step)")
+    parser.add_argument("--min-bytes-mib", type=_positive(float, "--min-bytes-mib", 0, 2**20),
+                        default=1.0, help="smallest weight read that counts (MiB, default 1)")
+    parser.add_argument("--prompt-len", type=_positive(int, "--prompt-len", 0, 1 << 20),
+                        default=8, help="prompt tokens in the cache before the step (default 8)")
+    parser.add_argument("--max-cache-len", type=_positive(int, "--max-cache-len", 1, 1 << 20),
+                        default=64, help="StaticCache length (default 64)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``tune`` to an argparse subparsers object; its func is :func:`run`."""
+    parser = subparsers.add_parser("tune", help=HELP, description=__doc__.split("\n\n")[0])
+    configure(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"l2prefetch tune: {message}", file=sys.stderr)
+    return 2
+
+
+def _kernels(text: Optional[str]) -> Optional[list[Optional[str]]]:
+    if text is None:
+        return None
+    return [None if k.strip() in ("default", "") else k.strip() for k in text.split(",")]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``tune`` with parsed arguments; returns the exit status."""
+    try:
+        import torch
+    except ImportError:
+        return _fail("needs torch (pip install 'l2prefetch[torch]')")
+    from . import hf
+    from .discover import candidates, discover
+    from .search import StepError
+    from .tuner import describe_roles, tune
+
+    if not args.list_roles and not str(args.device).startswith("cuda"):
+        return _fail(f"tuning measures CUDA graphs: --device must be a CUDA device, got "
+                     f"{args.device!r} (--list-roles works on the CPU)")
+    if not args.list_roles and not torch.cuda.is_available():
+        return _fail(f"tuning needs a CUDA GPU, and torch {torch.__version__} sees none "
+                     "(--list-roles --device cpu discovers roles without one)")
+    try:
+        overrides = hf.parse_overrides(args.overrides)
+        model = hf.load_model(args.model, overrides=overrides, device=args.device,
+                              dtype=args.dtype, seed=args.seed)
+        step = hf.DecodeStep(model, prompt_len=args.prompt_len, max_cache_len=args.max_cache_len,
+                             seed=args.seed)
+    except ImportError as exc:
+        return _fail(str(exc))
+    except (ValueError, TypeError, OSError) as exc:
+        return _fail(f"cannot build {args.model!r}: {exc}")
+    min_bytes = max(1, int(args.min_bytes_mib * (1 << 20)))
+    if args.list_roles:
+        try:
+            reads = discover(model, lambda: step(args.batches[0]), min_bytes=min_bytes)
+        except ValueError as exc:
+            return _fail(str(exc))
+        print(describe_roles(candidates(model, reads)), end="")
+        return 0
+    kernels = _kernels(args.kernels)
+    forks = [g.strip() for g in args.graph_forks.split(",") if g.strip()]
+    try:
+        result = tune(model, step, args.batches, candidates=args.roles, budget_s=args.budget,
+                      instances=args.instances, rounds=args.rounds, caps_mib=args.caps_mib,
+                      grids=args.grids, kernels=kernels, graph_forks=forks,
+                      min_gain_us=args.min_gain_us, min_bytes=min_bytes,
+                      progress=None if args.quiet else sys.stderr)
+    except StepError as exc:
+        print(f"l2prefetch tune: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as exc:
+        return _fail(str(exc))
+    result.save(args.out, model)
+    report = args.report or os.path.splitext(args.out)[0] + ".md"
+    with open(report, "w", encoding="utf-8") as f:
+        f.write(result.markdown())
+    lines = [result.summary(), f"profile: {args.out}", f"report: {report}"]
+    if args.plot:
+        lines.append(f"plot: {args.plot}" if result.plot(args.plot)
+                     else "plot: not drawn (matplotlib is not installed)")
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m l2prefetch.tuning.cli``: the same as ``python -m l2prefetch tune``."""
+    parser = argparse.ArgumentParser(prog="l2prefetch tune", description=__doc__.split("\n\n")[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""Which weights a forward reads, in order, and where a prefetch of each could fork.
+
+:func:`discover` runs one forward with hooks on every module and records, in
+execution order, each module that reads a weight of at least ``min_bytes``:
+an ``nn.Linear``, and any module whose own parameters are read in its
+forward (Hugging Face's fused expert modules, a hand-written GEMV).  It
+needs no GPU and no per-model code.
+
+:func:`candidates` turns those reads into :class:`Role` objects.  For a read
+``R[k]``, a fork can go where the module of ``R[k-1]`` returns (site kind
+``"module"``) or where the enclosing block before it returns (kind
+``"block"``: the child of the two modules' common ancestor that holds
+``R[k-1]``, one level inside the decoder layer when that child is the layer
+itself, e.g. ``self_attn`` or ``mlp``).  The fork loads ``R[k]``'s weights and
+those of the following reads, in order, up to a byte cap.  A role is that
+site and consumer relative to the decoder layer ("after self_attn.v_proj:
+self_attn.o_proj"), so it is one candidate per layer and is measured once
+for all of them.
+
+Reads of routed experts (a module path with an index below the layer, such
+as ``mlp.experts.3.w1``, or a stacked parameter of three or more dimensions)
+read a batch-dependent subset of their weights: they are recorded, never
+prefetched, and a chain of following reads stops at them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional
+
+__all__ = ["Read", "Reads", "Role", "Site", "candidates", "discover", "roles_from_plan"]
+
+MIB = 1 << 20
+#: The largest load a candidate is built for (the tuner's largest cap).
+DEFAULT_MAX_BYTES = 48 * MIB
+
+
+def _layer_of(path: str) -> tuple[Optional[int], str]:
+    """(decoder layer index, path below the layer) of a module path.
+
+    The layer is the first all-digit component (``model.layers.3.mlp`` -> 3,
+    ``mlp``); a path with none has no layer and keeps its whole path.
+    """
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return int(part), ".".join(parts[i + 1:])
+    return None, path
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Read:
+    """One module's weight read in a forward.
+
+    ``path`` is the module's path in the model, ``layer`` the decoder layer
+    index parsed from it (or None), ``nbytes`` the bytes of its own
+    parameters, ``order`` its position among the reads, ``params`` the
+    parameters' paths, ``routed`` whether it reads a batch-dependent subset
+    (routed experts: recorded, never prefetched).
+    """
+
+    path: str
+    layer: Optional[int]
+    nbytes: int
+    order: int
+    params: tuple[str, ...]
+    routed: bool
+    module: Any = dataclasses.field(repr=False, compare=False)
+    tensors: tuple[Any, ...] = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def relative(self) -> str:
+        """The path below the decoder layer (the whole path outside layers)."""
+        return _layer_of(self.path)[1]
+
+
+class Reads(list):
+    """The reads of one forward (a list of :class:`Read`), plus ``called``: the
+    paths of every module whose forward ran, which :func:`candidates` uses to
+    pick fork sites that really return during the step."""
+
+    called: frozenset = frozenset()
+
+
+def _own_parameters(module: Any) -> list[tuple[str, Any]]:
+    return [(name, p) for name, p in module.named_parameters(recurse=False) if p is not None]
+
+
+def _is_routed(relative: str, params: Sequence[Any]) -> bool:
+    if any(part.isdigit() for part in relative.split(".")):
+        return True
+    return any(p.dim() >= 3 for p in params)
+
+
+def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) -> Reads:
+    """Record, in execution order, every module of ``model`` that reads a weight
+    of at least ``min_bytes`` while ``run()`` executes one forward.
+
+    ``run`` takes no arguments (e.g. ``lambda: model(input_ids=ids)``); it runs
+    under ``torch.no_grad()`` on whatever device the model is on.  Embedding
+    tables are not reads (a lookup touches a few rows).  A module called
+    several times is recorded at its first call; a parameter shared by two
+    modules (tied embeddings) counts for the module that runs first.
+
+    Raises TypeError for a model that is not an ``nn.Module`` or a ``run`` that
+    is not callable, ValueError for a bad ``min_bytes`` or when no module
+    reads that much; ``run``'s own exception propagates.
+    """
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(run):
+        raise TypeError(f"run must be a callable that runs one forward of the model, "
+                        f"got {type(run).__name__}")
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int):
+        raise TypeError(f"min_bytes must be an int >= 1, got {type(min_bytes).__name__}")
+    if min_bytes < 1:
+        raise ValueError(f"min_bytes must be an int >= 1, got {min_bytes}")
+
+    names = {}
+    for name, module in model.named_modules():
+        names.setdefault(module, name)
+    param_names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        param_names.setdefault(id(p), name)
+
+    reads = Reads()
+    called: list[str] = []
+    seen_modules: set[int] = set()
+    seen_params: set[int] = set()
+
+    def pre_hook(module: Any, args: Any) -> None:
+        path = names.get(module)
+        if path is None or id(module) in seen_modules:
+            return
+        seen_modules.add(id(module))
+        called.append(path)
+        if isinstance(module, torch.nn.Embedding):
+            return
+        own = [(n, p) for n, p in _own_parameters(module) if id(p) not in seen_params]
+        nbytes = sum(p.numel() * p.element_size() for _, p in own)
+        if not own or nbytes < min_bytes:
+            return
+        for _, p in own:
+            seen_params.add(id(p))
+        layer, relative = _layer_of(path)
+        tensors = tuple(p for _, p in own)
+        reads.append(Read(path=path, layer=layer, nbytes=nbytes, order=len(reads),
+                          params=tuple(param_names.get(id(p), f"{path}.{n}") for n, p in own),
+                          routed=_is_routed(relative, tensors), module=module,
+                          tensors=tensors))
+
+    handles = [module.register_forward_pre_hook(pre_hook) for module in names]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    reads.called = frozenset(called)
+    if not reads:
+        largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
+        raise ValueError(f"no module read a weight of at least min_bytes={min_bytes} in that "
+                         f"forward (the largest parameter has {largest} bytes); lower "
+                         "min_bytes, or check that run() calls the model")
+    return reads
+
+
+# ------------------------------------------------------------------------- candidates
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One layer's instance of a role: fork when ``site`` returns, at ``layer``
+    (the layer the fork carries), loading ``weights`` in order; ``reads`` are
+    the reads those weights belong to (consumer first)."""
+
+    layer: int
+    site: str
+    reads: tuple[str, ...]
+    weights: tuple[Any, ...] = dataclasses.field(repr=False)
+    nbytes: tuple[int, ...] = dataclasses.field(repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes)
+
+    def loaded_bytes(self, cap: int) -> int:
+        """About what a fork with this cap loads (whole weights, then the cap)."""
+        total = self.total_bytes
+        return total if not cap else min(cap, total)
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """A fork site and consumer at the same relative place in every layer.
+
+    ``name`` is the point name its forks use.  ``consumer`` and ``site`` are
+    paths relative to the decoder layer (whole paths outside layers);
+    ``kind`` is ``"module"`` (after the previous read's module) or
+    ``"block"`` (after its enclosing block); ``next_layer`` is True when the
+    consumer is in the layer after the site's.  ``sites`` has one entry per
+    layer.  ``defaults`` are settings a policy chose (empty for discovered
+    roles): ``byte_cap``, ``grid``, ``carveout``, ``priority``.
+    """
+
+    name: str
+    consumer: str
+    site: str
+    kind: str
+    next_layer: bool
+    sites: tuple[Site, ...]
+    defaults: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(s.layer for s in self.sites)
+
+    @property
+    def max_bytes(self) -> int:
+        """The most bytes one fork of this role can load (its longest chain)."""
+        return max(s.total_bytes for s in self.sites)
+
+    def default(self, key: str, fallback: Any) -> Any:
+        return dict(self.defaults).get(key, fallback)
+
+    def entries(self, batches: Iterable[int], *, byte_cap: int, grid: int = 32,
+                kernel: Optional[str] = None, graph_fork: Optional[str] = None) -> list:
+        """One :class:`~l2prefetch.plan.PlanEntry` per layer with these settings."""
+        from ..plan import PlanEntry
+
+        batches = tuple(batches)
+        extra = {}
+        if kernel is not None:
+            extra["kernel"] = kernel
+        if graph_fork is not None:
+            extra["graph_fork"] = graph_fork
+        return [PlanEntry(self.name, s.layer, batches, s.weights, byte_cap=byte_cap, grid=grid,
+                          carveout=self.default("carveout", None),
+                          priority=self.default("priority", False), **extra)
+                for s in self.sites]
+
+    def hook_sites(self, model: Any) -> list[tuple[Any, int]]:
+        """``(module, layer)`` for :func:`l2prefetch.hooks.attach`."""
+        return [(model.get_submodule(s.site) if s.site else model, s.layer) for s in self.sites]
+
+
+def _role_name(site_rel: str, consumer_rel: str, next_layer: bool) -> str:
+    return f"after {site_rel}: {'next ' if next_layer else ''}{consumer_rel}"
+
+
+def _ancestors(path: str) -> list[str]:
+    """'a.b.c' -> ['', 'a', 'a.b', 'a.b.c']."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(len(parts) + 1)]
+
+
+def _block_site(previous: str, consumer: str) -> Optional[str]:
+    """The block that holds ``previous`` and returns before ``consumer`` runs."""
+    mine, theirs = _ancestors(previous), set(_ancestors(consumer))
+    common = [a for a in mine if a in theirs][-1]
+    below = mine[len(_ancestors(common))] if len(mine) > len(_ancestors(common)) else None
+    if below is None:
+        return None
+    if below.split(".")[-1].isdigit():  # the decoder layer itself: one level inside it
+        deeper = mine.index(below) + 1
+        below = mine[deeper] if deeper < len(mine) else None
+    return below
+
+
+def _chain(reads: Sequence[Read], k: int, max_bytes: int) -> list[Read]:
+    chain: list[Read] = []
+    total = 0
+    for read in reads[k:]:
+        if read.routed or total >= max_bytes:
+            break
+        chain.append(read)
+        total += read.nbytes
+    return chain
+
+
+def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MAX_BYTES,
+               kinds: Sequence[str] = ("module", "block")) -> list[Role]:
+    """The candidate roles of ``reads`` (from :func:`discover`), in the order of
+    their first fork.
+
+    Each role forks at one site per layer and loads the consumer's weights
+    and those of the following reads, up to ``max_bytes`` per fork (the cap
+    is chosen later, per setting).  Routed reads are never consumers.
+    ``kinds`` selects the sites: ``"module"`` (after the previous read) and
+    ``"block"`` (after its enclosing block).
+    """
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    called = reads.called if isinstance(reads, Reads) and reads.called else None
+    reads = list(reads)
+    for i, read in enumerate(reads):
+        if not isinstance(read, Read):
+            raise TypeError(f"reads[{i}] must be a Read from discover(), got "
+                            f"{type(read).__name__}")
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+    unknown = [k for k in kinds if k not in ("module", "block")]
+    if isinstance(kinds, str) or unknown or not kinds:
+        raise ValueError(f"kinds must be a non-empty sequence of 'module' and 'block', "
+                         f"got {kinds!r}")
+
+    grouped: dict[tuple, list[Site]] = {}
+    order: list[tuple] = []
+    for k in range(1, len(reads)):
+        consumer, previous = reads[k], reads[k - 1]
+        if consumer.routed:
+            continue
+        chain = _chain(reads, k, max_bytes)
+        weights = tuple(t for read in chain for t in read.tensors)
+        nbytes = tuple(t.numel() * t.element_size() for t in weights)
+        sites = []
+        if "module" in kinds:
+            sites.append(("module", previous.path))
+        if "block" in kinds:
+            block = _block_site(previous.path, consumer.path)
+            if block is not None and block != previous.path and (
+                    called is None or block in called):
+                sites.append(("block", block))
+        for kind, site in sites:
+            site_layer, site_rel = _layer_of(site)
+            next_layer = (site_layer is not None and consumer.layer is not None
+                          and consumer.layer != site_layer)
+            key = (kind, site_rel, consumer.relative, next_layer)
+            layer = site_layer if site_layer is not None else (consumer.layer or 0)
+            if key not in grouped:
+                grouped[key] = []
+                order.append(key)
+            grouped[key].append(Site(layer=layer, site=site,
+                                     reads=tuple(r.path for r in chain), weights=weights,
+                                     nbytes=nbytes))
+    roles = []
+    for key in order:
+        kind, site_rel, consumer_rel, next_layer = key
+        sites = grouped[key]
+        # A role forks once per layer: two reads at one relative place in a layer
+        # (impossible for one module path) would collide on the controller's key.
+        layers = [s.layer for s in sites]
+        if len(set(layers)) != len(layers):
+            continue
+        roles.append(Role(name=_role_name(site_rel, consumer_rel, next_layer),
+                          consumer=consumer_rel, site=site_rel, kind=kind,
+                          next_layer=next_layer, sites=tuple(sites)))
+    return roles
+
+
+def roles_from_plan(model: Any, plan: Iterable[Any], hook_points: Any) -> list[Role]:
+    """Roles from a policy's plan and its hook points (``kimi_k3.plan(...,
+    points=kimi_k3.POINTS)`` with ``kimi_k3.hook_points``, or the same for
+    ``deepseek_v3``): one role per point, with the plan's weights and settings
+    as defaults (per layer, the entry of the smallest batch).
+
+    ``hook_points`` is what :func:`l2prefetch.hooks.attach` takes: a mapping of
+    point to ``[(module, layer)]`` or a callable ``model -> mapping``.
+    """
+    import torch
+
+    from ..plan import PlanEntry
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    points = hook_points(model) if callable(hook_points) else hook_points
+    if not hasattr(points, "items"):
+        raise TypeError("hook_points must map point names to [(module, layer)] or be a "
+                        f"callable returning that, got {type(points).__name__}")
+    names = {module: name for name, module in model.named_modules()}
+    sites_of: dict[tuple[str, int], str] = {}
+    for point, sites in points.items():
+        sites = sites(model) if callable(sites) else sites
+        for module, layer in sites:
+            if module not in names:
+                raise ValueError(f"hook_points[{point!r}]: a {type(module).__name__} at layer "
+                                 f"{layer} is not a submodule of the model")
+            sites_of[(point, layer)] = names[module]
+    param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    by_point: dict[str, dict[int, PlanEntry]] = {}
+    for i, entry in enumerate(plan):
+        if not isinstance(entry, PlanEntry):
+            raise TypeError(f"plan[{i}] must be a PlanEntry, not {type(entry).__name__}")
+        layers = by_point.setdefault(entry.point, {})
+        kept = layers.get(entry.layer)
+        if kept is None or min(entry.batches) < min(kept.batches):
+            layers[entry.layer] = entry
+    roles = []
+    for point, layers in by_point.items():
+        sites = []
+        for layer, entry in sorted(layers.items()):
+            site = sites_of.get((point, layer))
+            if site is None:
+                raise ValueError(f"plan point {point!r} at layer {layer} has no hook site in "
+                                 "hook_points: pass the policy's hook_points with the same "
+                                 "points= as its plan")
+            nbytes = tuple(t.numel() * t.element_size() for t in entry.weights)
+            reads = tuple(param_names.get(id(t), "?") for t in entry.weights)
+            sites.append(Site(layer=layer, site=site, reads=reads, weights=entry.weights,
+                              nbytes=nbytes))
+        first = next(iter(layers.values()))
+        defaults = (("byte_cap", first.byte_cap), ("grid", first.grid),
+                    ("carveout", first.carveout), ("priority", first.priority))
+        site_rel = _layer_of(sites[0].site)[1]
+        roles.append(Role(name=point, consumer=point, site=site_rel, kind="policy",
+                          next_layer=False, sites=tuple(sites), defaults=defaults))
+    return roles
+
+
+def describe_bytes(n: float) -> str:
+    """Bytes for people: '16.0 MiB', '512 KiB'."""
+    if n >= MIB:
+        return f"{n / MIB:.1f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.0f} KiB"
+    return f"{int(n)} B"
+

@@ -1,0 +1,308 @@
+"""The tuner's measurement backend on a GPU: the real step, captured as deployed.
+
+Each variant of :class:`~l2prefetch.tuning.search.Variant` becomes a
+controller (:func:`~l2prefetch.tuning.rig.build_controller`: the plan's loads,
+or empty tables for the control) made with ``eager=False`` and attached with
+:func:`l2prefetch.hooks.attach`, the way a server deploys it; the step is captured with its hooks in place, several
+instances per variant, and replayed interleaved (:class:`~l2prefetch.tuning.rig.Rig`).
+
+The probe captures two extra graphs with timing events recorded inside
+them (``torch.cuda.Event(external=True)``): in the first, events at each
+fork site and around each consumer give the window from a fork to its
+consumer and the consumer's cold time; in the second, each consumer's
+weights are loaded on the main stream right before it, which gives its hot
+time.  The difference is the most a prefetch of it can save.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
+
+from .discover import Role
+from .rig import Rig
+from .search import Prepared, Probe, Setting, StepError, Variant
+
+__all__ = ["GraphBackend"]
+
+logger = logging.getLogger(__name__)
+
+#: Replays of each probe graph (medians of the event intervals).
+PROBE_REPLAYS = 20
+
+
+def _bitwise_equal(x: Any, y: Any) -> bool:
+    import torch
+
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return (x.shape == y.shape and x.dtype == y.dtype
+                and bool(torch.equal(x.view(torch.uint8) if x.is_contiguous() else x,
+                                     y.view(torch.uint8) if y.is_contiguous() else y)))
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return len(x) == len(y) and all(_bitwise_equal(a, b) for a, b in zip(x, y))
+    return x is None and y is None
+
+
+def _max_diff(x: Any, y: Any) -> Optional[float]:
+    import torch
+
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape:
+        return (x.float() - y.float()).abs().max().item()
+    return None
+
+
+class GraphBackend:
+    """Measures variants of ``step(batch)`` in CUDA graphs on one device.
+
+    ``model`` is the module whose hooks fork; ``step(batch)`` one capturable
+    decode step at that batch (static buffers, same work every replay),
+    returning its output (logits) for the bitwise check.  ``rounds``:
+    replays per graph instance in a group.
+    """
+
+    def __init__(self, model: Any, step: Callable[[int], Any], *, device: Any = None,
+                 rounds: int = 60) -> None:
+        import torch
+
+        if device is None:
+            params = list(model.parameters())
+            device = params[0].device if params else torch.device("cuda")
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"tuning measures CUDA graphs: the model is on {device}; move it to "
+                             "a CUDA device (discover() works on the CPU)")
+        self.torch, self.model, self.step, self.rounds = torch, model, step, rounds
+        self.rig = Rig(device)
+        self.device = self.rig.device
+        self._roles: dict[str, Role] = {}
+        #: The caps the search tries (bytes): the probe counts reads up to the largest.
+        self.caps_bytes: tuple[int, ...] = ()
+
+    # ------------------------------------------------------------------ setup
+    def use_roles(self, roles: Sequence[Role], caps_bytes: Sequence[int] = ()) -> None:
+        """The roles variants name, and the caps the search will try."""
+        self._roles = {role.name: role for role in roles}
+        self.caps_bytes = tuple(caps_bytes)
+
+    def prepare(self, batch: int) -> Prepared:
+        torch = self.torch
+        try:
+            with torch.cuda.device(self.device), torch.no_grad():
+                self.step(batch)
+                torch.cuda.synchronize()
+        except Exception as exc:
+            raise StepError(f"step({batch}) failed, so batch {batch} cannot be tuned: "
+                            f"{type(exc).__name__}: {exc}") from exc
+        t0 = time.perf_counter()
+        try:
+            graph, _ = self.rig.capture(self._fn(batch), warmup=0)
+        except Exception as exc:
+            raise StepError(
+                f"step({batch}) cannot be captured into a CUDA graph: {type(exc).__name__}: "
+                f"{exc}; a tuned step must be capturable (static input buffers, no host "
+                "synchronisation such as .item() or .cpu(), no allocation that depends on "
+                "data)") from exc
+        capture_s = time.perf_counter() - t0
+        us = self.rig.replays({0: graph}, 10)[0]
+        del graph
+        return Prepared(step_us=statistics.median(us), capture_s=capture_s)
+
+    def _fn(self, batch: int) -> Callable[[], Any]:
+        torch, step = self.torch, self.step
+
+        def fn() -> Any:
+            with torch.no_grad():
+                return step(batch)
+        return fn
+
+    # ------------------------------------------------------------------ variants
+    def _controller(self, variant: Variant, batch: int) -> Any:
+        """A controller for ``variant`` at ``batch`` (:func:`~l2prefetch.tuning.rig.build_controller`:
+        ``eager=False``, as deployed; empty tables for the control)."""
+        from .rig import build_controller
+
+        entries = []
+        for name, setting in variant.roles:
+            entries += self._roles[name].entries(
+                (batch,), byte_cap=setting.byte_cap, grid=setting.grid, kernel=setting.kernel,
+                graph_fork=setting.graph_fork)
+        return build_controller(entries, self.device.index, empty=variant.empty)
+
+    def _points(self, variant: Variant) -> dict[str, list]:
+        return {name: self._roles[name].hook_sites(self.model) for name, _ in variant.roles}
+
+    def measure(self, batch: int, variants: Mapping[str, Variant],
+                instances: int) -> tuple[dict[str, list[float]], dict[str, bool]]:
+        from .. import hooks
+
+        controllers = {}
+        setups: dict[str, Callable[[], Any]] = {}
+        try:
+            for name, variant in variants.items():
+                if not variant.roles:
+                    continue
+                controller = self._controller(variant, batch)
+                controllers[name] = controller
+                points = self._points(variant)
+
+                def setup(controller: Any = controller, points: dict = points) -> Any:
+                    return hooks.attach(self.model, controller, points)
+                setups[name] = setup
+            fn = self._fn(batch)
+            m = self.rig.measure({name: fn for name in variants}, instances, self.rounds,
+                                 setup=setups)
+        finally:
+            for controller in controllers.values():
+                controller.close()
+        identical = {}
+        reference = m.outputs.get("a", [None])[0]
+        for name, outs in m.outputs.items():
+            flags = [_bitwise_equal(reference, out) for out in outs]
+            identical[name] = all(flags)
+            if not identical[name]:
+                diffs = [_max_diff(reference, out) for out in outs]
+                logger.warning("batch %d, variant %s: outputs of instances %s differ from the "
+                               "no-fork step's first instance (max abs diff %s)", batch, name,
+                               [i for i, f in enumerate(flags) if not f], diffs)
+        return m.medians, identical
+
+    # ------------------------------------------------------------------ probe
+    def probe(self, batch: int, roles: Sequence[Role]) -> Optional[dict[str, Probe]]:
+        """Windows and cold-to-hot gaps of the discovered roles (see the module's
+        docstring); None where events cannot be recorded in a capture."""
+        torch = self.torch
+        try:
+            torch.cuda.Event(enable_timing=True, external=True)
+        except TypeError:
+            logger.info("torch %s cannot record timing events inside a graph capture: "
+                        "windows and gaps are not probed", torch.__version__)
+            return None
+        discovered = [r for r in roles if r.kind in ("module", "block")]
+        if not discovered:
+            return None
+        try:
+            cold = self._probe_graph(batch, discovered, hot=False)
+            hot = self._probe_graph(batch, discovered, hot=True)
+        except Exception as exc:  # the probe is advisory: measuring goes on without it
+            logger.warning("probing windows at batch %d failed (%s: %s); measuring every role",
+                           batch, type(exc).__name__, exc)
+            return None
+        def gap(read: str) -> float:
+            if read in cold["dur"] and read in hot["dur"]:
+                return cold["dur"][read] - hot["dur"][read]
+            return 0.0
+
+        out = {}
+        largest = max(self.caps_bytes, default=0)
+        for role in discovered:
+            windows, consumer_gap, chain_gap = [], 0.0, 0.0
+            for site in role.sites:
+                consumer = site.reads[0]
+                start = cold["start"].get(consumer)
+                if start is not None and site.site in cold["site"]:
+                    windows.append(start - cold["site"][site.site])
+                consumer_gap += gap(consumer)
+                loaded = 0
+                for read, nbytes in zip(site.reads, self._read_bytes(site)):
+                    if largest and loaded >= largest:
+                        break
+                    chain_gap += gap(read)
+                    loaded += nbytes
+            out[role.name] = Probe(statistics.fmean(windows) if windows else None,
+                                   consumer_gap, chain_gap)
+        return out
+
+    def _read_bytes(self, site: Any) -> list[int]:
+        """Bytes of each read of a site's chain (its weights grouped by module)."""
+        sizes = []
+        for path in site.reads:
+            module = self.model.get_submodule(path)
+            sizes.append(sum(p.numel() * p.element_size() for p in module.parameters(recurse=False)))
+        return sizes
+
+    def _probe_graph(self, batch: int, roles: Sequence[Role], hot: bool) -> dict[str, dict]:
+        from .. import PreparedWeightRanges
+
+        torch, model = self.torch, self.model
+        reads = sorted({read for role in roles for site in role.sites for read in site.reads})
+        sites = sorted({site.site for role in roles for site in role.sites})
+        events: dict[tuple[str, str], Any] = {}
+
+        def event(kind: str, path: str) -> Any:
+            ev = events.get((kind, path))
+            if ev is None:
+                ev = events[(kind, path)] = torch.cuda.Event(enable_timing=True, external=True)
+            return ev
+
+        loaders = {}
+        if hot:
+            for path in reads:
+                module = model.get_submodule(path)
+                tensors = [p for p in module.parameters(recurse=False)]
+                loaders[path] = PreparedWeightRanges(tensors, grid=self._sm_count(),
+                                                     device=self.device.index)
+        handles = []
+        origin = torch.cuda.Event(enable_timing=True, external=True)
+        try:
+            for path in reads:
+                module = model.get_submodule(path)
+
+                def pre(module: Any, args: Any, path: str = path) -> None:
+                    if hot:
+                        loaders[path].launch()
+                    event("start", path).record()
+
+                def post(module: Any, args: Any, output: Any, path: str = path) -> None:
+                    event("end", path).record()
+                handles.append(module.register_forward_pre_hook(pre))
+                handles.append(module.register_forward_hook(post))
+            for path in sites:
+                module = model.get_submodule(path) if path else model
+
+                def after(module: Any, args: Any, output: Any, path: str = path) -> None:
+                    event("site", path).record()
+                handles.append(module.register_forward_hook(after))
+            inner = self._fn(batch)
+
+            def fn() -> Any:
+                origin.record()
+                return inner()
+            graph, _ = self.rig.capture(fn, warmup=1)
+        finally:
+            for handle in handles:
+                handle.remove()
+        samples: dict[tuple[str, str], list[float]] = {key: [] for key in events}
+        with torch.cuda.device(self.device):
+            for _ in range(PROBE_REPLAYS):
+                graph.replay()
+                torch.cuda.synchronize()
+                for key, ev in events.items():
+                    samples[key].append(origin.elapsed_time(ev) * 1e3)
+        med = {key: statistics.median(v) for key, v in samples.items()}
+        out: dict[str, dict] = {"start": {}, "site": {}, "dur": {}}
+        for (kind, path), t in med.items():
+            if kind == "start":
+                out["start"][path] = t
+                if ("end", path) in med:
+                    out["dur"][path] = med[("end", path)] - t
+            elif kind == "site":
+                out["site"][path] = t
+        del graph
+        return out
+
+    def device_fingerprint(self) -> dict:
+        from .profile import device_fingerprint
+
+        return device_fingerprint(self.device)
+
+    def _sm_count(self) -> int:
+        return self.torch.cuda.get_device_properties(self.device).multi_processor_count
+
+
+def setting_of(entry: Any) -> Setting:
+    """The tuner's setting of a plan entry (for reports of hand-made plans)."""
+    return Setting(byte_cap=entry.byte_cap, grid=entry.grid, kernel=getattr(entry, "kernel", None),
+                   graph_fork=getattr(entry, "graph_fork", None) or "inline")

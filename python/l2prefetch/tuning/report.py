@@ -1,0 +1,144 @@
+"""The tuner's report: Markdown tables, and a PNG where matplotlib is installed.
+
+Per batch: the verdict (the confirmed plan and its ratio, or why the plan
+is empty), the confirmations, and one row per role: the most its loads
+could gain (the cold-to-hot gap), the window from the fork to the consumer,
+the measured times (a) no forks, (b) the loads, (d) the same forks empty,
+each a mean over graph instances with its 95% interval, and whether it was
+kept or why not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from .stats import Interval
+
+__all__ = ["markdown", "plot", "table"]
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table; numbers are right-aligned.  The one table helper of the
+    package and the benchmarks."""
+    def cell(x: Any) -> str:
+        return str(x).replace("|", "\\|")
+
+    align = ["---:" if rows and all(isinstance(r[i], (int, float)) or _numeric(r[i])
+                                    for r in rows) else "---" for i in range(len(header))]
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |",
+             "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _numeric(x: Any) -> bool:
+    text = str(x).strip().lstrip("+-")
+    return bool(text) and text.replace(".", "", 1).replace("x", "", 1).isdigit()
+
+
+def _t(x: Optional[Interval]) -> str:
+    return "" if x is None else f"{x.estimate:.1f} +- {x.half_width:.1f}"
+
+
+def _opt(x: Optional[float], digits: int = 1) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(result: Any) -> str:
+    device = result.device or {}
+    head = [f"# l2prefetch tune: {len(result.roles)} roles, batches "
+            f"{[r.batch for r in result.batches]}", ""]
+    if device:
+        head.append(f"Device: {device.get('name')} (sm_{device.get('sm')}, "
+                    f"{device.get('sm_count')} SMs, {device.get('l2_bytes', 0) / 2**20:.0f} MiB "
+                    f"L2, driver {device.get('driver_version')}).  ")
+    versions = result.versions or {}
+    head.append("Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".  ")
+    s = result.settings
+    head.append(f"Tuning took {result.elapsed_s:.0f} s of a {result.budget_s:.0f} s budget; "
+                f"{s.get('instances')} graph instances per variant, {s.get('rounds')} replays "
+                "each, interleaved.  Times are us per decode step: means of per-instance "
+                "medians +- half their 95% interval; a role is kept when the 95% interval of "
+                "(a) - (b) is above zero and (b) beats (d), and the plan only when its "
+                "confirmation on fresh instances is a gain.")
+    out = ["\n".join(head), ""]
+    out.append("## Verdict\n")
+    rows = []
+    for rep in result.batches:
+        conf = rep.confirmed
+        if conf is None:
+            rows.append([rep.batch, _opt(rep.step_us), "empty", "", "", rep.reason])
+        else:
+            low, high = conf.ratio_interval
+            rows.append([rep.batch, _opt(rep.step_us), len(rep.plan), f"{conf.ratio:.4f}",
+                         f"{low:.4f}-{high:.4f}", rep.reason])
+    out.append(table(["batch", "step us", "roles kept", "ratio (a / plan)", "95% interval",
+                      "result"], rows))
+    for rep in result.batches:
+        out.append(f"## Batch {rep.batch}\n")
+        if rep.confirmations:
+            rows = []
+            for c in rep.confirmations:
+                names = "; ".join(f"{n} [{st.label()}]" for n, st in c.roles)
+                rows.append([names, _t(c.a), _t(c.plan), c.gain.format(2), f"{c.ratio:.4f}",
+                             "yes" if c.identical else "NO"])
+            out.append("Confirmations (fresh instances):\n")
+            out.append(table(["plan", "a us", "plan us", "a - plan us", "ratio",
+                              "bitwise equal"], rows))
+        rows = []
+        for role in rep.roles:
+            best = role.chosen
+            if best is None and role.trials:
+                best = max(role.trials, key=lambda t: t.gain.estimate)
+            rows.append([
+                role.role, role.layers, f"{role.max_bytes / 2**20:.1f}", _opt(role.gap_us, 2),
+                _opt(role.chain_gap_us, 2), _opt(role.window_us), "" if best is None else best.setting.label(),
+                "" if best is None else _t(best.a), "" if best is None else _t(best.b),
+                "" if best is None else _t(best.d),
+                "" if best is None else best.gain.format(2),
+                "kept" if role.kept else role.reason])
+        out.append("Roles (the best or verified setting of each):\n")
+        out.append(table(["role", "layers", "max MiB", "gap us", "loads' gap us", "window us",
+                          "setting",
+                          "a us", "b us", "d us", "a - b us", "kept / why not"], rows))
+    return "\n".join(out)
+
+
+def plot(result: Any, path: str) -> bool:
+    """Each measured role's best gain against no forks with its interval, per batch."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    reps = [r for r in result.batches if any(role.trials for role in r.roles)]
+    fig, axes = plt.subplots(1, max(1, len(reps)), figsize=(6 * max(1, len(reps)), 4.5),
+                             squeeze=False)
+    for ax, rep in zip(axes[0], reps):
+        names, est, err, colors = [], [], [], []
+        for role in rep.roles:
+            trial = role.chosen or (max(role.trials, key=lambda t: t.gain.estimate)
+                                    if role.trials else None)
+            if trial is None:
+                continue
+            names.append(role.role)
+            est.append(trial.gain.estimate)
+            err.append(trial.gain.half_width)
+            colors.append("tab:green" if role.kept else "tab:gray")
+        ys = range(len(names))
+        ax.barh(list(ys), est, xerr=err, color=colors)
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels(names, fontsize=7)
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.set_xlabel("us saved per step against no forks (95% interval)")
+        ax.set_title(f"batch {rep.batch}: step {rep.step_us:.0f} us")
+        ax.invert_yaxis()
+    if not reps:
+        axes[0][0].text(0.5, 0.5, "nothing was measured", ha="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,248 @@
+"""The measuring rig: capture a step into CUDA graphs, replay them interleaved, time them.
+
+The tuner and the benchmarks measure the same way, with this one
+implementation:
+
+* every variant of a step is captured into several graph instances (two
+  instantiations of one capture can replay a few microseconds apart, more
+  than the effects measured, so the instance is the unit of measurement);
+* all instances of all variants are replayed round after round, one replay
+  of each graph per round, with the variants' order rotated each round, so
+  that drift (clocks, temperature) falls on all of them alike;
+* each replay is timed with CUDA events around ``graph.replay()``; replays
+  go back to back with no flush in between unless a ``before`` callable asks
+  for one (a real decode step streams its own weights through L2);
+* a variant's time per instance is the median of that instance's replays,
+  and :mod:`l2prefetch.tuning.stats` compares variants by those medians.
+
+The empty-fork control (:func:`empty_controller`) is the same forks with
+empty tables: same points, layers, batches, grids and launch settings, so the
+graph has the same prefetch nodes and loads nothing.
+
+Needs torch with CUDA; importing this module does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Optional
+
+__all__ = ["Measurement", "Rig", "build_controller", "empty_controller", "spin_cycles_per_us"]
+
+
+def spin_cycles_per_us(device: Any = None) -> float:
+    """``torch.cuda._sleep`` cycles per microsecond on ``device``: the scale of a spin
+    (one CTA that waits: a window in which the GPU is nearly idle)."""
+    import torch
+
+    with torch.cuda.device(device):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        cycles = 2_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        return cycles / (start.elapsed_time(end) * 1e3)
+
+
+def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optional[str] = None,
+                     graph_fork: str = "inline", eager: bool = True) -> Any:
+    """The control: ``plan``'s points, layers and batches with empty tables.
+
+    Each entry keeps its grid, carveout, priority, kernel and graph_fork, so
+    every fork launches the same (empty) kernel node as the plan's own.
+    """
+    from .. import PrefetchController, PreparedWeightRanges
+
+    controller = PrefetchController(device, graph_fork=graph_fork, eager=eager)
+    tables: dict[tuple, Any] = {}
+    for entry in plan:
+        entry_kernel = getattr(entry, "kernel", None) or kernel
+        key = (entry.grid, entry.carveout, entry.priority, entry_kernel)
+        if key not in tables:
+            tables[key] = PreparedWeightRanges(
+                [], grid=entry.grid, carveout=entry.carveout, priority=entry.priority,
+                device=controller.device, kernel=entry_kernel)
+        mode = getattr(entry, "graph_fork", None)
+        if mode is None:
+            controller.add(entry.point, entry.layer, entry.batches, tables[key])
+        else:
+            controller.add(entry.point, entry.layer, entry.batches, tables[key], graph_fork=mode)
+    return controller
+
+
+def build_controller(plan: Sequence[Any], device: Any = None, *, empty: bool = False,
+                     eager: bool = False) -> Any:
+    """A controller for ``plan`` (``empty``: the control, same forks with empty tables).
+
+    When every entry forks the same way into a captured graph, that mode is
+    the controller's and the entries carry none (so this works with any C
+    build); a plan that mixes 'inline' and 'branch' sets the mode per entry.
+    ``eager=False`` by default: a tuned plan is measured and deployed in
+    captured decode steps.
+    """
+    from .. import PrefetchController
+
+    modes = {getattr(entry, "graph_fork", None) or "inline" for entry in plan}
+    mode = "inline"
+    if len(modes) == 1:
+        mode = modes.pop()
+        plan = [dataclasses.replace(entry, graph_fork=None)
+                if getattr(entry, "graph_fork", None) is not None else entry for entry in plan]
+    if empty:
+        return empty_controller(plan, device, graph_fork=mode, eager=eager)
+    return PrefetchController.from_plan(plan, device, graph_fork=mode, eager=eager)
+
+
+@dataclasses.dataclass
+class Measurement:
+    """What one interleaved run of several variants gave.
+
+    ``medians[name]`` holds one number per instance (the median us of its
+    replays); ``replays[name][i]`` every replay of instance i; ``outputs[name][i]``
+    the output tensor of instance i after its last replay (for bitwise checks);
+    ``capture_s`` and ``replay_s`` the host time spent on each.
+    """
+
+    medians: dict[str, list[float]]
+    replays: dict[str, list[list[float]]]
+    outputs: dict[str, list[Any]]
+    capture_s: float
+    replay_s: float
+
+    def mean(self, name: str) -> float:
+        return statistics.fmean(self.medians[name])
+
+
+class Rig:
+    """Graph capture and interleaved, event-timed replays on one device.
+
+    Every graph gets its own memory pool.  Graphs that share one, replayed
+    interleaved, overwrite each other's outputs: at each capture torch frees
+    the cuBLAS workspace the previous graph's kernels still use into that
+    pool, where the next capture can place its output (seen on the H200 with
+    torch 2.11: logits off by ~7 in 3 of 5 instances).  A decode step's
+    activations are small, so private pools cost little.
+    """
+
+    def __init__(self, device: Any = None) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+            else torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"the rig measures on a CUDA device, got {self.device}")
+        with torch.cuda.device(self.device):
+            self.stream = torch.cuda.Stream()
+        self._cycles_per_us: Optional[float] = None
+
+    # ------------------------------------------------------------ windows
+    @property
+    def cycles_per_us(self) -> float:
+        if self._cycles_per_us is None:
+            self._cycles_per_us = spin_cycles_per_us(self.device)
+        return self._cycles_per_us
+
+    def spin(self, us: float) -> None:
+        """Enqueue one CTA that waits about ``us`` microseconds (a nearly idle GPU)."""
+        if us > 0:
+            self.torch.cuda._sleep(int(us * self.cycles_per_us))
+
+    # ------------------------------------------------------------ capture
+    def capture(self, fn: Callable[[], Any], *, warmup: int = 1,
+                pool: Any = None) -> tuple[Any, Any]:
+        """Capture ``fn()`` into a CUDA graph after ``warmup`` eager calls on the
+        capture stream (cuBLAS handles, workspaces, lazy init), in memory pool
+        ``pool`` (None: a private one).  Returns ``(graph, output)``; the output
+        tensor is refreshed by each replay."""
+        torch = self.torch
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device):
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                for _ in range(warmup):
+                    fn()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                    output = fn()
+            torch.cuda.current_stream().wait_stream(self.stream)
+            torch.cuda.synchronize()
+        return graph, output
+
+    # ------------------------------------------------------------ replays
+    def replays(self, graphs: Mapping[Any, Any], rounds: int,
+                before: Optional[Callable[[Any], None]] = None) -> dict[Any, list[float]]:
+        """Every replay's microseconds per graph: ``rounds`` rounds, each replaying
+        every graph once, the order rotated by one each round; ``before(key)``
+        (e.g. a flush) runs before each replay when given."""
+        torch = self.torch
+        keys = list(graphs)
+        pairs: dict[Any, list] = {key: [] for key in keys}
+        with torch.cuda.device(self.device):
+            for r in range(rounds):
+                k = r % len(keys) if keys else 0
+                for key in keys[k:] + keys[:k]:
+                    if before is not None:
+                        before(key)
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    graphs[key].replay()
+                    end.record()
+                    pairs[key].append((start, end))
+            torch.cuda.synchronize()
+        return {key: [s.elapsed_time(e) * 1e3 for s, e in p] for key, p in pairs.items()}
+
+    def measure(self, variants: Mapping[str, Callable[[], Any]], instances: int, rounds: int, *,
+                setup: Optional[Mapping[str, Callable[[], Any]]] = None,
+                before: Optional[Callable[[str], None]] = None) -> Measurement:
+        """Capture each variant ``instances`` times and time all of them interleaved.
+
+        ``variants[name]`` is the function to capture.  ``setup[name]()``, when
+        given, is a context manager entered around that variant's captures
+        (attaching hooks, say).  Graphs of one instance index are captured
+        variant after variant, so capture order does not favour a variant.
+        """
+        if instances < 1 or rounds < 1:
+            raise ValueError(f"instances and rounds must be >= 1, got {instances}, {rounds}")
+        import contextlib
+
+        t0 = time.perf_counter()
+        graphs: dict[tuple[str, int], Any] = {}
+        outputs: dict[str, list[Any]] = {name: [] for name in variants}
+        for i in range(instances):
+            for name, fn in variants.items():
+                ctx = setup[name]() if setup and name in setup else contextlib.nullcontext()
+                with ctx:
+                    graph, out = self.capture(fn, warmup=1 if i == 0 else 0)
+                graphs[(name, i)] = graph
+                outputs[name].append(out)
+        t1 = time.perf_counter()
+        us = self.replays(graphs, rounds,
+                          None if before is None else (lambda key: before(key[0])))
+        t2 = time.perf_counter()
+        replays = {name: [us[(name, i)] for i in range(instances)] for name in variants}
+        medians = {name: [statistics.median(x) for x in per] for name, per in replays.items()}
+        del graphs
+        return Measurement(medians, replays, outputs, t1 - t0, t2 - t1)
+
+
+def time_once(fn: Callable[[], Any], reps: int = 3) -> float:
+    """Seconds of host time of ``fn()``, the best of ``reps`` (for budget estimates)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def medians(values: Mapping[Any, Sequence[float]]) -> dict[Any, float]:
+    """The median of each list."""
+    return {key: statistics.median(v) for key, v in values.items()}

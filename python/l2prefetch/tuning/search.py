@@ -1,0 +1,532 @@
+"""The tuner's search and acceptance, against any measurement backend.
+
+Per batch, in this order (each step measured on fresh graph instances,
+every group interleaving its variants; see :mod:`l2prefetch.tuning.rig`):
+
+1. **prepare**: run and capture the step once (a step that fails or cannot
+   be captured is a :class:`StepError`), time it, probe the windows and the
+   cold-to-hot gaps where the backend can (:meth:`Backend.probe`).
+2. **screen**: a role whose gap (the most its loads could gain) is under
+   ``min_gain_us`` is not measured; the rest are measured in decreasing gap.
+3. **sweep**: per role, one group of (a) no forks, (d) the role's forks with
+   empty tables and (b) its loads at each cap, with the default kernel,
+   grid and inline forks.
+4. **refine**: for roles whose best cap beat (a) and (d), one group with the
+   other grids, the side-branch fork and the other kernels at that cap,
+   each with its own (d).
+5. **verify**: the chosen setting of each such role on fresh instances:
+   kept only if the 95% interval of its gain over (a) lies above zero and
+   its loads beat (d).  Choosing the best of several settings on one set of
+   instances favours noise; verifying on fresh ones does not.
+6. **combine**: kept roles in decreasing gain; the plans made of the first
+   1, 2, ... of them in one group; the best one goes on.
+7. **confirm**: that plan against (a) on fresh instances; if the interval of
+   its gain is not above zero, the weakest role is dropped and the rest is
+   confirmed again.  **A plan is returned only if its confirmation is a
+   gain**; otherwise the batch's plan is empty, which is a valid result.
+
+The budget is shared by the batches.  Before each group the tuner estimates
+its cost from the step's measured capture and replay times; the final
+confirmations are reserved first.  When the budget is short the search gets
+coarser (fewer caps, no refine) and roles that do not fit are reported as
+not measured; it never returns a plan that was not confirmed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional, Protocol
+
+from .discover import MIB, Role, describe_bytes
+from .stats import Interval, diff_interval, mean_interval
+
+__all__ = ["Backend", "BatchReport", "Probe", "RoleReport", "Setting", "StepError", "Trial",
+           "Variant", "search"]
+
+#: Caps tried per role, in MiB (limited to what a role can load).
+DEFAULT_CAPS_MIB = (4, 8, 16, 24, 32, 48)
+#: Loader CTAs tried in the refine step besides the default.
+DEFAULT_GRIDS = (16, 32, 64)
+DEFAULT_GRID = 32
+#: Graph instances per variant (the issue's floor: instances differ by more than the effects).
+MIN_INSTANCES = 5
+#: A role whose loads could gain less than this (us per step, summed over layers) is not measured.
+DEFAULT_MIN_GAIN_US = 1.0
+
+
+class StepError(RuntimeError):
+    """The step could not be run or captured at a batch (the cause is chained)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """How a role's forks load: byte cap, loader CTAs, kernel variant (None: the
+    device's default) and how a fork goes into a captured graph."""
+
+    byte_cap: int
+    grid: int = DEFAULT_GRID
+    kernel: Optional[str] = None
+    graph_fork: str = "inline"
+
+    def label(self) -> str:
+        kernel = self.kernel or "default kernel"
+        return f"{describe_bytes(self.byte_cap)}, grid {self.grid}, {kernel}, {self.graph_fork}"
+
+    def launch_key(self) -> tuple:
+        """What the empty-fork control must share with this setting."""
+        return (self.grid, self.kernel, self.graph_fork)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A step variant: the roles that fork and their settings; ``empty``: the same
+    forks with empty tables (the control).  No roles: the step as it is."""
+
+    roles: tuple[tuple[str, Setting], ...] = ()
+    empty: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What a probe of the step found for one role at one batch: the window from
+    the fork to the consumer (us, mean over layers), the consumer's cold-to-hot
+    gap (us, summed over layers) and that of every read its largest load
+    covers (``chain_gap_us``: the most its loads could gain)."""
+
+    window_us: Optional[float]
+    gap_us: Optional[float]
+    chain_gap_us: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """The step at one batch: replay time and the host cost of one capture."""
+
+    step_us: float
+    capture_s: float
+
+
+class Backend(Protocol):
+    """Measures step variants.  :class:`l2prefetch.tuning.measure.GraphBackend`
+    captures the real step; tests plant effects in a fake."""
+
+    rounds: int
+
+    def prepare(self, batch: int) -> Prepared: ...
+
+    def probe(self, batch: int, roles: Sequence[Role]) -> Optional[dict[str, Probe]]: ...
+
+    def measure(self, batch: int, variants: Mapping[str, Variant],
+                instances: int) -> tuple[dict[str, list[float]], dict[str, bool]]:
+        """Per variant, one time (us) per instance, and whether its outputs are
+        bitwise those of the variant named 'a'."""
+        ...
+
+
+@dataclasses.dataclass
+class Trial:
+    """One setting of one role as measured in a group against that group's (a)
+    and its own (d): times are means of per-instance medians with intervals."""
+
+    stage: str
+    setting: Setting
+    a: Interval
+    b: Interval
+    d: Interval
+    gain: Interval      # a - b: what the loads and forks save against no forks
+    vs_empty: Interval  # d - b: what the loads save against the same forks empty
+
+    def as_dict(self) -> dict:
+        return {"stage": self.stage, "setting": self.setting.as_dict(), "a": self.a.as_dict(),
+                "b": self.b.as_dict(), "d": self.d.as_dict(), "gain": self.gain.as_dict(),
+                "vs_empty": self.vs_empty.as_dict()}
+
+
+@dataclasses.dataclass
+class RoleReport:
+    """What the tuner did with one role at one batch."""
+
+    role: str
+    layers: int
+    max_bytes: int
+    window_us: Optional[float] = None
+    gap_us: Optional[float] = None
+    chain_gap_us: Optional[float] = None
+    trials: list[Trial] = dataclasses.field(default_factory=list)
+    chosen: Optional[Trial] = None
+    kept: bool = False
+    reason: str = "not measured"
+
+    def as_dict(self) -> dict:
+        return {"role": self.role, "layers": self.layers, "max_bytes": self.max_bytes,
+                "window_us": self.window_us, "gap_us": self.gap_us,
+                "chain_gap_us": self.chain_gap_us, "trials": [t.as_dict() for t in self.trials],
+                "chosen": None if self.chosen is None else self.chosen.as_dict(),
+                "kept": self.kept, "reason": self.reason}
+
+
+@dataclasses.dataclass
+class Confirmation:
+    roles: tuple[tuple[str, Setting], ...]
+    a: Interval
+    plan: Interval
+    gain: Interval
+    identical: bool
+
+    @property
+    def ratio(self) -> float:
+        """Step time without prefetch over step time with the plan (> 1: faster)."""
+        return self.a.estimate / self.plan.estimate
+
+    @property
+    def ratio_interval(self) -> tuple[float, float]:
+        """The ratio at the ends of the gain's interval, (a) held at its mean."""
+        a = self.a.estimate
+        return a / (a - self.gain.low), a / (a - self.gain.high)
+
+    def as_dict(self) -> dict:
+        low, high = self.ratio_interval
+        return {"roles": [[name, s.as_dict()] for name, s in self.roles], "a": self.a.as_dict(),
+                "plan": self.plan.as_dict(), "gain": self.gain.as_dict(),
+                "ratio": self.ratio, "ratio_low": low, "ratio_high": high,
+                "identical": self.identical}
+
+
+@dataclasses.dataclass
+class BatchReport:
+    """The result for one batch: the roles, the confirmations, the plan."""
+
+    batch: int
+    step_us: float = math.nan
+    roles: list[RoleReport] = dataclasses.field(default_factory=list)
+    confirmations: list[Confirmation] = dataclasses.field(default_factory=list)
+    plan: tuple[tuple[str, Setting], ...] = ()
+    reason: str = ""
+    elapsed_s: float = 0.0
+
+    @property
+    def confirmed(self) -> Optional[Confirmation]:
+        """The confirmation of the returned plan (None for an empty plan)."""
+        if not self.plan:
+            return None
+        for c in reversed(self.confirmations):
+            if c.roles == self.plan:
+                return c
+        return None
+
+    def as_dict(self) -> dict:
+        confirmed = self.confirmed
+        return {"batch": self.batch, "step_us": self.step_us,
+                "plan": [[name, s.as_dict()] for name, s in self.plan],
+                "confirmed": None if confirmed is None else confirmed.as_dict(),
+                "confirmations": [c.as_dict() for c in self.confirmations],
+                "roles": [r.as_dict() for r in self.roles], "reason": self.reason,
+                "elapsed_s": self.elapsed_s}
+
+
+class Progress:
+    """One line per measured group on a stream (stderr), with elapsed time and an ETA."""
+
+    def __init__(self, stream: Any, budget_s: float, clock: Callable[[], float]) -> None:
+        self.stream, self.budget_s, self.clock = stream, budget_s, clock
+        self.start = clock()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def line(self, text: str, eta_s: Optional[float] = None) -> None:
+        if self.stream is None:
+            return
+        elapsed = self.elapsed()
+        eta = "" if eta_s is None else f", ETA {max(0.0, eta_s):.0f} s"
+        print(f"[l2prefetch tune {elapsed:5.0f}/{self.budget_s:.0f} s{eta}] {text}",
+              file=self.stream, flush=True)
+
+
+@dataclasses.dataclass
+class _Params:
+    instances: int
+    caps: tuple[int, ...]
+    grids: tuple[int, ...]
+    kernels: tuple[Optional[str], ...]
+    graph_forks: tuple[str, ...]
+    min_gain_us: float
+
+
+class _Batch:
+    """The search at one batch (see the module's docstring)."""
+
+    def __init__(self, backend: Backend, roles: Sequence[Role], batch: int, params: _Params,
+                 progress: Progress, deadline: float, clock: Callable[[], float]) -> None:
+        self.backend, self.roles, self.batch, self.p = backend, list(roles), batch, params
+        self.progress, self.deadline, self.clock = progress, deadline, clock
+        self.by_name = {role.name: role for role in self.roles}
+        self.report = BatchReport(batch)
+        self.prepared: Optional[Prepared] = None
+
+    # ------------------------------------------------------------------ cost
+    def cost(self, variants: int) -> float:
+        """Estimated seconds of one group of ``variants`` variants."""
+        p = self.prepared
+        per_graph = p.capture_s + self.backend.rounds * p.step_us * 1e-6 if p else 1.0
+        return variants * self.p.instances * per_graph * 1.2 + 0.05
+
+    def left(self) -> float:
+        return self.deadline - self.clock()
+
+    def fits(self, variants: int, reserve: float = 0.0) -> bool:
+        return self.cost(variants) + reserve <= self.left()
+
+    def group(self, label: str, variants: dict[str, Variant], eta: Optional[float] = None
+              ) -> tuple[dict[str, list[float]], dict[str, bool]]:
+        self.progress.line(f"batch {self.batch}: {label} ({len(variants)} variants x "
+                           f"{self.p.instances} instances, ~{self.cost(len(variants)):.0f} s)",
+                           eta)
+        return self.backend.measure(self.batch, variants, self.p.instances)
+
+    # ------------------------------------------------------------------ steps
+    def run(self) -> BatchReport:
+        t0 = self.clock()
+        self.prepared = self.backend.prepare(self.batch)
+        self.report.step_us = self.prepared.step_us
+        reports = {role.name: RoleReport(role.name, len(role.sites), role.max_bytes)
+                   for role in self.roles}
+        self.report.roles = list(reports.values())
+        probes = self.backend.probe(self.batch, self.roles) or {}
+        for name, probe in probes.items():
+            if name in reports:
+                rep = reports[name]
+                rep.window_us, rep.gap_us = probe.window_us, probe.gap_us
+                rep.chain_gap_us = probe.gap_us if probe.chain_gap_us is None \
+                    else probe.chain_gap_us
+
+        # screen, then the most promising roles first
+        order = []
+        for role in self.roles:
+            rep = reports[role.name]
+            if rep.chain_gap_us is not None and rep.chain_gap_us < self.p.min_gain_us:
+                rep.reason = (f"screened out: its loads could gain at most "
+                              f"{rep.chain_gap_us:.2f} us per step "
+                              f"(min_gain_us={self.p.min_gain_us})")
+                continue
+            order.append(role)
+        order.sort(key=lambda r: -(reports[r.name].gap_us or 0.0))
+
+        final_reserve = 3 * self.cost(2)
+        promising: list[tuple[Role, Trial]] = []
+        for i, role in enumerate(order):
+            rep = reports[role.name]
+            verify_reserve = (len(promising) + 1) * self.cost(3)
+            caps = self.caps_for(role)
+            while caps and not self.fits(len(caps) + 2, final_reserve + verify_reserve):
+                caps = self.coarser(caps)
+            if not caps:
+                rep.reason = "not measured: the budget ran out"
+                continue
+            trial = self.sweep(role, caps, rep, eta=self.eta(len(order) - i))
+            if trial is None:
+                continue
+            promising.append((role, trial))
+
+        for role, trial in list(promising):
+            rep = reports[role.name]
+            alternatives = self.alternatives(trial.setting)
+            verify_reserve = len(promising) * self.cost(3)
+            if alternatives and self.fits(2 * len(alternatives) + 3,
+                                          final_reserve + verify_reserve):
+                better = self.refine(role, trial, alternatives, rep)
+                if better is not None:
+                    promising[promising.index((role, trial))] = (role, better)
+
+        kept: list[tuple[Role, Trial]] = []
+        for role, trial in promising:
+            rep = reports[role.name]
+            if not self.fits(3, final_reserve):
+                rep.reason = "not verified: the budget ran out"
+                continue
+            verified = self.verify(role, trial.setting, rep)
+            if verified is not None:
+                kept.append((role, verified))
+
+        self.combine_and_confirm(kept, reports)
+        self.report.elapsed_s = self.clock() - t0
+        return self.report
+
+    def eta(self, roles_left: int) -> float:
+        return min(self.left(), roles_left * self.cost(len(self.p.caps) + 2) + 3 * self.cost(2))
+
+    def caps_for(self, role: Role) -> list[int]:
+        fallback = role.default("byte_cap", 0)
+        caps = sorted({min(c, role.max_bytes) for c in self.p.caps})
+        if fallback and fallback not in caps:
+            caps.append(fallback)
+        return sorted(set(caps))
+
+    @staticmethod
+    def coarser(caps: list[int]) -> list[int]:
+        """Fewer caps: keep every other one, always the largest; then none."""
+        if len(caps) <= 1:
+            return []
+        return sorted(set(caps[1::2]) | {caps[-1]})
+
+    def default_setting(self, role: Role, cap: int) -> Setting:
+        return Setting(byte_cap=cap, grid=role.default("grid", DEFAULT_GRID),
+                       kernel=self.p.kernels[0], graph_fork=self.p.graph_forks[0])
+
+    def trial(self, stage: str, setting: Setting, times: dict[str, list[float]], b: str,
+              d: str) -> Trial:
+        a_t, b_t, d_t = times["a"], times[b], times[d]
+        return Trial(stage, setting, mean_interval(a_t), mean_interval(b_t), mean_interval(d_t),
+                     diff_interval(a_t, b_t), diff_interval(d_t, b_t))
+
+    def sweep(self, role: Role, caps: list[int], rep: RoleReport, eta: float) -> Optional[Trial]:
+        base = self.default_setting(role, caps[0])
+        variants = {"a": Variant(), "d": Variant(((role.name, base),), empty=True)}
+        settings = {}
+        for cap in caps:
+            s = dataclasses.replace(base, byte_cap=cap)
+            settings[f"b{cap}"] = s
+            variants[f"b{cap}"] = Variant(((role.name, s),))
+        times, _ = self.group(f"{role.name}: caps {', '.join(describe_bytes(c) for c in caps)}",
+                              variants, eta)
+        trials = [self.trial("sweep", s, times, key, "d") for key, s in settings.items()]
+        rep.trials += trials
+        best = max(trials, key=lambda t: t.gain.estimate)
+        if best.gain.estimate <= 0 or best.vs_empty.estimate <= 0:
+            rep.reason = (f"lost in the sweep: best {best.setting.label()} saved "
+                          f"{best.gain.estimate:+.2f} us against no forks, "
+                          f"{best.vs_empty.estimate:+.2f} us against empty forks")
+            return None
+        rep.reason = "promising after the sweep"
+        return best
+
+    def alternatives(self, setting: Setting) -> list[Setting]:
+        out = []
+        for grid in self.p.grids:
+            if grid != setting.grid:
+                out.append(dataclasses.replace(setting, grid=grid))
+        for mode in self.p.graph_forks:
+            if mode != setting.graph_fork:
+                out.append(dataclasses.replace(setting, graph_fork=mode))
+        for kernel in self.p.kernels:
+            if kernel != setting.kernel:
+                out.append(dataclasses.replace(setting, kernel=kernel))
+        return out
+
+    def refine(self, role: Role, best: Trial, alternatives: list[Setting],
+               rep: RoleReport) -> Optional[Trial]:
+        variants = {"a": Variant()}
+        keys: dict[str, tuple[Setting, str]] = {}
+        controls: dict[tuple, str] = {}
+        for i, s in enumerate([best.setting] + alternatives):
+            d = controls.get(s.launch_key())
+            if d is None:
+                d = f"d{len(controls)}"
+                controls[s.launch_key()] = d
+                variants[d] = Variant(((role.name, s),), empty=True)
+            variants[f"b{i}"] = Variant(((role.name, s),))
+            keys[f"b{i}"] = (s, d)
+        times, _ = self.group(f"{role.name}: grids, forks and kernels at "
+                              f"{describe_bytes(best.setting.byte_cap)}", variants)
+        trials = [self.trial("refine", s, times, key, d) for key, (s, d) in keys.items()]
+        rep.trials += trials
+        good = [t for t in trials if t.vs_empty.estimate > 0]
+        return max(good, key=lambda t: t.gain.estimate) if good else None
+
+    def verify(self, role: Role, setting: Setting, rep: RoleReport) -> Optional[Trial]:
+        variants = {"a": Variant(), "d": Variant(((role.name, setting),), empty=True),
+                    "b": Variant(((role.name, setting),))}
+        times, identical = self.group(f"{role.name}: verify {setting.label()}", variants)
+        trial = self.trial("verify", setting, times, "b", "d")
+        rep.trials.append(trial)
+        rep.chosen = trial
+        if not identical.get("b", True):
+            rep.reason = "refused: outputs with its loads differ from the step's (a bug: report it)"
+            return None
+        if not trial.gain.excludes_zero_above():
+            rep.reason = (f"not shown on fresh instances: gain {trial.gain.format(2)} us "
+                          "(95% interval includes zero or less)")
+            return None
+        if trial.vs_empty.estimate <= 0:
+            rep.reason = (f"its loads do not beat its empty forks: {trial.vs_empty.format(2)} us")
+            return None
+        rep.kept = True
+        rep.reason = f"kept: gain {trial.gain.format(2)} us per step"
+        return trial
+
+    def combine_and_confirm(self, kept: list[tuple[Role, Trial]],
+                            reports: dict[str, RoleReport]) -> None:
+        kept = sorted(kept, key=lambda rt: -rt[1].gain.estimate)
+        chosen = [(role.name, trial.setting) for role, trial in kept]
+        if not chosen:
+            self.report.reason = "no role paid at this batch"
+            return
+        if len(chosen) > 1 and self.fits(len(chosen) + 1, 3 * self.cost(2)):
+            variants = {"a": Variant()}
+            for n in range(1, len(chosen) + 1):
+                variants[f"p{n}"] = Variant(tuple(chosen[:n]))
+            times, _ = self.group(f"combine {len(chosen)} kept roles", variants)
+            gains = {n: diff_interval(times["a"], times[f"p{n}"]).estimate
+                     for n in range(1, len(chosen) + 1)}
+            best = max(gains, key=lambda n: (gains[n], -n))
+            for name, _ in chosen[best:]:
+                reports[name].kept = False
+                reports[name].reason = (f"dropped when combining: the first {best} kept "
+                                        f"role(s) gained more without it")
+            chosen = chosen[:best]
+        while chosen:
+            if not self.fits(2):
+                self.report.reason = "the budget ran out before the plan was confirmed"
+                for name, _ in chosen:
+                    reports[name].kept = False
+                    reports[name].reason += "; not confirmed (budget)"
+                return
+            plan = tuple(chosen)
+            times, identical = self.group(f"confirm {len(plan)} role(s)",
+                                          {"a": Variant(), "plan": Variant(plan)})
+            conf = Confirmation(plan, mean_interval(times["a"]), mean_interval(times["plan"]),
+                                diff_interval(times["a"], times["plan"]),
+                                identical.get("plan", True))
+            self.report.confirmations.append(conf)
+            if conf.identical and conf.gain.excludes_zero_above():
+                self.report.plan = plan
+                self.report.reason = (f"confirmed: {conf.gain.format(2)} us per step, "
+                                      f"{conf.ratio:.4f}x")
+                return
+            name, _ = chosen.pop()
+            reports[name].kept = False
+            reports[name].reason = ("dropped at confirmation: the plan with it was not a "
+                                    f"confirmed gain ({conf.gain.format(2)} us)")
+        self.report.reason = "no combination of the kept roles was confirmed"
+
+
+def search(backend: Backend, roles: Sequence[Role], batches: Sequence[int], *,
+           budget_s: float, instances: int = MIN_INSTANCES,
+           caps_mib: Sequence[float] = DEFAULT_CAPS_MIB, grids: Sequence[int] = DEFAULT_GRIDS,
+           kernels: Sequence[Optional[str]] = (None,),
+           graph_forks: Sequence[str] = ("inline", "branch"),
+           min_gain_us: float = DEFAULT_MIN_GAIN_US, progress: Any = sys.stderr,
+           clock: Callable[[], float] = time.monotonic) -> list[BatchReport]:
+    """Run the search of the module's docstring for each batch; the budget is
+    split evenly over the batches still to do.  Arguments are checked by
+    :func:`l2prefetch.tuning.tune`."""
+    params = _Params(instances=instances, caps=tuple(int(c * MIB) for c in caps_mib),
+                     grids=tuple(grids), kernels=tuple(kernels), graph_forks=tuple(graph_forks),
+                     min_gain_us=min_gain_us)
+    meter = Progress(progress, budget_s, clock)
+    start = clock()
+    reports = []
+    for i, batch in enumerate(batches):
+        share = (budget_s - (clock() - start)) / (len(batches) - i)
+        searcher = _Batch(backend, roles, batch, params, meter, clock() + share, clock)
+        report = searcher.run()
+        meter.line(f"batch {batch}: {report.reason}")
+        reports.append(report)
+    return reports

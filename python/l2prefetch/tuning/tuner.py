@@ -1,0 +1,353 @@
+"""``tune()``: find the fork points that pay for a model on this GPU, and prove them.
+
+See :mod:`l2prefetch.tuning.search` for the procedure and its acceptance
+rule, :mod:`l2prefetch.tuning.rig` for how steps are measured, and
+:mod:`l2prefetch.tuning.profile` for the file a server loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import json
+import logging
+import math
+import numbers
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+from .discover import Role, candidates as discover_candidates, describe_bytes, discover
+from .profile import PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, versions
+from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, MIN_INSTANCES,
+                     Backend, BatchReport, Setting, StepError, search)
+
+__all__ = ["TuneResult", "tune"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH = 65535
+#: Loaders the refine step tries besides the device's default (where the device has them):
+#: 16-byte loads and the bulk L2 prefetch (benchmarks/RESULTS.md, "glue": the loaders differ
+#: most beside small kernels).
+ALTERNATIVE_KERNELS = ("load", "bulk_prefetch")
+#: Replays per graph instance in a measuring group.
+DEFAULT_ROUNDS = 60
+
+
+@dataclasses.dataclass
+class TuneResult:
+    """What :func:`tune` found: per batch the roles measured and the confirmed plan.
+
+    ``plan`` is the merged plan (one :class:`~l2prefetch.plan.PlanEntry` per
+    kept role, layer and setting, holding the batches where it was kept);
+    ``sites`` the fork site of each (point, layer); ``batches`` the
+    per-batch reports.  An empty plan is a valid, common result.
+    """
+
+    batches: list[BatchReport]
+    roles: list[Role]
+    plan: list
+    sites: dict[str, list[tuple[str, int]]]
+    budget_s: float
+    elapsed_s: float
+    settings: dict
+    device: Optional[dict] = None
+    versions: Optional[dict] = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.plan
+
+    def summary(self) -> str:
+        """One line per batch: what was kept and the confirmed ratio."""
+        lines = []
+        for rep in self.batches:
+            conf = rep.confirmed
+            if conf is None:
+                lines.append(f"batch {rep.batch}: empty plan ({rep.reason})")
+            else:
+                low, high = conf.ratio_interval
+                roles = ", ".join(f"{name} [{s.label()}]" for name, s in rep.plan)
+                lines.append(f"batch {rep.batch}: {conf.ratio:.4f}x ({low:.4f}-{high:.4f}), "
+                             f"{conf.gain.format(2)} us per step: {roles}")
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------------- profile
+    def to_profile(self, model: Any) -> dict:
+        """The profile's JSON object for ``model`` (see :mod:`l2prefetch.tuning.profile`)."""
+        from ..plan import _named_tensors
+
+        names = {}
+        for name, value in _named_tensors(model).items():
+            names.setdefault(id(value), name)
+        site_of = {(point, layer): path for point, sites in self.sites.items()
+                   for path, layer in sites}
+        entries, weight_paths = [], []
+        for entry in self.plan:
+            paths = []
+            for weight in entry.weights:
+                path = names.get(id(weight))
+                if path is None:
+                    raise ValueError(f"plan entry {entry.point!r} layer {entry.layer} holds a "
+                                     "tensor that is not the model's: pass the tuned model")
+                paths.append(path)
+            weight_paths += paths
+            entries.append({"point": entry.point, "layer": entry.layer,
+                            "batches": list(entry.batches), "weights": paths,
+                            "site": site_of[(entry.point, entry.layer)],
+                            "byte_cap": entry.byte_cap, "grid": entry.grid,
+                            "carveout": entry.carveout, "priority": entry.priority,
+                            "kernel": getattr(entry, "kernel", None),
+                            "graph_fork": getattr(entry, "graph_fork", None)})
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"),
+                "device": self.device, "versions": self.versions,
+                "model": model_fingerprint(model, dict.fromkeys(weight_paths)),
+                "batches": [rep.batch for rep in self.batches], "plan": entries,
+                "tuning": {"budget_s": self.budget_s, "elapsed_s": self.elapsed_s,
+                           **self.settings},
+                "results": [rep.as_dict() for rep in self.batches]}
+
+    def save(self, path: Union[str, os.PathLike], model: Any) -> None:
+        """Write the profile for ``model`` to ``path`` (atomically: a temporary file
+        renamed into place, so a server never reads half a profile)."""
+        if self.device is None:
+            raise ValueError("this result has no device fingerprint (it was not measured on a "
+                             "GPU), so it cannot be saved as a profile")
+        text = json.dumps(self.to_profile(model), indent=1)
+        target = os.fspath(path)
+        tmp = f"{target}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        os.replace(tmp, target)
+
+    # ---------------------------------------------------------------- report
+    def markdown(self) -> str:
+        """The report: per batch the verdict, then per role what was measured."""
+        from .report import markdown
+
+        return markdown(self)
+
+    def plot(self, path: Union[str, os.PathLike]) -> bool:
+        """A PNG of each role's gain against no forks, with intervals, per batch.
+        Returns False (and draws nothing) where matplotlib is not installed."""
+        from .report import plot
+
+        return plot(self, os.fspath(path))
+
+
+def _check_batches(batches: object) -> tuple[int, ...]:
+    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence):
+        raise TypeError(f"batches must be a sequence of ints (e.g. [1, 8]), got "
+                        f"{type(batches).__name__}")
+    out = []
+    for b in batches:
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+            raise TypeError(f"batches must hold ints, got {type(b).__name__} {b!r}")
+        if not 1 <= b <= MAX_BATCH:
+            raise ValueError(f"batches must be between 1 and {MAX_BATCH}, got {b}")
+        out.append(int(b))
+    if not out:
+        raise ValueError("batches must name at least one decode batch, e.g. [1, 8]")
+    if len(set(out)) != len(out):
+        raise ValueError(f"batches must name each batch once, got {out}")
+    return tuple(out)
+
+
+def _check_number(name: str, value: object, low: float, integer: bool = False) -> float:
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {'an int' if integer else 'number'} >= {low}, got "
+                        f"{type(value).__name__} {value!r}")
+    if not (value >= low) or (not integer and not math.isfinite(value)):
+        raise ValueError(f"{name} must be {'an int' if integer else 'a finite number'} >= {low}, "
+                         f"got {value!r}")
+    return value
+
+
+def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
+                        candidates: object, min_bytes: int) -> list[Role]:
+    if isinstance(candidates, (str, bytes)):
+        raise TypeError("candidates must be None (discover them), a list of role names, or a "
+                        f"list of Role objects, got the string {candidates!r}: wrap it in a list")
+    if candidates is None or (isinstance(candidates, Sequence) and candidates
+                              and all(isinstance(c, str) for c in candidates)):
+        def run() -> Any:
+            try:
+                return step(batch)
+            except Exception as exc:
+                raise StepError(f"step({batch}) failed while discovering the weights it "
+                                f"reads: {type(exc).__name__}: {exc}") from exc
+        reads = discover(model, run, min_bytes=min_bytes)
+        roles = discover_candidates(model, reads)
+        if candidates is None:
+            return roles
+        known = {role.name: role for role in roles}
+        unknown = [c for c in candidates if c not in known]
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, list(known), n=2)
+                hints.append(f"{name!r}" + (f" (closest: {', '.join(map(repr, close))})"
+                                            if close else ""))
+            raise ValueError(f"unknown role(s) {', '.join(hints)}; this model's roles are: "
+                             + "; ".join(map(repr, known)))
+        return [known[c] for c in candidates]
+    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
+        raise TypeError("candidates must be None (discover them), a list of role names, or a "
+                        f"list of Role objects, got {type(candidates).__name__}")
+    roles = list(candidates)
+    for i, role in enumerate(roles):
+        if not isinstance(role, Role):
+            raise TypeError(f"candidates[{i}] must be a Role (from tuning.candidates() or "
+                            f"tuning.roles_from_plan()) or a role name, got "
+                            f"{type(role).__name__}")
+    names = [role.name for role in roles]
+    if len(set(names)) != len(names):
+        raise ValueError(f"candidates name a role twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    return roles
+
+
+def merge_plan(roles: Sequence[Role], reports: Sequence[BatchReport]) -> tuple[list, dict]:
+    """One plan for all batches: an entry per kept (role, setting) and layer, holding the
+    batches where that setting was confirmed; and each point's (site path, layer)."""
+    by_name = {role.name: role for role in roles}
+    batches_of: dict[tuple[str, Setting], list[int]] = {}
+    for rep in reports:
+        for name, setting in rep.plan:
+            batches_of.setdefault((name, setting), []).append(rep.batch)
+    plan, sites = [], {}
+    for (name, setting), batches in batches_of.items():
+        role = by_name[name]
+        plan += role.entries(sorted(batches), byte_cap=setting.byte_cap, grid=setting.grid,
+                             kernel=setting.kernel, graph_fork=setting.graph_fork)
+        point_sites = sites.setdefault(name, [])
+        for site in role.sites:
+            if (site.site, site.layer) not in point_sites:
+                point_sites.append((site.site, site.layer))
+    return plan, sites
+
+
+def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
+         candidates: Optional[Sequence[Union[str, Role]]] = None, budget_s: float = 300,
+         instances: int = MIN_INSTANCES, rounds: int = DEFAULT_ROUNDS,
+         caps_mib: Sequence[float] = DEFAULT_CAPS_MIB, grids: Sequence[int] = DEFAULT_GRIDS,
+         kernels: Optional[Sequence[Optional[str]]] = None,
+         graph_forks: Sequence[str] = ("inline", "branch"),
+         min_gain_us: float = DEFAULT_MIN_GAIN_US, min_bytes: int = 1 << 20,
+         device: Any = None, progress: Any = sys.stderr,
+         backend: Optional[Backend] = None) -> TuneResult:
+    """Measure which prefetches pay for ``model`` on this GPU, and return the confirmed plan.
+
+    ``step(batch)`` runs one capturable decode step at that batch on static
+    buffers (:class:`~l2prefetch.tuning.hf.DecodeStep` is one for Hugging Face
+    causal LMs) and returns its output; it is called eagerly to warm up and
+    inside ``torch.cuda.graph`` to capture, so each replay must do the same
+    work.  ``candidates``: None to discover the roles from one eager step at
+    the first batch (:func:`~l2prefetch.tuning.discover`, reads of at least
+    ``min_bytes``), role names to measure only those, or :class:`Role` objects
+    (e.g. from :func:`~l2prefetch.tuning.roles_from_plan`).
+
+    ``budget_s`` bounds the measuring (seconds, all batches together);
+    ``instances`` graph instances per variant (at least 5), ``rounds`` replays
+    of each per group.  The search covers ``caps_mib``, ``grids``, ``kernels``
+    (None: the device's default; names from :func:`l2prefetch.kernel_variants`)
+    and ``graph_forks``; the first of each list is the default setting.
+    ``progress``: a text stream for one line per measured group (None: quiet).
+
+    Raises TypeError/ValueError for bad arguments (naming them),
+    :class:`~l2prefetch.tuning.StepError` when the step fails or cannot be
+    captured at a batch.  The result's plan is empty when nothing was
+    confirmed to pay; it is never a plan that was slower than no plan in its
+    confirmation.
+    """
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(step):
+        raise TypeError(f"step must be a callable step(batch) -> output, got "
+                        f"{type(step).__name__}")
+    batches = _check_batches(batches)
+    _check_number("budget_s", budget_s, 0)
+    if budget_s == 0:
+        raise ValueError("budget_s must be > 0 seconds (the default is 300); a tuner with no "
+                         "time can confirm nothing")
+    _check_number("instances", instances, MIN_INSTANCES, integer=True)
+    _check_number("rounds", rounds, 1, integer=True)
+    _check_number("min_gain_us", min_gain_us, 0)
+    for name, values, kind in (("caps_mib", caps_mib, numbers.Real), ("grids", grids, int)):
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+            raise TypeError(f"{name} must be a non-empty sequence, got {values!r}")
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, kind) or not v > 0:
+                raise ValueError(f"{name} must hold numbers > 0, got {v!r}")
+    if any(not 1 <= g <= 65535 for g in grids):
+        raise ValueError(f"grids must hold loader CTA counts in 1..65535, got {list(grids)}")
+    if any(c * (1 << 20) >= 2**63 for c in caps_mib):
+        raise ValueError(f"caps_mib must be below 2**43 MiB, got {list(caps_mib)}")
+    if isinstance(graph_forks, str) or not graph_forks or any(
+            g not in ("inline", "branch") for g in graph_forks):
+        raise ValueError(f"graph_forks must be a non-empty sequence of 'inline' and 'branch', "
+                         f"got {graph_forks!r}")
+    from .. import _C
+
+    known = _C.kernel_variants()
+    if kernels is not None:
+        if isinstance(kernels, str) or not isinstance(kernels, Sequence) or not kernels:
+            raise TypeError(f"kernels must be None or a non-empty sequence of kernel names "
+                            f"(None in it: the device's default), got {kernels!r}")
+        bad = [k for k in kernels if k is not None and k not in known]
+        if bad:
+            raise ValueError(f"unknown kernel(s) {bad}; kernels are {sorted(known)} (None: the "
+                             "device's default)")
+
+    t0 = time.monotonic()
+    if backend is None:
+        from .measure import GraphBackend
+
+        backend = GraphBackend(model, step, device=device, rounds=rounds)
+        if kernels is None:
+            sm = _C.device_info(backend.device.index)["sm"]
+            kernels = (None, *(k for k in ALTERNATIVE_KERNELS
+                               if k in known and known[k]["min_sm"] <= sm))
+    if kernels is None:
+        kernels = (None,)
+    roles = _resolve_candidates(model, step, batches[0], candidates, min_bytes)
+    if hasattr(backend, "use_roles"):
+        backend.use_roles(roles, [int(c * (1 << 20)) for c in caps_mib])
+    if progress is not None:
+        print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
+              f"budget {budget_s:.0f} s", file=progress, flush=True)
+    remaining = budget_s - (time.monotonic() - t0)
+    reports = search(backend, roles, batches, budget_s=max(remaining, 1e-3), instances=instances,
+                     caps_mib=caps_mib, grids=grids, kernels=kernels, graph_forks=graph_forks,
+                     min_gain_us=min_gain_us, progress=progress)
+    plan, sites = merge_plan(roles, reports)
+    fingerprint = getattr(backend, "device_fingerprint", None)
+    result = TuneResult(
+        batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
+        elapsed_s=time.monotonic() - t0,
+        settings={"instances": instances, "rounds": getattr(backend, "rounds", rounds),
+                  "caps_mib": list(caps_mib), "grids": list(grids), "kernels": list(kernels),
+                  "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
+                  "min_bytes": min_bytes, "roles": len(roles)},
+        device=fingerprint() if fingerprint is not None else None,
+        versions=versions())
+    logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
+                result.elapsed_s, "empty plan" if result.empty else
+                f"{len(plan)} entries over {len(sites)} roles")
+    return result
+
+
+def describe_roles(roles: Sequence[Role]) -> str:
+    """The candidate roles as a Markdown table (name, layers, largest load)."""
+    lines = ["| role | layers | largest load |", "|---|---:|---:|"]
+    for role in roles:
+        lines.append(f"| {role.name} | {len(role.sites)} | {describe_bytes(role.max_bytes)} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,189 @@
+"""The tuner's search and acceptance against a backend with planted effects (CPU)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from l2prefetch.tuning import search as S
+from l2prefetch.tuning.stats import diff_interval, mean_interval, t_quantile
+
+import _tuning_fakes as fakes
+from _tuning_fakes import Clock, PlantedBackend, role
+
+MIB = 1 << 20
+
+
+def pays(us):
+    return lambda setting: us
+
+
+def pays_at(cap_mib, us):
+    """Gains us at cap_mib and less the further the cap is from it."""
+    def gain(setting):
+        return us - abs(setting.byte_cap / MIB - cap_mib) * 0.5
+    return gain
+
+
+def run(backend, roles, batches=(1,), budget_s=300.0, **kw):
+    clock = Clock()
+    backend.clock = clock
+    out = io.StringIO()
+    reports = S.search(backend, roles, batches, budget_s=budget_s, progress=out, clock=clock,
+                       **kw)
+    return reports, out.getvalue()
+
+
+def by_name(report):
+    return {r.role: r for r in report.roles}
+
+
+# ------------------------------------------------------------------ statistics
+
+def test_t_quantiles_match_tables():
+    for df, q in ((1, 12.7062), (2, 4.3027), (4, 2.7764), (8, 2.3060), (30, 2.0423)):
+        assert t_quantile(0.975, df) == pytest.approx(q, abs=2e-4)
+    assert t_quantile(0.025, 4) == pytest.approx(-2.7764, abs=2e-4)
+    with pytest.raises(ValueError):
+        t_quantile(1.0, 3)
+
+
+def test_welch_interval():
+    a, b = [10, 11, 12, 10.5, 11.5], [9, 9.5, 10, 8.5, 9]
+    d = diff_interval(a, b)
+    assert d.estimate == pytest.approx(1.8)
+    assert d.low == pytest.approx(0.777, abs=1e-3) and d.high == pytest.approx(2.823, abs=1e-3)
+    assert d.excludes_zero_above()
+    assert not diff_interval([1, 2, 3], [1, 2, 3]).excludes_zero_above()
+    m = mean_interval([1.0, 2.0, 3.0])
+    assert m.estimate == 2.0 and m.low < 2.0 < m.high
+    with pytest.raises(ValueError, match="at least 2"):
+        diff_interval([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="not finite"):
+        mean_interval([1.0, float("nan")])
+
+
+# ------------------------------------------------------------------ acceptance
+
+def test_keeps_exactly_the_paying_role():
+    """A pays; B loses; C is within noise; D pays alone but not together with A."""
+    roles = [role("A"), role("B"), role("C"), role("D")]
+    backend = PlantedBackend(
+        {"A": pays(12.0), "B": pays(-6.0), "C": pays(0.0), "D": pays(6.0)},
+        interference={frozenset({"A", "D"}): 14.0}, seed=1)
+    (report,), log = run(backend, roles)
+    roles_by = by_name(report)
+    assert [name for name, _ in report.plan] == ["A"]
+    assert roles_by["A"].kept
+    assert not roles_by["B"].kept and "lost" in roles_by["B"].reason
+    assert not roles_by["C"].kept
+    assert not roles_by["D"].kept and "dropped" in roles_by["D"].reason
+    conf = report.confirmed
+    assert conf is not None and conf.gain.low > 0 and conf.ratio > 1
+    assert conf.roles == report.plan
+    # every measuring group holds the no-fork step, and every group interleaves its variants
+    assert all("a" in g for g in backend.groups)
+    assert "batch 1" in log and "ETA" in log
+
+
+def test_empty_plan_when_nothing_pays():
+    roles = [role("B"), role("C")]
+    backend = PlantedBackend({"B": pays(-3.0), "C": pays(0.0)}, seed=2)
+    (report,), _ = run(backend, roles)
+    assert report.plan == () and report.confirmed is None
+    assert report.reason == "no role paid at this batch"
+    assert not any(r.kept for r in report.roles)
+
+
+def test_the_sweep_finds_the_best_cap_and_verifies_it_on_fresh_instances():
+    backend = PlantedBackend({"A": pays_at(16, 8.0)}, seed=3)
+    (report,), _ = run(backend, [role("A", mib=64)])
+    chosen = by_name(report)["A"].chosen
+    assert chosen.stage == "verify" and chosen.setting.byte_cap == 16 * MIB
+    stages = [t.stage for t in by_name(report)["A"].trials]
+    assert stages.count("sweep") == len(S.DEFAULT_CAPS_MIB) and "verify" in stages
+    # caps are limited to what the role can load
+    (small,), _ = run(PlantedBackend({"A": pays(8.0)}, seed=3), [role("A", mib=6)])
+    caps = {t.setting.byte_cap for t in by_name(small)["A"].trials if t.stage == "sweep"}
+    assert max(caps) == 6 * MIB and 4 * MIB in caps
+
+
+def test_refine_picks_branch_or_grid_when_it_pays_more():
+    def gain(s):
+        return 4.0 + (6.0 if s.graph_fork == "branch" else 0.0) + (1.0 if s.grid == 64 else 0.0)
+    backend = PlantedBackend({"A": gain}, seed=4)
+    (report,), _ = run(backend, [role("A")])
+    (name, setting), = report.plan
+    assert setting.graph_fork == "branch"
+
+
+def test_a_loss_beside_its_empty_forks_is_not_kept():
+    """Loads that beat (a) but not their own empty forks do not pay for themselves."""
+    backend = PlantedBackend({"A": pays(-0.2)}, fork_cost_us=-5.0, seed=5)
+    (report,), _ = run(backend, [role("A")])
+    assert report.plan == ()
+    assert "empty forks" in by_name(report)["A"].reason
+
+
+def test_screening_by_gap():
+    backend = PlantedBackend({"A": pays(10.0), "B": pays(10.0)}, gaps={"A": 20.0, "B": 0.3},
+                             seed=6)
+    (report,), _ = run(backend, [role("B"), role("A")])
+    assert "screened out" in by_name(report)["B"].reason
+    assert by_name(report)["B"].trials == []
+    assert [n for n, _ in report.plan] == ["A"]
+    # the most promising role (largest gap) is measured first
+    first = backend.groups[0]
+    assert any(n == "A" for v in first.values() for n, _ in v.roles)
+
+
+def test_confirmation_failure_drops_the_weakest_and_never_ships_a_loss():
+    """Both pay in their own groups, but the pair loses: only the stronger one is confirmed."""
+    backend = PlantedBackend({"A": pays(10.0), "D": pays(8.0)},
+                             interference={frozenset({"A", "D"}): 30.0}, seed=7)
+    (report,), _ = run(backend, [role("A"), role("D")])
+    assert [n for n, _ in report.plan] == ["A"]
+    for conf in report.confirmations:
+        if conf.roles == report.plan:
+            assert conf.gain.low > 0
+
+
+def test_outputs_that_differ_refuse_the_role():
+    backend = PlantedBackend({"A": pays(10.0)}, differs=frozenset({"A"}), seed=8)
+    (report,), _ = run(backend, [role("A")])
+    assert report.plan == ()
+    assert "outputs" in by_name(report)["A"].reason
+
+
+def test_per_batch_results_and_budget_split():
+    backend = PlantedBackend({"A": pays(10.0)}, seed=9)
+    reports, _ = run(backend, [role("A")], batches=(1, 8))
+    assert [r.batch for r in reports] == [1, 8]
+    assert backend.prepared == [1, 8]
+    assert all(r.plan for r in reports)
+
+
+def test_a_small_budget_gets_coarser_and_never_returns_an_unconfirmed_plan():
+    roles = [role(n) for n in "ABCDEFGH"]
+    gains = {n: pays(10.0) for n in "ABCDEFGH"}
+    # Each group costs ~ variants x 5 x (0.02 + 10 x 2 ms) = 0.2 s per variant.
+    (report,), _ = run(PlantedBackend(gains, seed=10), roles, budget_s=6.0)
+    measured = [r for r in report.roles if r.trials]
+    assert measured and len(measured) < len(roles)
+    assert any("budget" in r.reason for r in report.roles)
+    if report.plan:
+        assert report.confirmed is not None and report.confirmed.gain.low > 0
+    sweeps = [t for r in measured for t in r.trials if t.stage == "sweep"]
+    assert len({t.setting.byte_cap for t in sweeps}) <= len(S.DEFAULT_CAPS_MIB)
+
+    # Too little for anything: an empty plan, with the reason.
+    (tiny,), _ = run(PlantedBackend(gains, seed=10), roles, budget_s=0.5)
+    assert tiny.plan == ()
+    assert all("budget" in r.reason or r.reason == "not measured" for r in tiny.roles)
+
+
+def test_step_errors_propagate():
+    backend = PlantedBackend({"A": pays(1.0)}, fail={8: RuntimeError("batch 8 too big")})
+    with pytest.raises(S.StepError, match="step\\(8\\) failed"):
+        run(backend, [role("A")], batches=(1, 8))

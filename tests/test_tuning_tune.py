@@ -1,0 +1,204 @@
+"""tune() end to end against planted effects, profiles and their refusal (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from l2prefetch import PlanEntry, tuning
+from l2prefetch.tuning import profile as P
+from l2prefetch.tuning import tuner as T
+
+import _tuning_fakes as fakes
+from _tuning_fakes import FAKE_DEVICE, DeviceBackend
+
+MIB = 1 << 20
+O_PROJ = "after self_attn.v_proj: self_attn.o_proj"
+GATE = "after self_attn.o_proj: mlp.gate_proj"
+NEXT = "after mlp: next self_attn.q_proj"
+
+
+def model_and_step():
+    model = fakes.llama(n_layers=3, h=1024, i=2048, kv=256)
+    xs = {}
+
+    def step(batch):
+        x = xs.setdefault(batch, torch.zeros(batch, 1, 1024, dtype=torch.bfloat16))
+        return model(x)
+    return model, step
+
+
+def tuned(gains=None, batches=(1, 8), **kw):
+    model, step = model_and_step()
+    gains = gains if gains is not None else {O_PROJ: lambda s: 9.0, GATE: lambda s: -4.0}
+    backend = DeviceBackend(gains, seed=11)
+    result = tuning.tune(model, step, list(batches), backend=backend, progress=None,
+                         min_bytes=256 * 1024, **kw)
+    return model, result
+
+
+def test_tune_keeps_the_paying_role_for_every_batch_and_merges_the_plan():
+    model, result = tuned()
+    assert not result.empty
+    assert {e.point for e in result.plan} == {O_PROJ}
+    layers = sorted(e.layer for e in result.plan)
+    assert layers == [0, 1, 2]
+    assert all(e.batches == (1, 8) for e in result.plan)
+    assert all(e.graph_fork in ("inline", "branch") for e in result.plan)
+    assert result.sites[O_PROJ] == [(f"model.layers.{l}.self_attn.v_proj", l) for l in range(3)]
+    assert "batch 1:" in result.summary() and "x (" in result.summary()
+    md = result.markdown()
+    assert "## Verdict" in md and O_PROJ in md and "kept" in md
+    assert "lost in the sweep" in md
+
+
+def test_an_empty_plan_is_a_result():
+    model, result = tuned({O_PROJ: lambda s: -1.0})
+    assert result.empty and result.plan == []
+    assert all(r.confirmed is None for r in result.batches)
+    assert "empty plan" in result.summary()
+
+
+def test_profile_round_trip(tmp_path, monkeypatch):
+    model, result = tuned()
+    path = tmp_path / "profile.json"
+    result.save(path, model)
+    data = json.loads(path.read_text())
+    assert data["format"] == P.PROFILE_FORMAT and data["version"] == P.PROFILE_VERSION
+    assert data["device"] == FAKE_DEVICE
+    assert data["model"]["layers"] == 3 and data["model"]["class"] == "CausalLM"
+    assert data["batches"] == [1, 8]
+    weights = data["model"]["weights"]
+    assert weights["model.layers.0.self_attn.o_proj.weight"] == [[1024, 1024], "bfloat16"]
+    assert {tuple(e["batches"]) for e in data["plan"]} == {(1, 8)}
+    assert data["results"][0]["roles"] and data["results"][0]["confirmed"]["gain"]["low"] > 0
+
+    monkeypatch.setattr(P, "device_fingerprint", lambda device=None: dict(FAKE_DEVICE))
+    profile = tuning.load_profile(path, model)
+    assert len(profile.plan) == len(result.plan)
+    for a, b in zip(profile.plan, result.plan):
+        assert a == b  # same point, layer, batches, weights (identity) and settings
+    points = profile.hook_points(model)
+    assert points[O_PROJ][1] == (model.model.layers[1].self_attn.v_proj, 1)
+    # inspecting without the GPU
+    assert tuning.load_profile(path, model, check_device=False).batches == [1, 8]
+
+
+def test_a_profile_of_another_device_or_model_is_refused(tmp_path, monkeypatch):
+    model, result = tuned()
+    path = tmp_path / "p.json"
+    result.save(path, model)
+    other = dict(FAKE_DEVICE, name="NVIDIA RTX PRO 6000", l2_bytes=128 << 20, sm=120)
+    monkeypatch.setattr(P, "device_fingerprint", lambda device=None: other)
+    with pytest.raises(tuning.ProfileMismatchError, match="another GPU.*name: profile "
+                       "'NVIDIA H200', this device 'NVIDIA RTX PRO 6000'.*tune again"):
+        tuning.load_profile(path, model)
+    monkeypatch.setattr(P, "device_fingerprint", lambda device=None: dict(FAKE_DEVICE))
+    bigger = fakes.llama(n_layers=4, h=1024, i=2048, kv=256)
+    with pytest.raises(tuning.ProfileMismatchError, match="3 decoder layers in the profile, 4"):
+        tuning.load_profile(path, bigger)
+    wider = fakes.llama(n_layers=3, h=1024, i=4096, kv=256)
+    with pytest.raises(tuning.ProfileMismatchError, match="is \\[4096, 1024\\] bfloat16 here"):
+        tuning.load_profile(path, wider)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda t: t[: len(t) // 2], "is not valid JSON.*truncated"),
+    (lambda t: "[" * 100000, "is not valid JSON"),
+    (lambda t: json.dumps({"format": "x"}), "is not an l2prefetch profile"),
+    (lambda t: t.replace('"version": 1', '"version": 7'), "version 7"),
+    (lambda t: t.replace('"batches": [\n  1,\n  8\n ]', '"batches": []'), "'batches' must be"),
+    (lambda t: t.replace('"sm_count": 132', '"sm_count": "many"'), "'sm_count' must be int"),
+    (lambda t: t.replace('"site": "model.layers.0', '"sight": "model.layers.0'),
+     "unknown fields \\['sight'\\]"),
+])
+def test_corrupted_profiles(tmp_path, mutate, message):
+    model, result = tuned()
+    path = tmp_path / "p.json"
+    result.save(path, model)
+    path.write_text(mutate(path.read_text()))
+    with pytest.raises(ValueError, match=message):
+        tuning.load_profile(path, model, check_device=False)
+
+
+def test_save_needs_a_device_and_writes_atomically(tmp_path):
+    model, result = tuned()
+    result.save(tmp_path / "p.json", model)
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
+    result.device = None
+    with pytest.raises(ValueError, match="no device fingerprint"):
+        result.save(tmp_path / "q.json", model)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(budget_s=0), ValueError, "budget_s must be > 0"),
+    (dict(budget_s=-1), ValueError, "budget_s must be a finite number >= 0"),
+    (dict(budget_s="300"), TypeError, "budget_s must be a number"),
+    (dict(instances=3), ValueError, "instances must be an int >= 5"),
+    (dict(candidates=["after nowhere: nothing"]), ValueError, "unknown role"),
+    (dict(candidates=[O_PROJ, O_PROJ[:-1]]), ValueError, "closest"),
+    (dict(candidates="roles"), TypeError, "candidates must be None"),
+    (dict(candidates=[object()]), TypeError, "candidates\\[0\\] must be a Role"),
+    (dict(kernels=["warp_speed"]), ValueError, "unknown kernel"),
+    (dict(graph_forks=["sideways"]), ValueError, "graph_forks must be"),
+    (dict(grids=[0]), ValueError, "grids must hold numbers > 0"),
+    (dict(caps_mib=[]), TypeError, "caps_mib must be a non-empty sequence"),
+])
+def test_bad_arguments(kwargs, error, message):
+    model, step = model_and_step()
+    backend = DeviceBackend({}, seed=0)
+    with pytest.raises(error, match=message):
+        tuning.tune(model, step, [1], backend=backend, progress=None, min_bytes=256 * 1024,
+                    **kwargs)
+
+
+@pytest.mark.parametrize("batches, error, message", [
+    ([], ValueError, "at least one decode batch"),
+    ([0], ValueError, "between 1 and 65535"),
+    ([1, 1], ValueError, "each batch once"),
+    ("1,8", TypeError, "batches must be a sequence"),
+    ([1.5], TypeError, "batches must hold ints"),
+])
+def test_bad_batches(batches, error, message):
+    model, step = model_and_step()
+    with pytest.raises(error, match=message):
+        tuning.tune(model, step, batches, backend=DeviceBackend({}), progress=None)
+
+
+def test_a_batch_the_step_rejects():
+    model, _ = model_and_step()
+
+    def step(batch):
+        raise ValueError(f"this server decodes at most 4 sequences, not {batch}")
+    with pytest.raises(tuning.StepError, match="step\\(8\\) failed while discovering.*not 8"):
+        tuning.tune(model, step, [8], backend=DeviceBackend({}), progress=None)
+    # a step that fails at a later batch (its capture, on a GPU) stops tuning there
+    model, step = model_and_step()
+    backend = DeviceBackend({}, fail={8: RuntimeError("cannot capture")})
+    with pytest.raises(tuning.StepError, match="step\\(8\\) failed"):
+        tuning.tune(model, step, [1, 8], backend=backend, progress=None, min_bytes=256 * 1024)
+
+
+def test_roles_by_name_and_progress_lines(capsys):
+    import io
+
+    model, step = model_and_step()
+    out = io.StringIO()
+    result = tuning.tune(model, step, [1], candidates=[O_PROJ], progress=out,
+                         backend=DeviceBackend({O_PROJ: lambda s: 5.0}, seed=3),
+                         min_bytes=256 * 1024)
+    assert [r.name for r in result.roles] == [O_PROJ]
+    text = out.getvalue()
+    assert "1 candidate roles" in text and "confirm" in text and "ETA" in text
+
+
+def test_plan_entries_carry_the_chosen_settings():
+    def gain(s):
+        return 3.0 + (5.0 if s.graph_fork == "branch" else 0.0) + (2.0 if s.grid == 16 else 0.0)
+    model, result = tuned({O_PROJ: gain}, batches=(1,))
+    entry = result.plan[0]
+    assert isinstance(entry, PlanEntry)
+    assert entry.graph_fork == "branch"
+    assert entry.byte_cap in [c * MIB for c in (4, 8, 16, 24, 32, 48)]
