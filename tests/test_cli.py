@@ -22,7 +22,8 @@ from l2prefetch import _C, cli
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(l2prefetch.__file__)))
 NO_DRIVER = "/nonexistent/libcuda.so.1"
 #: Words a help text must not use undefined (issue 17).
-JARGON = re.compile(r"\bseed\b|main job|\bwindows?\b|\brun \d+\b", re.IGNORECASE)
+JARGON = re.compile(r"\bthe seed\b|\bseed's\b|--seed-points|main job|\bwindows?\b|\brun \d+\b",
+                    re.IGNORECASE)
 
 
 def l2p(*args, env=None, no_torch=False, tmp_path=None):
@@ -226,6 +227,18 @@ def fake_tuning(monkeypatch, calls):
     package.cli = module
     monkeypatch.setitem(sys.modules, "l2prefetch.tuning", package)
     monkeypatch.setitem(sys.modules, "l2prefetch.tuning.cli", module)
+
+
+def test_the_real_tune_is_registered(capsys):
+    try:
+        from l2prefetch.tuning import cli as tuning_cli
+    except ImportError:
+        pytest.skip("no l2prefetch.tuning.cli here")
+    assert subparsers()[1]["tune"].get_default("func") is tuning_cli.run
+    assert cli.main(["tune", "--help"]) == 0
+    assert "usage: python -m l2prefetch tune" in capsys.readouterr().out
+    assert cli.main(["tune"]) == 2                      # its usage errors: one line, exit 2
+    assert len(capsys.readouterr().err.splitlines()) == 1
 
 
 def test_tune_is_registered_where_it_exists(monkeypatch, capsys):
