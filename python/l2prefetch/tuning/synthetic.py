@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from .._torch import require
+
+torch = require("l2prefetch.tuning.synthetic")
 
 __all__ = ["IdleWindowModel", "idle_window_step"]
 
