@@ -406,6 +406,8 @@ def measure_layer(rig, batches, reps, instances=2):
 
     from .sections.layer import kimi_layers, layer_step
 
+    rig.cycles_per_us  # calibrate the spin now: never inside a capture
+
     if rig.world not in kimi_k3.NEXT_ATTENTION:
         return {"skipped": f"kimi_k3 has no plan for TP {rig.world}"}
     out = {"batches": {}}

@@ -2,7 +2,8 @@
 stops losing, and whether the gate agrees), the plots, and the report CLI's options.
 
 Pure arithmetic and drawing over made-up rows; runs without a GPU.  ``benchmarks`` is
-imported as a package from the repository root (``python -m pytest``, as dev.sh runs it).
+imported as a package from the repository root, which is on sys.path when pytest runs
+as ``python -m pytest`` from there (as dev.sh and CI run it).
 """
 
 import os
@@ -10,6 +11,8 @@ import os
 import pytest
 
 pytest.importorskip("torch")
+pytest.importorskip("benchmarks", reason="the benchmarks package is importable from the "
+                    "repository root: run python -m pytest there")
 
 from benchmarks import plots, report  # noqa: E402
 from benchmarks.sections import effect  # noqa: E402

@@ -93,7 +93,7 @@ def run(rig, quick):
         for ctrl in ctrls.values():
             ctrl.close()
         del layers, packed, ctrls
-    text = ("### caps: choosing kimi_k3.NEXT_ATTENTION: next_attention cap per TP and batch "
+    text = ("### caps: choosing kimi_k3.NEXT_ATTENTION, the next_attention cap per TP and batch "
             "(step time, us)\n\n"
             "The layer section's two Kimi-shaped MoE layers, their weights scaled from TP8 to "
             "each TP (the sharded dimension x 8 / TP), the all-reduce stand-in "

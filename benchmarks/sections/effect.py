@@ -88,7 +88,7 @@ def run(rig, quick):
                              "-" if gap <= 0.3 else pct(net_b / gap),
                              f"{r['cold'] - r['prefetched (branch)']:+.2f}"))
         del w, pf
-    text = ("### effect: GEMV after a bandwidth-idle window (step time, us)\n\n"
+    text = ("### effect: the effect, a GEMV after a bandwidth-idle window (step time, us)\n\n"
             "Step = small op, [fork] spin(T) GEMV [join], replayed as a CUDA graph, the variants "
             f"interleaved, each captured {instances} time(s) (the median of the instances' "
             "medians); default kernel, grid 32, carveout 100.  Forks as shipped "

@@ -221,14 +221,13 @@ def run(rig, quick, glue=False):
         x1 = torch.randn(1, K, device=rig.device, dtype=torch.bfloat16)
         lengths = rig.time_graphs({us: rig.capture(lambda us=us: _glue(x1, us))[0]
                                    for us in (LAYER_CORE_US, LAYER_ALLREDUCE_US)}, reps)
-        title = ("layer_glue: a decode step with real glue: the same two layers, small kernels "
-                 "for the spins")
+        title = "layer_glue: a decode step with real glue, small kernels for the spins"
         core = (f"{round(LAYER_CORE_US / GLUE_KERNEL_US)} small kernels (RMSNorm, scale, add "
                 f"on x [B, 7168]; {lengths[LAYER_CORE_US]:.1f} us alone at B1)")
         ar = (f"{round(LAYER_ALLREDUCE_US / GLUE_KERNEL_US)} such kernels "
               f"({lengths[LAYER_ALLREDUCE_US]:.1f} us at B1)")
     else:
-        title = "layer: a decode step: two Kimi-shaped MoE layers at TP8"
+        title = "layer: a decode step of two Kimi-shaped MoE layers at TP8"
         core = f"spin({LAYER_CORE_US} us) (one CTA, reads no weights)"
         ar = f"spin({LAYER_ALLREDUCE_US} us)"
     text = (f"### {title} (step time, us)\n\n"
