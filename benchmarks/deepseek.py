@@ -72,6 +72,7 @@ from l2prefetch import deepseek_v3, hooks
 from l2prefetch.plan import format_plan
 from l2prefetch.tuning.report import table
 from l2prefetch.tuning.rig import Rig, empty_controller
+from l2prefetch.tuning.stats import diff_interval
 
 MIB = 2**20
 BATCHES = (1, 2, 4, 8)
@@ -385,13 +386,15 @@ def time_eager(variants, reps):
 
 
 def instance_ratio(a, b):
-    """a/b of two lists of per-instance medians, by their means, and twice its standard
-    error (instances vary more than replays of one instance)."""
+    """"a/b (low-high)": the ratio of the means of two lists of per-instance medians, and
+    the ratio at the ends of the 95% Welch interval of mean(a) - mean(b), mean(a) held
+    (l2prefetch.tuning.stats, as the tuner accepts; instances vary more than replays of
+    one instance do).  One instance each: the ratio alone."""
     ma, mb = statistics.fmean(a), statistics.fmean(b)
-    ea = statistics.stdev(a) / len(a) ** 0.5 if len(a) > 1 else 0.0
-    eb = statistics.stdev(b) / len(b) ** 0.5 if len(b) > 1 else 0.0
-    r = ma / mb
-    return r, 2 * r * ((ea / ma) ** 2 + (eb / mb) ** 2) ** 0.5
+    if min(len(a), len(b)) < 2:
+        return f"{ma / mb:.4f}"
+    d = diff_interval(a, b)
+    return f"{ma / mb:.4f} ({ma / (ma - d.low):.4f}-{ma / (ma - d.high):.4f})"
 
 
 @contextlib.contextmanager
@@ -509,7 +512,8 @@ class Results:
                   self.branch),
             "", "Median per graph instance (each variant captured and instantiated separately; "
             "the tables above pool the instances), us, and the ratios of the instances' means "
-            "+- twice their standard error (instances differ more than replays of one do):", "",
+            "with their 95% intervals (Welch, over the instances: instances differ more than "
+            "replays of one do):", "",
             table(["batch", "(a) none", "(b) prefetch", "(d) empty forks", "a/b by instances",
                    "a/d by instances"], self.instances),
             "", "Eager decode step (no graph; host-bound), median us: GPU time between CUDA "
@@ -666,7 +670,7 @@ def measure_batch(args, rig, model, plan, controller, empty, batch, res, branch=
         per_instance.setdefault(name, []).append(median(xs))
     res.instances.append([batch] + [
         " / ".join(f"{m:.1f}" for m in per_instance[k]) for k in "abd"]
-        + ["%.4f +-%.4f" % instance_ratio(per_instance["a"], per_instance[k]) for k in "bd"])
+        + [instance_ratio(per_instance["a"], per_instance[k]) for k in "bd"])
     a, b, d, c = (median(times[k]) for k in "abdc")
     cell = {k: f"{median(times[k]):.1f} +-{spread(times[k]):.1f}" for k in times}
     res.graph.append([batch] + [cell[k] for k in "abdc"]

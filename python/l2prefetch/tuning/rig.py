@@ -11,7 +11,8 @@ implementation:
   that drift (clocks, temperature) falls on all of them alike;
 * each replay is timed with CUDA events around ``graph.replay()``; replays
   go back to back with no flush in between unless a ``before`` callable asks
-  for one (a real decode step streams its own weights through L2);
+  for one (a real decode step streams its own weights through L2; the
+  benchmarks' cold measurements use :meth:`Rig.flush`);
 * a variant's time per instance is the median of that instance's replays,
   and :mod:`l2prefetch.tuning.stats` compares variants by those medians.
 
