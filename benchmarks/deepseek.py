@@ -789,7 +789,7 @@ def main(argv=None):
                  if unknown else f"--points: name at least one of {deepseek_v3.POINTS}")
     args.graph_reps, args.eager_reps = (100, 8) if args.quick else (200, 100)
     if importlib.util.find_spec("transformers") is None:
-        print("benchmarks/deepseek.py needs transformers (5.17): pip install transformers==5.17.0")
+        print("benchmarks.deepseek needs transformers (5.17): pip install transformers==5.17.0")
         return 2
     if _transformers_version().split(".")[:2] != ["5", "17"]:
         print(f"warning: written against transformers 5.17, this is {_transformers_version()}")
