@@ -1,7 +1,7 @@
 """The all-reduce window: tensor-parallel decode, one process per GPU of one host.
 
-    python benchmarks/allreduce.py [--world 2] [--quick] [--out PATH] [--kimi [--layers 8]]
-                                   [--layer] [--layer-only]
+    python -m benchmarks.allreduce [--world 2] [--quick] [--out PATH] [--kimi [--layers 8]]
+                                    [--layer] [--layer-only]
 
 At TP = --world, a decode step's all-reduce of the activations x [B, 7168]
 bf16 (B = 1, 2, 4, 8) is followed by a bf16 GEMV y = x @ W^T over this rank's
@@ -34,16 +34,20 @@ once per layer inside a captured graph with one GEMV per layer, the forks
 counted by ``ctrl.stats()`` per point and rank, and the replay with and
 without the forks.
 
-``--layer`` adds the decode step of benchmarks/report.py's layer and caps
-sections (two Kimi-shaped MoE layers, weights sharded for TP = --world) with
-its two all-reduce stand-ins replaced by real all-reduces of x [B, 7168]:
-no forks, ``kimi_k3.plan`` as shipped (inline and as side branches), the
-seed's points (``points=kimi_k3.POINTS``), and the shipped forks with empty
+``--layer`` adds the decode step of the report's layer and caps sections
+(benchmarks/sections/layer.py: two Kimi-shaped MoE layers, weights sharded
+for TP = --world) with its two all-reduce stand-ins replaced by real
+all-reduces of x [B, 7168]: no forks, ``kimi_k3.plan`` as shipped (inline
+and as side branches), the reference design's points
+(``points=kimi_k3.POINTS``), and the shipped forks with empty
 tables, at batches 1-8 (--quick: 1, 4, 8).  This checks the caps section's
 choices, made with a spin in place of NCCL, against the real collective.
 ``--layer-only`` skips the W x B table.
 
-Rank 0 prints a Markdown section (and writes it to --out when given).
+Capture, interleaved replays, the flush and the empty-fork control are the
+package's (:class:`l2prefetch.tuning.rig.Rig`); :class:`RankRig` adds what
+NCCL needs.  Rank 0 prints a Markdown section (and writes it to --out when
+given).
 NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 unless already set.
 Without enough GPUs the script says why and exits 0.
 """
@@ -67,6 +71,8 @@ import torch.multiprocessing as mp
 
 import l2prefetch
 from l2prefetch import PrefetchController, PreparedWeightRanges
+from l2prefetch.tuning.report import table
+from l2prefetch.tuning.rig import Rig, empty_controller
 
 MIB = 2**20
 K = 7168
@@ -89,10 +95,10 @@ def gpu_reason(world):
     if world < 1:
         return f"--world must be at least 1, got {world}"
     if not torch.cuda.is_available():
-        return (f"benchmarks/allreduce.py needs {world} CUDA GPUs; none is visible to torch "
+        return (f"benchmarks.allreduce needs {world} CUDA GPUs; none is visible to torch "
                 f"{torch.__version__}.")
     if torch.cuda.device_count() < world:
-        return (f"benchmarks/allreduce.py --world {world} needs {world} CUDA GPUs; "
+        return (f"benchmarks.allreduce --world {world} needs {world} CUDA GPUs; "
                 f"{torch.cuda.device_count()} visible.")
     if not dist.is_available() or not dist.is_nccl_available():
         return f"torch {torch.__version__} has no NCCL backend."
@@ -116,29 +122,14 @@ def teardown():
 
 # ---------------------------------------------------------------- rig
 
-class Rig:
-    """One rank's flush buffer, capture stream, graph pool and aligned event timing."""
+class RankRig(Rig):
+    """The package's rig on this rank's GPU, with what NCCL needs: the ranks aligned
+    before each replay, and a capture that can reset counters after its warm-up."""
 
     def __init__(self, rank, world):
+        super().__init__(torch.device("cuda", rank))
         self.rank, self.world = rank, world
-        self.device = torch.device("cuda", rank)
-        props = torch.cuda.get_device_properties(rank)
-        self.name = props.name
-        self.l2 = props.L2_cache_size
-        self.flush_buf = torch.randn(8 * self.l2 // 4, device=self.device)   # float32: 8x L2
-        self.scratch = torch.empty((), device=self.device)
-        self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream(self.device)
-        self.cycles_per_us = None
-
-    def flush(self):
-        torch.sum(self.flush_buf, dim=0, out=self.scratch)
-
-    def spin(self, us):
-        """One CTA busy for us microseconds, touching no memory (the attention core's
-        stand-in of the --layer step; measure_layer calibrates it)."""
-        if us > 0:
-            torch.cuda._sleep(int(us * self.cycles_per_us))
+        self.name = torch.cuda.get_device_properties(rank).name
 
     def align(self):
         """All ranks at the same point, nothing queued (the last replay done first, so
@@ -147,42 +138,30 @@ class Rig:
         dist.barrier(device_ids=[self.rank])
         torch.cuda.synchronize()
 
-    def capture(self, fn, before_capture=None):
-        """A CUDAGraph of fn, captured on the side stream after one eager warm-up.
+    def aligned(self, before=None):
+        """A ``before`` for Rig.replays: align the ranks, then ``before(key)``.  Every
+        rank replays the same graphs in the same (rotated) order, so the replayed
+        collectives match."""
+        def run(key):
+            self.align()
+            if before is not None:
+                before(key)
+        return run
 
-        The warm-up also initialises what NCCL and cuBLAS need before capture;
-        every rank captures the same graphs in the same order, so the warm-up
-        collectives match across ranks."""
-        g = torch.cuda.CUDAGraph()
+    def capture_step(self, fn, before_capture=None):
+        """A CUDAGraph of fn (Rig.capture: one eager warm-up on the capture stream, which
+        also initialises what NCCL and cuBLAS need; every rank captures the same graphs
+        in the same order, so the warm-up collectives match), with before_capture() run
+        between the warm-up and the capture when given (e.g. ctrl.reset_stats, so that
+        the stats count the captured forks only)."""
+        if before_capture is None:
+            return self.capture(fn)[0]
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             fn()
-            torch.cuda.synchronize()
-            if before_capture:
-                before_capture()
-            with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
-                fn()
-        torch.cuda.current_stream().wait_stream(self.stream)
         torch.cuda.synchronize()
-        return g
-
-    def time_graphs(self, graphs, befores, reps):
-        """Median us of each graph's replay, the variants interleaved rep by rep so
-        that drift hits all alike; before each replay the ranks are aligned, then
-        befores[name]() runs (a flush, say)."""
-        pairs = {name: [] for name in graphs}
-        for _ in range(reps):
-            for name, g in graphs.items():
-                self.align()
-                befores[name]()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                g.replay()
-                e.record()
-                pairs[name].append((s, e))
-        torch.cuda.synchronize()
-        return {name: statistics.median(s.elapsed_time(e) * 1e3 for s, e in p)
-                for name, p in pairs.items()}
+        before_capture()
+        return self.capture(fn, warmup=0)[0]
 
 
 def weight(mib, device):
@@ -229,7 +208,7 @@ def probe_worker(rank, world, port, outdir):
 
     try:
         setup(rank, world, port)
-        rig = Rig(rank, world)
+        rig = RankRig(rank, world)
         w = weight(16, rig.device)
         p = PreparedWeightRanges([w], device=rank, carveout=100)
         n, expected = 2, (world + 1) / 2    # x = rank + 1 on each rank, then the step
@@ -240,7 +219,7 @@ def probe_worker(rank, world, port, outdir):
                 if mode != "none":
                     ctrl = PrefetchController(rank, graph_fork=mode)
                     ctrl.add("w", 0, [1], p)
-                g = rig.capture(make_step(rig, x, n, w, ctrl, "w"))
+                g = rig.capture_step(make_step(rig, x, n, w, ctrl, "w"))
                 x.fill_(rank + 1)
                 rig.align()
                 g.replay()
@@ -319,23 +298,25 @@ def probe(world):
 def run_config(rig, w, batch, n, ctrls, ar_mode, reps):
     """Medians (us) of every variant for one (W, batch, number of all-reduces)."""
     x = torch.randn(batch, K, device=rig.device, dtype=torch.bfloat16)
-    plain = rig.capture(make_step(rig, x, n, w))
+    plain = rig.capture_step(make_step(rig, x, n, w))
     graphs = {"cold": plain, "hot": plain}
     for mode, prefix in (("inline", ""), ("branch", "branch: ")):
         if mode in ctrls:
-            graphs[prefix + "empty"] = rig.capture(make_step(rig, x, n, w, ctrls[mode], "e", batch))
-            graphs[prefix + "prefetched"] = rig.capture(
+            graphs[prefix + "empty"] = rig.capture_step(
+                make_step(rig, x, n, w, ctrls[mode], "e", batch))
+            graphs[prefix + "prefetched"] = rig.capture_step(
                 make_step(rig, x, n, w, ctrls[mode], "w", batch))
-    graphs["ar alone"] = rig.capture(make_step(rig, x, n))
+    graphs["ar alone"] = rig.capture_step(make_step(rig, x, n))
     if ar_mode:
-        graphs["ar with loader"] = rig.capture(make_step(rig, x, n, None, ctrls[ar_mode], "w", batch))
+        graphs["ar with loader"] = rig.capture_step(
+            make_step(rig, x, n, None, ctrls[ar_mode], "w", batch))
 
-    def warm():
+    def prepare(name):
         rig.flush()
-        w.sum()
+        if name == "hot":
+            w.sum()
 
-    befores = {name: (warm if name == "hot" else rig.flush) for name in graphs}
-    out = rig.time_graphs(graphs, befores, reps)
+    out = rig.time_graphs(graphs, reps, rig.aligned(prepare))
     del graphs, plain
     return out
 
@@ -361,8 +342,9 @@ def measure(rig, args, modes):
             for n in (1, 2):
                 results[("step", label, batch, n)] = run_config(rig, w, batch, n, ctrls, ar_mode,
                                                                 reps)
-        loader = rig.capture(p.launch)       # the loader alone
-        results[("loader", label)] = rig.time_graphs({"l": loader}, {"l": rig.flush}, reps)["l"]
+        loader = rig.capture_step(p.launch)  # the loader alone
+        results[("loader", label)] = rig.time_graphs(
+            {"l": loader}, reps, rig.aligned(lambda _key: rig.flush()))["l"]
         del loader
         for ctrl in ctrls.values():
             ctrl.close()
@@ -407,39 +389,38 @@ def measure_kimi(rig, layers, mode, reps):
                     ctrl.join()
             return fn
 
-        graphs = {"no forks": rig.capture(step(False)),
-                  "forks": rig.capture(step(True), before_capture=ctrl.reset_stats)}
+        graphs = {"no forks": rig.capture_step(step(False)),
+                  "forks": rig.capture_step(step(True), before_capture=ctrl.reset_stats)}
         stats = ctrl.stats()
-        times = rig.time_graphs(graphs, {name: rig.flush for name in graphs}, reps)
+        times = rig.time_graphs(graphs, reps, rig.aligned(lambda _key: rig.flush()))
         del graphs
         ctrl.close()
     return {"stats": stats, "entries": len(plan), "mode": mode, **times}
 
 
 def measure_layer(rig, batches, reps, instances=2):
-    """The two-layer step of report.py with real all-reduces, per batch: medians (us) of
-    each variant, pooled over graph instances, and the shipped plan's forks per point."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import report                                            # benchmarks/report.py
-
-    report.DEV = rig.device                                  # its tensors on this rank's GPU
-    rig.cycles_per_us = report.spin_cycles_per_us()
-
+    """The layer section's two-layer step with real all-reduces, per batch: the median
+    over graph instances of each variant's per-instance medians (us), and the shipped
+    plan's forks per point."""
     from l2prefetch import kimi_k3
+
+    from .sections.layer import kimi_layers, layer_step
+
+    rig.cycles_per_us  # calibrate the spin now: never inside a capture
 
     if rig.world not in kimi_k3.NEXT_ATTENTION:
         return {"skipped": f"kimi_k3 has no plan for TP {rig.world}"}
     out = {"batches": {}}
     with torch.no_grad():
-        layers, packed = report._kimi_layers(rig.world)
+        layers, packed = kimi_layers(rig.world, rig.device)
         shapes = {name: tuple(w.shape) for name, w in layers[0].ws.items()}
         shipped = kimi_k3.plan(layers, packed, rig.world)
-        seed = kimi_k3.plan(layers, packed, rig.world, points=kimi_k3.POINTS)
+        reference = kimi_k3.plan(layers, packed, rig.world, points=kimi_k3.POINTS)
         ctrls = {"shipped": PrefetchController.from_plan(shipped, rig.rank),
                  "shipped, branch": PrefetchController.from_plan(shipped, rig.rank,
                                                                  graph_fork="branch"),
-                 "seed points": PrefetchController.from_plan(seed, rig.rank),
-                 "empty forks": report.empty_controller(shipped, rig.rank)}
+                 "reference points": PrefetchController.from_plan(reference, rig.rank),
+                 "empty forks": empty_controller(shipped, rig.rank)}
         for batch in batches:
             def rand(n, batch=batch):
                 return torch.randn(batch, n, device=rig.device, dtype=torch.bfloat16)
@@ -456,15 +437,14 @@ def measure_layer(rig, batches, reps, instances=2):
             graphs, forks = {}, {}
             for i in range(instances):
                 for name, ctrl in variants.items():
-                    fn = report._layer_step(rig, layers, ctrl, batch, h, a, sd, allreduce)
+                    fn = layer_step(rig, layers, ctrl, batch, h, a, sd, allreduce)
                     reset = ctrl.reset_stats if ctrl is not None else None
-                    graphs[name, i] = rig.capture(fn, before_capture=reset)
+                    graphs[name, i] = rig.capture_step(fn, before_capture=reset)
                     if name == "shipped" and i == 0:
                         forks = {p: st["forks"] for p, st in ctrl.stats().items()}
-            t = rig.time_graphs(graphs, {key: rig.flush for key in graphs}, reps)
+            per = rig.instance_medians(graphs, reps, rig.aligned(lambda _key: rig.flush()))
             out["batches"][batch] = {
-                "times": {name: statistics.median(t[name, i] for i in range(instances))
-                          for name in variants},
+                "times": {name: statistics.median(per[name]) for name in variants},
                 "forks": forks}
             del graphs
         for ctrl in ctrls.values():
@@ -490,19 +470,19 @@ def render_layer(per_rank, world):
         worst.append((t["none"] / t["shipped"], batch))
     lo = min(worst)
     return (f"{title}\n\n"
-            "report.py's layer step (per layer: GEMV attn_in, [attention_moe], spin 20 us, "
+            "The layer section's step (per layer: GEMV attn_in, [attention_moe], spin 20 us, "
             "GEMV o_proj, [oproj_down], all-reduce, GEMVs front, shared gate_up, shared down, "
             "experts, [next_attention], all-reduce; one join), weights sharded for this TP, "
             "each all-reduce a real `dist.all_reduce` of x [B, 7168] bf16 (after a scale "
             "kernel that keeps it bounded).  shipped = `kimi_k3.plan(layers, packed, tp)` "
-            "(graph_fork='inline' unless marked branch); seed points = the same with "
+            "(graph_fork='inline' unless marked branch); reference points = the same with "
             "`points=kimi_k3.POINTS` (oproj_down too); empty forks = the shipped forks with "
             f"empty tables.  Each variant captured {per_rank[0]['instances']} times, the "
             "replays interleaved, ranks aligned and L2 flushed before each; forks = the "
             "shipped plan's forks per replay (rank 0).\n\n"
             + table(["batch", "forks", *names, *(f"none / {n}" for n in names if n != "none")],
                     rows)
-            + f"\n\nShipped against no forks: {lo[0]:.3f}x at worst (batch {lo[1]}).")
+            + f"\nShipped against no forks: {lo[0]:.3f}x at worst (batch {lo[1]}).")
 
 
 def gather(obj, world):
@@ -527,7 +507,7 @@ def worker(rank, world, port, args, command, verdict):
     there loses only the Kimi section."""
     try:
         setup(rank, world, port)
-        rig = Rig(rank, world)
+        rig = RankRig(rank, world)
         modes = [m for m in MODES if verdict.get(m) == "ok"]
         if args.layer_only:
             if rank == 0:
@@ -559,12 +539,6 @@ def worker(rank, world, port, args, command, verdict):
 
 # ---------------------------------------------------------------- report
 
-def table(header_cells, rows):
-    out = ["| " + " | ".join(header_cells) + " |", "|" + "---|" * len(header_cells)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(out)
-
-
 def nccl_version():
     v = torch.cuda.nccl.version()
     return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
@@ -572,7 +546,7 @@ def nccl_version():
 
 def header(rig, command):
     disabled = "  L2PREFETCH_DISABLE is set: forks do nothing." if l2prefetch.disabled() else ""
-    return (f"Device: {rig.name} x {rig.world} (L2 {rig.l2 / MIB:.0f} MiB), TP {rig.world}, "
+    return (f"Device: {rig.name} x {rig.world} (L2 {rig.l2_bytes / MIB:.0f} MiB), TP {rig.world}, "
             f"torch {torch.__version__}, NCCL {nccl_version()}, l2prefetch "
             f"{l2prefetch.__version__}, "
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.{disabled}\n"
@@ -679,7 +653,7 @@ def render(head, per_rank, verdict, world):
     ]
     if probe_notes:
         parts.append("Probe: " + "; ".join(probe_notes) + ".")
-    return "\n\n".join(parts)
+    return "\n\n".join(part.rstrip("\n") for part in parts)
 
 
 def render_kimi(per_rank, world):
@@ -700,14 +674,15 @@ def render_kimi(per_rank, world):
             f"graph_fork='{per_rank[0]['mode']}'.  Forks and MiB "
             "are `ctrl.stats()` counted over the capture (what one replay launches).\n\n"
             + table(["rank", "point", "forks", "MiB"], rows)
-            + f"\n\nReplay, flushed before, mean of the per-rank medians: {no_forks:.2f} us without "
+            + f"\nReplay, flushed before, mean of the per-rank medians: {no_forks:.2f} us without "
             f"the forks, {forks:.2f} us with them ({forks - no_forks:+.2f} us).")
 
 
 # ---------------------------------------------------------------- main
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.allreduce",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2, help="GPUs = tensor parallelism (default 2)")
     ap.add_argument("--quick", action="store_true",
                     help="B 1 and 8, 40 replays per variant (default: B 1, 2, 4, 8 and 150)")
@@ -716,7 +691,7 @@ def parse(argv):
                     help="add the synthetic Kimi-sized TP shards' batch-8 forks")
     ap.add_argument("--layers", type=int, default=8, help="layers of the --kimi model (default 8)")
     ap.add_argument("--layer", action="store_true",
-                    help="add report.py's two-layer Kimi step with real all-reduces")
+                    help="add the report's two-layer Kimi step with real all-reduces")
     ap.add_argument("--layer-only", action="store_true",
                     help="only the two-layer step (skip the W x B table)")
     return ap.parse_args(argv)
@@ -724,7 +699,7 @@ def parse(argv):
 
 def main(argv=None):
     args = parse(argv)
-    command = "python benchmarks/allreduce.py " + " ".join(
+    command = "python -m benchmarks.allreduce " + " ".join(
         argv if argv is not None else sys.argv[1:])
     reason = gpu_reason(args.world)
     if reason:
@@ -743,7 +718,7 @@ def main(argv=None):
                  nprocs=args.world, join=True)
     except Exception as exc:
         lines = [line for line in str(exc).splitlines() if line.strip()]
-        print(f"benchmarks/allreduce.py failed ({type(exc).__name__}: "
+        print(f"benchmarks.allreduce failed ({type(exc).__name__}: "
               f"{lines[0].strip(' -') if lines else ''}); the [rank r] tracebacks above say why.")
         return 1
     print(f"({time.perf_counter() - t0:.0f} s)")

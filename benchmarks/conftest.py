@@ -1,5 +1,5 @@
 """pytest-benchmark runs: `pytest benchmarks/ --benchmark-only`.  GPU benchmarks skip
-with the reason where there is no GPU; benchmarks/report.py is the full report."""
+with the reason where there is no GPU; `python -m benchmarks.report` is the full report."""
 
 import pytest
 

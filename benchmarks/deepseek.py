@@ -1,6 +1,6 @@
 """The real-model proof: Hugging Face DeepSeek-V3 decoding with l2prefetch's hooks.
 
-    python benchmarks/deepseek.py [--quick] [--out benchmarks/DEEPSEEK.md] [--device cuda|cpu]
+    python -m benchmarks.deepseek [--quick] [--out DEEPSEEK.md] [--device cuda|cpu]
                                   [--tiny] [--batches 1,2,4,8] [--points next_attention]
 
 Builds a random DeepSeek-V3 (``transformers.DeepseekV3ForCausalLM`` from a
@@ -48,7 +48,9 @@ GPU test's scale) for a fast check.
 Default: 7 graph instances x 200 replays and 100 eager steps per variant and
 batch, about three minutes on an H200 after the ~6.6 GiB model is built
 (``--quick``: 100 replays and 8 eager steps).
-Results go to --out (Markdown) and stdout.
+Capture, the interleaved replays and the empty-fork control are the
+package's (:mod:`l2prefetch.tuning.rig`).  Results go to stdout, and to
+--out (Markdown) when given.
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ import argparse
 import contextlib
 import datetime
 import importlib.util
-import os
 import statistics
 import sys
 import time
@@ -69,9 +70,9 @@ import torch
 import l2prefetch
 from l2prefetch import deepseek_v3, hooks
 from l2prefetch.plan import format_plan
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import empty_controller  # noqa: E402  (also used as deepseek.empty_controller)
+from l2prefetch.tuning.report import table
+from l2prefetch.tuning.rig import Rig, empty_controller
+from l2prefetch.tuning.stats import diff_interval
 
 MIB = 2**20
 BATCHES = (1, 2, 4, 8)
@@ -253,12 +254,6 @@ def model_summary(model, plan):
             f"{cfg._experts_implementation}, attention {cfg._attn_implementation}.")
 
 
-def table(header, rows):
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(out)
-
-
 def yes(ok):
     return "yes" if ok else "**NO**"
 
@@ -365,9 +360,10 @@ def spread(xs):
     return (q[2] - q[0]) / 2
 
 
-def time_interleaved(variants, reps):
-    """variants: {name: (before or None, run)}; rotated order.  Returns ({name: GPU us of
-    each run(), between CUDA events}, {name: host us of each run(), perf_counter})."""
+def time_eager(variants, reps):
+    """Eager steps, interleaved: variants {name: (before or None, run)}, the order rotated
+    each round.  Returns ({name: GPU us of each run(), between CUDA events}, {name: host us
+    of each run(), perf_counter}).  (Graph replays are timed by the package's Rig.)"""
     names = list(variants)
     pairs = {name: [] for name in names}
     host = {name: [] for name in names}
@@ -390,13 +386,15 @@ def time_interleaved(variants, reps):
 
 
 def instance_ratio(a, b):
-    """a/b of two lists of per-instance medians, by their means, and twice its standard
-    error (instances vary more than replays of one instance)."""
+    """"a/b (low-high)": the ratio of the means of two lists of per-instance medians, and
+    the ratio at the ends of the 95% Welch interval of mean(a) - mean(b), mean(a) held
+    (l2prefetch.tuning.stats, as the tuner accepts; instances vary more than replays of
+    one instance do).  One instance each: the ratio alone."""
     ma, mb = statistics.fmean(a), statistics.fmean(b)
-    ea = statistics.stdev(a) / len(a) ** 0.5 if len(a) > 1 else 0.0
-    eb = statistics.stdev(b) / len(b) ** 0.5 if len(b) > 1 else 0.0
-    r = ma / mb
-    return r, 2 * r * ((ea / ma) ** 2 + (eb / mb) ** 2) ** 0.5
+    if min(len(a), len(b)) < 2:
+        return f"{ma / mb:.4f}"
+    d = diff_interval(a, b)
+    return f"{ma / mb:.4f} ({ma / (ma - d.low):.4f}-{ma / (ma - d.high):.4f})"
 
 
 @contextlib.contextmanager
@@ -430,24 +428,22 @@ class Toggle:
             self.attachment = None
 
 
-def capture(dec, controller, warmup=2, points=None):
-    """Capture one decode step (with controller's hooks at points when not None):
-    (graph, logits, stats)."""
+def capture(rig, dec, controller, warmup=2, points=None):
+    """Capture one decode step with rig (with controller's hooks at points when not
+    None): (graph, logits, stats).  The warm-up steps run on the rig's capture stream,
+    each from the prompt length; the stats count the captured forks only."""
     with attached(dec.model, controller, points):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        rig.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(rig.stream):
             for _ in range(warmup):
                 dec.reset()
                 dec.step()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(rig.stream)
         dec.reset()
         torch.cuda.synchronize()
         if controller is not None:
             controller.reset_stats()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = dec.step()
+        graph, logits = rig.capture(dec.step, warmup=0)
         stats = controller.stats() if controller is not None else {}
     torch.cuda.synchronize()
     return graph, logits, stats
@@ -516,7 +512,8 @@ class Results:
                   self.branch),
             "", "Median per graph instance (each variant captured and instantiated separately; "
             "the tables above pool the instances), us, and the ratios of the instances' means "
-            "+- twice their standard error (instances differ more than replays of one do):", "",
+            "with their 95% intervals (Welch, over the instances: instances differ more than "
+            "replays of one do):", "",
             table(["batch", "(a) none", "(b) prefetch", "(d) empty forks", "a/b by instances",
                    "a/d by instances"], self.instances),
             "", "Eager decode step (no graph; host-bound), median us: GPU time between CUDA "
@@ -537,7 +534,7 @@ class Results:
         return out
 
 
-def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None, None),
+def measure_batch(args, rig, model, plan, controller, empty, batch, res, branch=(None, None),
                   capture_only=None):
     tb = time.perf_counter()
     dec = Decoder(model, batch)
@@ -581,7 +578,7 @@ def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None
         dec.step()
         dec.reset()
 
-    times, host = time_interleaved(
+    times, host = time_eager(
         {name: (lambda name=name: before(name), dec.step) for name in toggles}, args.eager_reps)
     select("none")
     ea, eb = median(times["none"]), median(times["prefetch"])
@@ -603,7 +600,7 @@ def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None
         variants += [("e", branch[0]), ("f", branch[1])]
     for name, ctrl in variants:
         try:
-            graphs[name] = capture(dec, ctrl, points=args.points)
+            graphs[name] = capture(rig, dec, ctrl, points=args.points)
         except Exception as exc:                                  # noqa: BLE001
             traceback.print_exc()
             if ctrl is not None:
@@ -657,21 +654,23 @@ def measure_batch(args, model, plan, controller, empty, batch, res, branch=(None
 
     # A graph's replay time depends on the instance (the same capture, instantiated again,
     # can differ by tens of us), so every variant is captured args.instances times and its
-    # samples are pooled over the instances.
-    extra = {f"{name}#{i}": capture(dec, ctrl, points=args.points)
-             for i in range(1, args.instances) for name, ctrl in variants}
-    runs = {name: (dec.reset, graph.replay)
-            for name, (graph, _l, _s) in {**graphs, **extra}.items()}
-    runs["c"] = (hot, graphs["a"][0].replay)
-    raw, _host = time_interleaved(runs, args.graph_reps)
-    del extra
+    # samples are pooled over the instances.  (c) replays (a)'s first instance after the
+    # plan's bytes were read.
+    replayed = {(name, 0): graph for name, (graph, _l, _s) in graphs.items()}
+    for i in range(1, args.instances):
+        for name, ctrl in variants:
+            replayed[name, i] = capture(rig, dec, ctrl, points=args.points)[0]
+    replayed["c", 0] = graphs["a"][0]
+    raw = rig.replays(replayed, args.graph_reps,
+                      lambda key: hot() if key[0] == "c" else dec.reset())
+    del replayed
     times, per_instance = {}, {}
-    for name, xs in raw.items():
-        times.setdefault(name.split("#")[0], []).extend(xs)
-        per_instance.setdefault(name.split("#")[0], []).append(median(xs))
+    for (name, _i), xs in raw.items():
+        times.setdefault(name, []).extend(xs)
+        per_instance.setdefault(name, []).append(median(xs))
     res.instances.append([batch] + [
         " / ".join(f"{m:.1f}" for m in per_instance[k]) for k in "abd"]
-        + ["%.4f +-%.4f" % instance_ratio(per_instance["a"], per_instance[k]) for k in "bd"])
+        + [instance_ratio(per_instance["a"], per_instance[k]) for k in "bd"])
     a, b, d, c = (median(times[k]) for k in "abdc")
     cell = {k: f"{median(times[k]):.1f} +-{spread(times[k]):.1f}" for k in times}
     res.graph.append([batch] + [cell[k] for k in "abdc"]
@@ -694,6 +693,7 @@ def run_gpu(args, config):
     if hooks.disabled() or l2prefetch.disabled():
         return ["L2PREFETCH_DISABLE is set: nothing to measure; unset it."], ["disabled"]
     torch.cuda.set_device(0)
+    rig = Rig(0)
     info, drv = _C.device_info(0), _C.driver_info()
     t0 = time.perf_counter()
     model = build_model(config, "cuda:0")
@@ -721,7 +721,8 @@ def run_gpu(args, config):
               f"{drv['version'] % 1000 // 10}, torch {torch.__version__}, transformers "
               f"{_transformers_version()}, l2prefetch {l2prefetch.__version__}, "
               f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.\n"
-              f"Command: `python benchmarks/deepseek.py {' '.join(args.argv)}`; model built in "
+              f"Command: `{' '.join(['python -m benchmarks.deepseek', *args.argv])}`; model "
+              "built in "
               f"{built:.1f} s, controllers prepared in {prepared * 1e3:.0f} ms; points "
               f"{', '.join(args.points)}; "
               f"{args.instances} graph instances x {args.graph_reps} replays and "
@@ -733,7 +734,7 @@ def run_gpu(args, config):
     res = Results()
     for batch in args.batches:
         try:
-            measure_batch(args, model, plan, controller, empty, batch, res,
+            measure_batch(args, rig, model, plan, controller, empty, batch, res,
                           branch=(branch, branch_empty), capture_only=capture_only)
         except Exception as exc:                                  # noqa: BLE001
             traceback.print_exc()
@@ -757,7 +758,8 @@ def _transformers_version():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.deepseek",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small model (fast; the tests' scale)")
@@ -775,8 +777,8 @@ def main(argv=None):
                     help="comma-separated deepseek_v3 points to plan and hook (default "
                          "next_attention, the candidate; the policy's own default forks "
                          f"nowhere; all: {','.join(deepseek_v3.POINTS)})")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "DEEPSEEK.md"))
+    ap.add_argument("--out", default=None,
+                    help="also write the report to this Markdown file (default: print only)")
     args = ap.parse_args(argv)
     args.argv = argv
     args.batches = [int(b) for b in args.batches.split(",") if b]
@@ -787,7 +789,7 @@ def main(argv=None):
                  if unknown else f"--points: name at least one of {deepseek_v3.POINTS}")
     args.graph_reps, args.eager_reps = (100, 8) if args.quick else (200, 100)
     if importlib.util.find_spec("transformers") is None:
-        print("benchmarks/deepseek.py needs transformers (5.17): pip install transformers==5.17.0")
+        print("benchmarks.deepseek needs transformers (5.17): pip install transformers==5.17.0")
         return 2
     if _transformers_version().split(".")[:2] != ["5", "17"]:
         print(f"warning: written against transformers 5.17, this is {_transformers_version()}")
@@ -812,8 +814,8 @@ def main(argv=None):
     verdict = ("All checks passed." if not failures else
                "FAILED checks:\n" + "\n".join(f"- {f}" for f in failures))
     print(f"\n{verdict}\n({time.perf_counter() - t0:.0f} s)")
-    if args.device == "cuda":
-        with open(args.out, "w") as f:
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
             f.write("# DeepSeek-V3 (Hugging Face) with l2prefetch\n\n" + text + "\n\n"
                     + verdict + "\n")
         print(f"wrote {args.out}")

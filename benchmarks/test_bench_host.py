@@ -1,6 +1,7 @@
 """Host-side costs with pytest-benchmark (wall time per call; GPU work is asynchronous).
 
-GPU timings that need CUDA events and flushed caches live in report.py.
+GPU timings that need CUDA events and flushed caches live in the report's sections
+(benchmarks/sections/).
 """
 
 import pytest

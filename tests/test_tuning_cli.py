@@ -104,10 +104,20 @@ def test_errors_before_measuring_exit_2(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, _, err = run(["llama"], capsys)
     assert code == 2 and "tuning needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
-    code, _, err = run(["no-such-model-type", "--device", "cpu", "--list-roles"], capsys)
-    assert code == 2 and "neither a checkpoint directory" in err
     code, _, err = run(["llama", "--set", "nonsense", "--device", "cpu", "--list-roles"], capsys)
     assert code == 2 and "KEY=VALUE" in err
+
+
+def test_an_unknown_model_exits_2(capsys):
+    pytest.importorskip("transformers")
+    code, _, err = run(["no-such-model-type", "--device", "cpu", "--list-roles"], capsys)
+    assert code == 2 and "neither a checkpoint directory" in err
+
+
+def test_without_transformers_exit_2(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    code, _, err = run(["llama", "--device", "cpu", "--list-roles"], capsys)
+    assert code == 2 and "needs transformers" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_directory_without_config(tmp_path, capsys):

@@ -11,7 +11,8 @@ implementation:
   that drift (clocks, temperature) falls on all of them alike;
 * each replay is timed with CUDA events around ``graph.replay()``; replays
   go back to back with no flush in between unless a ``before`` callable asks
-  for one (a real decode step streams its own weights through L2);
+  for one (a real decode step streams its own weights through L2; the
+  benchmarks' cold measurements use :meth:`Rig.flush`);
 * a variant's time per instance is the median of that instance's replays,
   and :mod:`l2prefetch.tuning.stats` compares variants by those medians.
 
@@ -118,6 +119,14 @@ class Measurement:
     def mean(self, name: str) -> float:
         return statistics.fmean(self.medians[name])
 
+    def pooled_median(self, name: str) -> float:
+        """The median of every replay of every instance of ``name``."""
+        return statistics.median(x for per in self.replays[name] for x in per)
+
+    def spread(self, name: str) -> float:
+        """Highest minus lowest per-instance median of ``name`` (how far instances differ)."""
+        return max(self.medians[name]) - min(self.medians[name])
+
 
 class Rig:
     """Graph capture and interleaved, event-timed replays on one device.
@@ -141,6 +150,8 @@ class Rig:
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream()
         self._cycles_per_us: Optional[float] = None
+        self._flush_buf: Any = None
+        self._flush_out: Any = None
 
     # ------------------------------------------------------------ windows
     @property
@@ -153,6 +164,21 @@ class Rig:
         """Enqueue one CTA that waits about ``us`` microseconds (a nearly idle GPU)."""
         if us > 0:
             self.torch.cuda._sleep(int(us * self.cycles_per_us))
+
+    # ------------------------------------------------------------ cold L2
+    @property
+    def l2_bytes(self) -> int:
+        """The device's L2 size in bytes."""
+        return int(self.torch.cuda.get_device_properties(self.device).L2_cache_size)
+
+    def flush(self) -> None:
+        """Enqueue a read of a buffer 8x the L2 size, so that what follows starts on a
+        cold L2 (the buffer is allocated on first use and kept)."""
+        torch = self.torch
+        if self._flush_buf is None:
+            self._flush_buf = torch.randn(8 * self.l2_bytes // 4, device=self.device)
+            self._flush_out = torch.empty((), device=self.device)
+        torch.sum(self._flush_buf, dim=0, out=self._flush_out)
 
     # ------------------------------------------------------------ capture
     def capture(self, fn: Callable[[], Any], *, warmup: int = 1,
@@ -198,6 +224,35 @@ class Rig:
                     pairs[key].append((start, end))
             torch.cuda.synchronize()
         return {key: [s.elapsed_time(e) * 1e3 for s, e in p] for key, p in pairs.items()}
+
+    def time_graphs(self, graphs: Mapping[Any, Any], rounds: int,
+                    before: Optional[Callable[[Any], None]] = None) -> dict[Any, float]:
+        """The median us of each graph's replays (:meth:`replays`: interleaved,
+        ``before(key)`` before each replay when given)."""
+        return medians(self.replays(graphs, rounds, before))
+
+    def time_graph(self, graph: Any, rounds: int,
+                   before: Optional[Callable[[], None]] = None) -> float:
+        """The median us of ``rounds`` replays of one graph, ``before()`` (a flush,
+        say) before each when given."""
+        return self.time_graphs({0: graph}, rounds,
+                                None if before is None else (lambda _key: before()))[0]
+
+    def instance_medians(self, graphs: Mapping[tuple[Any, int], Any], rounds: int,
+                         before: Optional[Callable[[tuple[Any, int]], None]] = None
+                         ) -> dict[Any, list[float]]:
+        """Per variant, the median us of each instance's replays, in instance order.
+
+        ``graphs`` maps ``(variant, instance)`` to a captured graph; all of them
+        are replayed interleaved (:meth:`replays`).  Two keys may hold the same
+        graph, to replay one capture under two conditions (``before`` tells
+        them apart: after a flush, after a warm-up read).
+        """
+        us = self.replays(graphs, rounds, before)
+        out: dict[Any, list[tuple[int, float]]] = {}
+        for (name, index), values in us.items():
+            out.setdefault(name, []).append((index, statistics.median(values)))
+        return {name: [m for _, m in sorted(per)] for name, per in out.items()}
 
     def measure(self, variants: Mapping[str, Callable[[], Any]], instances: int, rounds: int, *,
                 setup: Optional[Mapping[str, Callable[[], Any]]] = None,

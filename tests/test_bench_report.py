@@ -1,0 +1,132 @@
+"""The benchmark report's CPU-side logic: the effect section's break-even (where a fork
+stops losing, and whether the gate agrees), the plots, and the report CLI's options.
+
+Pure arithmetic and drawing over made-up rows; runs without a GPU.  ``benchmarks`` is
+imported as a package from the repository root, which is on sys.path when pytest runs
+as ``python -m pytest`` from there (as dev.sh and CI run it).
+"""
+
+import os
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("benchmarks", reason="the benchmarks package is importable from the "
+                    "repository root: run python -m pytest there")
+
+from benchmarks import plots, report  # noqa: E402
+from benchmarks.sections import effect  # noqa: E402
+
+MIB = 2**20
+
+#: matplotlib's C++ extensions abort under a preloaded ASan runtime (dev.sh's sanitizer
+#: pass: an exception thrown in ft2font trips ASan's __cxa_throw interceptor); the plots
+#: hold no C code of ours, so the sanitized pass skips them.
+needs_plain_matplotlib = pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
+                                            reason="matplotlib aborts under a preloaded ASan")
+
+
+def rows(mib, batch, losses):
+    """Effect rows for one (W, batch): {T: cold - prefetched}."""
+    return [(mib, batch, t, {"cold": 10.0 + v, "prefetched": 10.0}, float("nan"))
+            for t, v in losses.items()]
+
+
+def test_break_even_is_the_first_window_from_which_on_nothing_loses():
+    raw = (rows(16, 1, {0: -3.0, 5: -0.5, 10: +0.8, 20: +1.2, 40: -0.2})
+           + rows(16, 8, {0: -2.0, 5: +0.1, 10: -0.6, 20: +1.0, 40: +1.1})
+           + rows(32, 1, {0: -5.0, 5: -3.0, 10: -1.0, 20: -0.4, 40: -0.9}))
+    got = effect.break_even(raw, noise=0.3, bytes_per_us=3.2e6)
+    assert [(m, b, t) for m, b, t, _g, _ok in got] == [(16, 1, 10), (16, 8, 20), (32, 1, None)]
+    gate = {(m, b): (g, ok) for m, b, _t, g, ok in got}
+    assert gate[16, 1][0] == pytest.approx(16 * MIB / 3.2e6)      # 5.24 us
+    assert gate[16, 1][1] is True       # the gate forks at 10, 20, 40: none loses over 0.3
+    assert gate[16, 8][1] is False      # it would fork at 10, which lost 0.6
+    assert gate[32, 1][1] is False
+
+
+def test_break_even_uses_the_plans_rate_by_default_and_renders():
+    from l2prefetch.plan import GATE_BYTES_PER_US
+
+    raw = rows(8, 1, {0: -1.0, 5: 0.0})
+    (mib, batch, first, gate_us, ok), = effect.break_even(raw)
+    assert (mib, batch, first, ok) == (8, 1, 5, True)
+    assert gate_us == pytest.approx(8 * MIB / GATE_BYTES_PER_US)
+    text = effect.break_even_table(raw)
+    assert "| 8 | 1 | 5 | 2.6 | yes |" in text
+
+
+@needs_plain_matplotlib
+def test_plot_writes_one_png_per_size_and_the_layer_bars(tmp_path):
+    pytest.importorskip("matplotlib")
+    effect = [(mib, b, t, {"cold": 20.0 + t, "empty": 20.5 + t, "prefetched": 18.5 + t,
+                          "hot": 18.0 + t}, 0.9)
+              for mib in (16, 32) for b in (1, 8) for t in (0, 10, 20)]
+    layer = [{"batch": b, "a": 100.0, "b": 99.0} for b in (1, 8)]
+    glue = [{"batch": 8, "a": 100.0, "b": 102.0}]
+    paths, note = plots.plot({"effect": effect, "layer": layer, "layer_glue": glue},
+                              str(tmp_path))
+    assert note == ""
+    assert sorted(os.path.basename(p) for p in paths) == [
+        "effect_16mib.png", "effect_32mib.png", "layer_speedup.png"]
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_plain_matplotlib
+def test_plot_without_sections_writes_nothing(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert plots.plot({}, str(tmp_path)) == ([], "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_writes_nothing_without_out_and_rejects_unknown_sections(capsys, monkeypatch):
+    import torch
+
+    assert report.parse([]).out is None
+    assert report.parse([]).names == list(report.SECTIONS)
+    with pytest.raises(SystemExit):
+        report.parse(["--sections", "effect,nosuch"])
+    assert "unknown section(s) nosuch" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert report.main(["--sections", "effect"]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_every_section_module_imports_and_has_its_function():
+    for name in report.SECTIONS:
+        assert callable(report.section(name)), name
+
+
+def test_the_tuner_benchmark_counts_the_groups_the_search_measures():
+    """benchmarks.tuner reads groups off the tuner's progress lines: against a planted
+    backend every measured group is counted once, with its graphs."""
+    import io
+
+    from benchmarks import tuner
+    from l2prefetch.tuning import search
+
+    from _tuning_fakes import Clock, PlantedBackend, role
+
+    clock = Clock()
+    backend = PlantedBackend({"A": lambda s: 12.0, "B": lambda s: -6.0}, seed=1, clock=clock)
+    progress = tuner.Progress(io.StringIO())
+    (report,) = search.search(backend, [role("A"), role("B")], (1,), budget_s=300.0,
+                              progress=progress, clock=clock)
+    assert progress.groups == len(backend.groups) > 0
+    assert progress.graphs == sum(len(g) for g in backend.groups) * search.MIN_INSTANCES
+    assert tuner._sound(report) and tuner._verdict(report).startswith("confirmed")
+    assert tuner.parse(["--quick"]).budget == tuner.QUICK_BUDGET_S
+    with pytest.raises(SystemExit):
+        tuner.parse(["--parts", "time,nosuch"])
+
+
+def test_measurement_pools_replays_and_spreads_instances():
+    from l2prefetch.tuning.rig import Measurement
+
+    m = Measurement(medians={"a": [10.0, 12.0, 11.0]},
+                    replays={"a": [[9.0, 10.0, 11.0], [12.0], [11.0, 13.0]]},
+                    outputs={"a": [None] * 3}, capture_s=0.0, replay_s=0.0)
+    assert m.pooled_median("a") == 11.0
+    assert m.spread("a") == 2.0
