@@ -48,8 +48,11 @@ _disabled_logged = False
 
 
 def disabled() -> bool:
-    """True when ``L2PREFETCH_DISABLE`` holds a true value (1, true, yes, on; any case)."""
-    return os.environ.get("L2PREFETCH_DISABLE", "").strip().lower() in _TRUE
+    """True when ``L2PREFETCH_DISABLE`` holds a true value (1, true, yes, on; any case,
+    blanks around it ignored): the rule the C controller uses, read by its parser."""
+    from . import _C
+
+    return _C.env_flag("L2PREFETCH_DISABLE")
 
 
 class Attachment:
