@@ -817,7 +817,7 @@ def test_inline_fork_leaks_nothing(fake):
 
 # -- L2PREFETCH_DISABLE ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
+@pytest.mark.parametrize("value", ["1", "true", "YES", "on", " 1", "\ton\n", "True "])
 def test_disabled(fake, table, monkeypatch, value):
     monkeypatch.setenv("L2PREFETCH_DISABLE", value)
     fake.clear_log()
@@ -837,10 +837,23 @@ def test_disabled(fake, table, monkeypatch, value):
     assert fake.log() == []
 
 
-@pytest.mark.parametrize("value", ["0", "", "no", "off"])
+@pytest.mark.parametrize("value", ["0", "", "no", "off", " ", "1x", "o n", "\u00a01"])
 def test_not_disabled(fake, monkeypatch, value):
     monkeypatch.setenv("L2PREFETCH_DISABLE", value)
     assert PC(device=0).enabled
+
+
+@pytest.mark.parametrize("value", ["1", " 1", "yes\n", "0", "", "1x", "\u00a01", "\x1c1"])
+def test_one_rule_for_c_and_python(fake, monkeypatch, value):
+    """l2prefetch.disabled() and hooks.disabled() read the flag with the C parser: they
+    agree with the controller on every value (Python's str.strip() would also strip
+    non-ASCII blanks, and did strip " 1" where C did not)."""
+    from l2prefetch import hooks
+
+    monkeypatch.setenv("L2PREFETCH_DISABLE", value)
+    off = not PC(device=0).enabled
+    assert l2prefetch.disabled() is off and hooks.disabled() is off
+    assert _C.env_flag("L2PREFETCH_DISABLE") is off
 
 
 def test_disabled_needs_no_driver(fake, monkeypatch):
@@ -1065,3 +1078,94 @@ def test_create_drop_loop_leaks_nothing(fake):
     assert fake.calls("cuStreamCreateWithPriority") == fake.calls("cuStreamDestroy") == 2200
     assert fake.calls("cuEventCreate") == fake.calls("cuEventDestroy") == 3 * 2200
     assert_all_released(fake)
+
+
+# -- a failed capture-state query; graph_fork per key --------------------------------------------
+
+@pytest.mark.parametrize("mode, eager", [("inline", True), ("branch", True), ("branch", False)])
+def test_failed_capture_state_query_is_a_cuda_error(fake, table, mode, eager):
+    """Never read as "not capturing": that made a branch fork report a capture that ended
+    without join() (and drop pending), eager=False return False inside a capture, and an
+    inline fork take the side stream."""
+    ctl = _populated(fake, table, graph_fork=mode, eager=eager)
+    fake.set_capture(7)
+    if mode == "branch":
+        assert ctl.fork("attn", 0, 1, stream=STREAM) and ctl.pending
+    fake.clear_log()
+    fake.fail("cuStreamGetCaptureInfo", code="CUDA_ERROR_INVALID_VALUE")
+    with pytest.raises(l2prefetch.CudaError) as info:
+        ctl.fork("attn", 1, 1, stream=STREAM)
+    assert info.value.operation == "cuStreamGetCaptureInfo"
+    assert info.value.name == "CUDA_ERROR_INVALID_VALUE"
+    assert fake.log("cuLaunchKernelEx") == [] and ctl.pending == (mode == "branch")
+    assert ctl.fork("attn", 1, 1, stream=STREAM)          # the next query works
+    ctl.join(stream=STREAM)
+    assert not ctl.pending
+
+
+def _launch_streams(fake):
+    return [kv(line)["stream"] for line in fake.log("cuLaunchKernelEx")]
+
+
+@pytest.mark.parametrize("default", ["inline", "branch"])
+def test_graph_fork_per_key_in_one_capture(fake, table, default):
+    """A plan mixing inline and branch keys: while capturing each key forks its own way;
+    eager forks all take the side stream, as before."""
+    other = "branch" if default == "inline" else "inline"
+    ctl = PC(device=0, graph_fork=default)
+    side = hex(ctl.stream_handle)
+    ctl.add("attn", 0, [1, 2], table)                       # the controller's
+    ctl.add("mlp", 0, [1], table, graph_fork=other)
+    ctl.add("moe", 0, [1], table, graph_fork=default)       # said explicitly: the same
+    assert [ctl.get_mode(*k) for k in (("attn", 0, 1), ("mlp", 0, 1), ("moe", 0, 1))] == \
+        [default, other, default]
+    assert ctl.get_mode("attn", 0, 3) is None and ctl.graph_fork == default
+    where = {"inline": CUR, "branch": side}
+    fake.set_capture(7)
+    fake.add_capture_node(0)
+    fake.clear_log()
+    for key in (("attn", 0, 1), ("mlp", 0, 1), ("attn", 0, 2), ("moe", 0, 1)):
+        assert ctl.fork(*key, stream=STREAM)
+    assert _launch_streams(fake) == [where[default], where[other], where[default], where[default]]
+    inline_forks = [default, other, default, default].count("inline")
+    assert len(fake.log("cuStreamUpdateCaptureDependencies")) == inline_forks
+    assert ctl.pending                                      # a branch fork is in the capture
+    ctl.join(stream=STREAM)
+    assert not ctl.pending and len(fake.log("cuStreamWaitEvent")) == 4 - inline_forks + 1
+    fake.set_capture(0)
+    fake.clear_log()
+    for key in (("attn", 0, 1), ("mlp", 0, 1)):
+        assert ctl.fork(*key, stream=STREAM)
+    assert _launch_streams(fake) == [side, side]            # eager: unchanged
+    ctl.join(stream=STREAM)
+    assert ctl.stats()["mlp"]["forks"] == 2
+
+
+def test_graph_fork_per_key_replaced_and_reset(fake, table):
+    ctl = PC(device=0)
+    ctl.add("attn", 0, [1, 2], table, graph_fork="branch")
+    ctl.add("attn", 0, [2], table)                          # None: the controller's again
+    assert (ctl.get_mode("attn", 0, 1), ctl.get_mode("attn", 0, 2)) == ("branch", "inline")
+
+
+def test_branch_key_capture_ended_without_join_seen_by_an_inline_key(fake, table):
+    ctl = PC(device=0)
+    ctl.add("attn", 0, [1], table)
+    ctl.add("mlp", 0, [1], table, graph_fork="branch")
+    fake.set_capture(7)
+    assert ctl.fork("mlp", 0, 1, stream=STREAM) and ctl.pending
+    fake.set_capture(8)
+    with pytest.raises(l2prefetch.Error, match=r"ended without join\(\)"):
+        ctl.fork("attn", 0, 1, stream=STREAM)
+    assert not ctl.pending
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+
+
+def test_graph_fork_per_key_falls_back_without_edge_data(fake):
+    reopen(fake, driver_version=12000)          # no 12.3 capture entry points: side stream
+    ctl = PC(device=0)
+    ctl.add("attn", 0, [1], PWR([arr(0)]), graph_fork="inline")
+    fake.set_capture(7)
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    assert _launch_streams(fake)[-1] == hex(ctl.stream_handle)
+    ctl.join(stream=STREAM)
