@@ -1061,22 +1061,30 @@ def test_create_drop_loop_leaks_nothing(fake):
         once(i)
     fake.clear_log()
     gc.collect()
+    # Growth per window of 1000: a leak grows the same every window; warm-up (CPython's
+    # caches, which under PYTHONMALLOC=malloc of the sanitizer pass take several thousand
+    # iterations to fill) shrinks to nothing.
+    growth = []
     tracemalloc.start()
     try:
-        before = tracemalloc.get_traced_memory()[0]
-        for i in range(2000):
-            once(i)
-            if i % 500 == 499:
-                fake.clear_log()
-        gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - before
+        for window in range(8):
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(1000):
+                once(i)
+                if i % 500 == 499:
+                    fake.clear_log()
+            gc.collect()
+            growth.append(tracemalloc.get_traced_memory()[0] - before)
+            if growth[-1] < 32 * 1024:
+                break
     finally:
         tracemalloc.stop()
-    assert grown < 64 * 1024, grown
+    assert growth[-1] < 32 * 1024, growth
+    n = 200 + 1000 * len(growth)
     assert (fake.live("stream"), fake.live("event"), fake.bad_destroys()) == (0, 0, 0)
     assert fake.live("module") == 1 and fake.live("context") == 1
-    assert fake.calls("cuStreamCreateWithPriority") == fake.calls("cuStreamDestroy") == 2200
-    assert fake.calls("cuEventCreate") == fake.calls("cuEventDestroy") == 3 * 2200
+    assert fake.calls("cuStreamCreateWithPriority") == fake.calls("cuStreamDestroy") == n
+    assert fake.calls("cuEventCreate") == fake.calls("cuEventDestroy") == 3 * n
     assert_all_released(fake)
 
 
