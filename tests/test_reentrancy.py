@@ -303,13 +303,17 @@ def test_finalizer_during_construction_swaps_the_driver(fake, eager_gc):
         t.launch(STREAM)
 
 
+@pytest.fixture(scope="module")
+def fakenvrtc_path(tmp_path_factory):
+    return build_fakenvrtc(str(tmp_path_factory.mktemp("fakenvrtc")))
+
+
 @pytest.fixture
-def fakenvrtc(tmp_path_factory, monkeypatch, tmp_path):
-    path = build_fakenvrtc(str(tmp_path_factory.mktemp("fakenvrtc")))
+def fakenvrtc(fakenvrtc_path, monkeypatch, tmp_path):
     monkeypatch.setenv("L2PREFETCH_CACHE_DIR", str(tmp_path / "kcache"))
-    nv = FakeNvrtc(path)
+    nv = FakeNvrtc(fakenvrtc_path)
     nv.reset()
-    _C._use_nvrtc(path)
+    _C._use_nvrtc(fakenvrtc_path)
     try:
         yield nv
     finally:
