@@ -20,7 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 PINS=(torch==2.13.0 pytest==9.1.1 pytest-benchmark==5.3.0 nvidia-cuda-nvrtc==13.0.88
-      setuptools==84.0.0 pytest-xdist==3.8.0)
+      setuptools==84.0.0 pytest-xdist==3.8.0 hypothesis==6.170.17
+      transformers==5.17.0)
 
 venv_with_pins() {   # ./.venv, made or brought up to PINS (.venv/.pins says what it holds)
     if [[ ! -x .venv/bin/python ]]; then
@@ -65,6 +66,13 @@ package_check() {
 sanitized_suite() {
     # The C code under AddressSanitizer + UndefinedBehaviorSanitizer: built in
     # place into a scratch copy, run with the sanitizer runtime preloaded.
+    # PYTHONMALLOC=malloc_debug is the malloc allocator (Python objects on ASan's
+    # heap, so our code's reads of freed objects are caught) plus CPython's debug
+    # hooks, which fill freed memory with 0xDD: a stale object read by CPython's
+    # own (uninstrumented) code, e.g. PySequence_GetItem on a freed tuple, then
+    # faults too, where with plain malloc it read stale bytes unnoticed
+    # (tests/test_reentrancy.py).  ASan's report goes to $dir/asan.* and is
+    # printed on failure (pytest's capture would swallow it).
     local asan
     asan=$(gcc -print-file-name=libasan.so)
     if [[ ! -e "$asan" || "${L2P_SKIP_SANITIZERS:-0}" == 1 ]]; then
@@ -77,10 +85,16 @@ sanitized_suite() {
     (cd "$dir" && L2PREFETCH_SANITIZE=1 "$PY" setup.py -q build_ext --inplace \
         --build-temp "$dir/build-asan" >/dev/null 2>&1) || { echo "dev.sh: sanitizer build failed"; return 1; }
     echo "dev.sh: CPU suite under ASan/UBSan"
-    (cd "$dir" && env LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
-        UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH="$dir/python" \
-        "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests)
+    local rc=0
+    (cd "$dir" && env LD_PRELOAD="$asan" PYTHONMALLOC=malloc_debug \
+        ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1:log_path="$dir/asan" \
+        UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path="$dir/ubsan" PYTHONPATH="$dir/python" \
+        "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests) || rc=$?
+    if [[ $rc -ne 0 ]]; then
+        cat "$dir"/asan.* "$dir"/ubsan.* 2>/dev/null | head -n 80 || true
+    fi
     rm -rf "$dir"
+    return $rc
 }
 
 case "${1:-}" in

@@ -10,52 +10,92 @@
  * While the current stream is being captured into a CUDA graph, fork instead
  * puts the prefetch on that stream with launch-order edges (capture.c, NOTE
  * [inline graph fork]): a side branch slows some graphs by tens of us.  Such
- * a fork leaves nothing pending; graph_fork="branch" keeps the side stream.
+ * a fork leaves nothing pending; graph_fork="branch" keeps the side stream,
+ * for the whole controller or (add(..., graph_fork=)) for some keys only.
  * With eager=False, a fork outside a capture does nothing and returns False:
  * in a host-bound eager decode step a fork costs host time (~15 us measured in
  * a real model's step) and cannot gain, as the GPU waits for the host anyway.
  *
- * The hot path allocates no Python object and hashes nothing: point names are
- * interned to small integers at add() and compared by identity first; the
- * table is a flat array indexed [point][layer][batch]; the current stream comes
- * from torch's C shim (stream.c); the only driver calls are the three of the
- * fork (record, wait, launch) and the two of the join (record, wait), plus one
+ * The tables are sparse: a point holds one row pointer per layer up to its
+ * highest layer, a (point, layer) row holds its event and its batches sorted
+ * (a key costs one slot; add("p", 65535, [65535], t) costs 512 KiB of row
+ * pointers, not the 32 GiB a dense [point][layer][batch] array would).  The
+ * hot path allocates no Python object and hashes nothing: point names are
+ * interned to small integers at add() and compared by identity first, the
+ * layer is an index, the batch a binary search of its row (one to three
+ * compares for the usual eight batches); the current stream comes from torch's
+ * C shim (stream.c); the only driver calls are the three of the fork (record,
+ * wait, launch) and the two of the join (record, wait), plus one
  * cuCtxGetCurrent read that catches a fork while another device is current and
  * one cuStreamGetCaptureInfo read of the capture state.
- * All of it runs under the GIL, so forks from several Python threads are
- * serialised, never interleaved.
+ *
+ * NOTE [one point of effect]: some steps of a call can run Python code: a
+ * stream argument's cuda_stream and device properties, torch's Python
+ * current-stream fallback, iterating `batches`, parsing `device`, building
+ * the result of keys() or stats() (an allocation can run the garbage collector
+ * and so any finalizer), releasing a replaced table (its weights' finalizers).
+ * That code may call this controller again, from this thread or, as it can
+ * give up the GIL, from another.  So each method reads the tables only after
+ * the last such step (or copies what it read, with strong references, before
+ * one), and from then to its end (its commit) makes no call that can run
+ * Python code or release the GIL: calls from several threads, and calls made
+ * from that Python code, take effect one at a time at their commits, never
+ * interleaved.  After such a step a method checks again that the controller
+ * is open and looks its entry up again when the tables changed (`gen` counts
+ * their changes).  Tables a call drops are released after its commit.
+ * __init__ runs once: calling it again, or from the Python code it runs,
+ * raises.
  */
 #include "l2p.h"
-
-/* Set by l2p_device_ready() (driver.c): the call that failed. */
 
 #include "structmember.h"
 
 /* While capturing: the prefetch node on the captured stream itself with
  * launch-order edges (capture.c, NOTE [inline graph fork]), or the side stream. */
-enum { GRAPH_FORK_INLINE = 0, GRAPH_FORK_BRANCH = 1 };
+enum { GRAPH_FORK_DEFAULT = -1, GRAPH_FORK_INLINE = 0, GRAPH_FORK_BRANCH = 1 };
 static const char *const graph_fork_names[] = {"inline", "branch"};
+
+/* __init__ not run (or failed), running, done; close() or the GC ended it. */
+enum { STATE_UNINIT = 0, STATE_INITIALISING, STATE_OPEN, STATE_CLOSED };
 
 #define MAX_LAYER 65535
 #define MAX_BATCH 65535
 
 typedef struct {
+    int batch;
+    int mode;                 /* GRAPH_FORK_*; DEFAULT: the controller's */
+    PyObject *ranges;         /* PreparedWeightRanges (strong) */
+} slot;
+
+typedef struct row {
+    CUevent event;            /* the (point, layer) event; NULL when disabled */
+    int n, cap;
+    slot *slots;              /* sorted by batch */
+    struct row *next;         /* chains detached rows until they are freed */
+} row;
+
+typedef struct {
+    PyObject *name;           /* interned exact str (strong) */
+    int nlayers;              /* rows[] covers layers 0..nlayers-1 */
+    row **rows;               /* NULL where nothing was added */
+    unsigned long long forks, bytes;
+} point;
+
+typedef struct {
     PyObject_HEAD
-    l2p_driver *drv;          /* NULL when disabled */
+    l2p_driver *drv;          /* NULL when disabled or not initialised */
     l2p_device *dev;
     int device;
     int enabled;
-    int closed;
-    int graph_fork;           /* GRAPH_FORK_*: how a fork goes into a captured graph */
+    int state;                /* STATE_* */
+    int graph_fork;           /* GRAPH_FORK_INLINE or _BRANCH: the default of every key */
     int eager;                /* fork outside graph captures too (the default) */
     CUstream side;
     CUevent join_event;
-    PyObject *points;         /* list of interned str; index = point id */
-    PyObject *entries;        /* {(point, layer, batch): PreparedWeightRanges} (owns them) */
-    int npoints, nlayers, nbatches;
-    PyObject **table;         /* [point][layer][batch] -> borrowed from entries */
-    CUevent *events;          /* [point][layer] */
-    unsigned long long *forks, *bytes;   /* per point */
+    point *points;            /* registration order; only ever grows */
+    int npoints, cap_points;
+    Py_ssize_t nentries;      /* registered keys */
+    unsigned long long gen;   /* bumped by every change of the tables (NOTE above) */
     int pending;
     unsigned long long capture_id;       /* capture of the pending fork, 0 if eager */
     PyObject *stream_obj;     /* torch.cuda.ExternalStream, made on first use */
@@ -67,68 +107,264 @@ static l2p_state *state_of(controller *self)
     return l2p_state_of_type(Py_TYPE(self));
 }
 
+/* ---- tables ---- */
 
-static PyObject *controller_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+/* Index of the first slot of r with batch >= batch. */
+static inline int slot_at(const row *r, long batch)
 {
-    static char *kwlist[] = {"device", "graph_fork", "eager", NULL};
-    PyObject *device_obj = Py_None, *graph_fork_obj = NULL;
-    int eager = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O$Op:PrefetchController", kwlist, &device_obj,
-                                     &graph_fork_obj, &eager))
+    int lo = 0, hi = r->n;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (r->slots[mid].batch < batch)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Point id of name, or -1.  Identity first: callers pass the same literals.
+ * PyUnicode_Compare compares the characters (no __eq__ of a str subclass). */
+static inline int find_point(controller *self, PyObject *name)
+{
+    for (int i = 0; i < self->npoints; i++)
+        if (self->points[i].name == name)
+            return i;
+    for (int i = 0; i < self->npoints; i++)
+        if (PyUnicode_Compare(self->points[i].name, name) == 0)
+            return i;
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    return -1;
+}
+
+static inline row *find_row(controller *self, int p, long layer)
+{
+    if (p < 0 || layer < 0 || layer >= self->points[p].nlayers)
         return NULL;
-    l2p_state *st = l2p_state_of_type(type);
-    int device, graph_fork = GRAPH_FORK_INLINE;
-    if (l2p_device_arg(device_obj, &device) < 0)
+    return self->points[p].rows[layer];
+}
+
+/* The slot of (name, layer, batch) and its point id, or NULL.  Runs no Python code. */
+static inline slot *lookup(controller *self, PyObject *name, long layer, long batch, int *p)
+{
+    *p = find_point(self, name);
+    row *r = find_row(self, *p, layer);
+    if (!r)
         return NULL;
-    if (graph_fork_obj) {
-        graph_fork = -1;
-        for (int i = 0; PyUnicode_Check(graph_fork_obj) && i < 2; i++)
-            if (PyUnicode_CompareWithASCIIString(graph_fork_obj, graph_fork_names[i]) == 0)
-                graph_fork = i;
-        if (graph_fork < 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "graph_fork must be 'inline' (the default) or 'branch', not %R",
-                         graph_fork_obj);
-            return NULL;
+    int i = slot_at(r, batch);
+    return i < r->n && r->slots[i].batch == batch ? &r->slots[i] : NULL;
+}
+
+/* Frees a chain of detached rows, dropping their tables: finalizers of the
+ * weights may run, so the controller must be consistent before. */
+static void free_rows(row *chain)
+{
+    while (chain) {
+        row *r = chain;
+        chain = r->next;
+        for (int i = 0; i < r->n; i++)
+            Py_DECREF(r->slots[i].ranges);
+        PyMem_Free(r->slots);
+        PyMem_Free(r);
+    }
+}
+
+/* Ends the controller (state CLOSED, nothing pending): destroys the side
+ * stream and every event exactly once (returns the first failure), detaches
+ * the rows into *chain and the stream object into *stream_obj for the caller
+ * to release afterwards.  Points and their counters stay.  Runs no Python code. */
+static CUresult teardown(controller *self, row **chain, PyObject **stream_obj, const char **failed)
+{
+    CUresult first = CUDA_SUCCESS;
+    l2p_driver *d = self->drv;
+    *failed = NULL;
+    *chain = NULL;
+    *stream_obj = self->stream_obj;
+    self->stream_obj = NULL;
+    self->state = STATE_CLOSED;
+    self->pending = 0;
+    self->capture_id = 0;
+    self->nentries = 0;
+    self->gen++;
+    for (int p = 0; p < self->npoints; p++) {
+        point *pt = &self->points[p];
+        for (int l = 0; l < pt->nlayers; l++) {
+            row *r = pt->rows[l];
+            if (!r)
+                continue;
+            if (r->event && d) {
+                CUresult s = d->fn.cuEventDestroy(r->event);
+                if (s != CUDA_SUCCESS && first == CUDA_SUCCESS) {
+                    first = s;
+                    *failed = "cuEventDestroy";
+                }
+            }
+            r->event = NULL;
+            r->next = *chain;
+            *chain = r;
+        }
+        PyMem_Free(pt->rows);
+        pt->rows = NULL;
+        pt->nlayers = 0;
+    }
+    if (self->join_event && d) {
+        CUresult s = d->fn.cuEventDestroy(self->join_event);
+        if (s != CUDA_SUCCESS && first == CUDA_SUCCESS) {
+            first = s;
+            *failed = "cuEventDestroy";
         }
     }
+    self->join_event = NULL;
+    if (self->side && d) {
+        CUresult s = d->fn.cuStreamDestroy(self->side);
+        if (s != CUDA_SUCCESS && first == CUDA_SUCCESS) {
+            first = s;
+            *failed = "cuStreamDestroy";
+        }
+    }
+    self->side = NULL;
+    return first;
+}
+
+/* ---- argument helpers ---- */
+
+static int as_index(PyObject *o, const char *what, long *out)
+{
+    if (!PyLong_Check(o) || PyBool_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %s", what, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    *out = PyLong_AsLong(o);   /* an int subclass is read as it is: no __index__ */
+    if (*out == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        *out = LONG_MAX;   /* out of any table: "not registered" */
+    }
+    return 0;
+}
+
+/* 'inline' / 'branch' (and None with allow_none: the controller's). */
+static int parse_graph_fork(PyObject *obj, int allow_none, int *out)
+{
+    if (allow_none && obj == Py_None) {
+        *out = GRAPH_FORK_DEFAULT;
+        return 0;
+    }
+    const char *allowed = allow_none ? "'inline', 'branch' or None (the controller's)"
+                                     : "'inline' (the default) or 'branch'";
+    if (!PyUnicode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "graph_fork must be %s, not %s", allowed, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    for (int i = 0; i < 2; i++)
+        if (PyUnicode_CompareWithASCIIString(obj, graph_fork_names[i]) == 0) {
+            *out = i;
+            return 0;
+        }
+    PyErr_Format(PyExc_ValueError, "graph_fork must be %s, not %R", allowed, obj);
+    return -1;
+}
+
+static int check_open(controller *self)
+{
+    if (self->state == STATE_OPEN)
+        return 0;
+    if (self->state == STATE_CLOSED)
+        PyErr_SetString(state_of(self)->error, "this PrefetchController is closed: make a new one");
+    else
+        PyErr_SetString(state_of(self)->error,
+                        "this PrefetchController is not initialised: its __init__ did not run, "
+                        "failed or is still running (a subclass's __init__ must call "
+                        "super().__init__(device, ...))");
+    return -1;
+}
+
+static int ensure_context(controller *self)
+{
+    CUresult r = l2p_ensure_current(self->drv, self->dev);
+    if (r == CUDA_SUCCESS)
+        return 0;
+    if (r == CUDA_ERROR_INVALID_CONTEXT) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "another CUDA device is current on this thread, but this controller is for "
+                     "cuda:%d: fork/join under torch.cuda.device(%d), or use one controller per device",
+                     self->device, self->device);
+        return -1;
+    }
+    /* l2p_ensure_current() does not say which of its two calls failed. */
+    return l2p_raise_cuda_int(state_of(self), self->drv, "cuCtxGetCurrent/cuCtxSetCurrent", r);
+}
+
+/* ---- construction ---- */
+
+/* Allocation only: the arguments are __init__'s (so a subclass's own
+ * constructor arguments are never read as ours). */
+static PyObject *controller_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
     controller *self = (controller *)type->tp_alloc(type, 0);
-    if (!self)
-        return NULL;
+    if (self)
+        self->device = -1;
+    return (PyObject *)self;
+}
+
+static int controller_init(controller *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"device", "graph_fork", "eager", NULL};
+    l2p_state *st = state_of(self);
+    if (self->state != STATE_UNINIT) {
+        PyErr_Format(st->error,
+                     "PrefetchController.__init__() called on a controller that is %s (cuda:%d): "
+                     "it would change nothing; make a new controller",
+                     self->state == STATE_INITIALISING ? "being initialised" : "initialised already",
+                     self->device);
+        return -1;
+    }
+    PyObject *device_obj = Py_None, *graph_fork_obj = NULL, *eager_obj = Py_True;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O$OO:PrefetchController", kwlist, &device_obj,
+                                     &graph_fork_obj, &eager_obj))
+        return -1;
+    if (!PyBool_Check(eager_obj)) {
+        PyErr_Format(PyExc_TypeError, "eager must be a bool, not %s", Py_TYPE(eager_obj)->tp_name);
+        return -1;
+    }
+    int device, graph_fork = GRAPH_FORK_INLINE;
+    if (graph_fork_obj && parse_graph_fork(graph_fork_obj, 0, &graph_fork) < 0)
+        return -1;
+    self->state = STATE_INITIALISING;   /* a re-entrant __init__ is refused */
+    if (l2p_device_arg(device_obj, &device) < 0)   /* may run Python code */
+        goto fail;
     self->device = device;
     self->graph_fork = graph_fork;
-    self->eager = eager;
-    self->points = PyList_New(0);
-    self->entries = PyDict_New();
-    if (!self->points || !self->entries)
-        goto error;
+    self->eager = eager_obj == Py_True;
     self->enabled = !l2p_env_flag("L2PREFETCH_DISABLE");
-    if (!self->enabled)
-        return (PyObject *)self;
-
+    if (!self->enabled) {
+        self->state = STATE_OPEN;
+        return 0;
+    }
+    /* No Python code from here on. */
     l2p_driver *d = l2p_use_driver(st);
     if (!d)
-        goto error;
+        goto fail;
+    self->drv = d;
+    l2p_driver_incref(d);
     CUresult r = l2p_device_ready(d, device, &self->dev);
     if (r == CUDA_ERROR_INVALID_DEVICE || r == CUDA_ERROR_NO_DEVICE) {
         PyErr_Format(PyExc_ValueError, "cuda:%d does not exist (the driver sees %d device%s)",
                      device, d->device_count, d->device_count == 1 ? "" : "s");
-        goto error;
+        goto fail;
     }
     if (r != CUDA_SUCCESS) {
         char op[96];
         PyOS_snprintf(op, sizeof op, "%s (preparing cuda:%d)", l2p_device_ready_failed_call, device);
         l2p_raise_cuda(st, d, op, r);
-        goto error;
+        goto fail;
     }
-    self->drv = d;
-    l2p_driver_incref(d);
-    if (!eager && !d->fn.cuStreamGetCaptureInfo) {
+    if (!self->eager && !d->fn.cuStreamGetCaptureInfo) {
         PyErr_Format(PyExc_ValueError,
                      "eager=False needs the capture state of a stream (cuStreamGetCaptureInfo, "
                      "CUDA driver 12.3 or newer); this driver is %d.%d: leave eager=True",
                      d->version / 1000, d->version % 1000 / 10);
-        goto error;
+        goto fail;
     }
     CUcontext popped;
     const char *op = "cuCtxPushCurrent";
@@ -148,74 +384,58 @@ static PyObject *controller_new(PyTypeObject *type, PyObject *args, PyObject *kw
     }
     if (r != CUDA_SUCCESS) {
         l2p_raise_cuda(st, d, op, r);
-        goto error;   /* dealloc destroys what was created */
+        goto fail;
     }
-    return (PyObject *)self;
-error:
-    Py_DECREF(self);
-    return NULL;
-}
-
-/* Destroys the stream and events exactly once; returns the first failure. */
-static CUresult release(controller *self, const char **failed)
-{
-    CUresult first = CUDA_SUCCESS;
-    *failed = NULL;
-    if (!self->drv)
-        return first;
-    l2p_driver *d = self->drv;
-    int nev = self->npoints * self->nlayers;
-    for (int i = 0; self->events && i < nev; i++) {
-        if (!self->events[i])
-            continue;
-        CUresult r = d->fn.cuEventDestroy(self->events[i]);
-        self->events[i] = NULL;
-        if (r != CUDA_SUCCESS && first == CUDA_SUCCESS) {
-            first = r;
-            *failed = "cuEventDestroy";
-        }
+    self->state = STATE_OPEN;
+    return 0;
+fail:
+    /* Back to a blank controller: what was created is destroyed (nothing was
+     * added, so there are no rows), and __init__ may be called again. */
+    if (self->drv) {
+        row *chain;
+        PyObject *stream_obj;
+        const char *failed;
+        (void)teardown(self, &chain, &stream_obj, &failed);
+        l2p_driver_decref(self->drv);
+        self->drv = NULL;
+        self->dev = NULL;
     }
-    if (self->join_event) {
-        CUresult r = d->fn.cuEventDestroy(self->join_event);
-        self->join_event = NULL;
-        if (r != CUDA_SUCCESS && first == CUDA_SUCCESS) {
-            first = r;
-            *failed = "cuEventDestroy";
-        }
-    }
-    if (self->side) {
-        CUresult r = d->fn.cuStreamDestroy(self->side);
-        self->side = NULL;
-        if (r != CUDA_SUCCESS && first == CUDA_SUCCESS) {
-            first = r;
-            *failed = "cuStreamDestroy";
-        }
-    }
-    return first;
+    self->state = STATE_UNINIT;
+    return -1;
 }
 
 static int controller_traverse(controller *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->entries);
     Py_VISIT(self->stream_obj);
+    for (int p = 0; p < self->npoints; p++)
+        for (int l = 0; l < self->points[p].nlayers; l++) {
+            row *r = self->points[p].rows[l];
+            for (int i = 0; r && i < r->n; i++)
+                Py_VISIT(r->slots[i].ranges);
+        }
     return 0;
 }
 
-static void drop_tables(controller *self)
+/* Releases what teardown() detached, reporting a failed destroy as
+ * unraisable (a destructor never raises). */
+static void end_quietly(controller *self)
 {
-    /* The flat table borrows from entries: forget it before entries go.  The
-     * events (indexed by npoints x nlayers) stay for release(). */
-    PyMem_Free(self->table);
-    self->table = NULL;
-    self->nbatches = 0;
+    row *chain;
+    PyObject *stream_obj;
+    const char *failed;
+    CUresult r = teardown(self, &chain, &stream_obj, &failed);
+    if (r != CUDA_SUCCESS)
+        l2p_report_in_dealloc(self->drv, failed, r, (PyObject *)self);
+    free_rows(chain);
+    Py_XDECREF(stream_obj);
 }
 
+/* Only the garbage collector calls it, on a controller that is garbage: it
+ * ends the controller as dealloc would. */
 static int controller_clear(controller *self)
 {
-    drop_tables(self);
-    Py_CLEAR(self->entries);
-    Py_CLEAR(self->stream_obj);
+    end_quietly(self);
     return 0;
 }
 
@@ -225,139 +445,164 @@ static void controller_dealloc(controller *self)
     PyObject_GC_UnTrack(self);
     if (self->weakreflist)
         PyObject_ClearWeakRefs((PyObject *)self);
-    const char *failed;
-    CUresult r = release(self, &failed);
-    if (r != CUDA_SUCCESS)
-        l2p_report_in_dealloc(self->drv, failed, r, (PyObject *)self);
-    PyMem_Free(self->events);
-    PyMem_Free(self->forks);
-    PyMem_Free(self->bytes);
-    controller_clear(self);
-    Py_CLEAR(self->points);
+    end_quietly(self);
+    for (int p = 0; p < self->npoints; p++)
+        Py_DECREF(self->points[p].name);
+    PyMem_Free(self->points);
     if (self->drv)
         l2p_driver_decref(self->drv);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
 
-/* ---- argument helpers ---- */
-
-static int as_index(PyObject *o, const char *what, long *out)
-{
-    if (!PyLong_Check(o) || PyBool_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int, not %s", what, Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    *out = PyLong_AsLong(o);
-    if (*out == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        *out = LONG_MAX;   /* out of any table: "not registered" */
-    }
-    return 0;
-}
-
-/* Point id of name, or -1.  Identity first: callers pass the same literals. */
-static inline int find_point(controller *self, PyObject *name)
-{
-    PyObject **items = ((PyListObject *)self->points)->ob_item;
-    for (int i = 0; i < self->npoints; i++)
-        if (items[i] == name)
-            return i;
-    for (int i = 0; i < (int)PyList_GET_SIZE(self->points); i++)
-        if (PyUnicode_Compare(items[i], name) == 0)
-            return i;
-    if (PyErr_Occurred())
-        PyErr_Clear();
-    return -1;
-}
-
-static int check_open(controller *self)
-{
-    if (self->closed) {
-        PyErr_SetString(state_of(self)->error,
-                        "this PrefetchController is closed: make a new one");
-        return -1;
-    }
-    return 0;
-}
-
-static int ensure_context(controller *self)
-{
-    CUresult r = l2p_ensure_current(self->drv, self->dev);
-    if (r == CUDA_SUCCESS)
-        return 0;
-    if (r == CUDA_ERROR_INVALID_CONTEXT) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "another CUDA device is current on this thread, but this controller is for "
-                     "cuda:%d: fork/join under torch.cuda.device(%d), or use one controller per device",
-                     self->device, self->device);
-        return -1;
-    }
-    /* l2p_ensure_current() does not say which of its two calls failed. */
-    return l2p_raise_cuda_int(state_of(self), self->drv, "cuCtxGetCurrent/cuCtxSetCurrent", r);
-}
-
-/* Grows the flat tables to hold (point, layer, batch). */
-static int grow(controller *self, int p, int l, int b)
-{
-    int np = p + 1 > self->npoints ? p + 1 : self->npoints;
-    int nl = l + 1 > self->nlayers ? l + 1 : self->nlayers;
-    int nb = b + 1 > self->nbatches ? b + 1 : self->nbatches;
-    if (np == self->npoints && nl == self->nlayers && nb == self->nbatches)
-        return 0;
-    PyObject **table = PyMem_Calloc((size_t)np * nl * nb, sizeof *table);
-    CUevent *events = PyMem_Calloc((size_t)np * nl, sizeof *events);
-    unsigned long long *forks = PyMem_Calloc((size_t)np, sizeof *forks);
-    unsigned long long *bytes = PyMem_Calloc((size_t)np, sizeof *bytes);
-    if (!table || !events || !forks || !bytes) {
-        PyMem_Free(table);
-        PyMem_Free(events);
-        PyMem_Free(forks);
-        PyMem_Free(bytes);
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (int i = 0; i < self->npoints; i++) {
-        forks[i] = self->forks[i];
-        bytes[i] = self->bytes[i];
-        for (int j = 0; j < self->nlayers; j++) {
-            events[i * nl + j] = self->events[i * self->nlayers + j];
-            for (int k = 0; k < self->nbatches; k++)
-                table[((size_t)i * nl + j) * nb + k] =
-                    self->table[((size_t)i * self->nlayers + j) * self->nbatches + k];
-        }
-    }
-    PyMem_Free(self->table);
-    PyMem_Free(self->events);
-    PyMem_Free(self->forks);
-    PyMem_Free(self->bytes);
-    self->table = table;
-    self->events = events;
-    self->forks = forks;
-    self->bytes = bytes;
-    self->npoints = np;
-    self->nlayers = nl;
-    self->nbatches = nb;
-    return 0;
-}
-
 /* ---- add ---- */
 
 PyDoc_STRVAR(add_doc,
-"add($self, point, layer, batches, ranges, /)\n--\n\n"
+"add($self, point, layer, batches, ranges, /, *, graph_fork=None)\n--\n\n"
 "Register ranges (a PreparedWeightRanges of this device) for (point, layer, b)\n"
-"for each b in batches (an int or an iterable of ints).  The (point, layer)\n"
+"for each b in batches (an int or an iterable of ints), replacing what was\n"
+"there.  graph_fork ('inline' or 'branch') overrides the controller's for\n"
+"these keys: how their forks go into a CUDA graph being captured (eager forks\n"
+"are the same either way); None keeps the controller's.  The (point, layer)\n"
 "event is created and recorded once here, before any capture can begin.");
 
-static PyObject *controller_add(controller *self, PyObject *const *args, Py_ssize_t nargs)
+/* Whether (name, layer) has its row (and so its event) now. */
+static int has_row(controller *self, PyObject *name, long layer)
 {
+    return find_row(self, find_point(self, name), layer) != NULL;
+}
+
+/* The point id of name, appended when new (name: an interned exact str). */
+static int point_id(controller *self, PyObject *name)
+{
+    int p = find_point(self, name);
+    if (p >= 0)
+        return p;
+    if (self->npoints == self->cap_points) {
+        int cap = self->cap_points ? 2 * self->cap_points : 4;
+        point *pts = PyMem_Realloc(self->points, (size_t)cap * sizeof *pts);
+        if (!pts) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->points = pts;
+        self->cap_points = cap;
+    }
+    point *pt = &self->points[self->npoints];
+    memset(pt, 0, sizeof *pt);
+    pt->name = Py_NewRef(name);
+    return self->npoints++;
+}
+
+/* The row of (p, layer), made with its event (recorded on cur) when new. */
+static row *row_of(controller *self, int p, int layer, CUstream cur)
+{
+    point *pt = &self->points[p];
+    if (layer >= pt->nlayers) {
+        int n = pt->nlayers ? pt->nlayers : 8;
+        while (n <= layer)
+            n *= 2;
+        if (n > MAX_LAYER + 1)
+            n = MAX_LAYER + 1;
+        row **rows = PyMem_Realloc(pt->rows, (size_t)n * sizeof *rows);
+        if (!rows) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        memset(rows + pt->nlayers, 0, (size_t)(n - pt->nlayers) * sizeof *rows);
+        pt->rows = rows;
+        pt->nlayers = n;
+    }
+    if (pt->rows[layer])
+        return pt->rows[layer];
+    row *r = PyMem_Calloc(1, sizeof *r);
+    if (!r) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (self->enabled) {
+        l2p_driver *d = self->drv;
+        CUcontext popped;
+        const char *op = "cuCtxPushCurrent";
+        CUresult rc = d->fn.cuCtxPushCurrent(self->dev->ctx);
+        if (rc == CUDA_SUCCESS) {
+            op = "cuEventCreate";
+            rc = d->fn.cuEventCreate(&r->event, CU_EVENT_DISABLE_TIMING);
+            if (rc == CUDA_SUCCESS) {
+                op = "cuEventRecord";
+                rc = d->fn.cuEventRecord(r->event, cur);
+                if (rc != CUDA_SUCCESS) {
+                    (void)d->fn.cuEventDestroy(r->event);
+                    r->event = NULL;
+                }
+            }
+            CUresult pop = d->fn.cuCtxPopCurrent(&popped);
+            if (rc == CUDA_SUCCESS && pop != CUDA_SUCCESS) {
+                (void)d->fn.cuEventDestroy(r->event);
+                r->event = NULL;
+                op = "cuCtxPopCurrent";
+                rc = pop;
+            }
+        }
+        if (rc != CUDA_SUCCESS) {
+            PyMem_Free(r);
+            l2p_raise_cuda(state_of(self), d, op, rc);
+            return NULL;
+        }
+    }
+    pt->rows[layer] = r;
+    return r;
+}
+
+/* Sets (batch -> ranges, mode) in r; a replaced table goes to *old (the
+ * caller drops it after its commit). */
+static int set_slot(controller *self, row *r, int batch, int mode, PyObject *ranges, PyObject **old)
+{
+    int i = slot_at(r, batch);
+    if (i < r->n && r->slots[i].batch == batch) {
+        *old = r->slots[i].ranges;
+        r->slots[i].ranges = Py_NewRef(ranges);
+        r->slots[i].mode = mode;
+        return 0;
+    }
+    if (r->n == r->cap) {
+        int cap = r->cap ? 2 * r->cap : 8;
+        slot *slots = PyMem_Realloc(r->slots, (size_t)cap * sizeof *slots);
+        if (!slots) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        r->slots = slots;
+        r->cap = cap;
+    }
+    memmove(&r->slots[i + 1], &r->slots[i], (size_t)(r->n - i) * sizeof *r->slots);
+    r->slots[i].batch = batch;
+    r->slots[i].mode = mode;
+    r->slots[i].ranges = Py_NewRef(ranges);
+    r->n++;
+    self->nentries++;
+    return 0;
+}
+
+static PyObject *controller_add(controller *self, PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames)
+{
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     if (nargs != 4)
         return PyErr_Format(PyExc_TypeError, "add() takes 4 arguments (point, layer, batches, ranges), %zd given", nargs);
+    PyObject *mode_obj = Py_None;
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(k, "graph_fork") != 0)
+            return PyErr_Format(PyExc_TypeError, "add() got an unexpected keyword argument %R", k);
+        mode_obj = args[nargs + i];
+    }
     if (check_open(self) < 0)
         return NULL;
     l2p_state *st = state_of(self);
     PyObject *point = args[0], *batches = args[2], *ranges = args[3];
     long layer;
+    int mode;
     if (!PyUnicode_Check(point) || PyUnicode_GET_LENGTH(point) == 0)
         return PyErr_Format(PyExc_TypeError, "point must be a non-empty str, not %R", point);
     if (as_index(args[1], "layer", &layer) < 0)
@@ -372,118 +617,91 @@ static PyObject *controller_add(controller *self, PyObject *const *args, Py_ssiz
                             l2p_prepared_device(ranges), self->device);
     if (self->enabled && l2p_prepared_driver(ranges) != self->drv)
         return PyErr_Format(PyExc_ValueError, "ranges were prepared with another CUDA driver instance");
+    if (parse_graph_fork(mode_obj, 1, &mode) < 0)
+        return NULL;
 
-    /* Collect and check the batches before changing anything. */
+    /* The name as an interned exact str: hashing, comparing and keeping it runs
+     * no code of a str subclass. */
+    PyObject *name = PyUnicode_FromObject(point);
+    if (!name)
+        return NULL;
+    PyUnicode_InternInPlace(&name);
+    PyObject **old = NULL, *result = NULL;
+    Py_ssize_t nb = 0;
+    /* Collect and check the batches before changing anything (Python code:
+     * the iterable's). */
     PyObject *list = PyLong_Check(batches) ? PyTuple_Pack(1, batches) : PySequence_Tuple(batches);
     if (!list) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "batches must be an int or an iterable of ints, not %s", Py_TYPE(batches)->tp_name);
-        }
-        return NULL;
+        if (PyErr_ExceptionMatches(PyExc_TypeError))
+            l2p_format_from_cause(PyExc_TypeError, "batches must be an int or an iterable of ints, not %s",
+                                  Py_TYPE(batches)->tp_name);
+        goto done;
     }
-    long maxb = 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(list); i++) {
+    nb = PyTuple_GET_SIZE(list);
+    for (Py_ssize_t i = 0; i < nb; i++) {
         long b;
         if (as_index(PyTuple_GET_ITEM(list, i), "each batch", &b) < 0)
-            goto error;
+            goto done;
         if (b < 1 || b > MAX_BATCH) {
             PyErr_Format(PyExc_ValueError, "batch must be in 1..%d, got %R", MAX_BATCH, PyTuple_GET_ITEM(list, i));
-            goto error;
+            goto done;
         }
-        if (b > maxb)
-            maxb = b;
     }
-    if (PyTuple_GET_SIZE(list) == 0) {
+    if (nb == 0) {
         PyErr_SetString(PyExc_ValueError, "batches is empty: name at least one batch size");
-        goto error;
+        goto done;
+    }
+    if (!(old = PyMem_Calloc((size_t)nb, sizeof *old))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* The stream the new (point, layer) event is recorded on: torch's current
+     * one; the legacy default stream without torch or without a CUDA torch (an
+     * Exception there), while a BaseException (KeyboardInterrupt) propagates. */
+    CUstream cur = NULL;
+    if (self->enabled && !has_row(self, name, layer) && l2p_current_stream(self->device, &cur) < 0) {
+        if (l2p_error_is_base())
+            goto done;
+        PyErr_Clear();
+        cur = NULL;
     }
 
-    Py_INCREF(point);
-    PyUnicode_InternInPlace(&point);
-    int p = find_point(self, point);
-    if (p < 0) {
-        p = (int)PyList_GET_SIZE(self->points);
-        if (PyList_Append(self->points, point) < 0) {
-            Py_DECREF(point);
-            goto error;
-        }
-    }
-    Py_DECREF(point);
-    point = PyList_GET_ITEM(self->points, p);
-    if (grow(self, p, (int)layer, (int)maxb) < 0)
-        goto error;
-
-    CUevent *ev = &self->events[p * self->nlayers + layer];
-    if (self->enabled && !*ev) {
-        CUstream cur = NULL;
-        if (l2p_current_stream(self->device, &cur) < 0)
-            PyErr_Clear();   /* no torch: record on the legacy default stream */
-        CUcontext popped;
-        const char *op = "cuCtxPushCurrent";
-        CUresult r = self->drv->fn.cuCtxPushCurrent(self->dev->ctx);
-        if (r == CUDA_SUCCESS) {
-            op = "cuEventCreate";
-            r = self->drv->fn.cuEventCreate(ev, CU_EVENT_DISABLE_TIMING);
-            if (r == CUDA_SUCCESS) {
-                op = "cuEventRecord";
-                r = self->drv->fn.cuEventRecord(*ev, cur);
-                if (r != CUDA_SUCCESS) {
-                    (void)self->drv->fn.cuEventDestroy(*ev);
-                    *ev = NULL;
-                }
-            }
-            CUresult pop = self->drv->fn.cuCtxPopCurrent(&popped);
-            if (r == CUDA_SUCCESS && pop != CUDA_SUCCESS) {
-                op = "cuCtxPopCurrent";
-                r = pop;
-            }
-        }
-        if (r != CUDA_SUCCESS) {
-            l2p_raise_cuda(st, self->drv, op, r);
-            goto error;
-        }
-    }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(list); i++) {
-        long b = PyLong_AsLong(PyTuple_GET_ITEM(list, i));
-        PyObject *key = Py_BuildValue("(Oll)", point, layer, b);
-        if (!key || PyDict_SetItem(self->entries, key, ranges) < 0) {
-            Py_XDECREF(key);
-            goto error;
-        }
-        Py_DECREF(key);
-        self->table[((size_t)p * self->nlayers + layer) * self->nbatches + b] = ranges;
-    }
-    Py_DECREF(list);
-    Py_RETURN_NONE;
-error:
-    Py_DECREF(list);
-    return NULL;
+    /* ---- commit: no Python code from here on, the GIL stays held ---- */
+    if (check_open(self) < 0)   /* closed by what ran above */
+        goto done;
+    int p = point_id(self, name);
+    row *r = p < 0 ? NULL : row_of(self, p, (int)layer, cur);
+    if (!r)
+        goto done;
+    self->gen++;
+    for (Py_ssize_t i = 0; i < nb; i++)
+        if (set_slot(self, r, (int)PyLong_AsLong(PyTuple_GET_ITEM(list, i)), mode, ranges, &old[i]) < 0)
+            goto done;   /* the batches before this one stay registered */
+    result = Py_NewRef(Py_None);
+done:
+    /* Replaced tables are released now that the controller is consistent. */
+    for (Py_ssize_t i = 0; old && i < nb; i++)
+        Py_XDECREF(old[i]);
+    PyMem_Free(old);
+    Py_XDECREF(list);
+    Py_DECREF(name);
+    return result;
 }
 
 /* ---- fork / join ---- */
 
-static int parse_key(controller *self, PyObject *const *args, PyObject **entry, int *p, long *layer)
+/* point, layer, batch of args; no Python code runs (int subclasses are read as
+ * they are). */
+static int parse_key(PyObject *const *args, long *layer, long *batch)
 {
-    PyObject *point = args[0];
-    long batch;
-    *entry = NULL;
-    if (!PyUnicode_Check(point)) {
-        PyErr_Format(PyExc_TypeError, "point must be a str, not %s", Py_TYPE(point)->tp_name);
+    if (!PyUnicode_Check(args[0])) {
+        PyErr_Format(PyExc_TypeError, "point must be a str, not %s", Py_TYPE(args[0])->tp_name);
         return -1;
     }
-    if (as_index(args[1], "layer", layer) < 0 || as_index(args[2], "batch", &batch) < 0)
-        return -1;
-    *p = find_point(self, point);
-    /* p >= npoints: a point whose add() failed to grow the tables (MemoryError) */
-    if (*p < 0 || *p >= self->npoints || *layer < 0 || *layer >= self->nlayers || batch < 0 ||
-        batch >= self->nbatches)
-        return 0;
-    *entry = self->table[((size_t)*p * self->nlayers + *layer) * self->nbatches + batch];
-    return 0;
+    return as_index(args[1], "layer", layer) < 0 || as_index(args[2], "batch", batch) < 0 ? -1 : 0;
 }
 
-static int stream_arg(controller *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+static int stream_arg(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                       Py_ssize_t npos, const char *fname, PyObject **stream)
 {
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
@@ -504,48 +722,70 @@ static int stream_arg(controller *self, PyObject *const *args, Py_ssize_t nargs,
     return -1;
 }
 
-/* Capture id of stream, 0 when not capturing or unknown. */
-static unsigned long long capture_of(controller *self, CUstream s)
+/* The capture id of stream s in *id, 0 when it is not capturing (or the driver
+ * cannot say: older than 12.3).  A failed query raises CudaError: it is never
+ * read as "not capturing". */
+static int capture_of(controller *self, CUstream s, unsigned long long *id)
 {
-    int status = CU_STREAM_CAPTURE_STATUS_NONE;
-    unsigned long long id = 0;
-    if (!self->drv->fn.cuStreamGetCaptureInfo ||
-        self->drv->fn.cuStreamGetCaptureInfo(s, &status, &id, NULL, NULL, NULL, NULL) != CUDA_SUCCESS)
+    *id = 0;
+    if (!self->drv->fn.cuStreamGetCaptureInfo)
         return 0;
-    return status == CU_STREAM_CAPTURE_STATUS_ACTIVE ? id : 0;
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    unsigned long long cid = 0;
+    CUresult r = self->drv->fn.cuStreamGetCaptureInfo(s, &status, &cid, NULL, NULL, NULL, NULL);
+    if (r != CUDA_SUCCESS)
+        return l2p_raise_cuda_int(state_of(self), self->drv, "cuStreamGetCaptureInfo", r);
+    *id = status == CU_STREAM_CAPTURE_STATUS_ACTIVE ? cid : 0;
+    return 0;
 }
 
 PyDoc_STRVAR(fork_doc,
 "fork($self, point, layer, batch, /, stream=None)\n--\n\n"
 "Launch the table registered for (point, layer, batch) on the side stream,\n"
 "after the work already queued on stream (default: torch's current stream).\n"
-"While stream is being captured (graph_fork='inline'), the launch goes on\n"
-"stream itself with launch-order edges, overlapping what follows.\n"
-"Returns False, doing nothing, when nothing is registered there, and with\n"
-"eager=False when stream is not being captured.");
+"While stream is being captured (graph_fork 'inline', the controller's or the\n"
+"key's), the launch goes on stream itself with launch-order edges, overlapping\n"
+"what follows.  Returns False, doing nothing, when nothing is registered\n"
+"there, and with eager=False when stream is not being captured.");
 
 static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames)
 {
-    PyObject *entry, *stream;
+    PyObject *stream;
+    long layer, batch;
     int p;
-    long layer;
     if (nargs < 3)
         return PyErr_Format(PyExc_TypeError, "fork() takes point, layer, batch (%zd given)", nargs);
-    if (stream_arg(self, args, nargs, kwnames, 3, "fork", &stream) < 0 ||
-        parse_key(self, args, &entry, &p, &layer) < 0 || check_open(self) < 0)
+    if (stream_arg(args, nargs, kwnames, 3, "fork", &stream) < 0 ||
+        parse_key(args, &layer, &batch) < 0 || check_open(self) < 0)
         return NULL;
-    if (!entry || !self->enabled)
+    slot *e = lookup(self, args[0], layer, batch, &p);
+    if (!e || !self->enabled)
         Py_RETURN_FALSE;
+    unsigned long long gen = self->gen;
+    CUstream cur;
+    if (l2p_parse_stream(stream, self->device, &cur) < 0)   /* may run Python code */
+        return NULL;
+    if (self->gen != gen) {   /* the tables changed meanwhile: look again */
+        if (check_open(self) < 0)
+            return NULL;
+        if (!(e = lookup(self, args[0], layer, batch, &p)))
+            Py_RETURN_FALSE;
+    }
+    /* ---- commit: no Python code from here on, the GIL stays held ---- */
     l2p_state *st = state_of(self);
     l2p_driver *d = self->drv;
-    CUstream cur;
-    if (l2p_parse_stream(stream, self->device, &cur) < 0 || ensure_context(self) < 0)
+    if (!l2p_prepared_alive(e->ranges))
+        return PyErr_Format(st->error, "the table registered for (%R, %ld, %ld) was cleared by the "
+                            "garbage collector: add() a new one", args[0], layer, batch);
+    if (ensure_context(self) < 0)
         return NULL;
-    int inline_ok = self->graph_fork == GRAPH_FORK_INLINE && l2p_capture_inline_available(d);
+    int mode = e->mode == GRAPH_FORK_DEFAULT ? self->graph_fork : e->mode;
+    int inline_ok = mode == GRAPH_FORK_INLINE && l2p_capture_inline_available(d);
     unsigned long long cap = 0;
-    if (inline_ok || !self->pending || self->capture_id != 0 || !self->eager)
-        cap = capture_of(self, cur);
+    if ((inline_ok || !self->pending || self->capture_id != 0 || !self->eager) &&
+        capture_of(self, cur, &cap) < 0)
+        return NULL;
     if (self->pending && self->capture_id != 0 && cap != self->capture_id) {
         self->pending = 0;
         self->capture_id = 0;
@@ -558,16 +798,16 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
         Py_RETURN_FALSE;
     if (cap && inline_ok) {
         const char *failed;
-        CUresult r = l2p_capture_inline_launch(d, cur, entry, &failed);
+        CUresult r = l2p_capture_inline_launch(d, cur, e->ranges, &failed);
         if (r != CUDA_SUCCESS)
             return l2p_raise_cuda(st, d, failed, r);
-        self->forks[p]++;
-        self->bytes[p] += l2p_prepared_nbytes(entry);
+        self->points[p].forks++;
+        self->points[p].bytes += l2p_prepared_nbytes(e->ranges);
         Py_RETURN_TRUE;
     }
     if (!self->pending)
         self->capture_id = cap;
-    CUevent ev = self->events[p * self->nlayers + layer];
+    CUevent ev = self->points[p].rows[layer]->event;
     CUresult r = d->fn.cuEventRecord(ev, cur);
     if (r != CUDA_SUCCESS)
         return l2p_raise_cuda(st, d, "cuEventRecord", r);
@@ -575,11 +815,11 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     if (r != CUDA_SUCCESS)
         return l2p_raise_cuda(st, d, "cuStreamWaitEvent", r);
     self->pending = 1;
-    r = l2p_prepared_launch_raw(entry, self->side);
+    r = l2p_prepared_launch_raw(e->ranges, self->side);
     if (r != CUDA_SUCCESS)
         return l2p_raise_cuda(st, d, "cuLaunchKernelEx", r);
-    self->forks[p]++;
-    self->bytes[p] += l2p_prepared_nbytes(entry);
+    self->points[p].forks++;
+    self->points[p].bytes += l2p_prepared_nbytes(e->ranges);
     Py_RETURN_TRUE;
 }
 
@@ -592,13 +832,20 @@ static PyObject *controller_join(controller *self, PyObject *const *args, Py_ssi
                                  PyObject *kwnames)
 {
     PyObject *stream;
-    if (stream_arg(self, args, nargs, kwnames, 0, "join", &stream) < 0 || check_open(self) < 0)
+    if (stream_arg(args, nargs, kwnames, 0, "join", &stream) < 0 || check_open(self) < 0)
         return NULL;
     if (!self->pending)
         Py_RETURN_NONE;
-    l2p_state *st = state_of(self);
     CUstream cur;
-    if (l2p_parse_stream(stream, self->device, &cur) < 0 || ensure_context(self) < 0)
+    if (l2p_parse_stream(stream, self->device, &cur) < 0)   /* may run Python code */
+        return NULL;
+    /* ---- commit: no Python code from here on, the GIL stays held ---- */
+    if (check_open(self) < 0)
+        return NULL;
+    if (!self->pending)   /* joined meanwhile */
+        Py_RETURN_NONE;
+    l2p_state *st = state_of(self);
+    if (ensure_context(self) < 0)
         return NULL;
     CUresult r = self->drv->fn.cuEventRecord(self->join_event, self->side);
     if (r != CUDA_SUCCESS)
@@ -615,47 +862,99 @@ static PyObject *controller_join(controller *self, PyObject *const *args, Py_ssi
 
 static PyObject *controller_get(controller *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *entry;
+    long layer, batch;
     int p;
-    long layer;
     if (nargs != 3)
         return PyErr_Format(PyExc_TypeError, "get() takes point, layer, batch (%zd given)", nargs);
-    if (parse_key(self, args, &entry, &p, &layer) < 0)
+    if (parse_key(args, &layer, &batch) < 0)
         return NULL;
-    return Py_NewRef(entry ? entry : Py_None);
+    slot *e = lookup(self, args[0], layer, batch, &p);
+    return Py_NewRef(e ? e->ranges : Py_None);
 }
+
+static PyObject *controller_get_mode(controller *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long layer, batch;
+    int p;
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "get_mode() takes point, layer, batch (%zd given)", nargs);
+    if (parse_key(args, &layer, &batch) < 0)
+        return NULL;
+    slot *e = lookup(self, args[0], layer, batch, &p);
+    if (!e)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(graph_fork_names[e->mode == GRAPH_FORK_DEFAULT ? self->graph_fork : e->mode]);
+}
+
+/* keys() and stats() copy what they read (names by strong reference) before
+ * building Python objects, which may run the garbage collector and any
+ * finalizer, so that a change of the tables meanwhile cannot touch the copy. */
+typedef struct {
+    PyObject *name;
+    int layer, batch;
+} key_copy;
 
 static PyObject *controller_keys(controller *self, PyObject *unused)
 {
-    return PyDict_Keys(self->entries);
+    Py_ssize_t n = 0, cap = self->nentries;
+    key_copy *keys = PyMem_Malloc((size_t)(cap ? cap : 1) * sizeof *keys);
+    if (!keys)
+        return PyErr_NoMemory();
+    for (int p = 0; p < self->npoints; p++)
+        for (int l = 0; l < self->points[p].nlayers; l++) {
+            row *r = self->points[p].rows[l];
+            for (int i = 0; r && i < r->n && n < cap; i++, n++) {
+                keys[n].name = Py_NewRef(self->points[p].name);
+                keys[n].layer = l;
+                keys[n].batch = r->slots[i].batch;
+            }
+        }
+    PyObject *list = PyList_New(n);
+    for (Py_ssize_t i = 0; list && i < n; i++) {
+        PyObject *t = Py_BuildValue("(Oii)", keys[i].name, keys[i].layer, keys[i].batch);
+        if (!t)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, t);
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_DECREF(keys[i].name);
+    PyMem_Free(keys);
+    return list;
 }
 
 static Py_ssize_t controller_len(controller *self)
 {
-    return PyDict_GET_SIZE(self->entries);
+    return self->nentries;
 }
 
 static PyObject *controller_stats(controller *self, PyObject *unused)
 {
-    PyObject *d = PyDict_New();
-    for (Py_ssize_t i = 0; d && i < PyList_GET_SIZE(self->points); i++) {
-        unsigned long long f = i < self->npoints ? self->forks[i] : 0;
-        unsigned long long b = i < self->npoints ? self->bytes[i] : 0;
-        PyObject *e = Py_BuildValue("{s:K,s:K}", "forks", f, "bytes", b);
-        if (!e || PyDict_SetItem(d, PyList_GET_ITEM(self->points, i), e) < 0) {
-            Py_XDECREF(e);
-            Py_CLEAR(d);
-        } else {
-            Py_DECREF(e);
-        }
+    int n = self->npoints;
+    point *copy = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *copy);
+    if (!copy)
+        return PyErr_NoMemory();
+    for (int i = 0; i < n; i++) {
+        copy[i] = self->points[i];
+        Py_INCREF(copy[i].name);
     }
+    PyObject *d = PyDict_New();
+    for (int i = 0; d && i < n; i++) {
+        PyObject *e = Py_BuildValue("{s:K,s:K}", "forks", copy[i].forks, "bytes", copy[i].bytes);
+        if (!e || PyDict_SetItem(d, copy[i].name, e) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(e);
+    }
+    for (int i = 0; i < n; i++)
+        Py_DECREF(copy[i].name);
+    PyMem_Free(copy);
     return d;
 }
 
 static PyObject *controller_reset_stats(controller *self, PyObject *unused)
 {
     for (int i = 0; i < self->npoints; i++)
-        self->forks[i] = self->bytes[i] = 0;
+        self->points[i].forks = self->points[i].bytes = 0;
     Py_RETURN_NONE;
 }
 
@@ -666,15 +965,19 @@ PyDoc_STRVAR(close_doc,
 
 static PyObject *controller_close(controller *self, PyObject *unused)
 {
-    if (self->closed)
+    if (self->state == STATE_CLOSED)
         Py_RETURN_NONE;
-    self->closed = 1;
-    self->pending = 0;
+    if (self->state == STATE_INITIALISING) {   /* from Python code its __init__ runs */
+        check_open(self);
+        return NULL;
+    }
+    row *chain;
+    PyObject *stream_obj;
     const char *failed;
-    CUresult r = release(self, &failed);
-    drop_tables(self);    /* forks now find nothing */
-    PyDict_Clear(self->entries);
-    Py_CLEAR(self->stream_obj);
+    CUresult r = teardown(self, &chain, &stream_obj, &failed);
+    /* The controller is consistent (closed, empty): release what it held. */
+    free_rows(chain);
+    Py_XDECREF(stream_obj);
     if (r != CUDA_SUCCESS)
         return l2p_raise_cuda(state_of(self), self->drv, failed, r);
     Py_RETURN_NONE;
@@ -682,12 +985,21 @@ static PyObject *controller_close(controller *self, PyObject *unused)
 
 static PyObject *controller_enter(controller *self, PyObject *unused)
 {
+    if (check_open(self) < 0)
+        return NULL;
     return Py_NewRef(self);
 }
 
 static PyObject *controller_exit(controller *self, PyObject *const *args, Py_ssize_t nargs)
 {
     return controller_close(self, NULL);
+}
+
+static PyObject *controller_reduce(PyObject *self, PyObject *args)
+{
+    return PyErr_Format(PyExc_TypeError,
+                        "cannot pickle a PrefetchController: it owns a CUDA stream and events of "
+                        "this process; build one where it is used (PrefetchController.from_plan)");
 }
 
 static PyObject *get_stream_handle(controller *self, void *c)
@@ -701,28 +1013,44 @@ static PyObject *get_stream(controller *self, void *c)
         return NULL;
     if (!self->enabled)
         Py_RETURN_NONE;
-    if (!self->stream_obj) {
-        PyObject *cuda = PyImport_ImportModule("torch.cuda");
-        if (!cuda)
-            return NULL;
-        self->stream_obj = PyObject_CallMethod(cuda, "ExternalStream", "Ki",
-                                               (unsigned long long)(uintptr_t)self->side, self->device);
-        Py_DECREF(cuda);
+    if (self->stream_obj)
+        return Py_NewRef(self->stream_obj);
+    PyObject *cuda = PyImport_ImportModule("torch.cuda");   /* Python code from here */
+    if (!cuda)
+        return NULL;
+    PyObject *obj = PyObject_CallMethod(cuda, "ExternalStream", "Ki",
+                                        (unsigned long long)(uintptr_t)self->side, self->device);
+    Py_DECREF(cuda);
+    if (!obj)
+        return NULL;
+    /* Closed meanwhile (the object names a destroyed stream), or made by another
+     * call meanwhile (keep that one). */
+    PyObject *result = NULL;
+    if (check_open(self) == 0) {
         if (!self->stream_obj)
-            return NULL;
+            self->stream_obj = Py_NewRef(obj);
+        result = Py_NewRef(self->stream_obj);
     }
-    return Py_NewRef(self->stream_obj);
+    Py_DECREF(obj);
+    return result;
 }
 
 static PyObject *get_device(controller *self, void *c) { return PyLong_FromLong(self->device); }
 static PyObject *get_enabled(controller *self, void *c) { return PyBool_FromLong(self->enabled); }
 static PyObject *get_pending(controller *self, void *c) { return PyBool_FromLong(self->pending); }
-static PyObject *get_closed(controller *self, void *c) { return PyBool_FromLong(self->closed); }
+static PyObject *get_closed(controller *self, void *c) { return PyBool_FromLong(self->state == STATE_CLOSED); }
 static PyObject *get_graph_fork(controller *self, void *c)
 {
     return PyUnicode_FromString(graph_fork_names[self->graph_fork]);
 }
-static PyObject *get_points(controller *self, void *c) { return PyList_AsTuple(self->points); }
+static PyObject *get_points(controller *self, void *c)
+{
+    int n = self->npoints;
+    PyObject *t = PyTuple_New(n);   /* may run Python code; points only grow */
+    for (int i = 0; t && i < n; i++)
+        PyTuple_SET_ITEM(t, i, Py_NewRef(self->points[i].name));
+    return t;
+}
 static PyObject *get_eager(controller *self, void *c) { return PyBool_FromLong(self->eager); }
 
 static PyGetSetDef controller_getset[] = {
@@ -734,7 +1062,8 @@ static PyGetSetDef controller_getset[] = {
     {"closed", (getter)get_closed, NULL, "Whether close() was called.", NULL},
     {"graph_fork", (getter)get_graph_fork, NULL,
      "How a fork goes into a CUDA graph being captured: 'inline' (the prefetch node on the\n"
-     "captured stream with launch-order edges; the default) or 'branch' (the side stream).",
+     "captured stream with launch-order edges; the default) or 'branch' (the side stream).\n"
+     "add(..., graph_fork=) overrides it per key; get_mode() says what a key uses.",
      NULL},
     {"points", (getter)get_points, NULL, "Point names in registration order.", NULL},
     {"eager", (getter)get_eager, NULL,
@@ -743,13 +1072,19 @@ static PyGetSetDef controller_getset[] = {
 };
 
 static PyMethodDef controller_methods[] = {
-    {"add", (PyCFunction)(void (*)(void))controller_add, METH_FASTCALL, add_doc},
+    {"add", (PyCFunction)(void (*)(void))controller_add, METH_FASTCALL | METH_KEYWORDS, add_doc},
     {"fork", (PyCFunction)(void (*)(void))controller_fork, METH_FASTCALL | METH_KEYWORDS, fork_doc},
     {"join", (PyCFunction)(void (*)(void))controller_join, METH_FASTCALL | METH_KEYWORDS, join_doc},
     {"get", (PyCFunction)(void (*)(void))controller_get, METH_FASTCALL,
      "get($self, point, layer, batch, /)\n--\n\nThe PreparedWeightRanges registered there, or None."},
+    {"get_mode", (PyCFunction)(void (*)(void))controller_get_mode, METH_FASTCALL,
+     "get_mode($self, point, layer, batch, /)\n--\n\n"
+     "How a fork of that key goes into a CUDA graph being captured: 'inline' or\n"
+     "'branch' (its add()'s graph_fork, else the controller's), or None where\n"
+     "nothing is registered."},
     {"keys", (PyCFunction)controller_keys, METH_NOARGS,
-     "keys($self, /)\n--\n\nRegistered (point, layer, batch) keys."},
+     "keys($self, /)\n--\n\nRegistered (point, layer, batch) keys: points in registration order,\n"
+     "then layers and batches ascending."},
     {"stats", (PyCFunction)controller_stats, METH_NOARGS,
      "stats($self, /)\n--\n\n{point: {'forks': n, 'bytes': b}} since creation or reset_stats()."},
     {"reset_stats", (PyCFunction)controller_reset_stats, METH_NOARGS,
@@ -757,6 +1092,8 @@ static PyMethodDef controller_methods[] = {
     {"close", (PyCFunction)controller_close, METH_NOARGS, close_doc},
     {"__enter__", (PyCFunction)controller_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))controller_exit, METH_FASTCALL, NULL},
+    {"__reduce_ex__", controller_reduce, METH_VARARGS, NULL},
+    {"__reduce__", controller_reduce, METH_VARARGS, NULL},
     {NULL},
 };
 
@@ -767,9 +1104,11 @@ static PyMemberDef controller_members[] = {
 
 static PyObject *controller_repr(controller *self)
 {
+    if (self->state == STATE_UNINIT || self->state == STATE_INITIALISING)
+        return PyUnicode_FromString("<PrefetchController not initialised>");
     return PyUnicode_FromFormat("<PrefetchController cuda:%d %zd entries%s%s>", self->device,
-                                PyDict_GET_SIZE(self->entries), self->enabled ? "" : " disabled",
-                                self->closed ? " closed" : "");
+                                self->nentries, self->enabled ? "" : " disabled",
+                                self->state == STATE_CLOSED ? " closed" : "");
 }
 
 PyDoc_STRVAR(controller_doc,
@@ -778,14 +1117,19 @@ PyDoc_STRVAR(controller_doc,
 "device (default: torch's current device).  graph_fork says how a fork goes\n"
 "into a CUDA graph being captured: 'inline' puts the prefetch node on the\n"
 "captured stream with launch-order edges (no side branch; driver 12.3+,\n"
-"older drivers fall back), 'branch' forks to the side stream as in eager mode.\n"
+"older drivers fall back), 'branch' forks to the side stream as in eager mode;\n"
+"add(..., graph_fork=) overrides it for some keys.\n"
 "eager=False makes fork() outside a capture return False without launching:\n"
 "a host-bound eager decode step pays a fork's host time and cannot gain.\n"
 "With L2PREFETCH_DISABLE=1 in the environment at construction, nothing\n"
-"touches the GPU and fork() returns False.");
+"touches the GPU and fork() returns False.\n\n"
+"Threads: each call takes effect at one point, after whatever in it can run\n"
+"Python code (a stream's properties, iterating batches): calls from several\n"
+"threads are serialised there, never interleaved.  Cannot be pickled.");
 
 static PyType_Slot controller_slots[] = {
     {Py_tp_new, controller_new},
+    {Py_tp_init, controller_init},
     {Py_tp_dealloc, controller_dealloc},
     {Py_tp_traverse, controller_traverse},
     {Py_tp_clear, controller_clear},

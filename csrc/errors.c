@@ -118,3 +118,88 @@ void l2p_report_in_dealloc(l2p_driver *d, const char *operation, CUresult status
     PyErr_WriteUnraisable(obj ? (PyObject *)Py_TYPE(obj) : NULL);
     PyErr_Restore(type, value, tb);
 }
+
+/* ---- conversions of a Python-level exception ---- */
+
+/* The raised exception as one normalised object (traceback attached), cleared;
+ * NULL when none is set. */
+static PyObject *take_exception(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (!type)
+        return NULL;
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value && tb)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+#endif
+}
+
+/* Raises exc again (steals it). */
+static void give_exception(PyObject *exc)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+#endif
+}
+
+int l2p_optional_attr(PyObject *obj, const char *name, PyObject **out)
+{
+    *out = PyObject_GetAttrString(obj, name);
+    if (*out)
+        return 1;
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+int l2p_error_is_base(void)
+{
+    return PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception);
+}
+
+PyObject *l2p_format_from_cause(PyObject *type, const char *format, ...)
+{
+    PyObject *cause = take_exception();
+    va_list va;
+    va_start(va, format);
+    PyErr_FormatV(type, format, va);
+    va_end(va);
+    if (!cause)
+        return NULL;
+    PyObject *exc = take_exception();
+    if (!exc) {
+        Py_DECREF(cause);
+        return NULL;
+    }
+    PyException_SetCause(exc, Py_NewRef(cause));   /* both steal */
+    PyException_SetContext(exc, cause);
+    give_exception(exc);
+    return NULL;
+}
+
+void l2p_add_note(const char *format, ...)
+{
+    PyObject *exc = take_exception();
+    if (!exc)
+        return;
+    va_list va;
+    va_start(va, format);
+    PyObject *note = PyUnicode_FromFormatV(format, va);
+    va_end(va);
+    PyObject *r = note ? PyObject_CallMethod(exc, "add_note", "O", note) : NULL;
+    if (!r)
+        PyErr_Clear();   /* the note is a courtesy: keep the exception it was for */
+    Py_XDECREF(r);
+    Py_XDECREF(note);
+    give_exception(exc);
+}

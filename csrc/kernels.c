@@ -13,6 +13,16 @@
  * replaced.  Writes go to a temporary file renamed into place, so concurrent
  * processes never see half a file.  An unwritable cache warns once and the
  * compile goes on.
+ *
+ * The compile releases the GIL, so two threads can compile the same (arch,
+ * variant) at once: it holds a reference to its NVRTC and copies of its
+ * options, the first image stored in l2p_state.cubins is the one kept, and a
+ * device loads its module only if no other thread loaded it meanwhile
+ * (checked again under the GIL after the image is ready), so no module is
+ * loaded twice or leaked.  l2p_state.kernel_info says, for each image in the
+ * memory cache, whether it was compiled or read from the disk cache and how
+ * long that took (_C.kernel_cache_info(); the Python side logs it: no Python
+ * logging from C, where a handler could run anything).
  */
 #define _GNU_SOURCE
 #include "l2p.h"
@@ -22,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kernel_source.h"
@@ -269,78 +280,122 @@ error_list:
     return NULL;
 }
 
-/* Compiles source with options; returns (image bytes, log str) or raises
- * NvrtcError carrying the log, the options and the numbered source. */
-static PyObject *nvrtc_build(l2p_state *st, const char *source, PyObject *opts, int ptx)
+static double now_ms(void)
 {
-    l2p_nvrtc *n = l2p_use_nvrtc(st);
-    if (!n)
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+/* Compiles source with options (a sequence of str) on n; returns (image bytes,
+ * log str) or raises NvrtcError carrying the log, the options and the numbered
+ * source.  The compile runs without the GIL: it holds n and a tuple of the
+ * options, so nothing it reads can be freed by another thread meanwhile
+ * (source must be kept alive by the caller). */
+static PyObject *nvrtc_build(l2p_state *st, l2p_nvrtc *n, const char *source, PyObject *options,
+                             int ptx)
+{
+    PyObject *opts = PySequence_Tuple(options);
+    if (!opts)
         return NULL;
-    Py_ssize_t nopts = PyList_GET_SIZE(opts);
+    Py_ssize_t nopts = PyTuple_GET_SIZE(opts);
     const char **argv = PyMem_Calloc((size_t)nopts + 1, sizeof *argv);
-    if (!argv)
+    if (!argv) {
+        Py_DECREF(opts);
         return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < nopts; i++)
-        if (!(argv[i] = PyUnicode_AsUTF8(PyList_GET_ITEM(opts, i)))) {
-            PyMem_Free(argv);
-            return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nopts; i++) {
+        PyObject *o = PyTuple_GET_ITEM(opts, i);
+        if (!PyUnicode_Check(o)) {
+            PyErr_Format(PyExc_TypeError, "NVRTC options must be str, not %s", Py_TYPE(o)->tp_name);
+            goto fail;
         }
+        if (!(argv[i] = PyUnicode_AsUTF8(o)))
+            goto fail;
+    }
     char *image = NULL, *log = NULL;
     size_t size = 0;
     const char *failed = NULL;
     nvrtcResult r;
+    l2p_nvrtc_incref(n);
     Py_BEGIN_ALLOW_THREADS
     r = l2p_nvrtc_compile(n, source, "prefetch.cu", argv, (int)nopts, ptx, &image, &size, &log, &failed);
     Py_END_ALLOW_THREADS
     PyMem_Free(argv);
     PyObject *result = NULL;
     if (r != NVRTC_SUCCESS) {
-        l2p_raise_nvrtc(st, n, failed, r, log ? log : "", opts, source);
+        PyObject *list = PySequence_List(opts);
+        if (list)
+            l2p_raise_nvrtc(st, n, failed, r, log ? log : "", list, source);
+        Py_XDECREF(list);
     } else {
         /* PTX is text with a terminating NUL that the driver wants; keep it. */
         result = Py_BuildValue("(y#s)", image, (Py_ssize_t)size, log ? log : "");
     }
+    l2p_nvrtc_decref(n);
     free(image);
     free(log);
+    Py_DECREF(opts);
     return result;
+fail:
+    PyMem_Free(argv);
+    Py_DECREF(opts);
+    return NULL;
 }
 
-/* image for (sm, variant); *is_ptx tells PTX from CUBIN. */
+/* Remembers how the image under key was obtained (_C.kernel_cache_info()). */
+static int record_info(l2p_state *st, PyObject *key, const l2p_variant *v, int arch, int ptx,
+                       const l2p_nvrtc *n, const char *how, double ms)
+{
+    PyObject *info = Py_BuildValue("{s:s,s:i,s:O,s:s,s:d,s:(ii)}", "variant", v->name, "arch", arch,
+                                   "ptx", ptx ? Py_True : Py_False, "source", how, "ms", ms,
+                                   "nvrtc_version", n->major, n->minor);
+    if (!info)
+        return -1;
+    int rc = PyDict_SetItem(st->kernel_info, key, info);
+    Py_DECREF(info);
+    return rc;
+}
+
+/* image for (sm, variant); *is_ptx tells PTX from CUBIN.  Runs Python code
+ * (hashlib, warnings) and releases the GIL to compile: it holds its NVRTC
+ * instance throughout and stores its image only if no other thread stored one
+ * for the same key meanwhile. */
 PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx)
 {
     const l2p_variant *v = &l2p_variants[variant];
     l2p_nvrtc *n = l2p_use_nvrtc(st);
     if (!n)
         return NULL;
+    l2p_nvrtc_incref(n);
+    PyObject *key = NULL, *opts = NULL, *image = NULL, *result = NULL;
     int ptx = 0;
     int arch = l2p_nvrtc_pick_arch(n, sm, &ptx);
-    if (arch == 0)
-        return PyErr_Format(PyExc_RuntimeError,
-                            "NVRTC %d.%d (%s) supports no architecture at or below sm_%d",
-                            n->major, n->minor, n->path, sm);
-    *is_ptx = ptx;
-    PyObject *key = Py_BuildValue("(isii)", arch, v->name, n->major, n->minor);
-    if (!key)
-        return NULL;
-    PyObject *hit = PyDict_GetItemWithError(st->cubins, key);
-    if (hit) {
-        Py_DECREF(key);
-        return Py_NewRef(hit);
+    if (arch == 0) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "NVRTC %d.%d (%s) supports no architecture at or below sm_%d",
+                     n->major, n->minor, n->path, sm);
+        goto done;
     }
-    if (PyErr_Occurred())
-        goto fail_key;
+    *is_ptx = ptx;
+    if (!(key = Py_BuildValue("(isii)", arch, v->name, n->major, n->minor)))
+        goto done;
+    PyObject *hit = PyDict_GetItemWithError(st->cubins, key);
+    if (hit || PyErr_Occurred()) {
+        result = Py_XNewRef(hit);
+        goto done;
+    }
     if (ptx && PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
                                 "l2prefetch: NVRTC %d.%d cannot build SASS for sm_%d; building "
                                 "PTX for compute_%d and letting the driver finish it",
                                 n->major, n->minor, sm, arch) < 0)
-        goto fail_key;
-
-    PyObject *opts = compile_options(v, arch, ptx);
-    if (!opts)
-        goto fail_key;
-    PyObject *image = NULL;
+        goto done;
+    if (!(opts = compile_options(v, arch, ptx)))
+        goto done;
     char dir[1024], path[1400];
     int use_disk = cache_dir(dir, sizeof dir);
+    double t0 = now_ms();
+    const char *how = "disk";
     if (use_disk) {
         PyObject *joined = PyUnicode_FromString(" ");
         PyObject *optstr = joined ? PyUnicode_Join(joined, opts) : NULL;
@@ -354,10 +409,8 @@ PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx)
         const char *kt = keytext ? PyUnicode_AsUTF8(keytext) : NULL;
         PyObject *hex = kt ? sha256_hex(kt, (Py_ssize_t)strlen(kt)) : NULL;
         Py_XDECREF(keytext);
-        if (!hex) {
-            Py_DECREF(opts);
-            goto fail_key;
-        }
+        if (!hex)
+            goto done;
         snprintf(path, sizeof path, "%s/prefetch-%s-%s_%d-nvrtc%d.%d-%.16s.%s", dir, v->name,
                  ptx ? "compute" : "sm", arch, n->major, n->minor, PyUnicode_AsUTF8(hex),
                  ptx ? "ptx" : "cubin");
@@ -365,26 +418,31 @@ PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx)
         image = cache_read(path);
     }
     if (!image) {
-        PyObject *built = nvrtc_build(st, L2P_KERNEL_SOURCE, opts, ptx);
-        if (!built) {
-            Py_DECREF(opts);
-            goto fail_key;
-        }
+        how = "compiled";
+        PyObject *built = nvrtc_build(st, n, L2P_KERNEL_SOURCE, opts, ptx);
+        if (!built)
+            goto done;
         image = Py_NewRef(PyTuple_GET_ITEM(built, 0));
         Py_DECREF(built);
-        if (use_disk)
-            cache_write(st, dir, path, image);
     }
-    Py_DECREF(opts);
-    if (PyDict_SetItem(st->cubins, key, image) < 0) {
-        Py_DECREF(image);
-        goto fail_key;
+    double ms = now_ms() - t0;
+    /* Another thread may have stored this key while the GIL was released. */
+    if ((hit = PyDict_GetItemWithError(st->cubins, key)) || PyErr_Occurred()) {
+        result = Py_XNewRef(hit);
+        goto done;
     }
-    Py_DECREF(key);
-    return image;
-fail_key:
-    Py_DECREF(key);
-    return NULL;
+    if (PyDict_SetItem(st->cubins, key, image) < 0 ||
+        record_info(st, key, v, arch, ptx, n, how, ms) < 0)
+        goto done;
+    if (use_disk && how[0] == 'c')
+        cache_write(st, dir, path, image);
+    result = Py_NewRef(image);
+done:
+    Py_XDECREF(image);
+    Py_XDECREF(opts);
+    Py_XDECREF(key);
+    l2p_nvrtc_decref(n);
+    return result;
 }
 
 int l2p_kernel_function(l2p_state *st, l2p_driver *d, l2p_device *dev, int variant, int cap,
@@ -396,6 +454,13 @@ int l2p_kernel_function(l2p_state *st, l2p_driver *d, l2p_device *dev, int varia
         PyObject *image = l2p_kernel_image(st, sm, variant, &is_ptx);
         if (!image)
             return -1;
+        if (dev->modules[variant]) {   /* loaded by another thread during the compile */
+            Py_DECREF(image);
+            *out = dev->functions[variant][cap];
+            return 0;
+        }
+        /* From here to the end no Python code runs and the GIL is held: the load
+         * and dev->modules[variant] are one step for other threads. */
         CUmodule mod = NULL;
         CUcontext popped;
         const char *op = "cuCtxPushCurrent";
@@ -450,13 +515,13 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
     for (Py_ssize_t i = 0; i < nargs; i++)
         vals[i] = args[i];
     for (Py_ssize_t i = 0; i < nkw; i++) {
-        const char *k = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, i));
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
         int j = -1;
-        for (int m = 0; m < 3 && k; m++)
-            if (strcmp(k, kw[m]) == 0)
+        for (int m = 0; m < 3; m++)
+            if (PyUnicode_CompareWithASCIIString(name, kw[m]) == 0)
                 j = m;
         if (j < 0)
-            return PyErr_Format(PyExc_TypeError, "compile() got an unexpected keyword argument '%s'", k);
+            return PyErr_Format(PyExc_TypeError, "compile() got an unexpected keyword argument %R", name);
         vals[j] = args[nargs + i];
     }
     if (!vals[0] || !vals[1])
@@ -467,9 +532,17 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
     int variant = l2p_variant_find_str(vals[0]);
     if (variant < 0)
         return PyErr_Format(PyExc_ValueError, "unknown kernel variant %R; known: see l2prefetch.kernel_variants()", vals[0]);
+    if (!PyLong_Check(vals[1]) || PyBool_Check(vals[1]))
+        return PyErr_Format(PyExc_TypeError, "sm must be an int (e.g. 90), not %s",
+                            Py_TYPE(vals[1])->tp_name);
     long sm = PyLong_AsLong(vals[1]);
-    if (sm == -1 && PyErr_Occurred())
-        return NULL;
+    if (sm == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        sm = LONG_MAX;
+    }
+    if (sm > 10000)
+        return PyErr_Format(PyExc_ValueError, "sm must be a compute capability x 10 (e.g. 90), got %R",
+                            vals[1]);
     if (sm < l2p_variants[variant].min_sm)
         return PyErr_Format(PyExc_ValueError, "kernel variant '%s' needs sm_%d or newer, not sm_%ld",
                             l2p_variants[variant].name, l2p_variants[variant].min_sm, sm);
@@ -479,26 +552,49 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
     l2p_nvrtc *n = l2p_use_nvrtc(st);
     if (!n)
         return NULL;
+    l2p_nvrtc_incref(n);
+    PyObject *result = NULL, *opts = NULL, *built = NULL;
     int ptx = 0, arch = l2p_nvrtc_pick_arch(n, (int)sm, &ptx);
-    if (arch == 0)
-        return PyErr_Format(PyExc_ValueError, "NVRTC %d.%d supports no architecture at or below sm_%ld",
-                            n->major, n->minor, sm);
-    ptx = ptx || want_ptx;
-    PyObject *opts = compile_options(&l2p_variants[variant], arch, ptx);
-    if (!opts)
-        return NULL;
-    PyObject *built = nvrtc_build(st, L2P_KERNEL_SOURCE, opts, ptx);
-    if (!built) {
-        Py_DECREF(opts);
-        return NULL;
+    if (arch == 0) {
+        PyErr_Format(PyExc_ValueError, "NVRTC %d.%d supports no architecture at or below sm_%ld",
+                     n->major, n->minor, sm);
+        goto done;
     }
-    PyObject *result = Py_BuildValue("{s:s,s:i,s:O,s:O,s:O,s:N,s:(ii)}", "variant",
-                                     l2p_variants[variant].name, "arch", arch, "ptx",
-                                     ptx ? Py_True : Py_False, "image", PyTuple_GET_ITEM(built, 0),
-                                     "log", PyTuple_GET_ITEM(built, 1), "options", opts,
-                                     "nvrtc_version", n->major, n->minor);
-    Py_DECREF(built);
+    ptx = ptx || want_ptx;
+    if (!(opts = compile_options(&l2p_variants[variant], arch, ptx)) ||
+        !(built = nvrtc_build(st, n, L2P_KERNEL_SOURCE, opts, ptx)))
+        goto done;
+    result = Py_BuildValue("{s:s,s:i,s:O,s:O,s:O,s:O,s:(ii)}", "variant",
+                           l2p_variants[variant].name, "arch", arch, "ptx",
+                           ptx ? Py_True : Py_False, "image", PyTuple_GET_ITEM(built, 0),
+                           "log", PyTuple_GET_ITEM(built, 1), "options", opts,
+                           "nvrtc_version", n->major, n->minor);
+done:
+    Py_XDECREF(built);
+    Py_XDECREF(opts);
+    l2p_nvrtc_decref(n);
     return result;
+}
+
+/* _C.kernel_cache_info() -> [{"variant", "arch", "ptx", "source", "ms", "nvrtc_version"}]:
+ * how each image in the memory cache was obtained, "compiled" or "disk". */
+PyObject *l2p_py_kernel_cache_info(PyObject *module, PyObject *unused)
+{
+    l2p_state *st = l2p_get_state(module);
+    PyObject *values = PyDict_Values(st->kernel_info);   /* a snapshot */
+    if (!values)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(values);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *copy = PyDict_Copy(PyList_GET_ITEM(values, i));   /* callers may change theirs */
+        if (!copy)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, copy);
+    }
+    Py_DECREF(values);
+    return out;
 }
 
 /* _C.kernel_variants() -> {name: {"min_sm", "block", "smem", "doc", "defines"}} */
@@ -528,9 +624,11 @@ PyObject *l2p_py_kernel_image(PyObject *module, PyObject *const *args, Py_ssize_
     int variant = l2p_variant_find_str(args[0]);
     if (variant < 0)
         return PyErr_Format(PyExc_ValueError, "unknown kernel variant %R", args[0]);
-    long sm = PyLong_AsLong(args[1]);
-    if (sm == -1 && PyErr_Occurred())
-        return NULL;
+    long sm = PyLong_Check(args[1]) ? PyLong_AsLong(args[1]) : -1;
+    if (sm < 1 || sm > 10000) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_ValueError, "sm must be an int in 1..10000, got %R", args[1]);
+    }
     int is_ptx = 0;
     PyObject *image = l2p_kernel_image(l2p_get_state(module), (int)sm, variant, &is_ptx);
     if (!image)
@@ -546,7 +644,11 @@ PyObject *l2p_py_compile_source(PyObject *module, PyObject *const *args, Py_ssiz
     const char *src = PyUnicode_AsUTF8(args[0]);
     if (!src)
         return NULL;
-    PyObject *built = nvrtc_build(l2p_get_state(module), src, args[1], 0);
+    l2p_state *st = l2p_get_state(module);
+    l2p_nvrtc *n = l2p_use_nvrtc(st);
+    if (!n)
+        return NULL;
+    PyObject *built = nvrtc_build(st, n, src, args[1], 0);   /* copies the options */
     if (!built)
         return NULL;
     PyObject *image = Py_NewRef(PyTuple_GET_ITEM(built, 0));

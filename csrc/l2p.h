@@ -23,6 +23,7 @@ typedef struct {
     l2p_driver *driver;          /* the driver new objects use; NULL until first use */
     l2p_nvrtc *nvrtc;            /* NULL until the first compile */
     PyObject *cubins;            /* {(arch, variant, nvrtc version): bytes}: compile once */
+    PyObject *kernel_info;       /* same keys: {variant, arch, ptx, source, ms, nvrtc_version} */
     int cache_warned;            /* the disk cache warned once already */
 } l2p_state;
 
@@ -43,6 +44,16 @@ PyObject *l2p_raise_nvrtc(l2p_state *st, l2p_nvrtc *n, const char *operation, nv
 /* Shutdown-safe report from a destructor: ignores DEINITIALIZED and
  * CONTEXT_IS_DESTROYED, otherwise writes an unraisable warning. */
 void l2p_report_in_dealloc(l2p_driver *d, const char *operation, CUresult status, PyObject *obj);
+/* obj.name into *out (new reference): 1 found, 0 no such attribute (the
+ * AttributeError cleared), -1 any other exception (left set). */
+int l2p_optional_attr(PyObject *obj, const char *name, PyObject **out);
+/* With an exception set: whether it is not an Exception (KeyboardInterrupt,
+ * SystemExit, ...): such ones are passed through, never converted. */
+int l2p_error_is_base(void);
+/* Replaces the set exception by type(format % ...) whose __cause__ it is.  NULL. */
+PyObject *l2p_format_from_cause(PyObject *type, const char *format, ...);
+/* Adds a note (PEP 678) to the set exception, e.g. which weight it was reading. */
+void l2p_add_note(const char *format, ...);
 
 /* The driver and NVRTC of this module, opened on first use (raise on failure). */
 l2p_driver *l2p_use_driver(l2p_state *st);
@@ -96,6 +107,7 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
                          PyObject *kwnames);
 PyObject *l2p_py_variants(PyObject *module, PyObject *unused);
 PyObject *l2p_py_kernel_image(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *l2p_py_kernel_cache_info(PyObject *module, PyObject *unused);
 PyObject *l2p_py_compile_source(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* stream.c: torch's current stream without Python, through the AOTI shim. */
@@ -104,6 +116,7 @@ int l2p_current_stream(int device, CUstream *out);
  * .device.index checked against device). */
 int l2p_parse_stream(PyObject *stream, int device, CUstream *out);
 PyObject *l2p_py_stream_source(PyObject *module, PyObject *unused);
+PyObject *l2p_py_set_stream_source(PyObject *module, PyObject *arg);
 
 /* prepared.c */
 extern PyType_Spec l2p_prepared_spec;
@@ -111,6 +124,9 @@ typedef struct l2p_prepared l2p_prepared;
 int l2p_prepared_check(l2p_state *st, PyObject *obj);
 int l2p_prepared_device(PyObject *obj);
 uint64_t l2p_prepared_nbytes(PyObject *obj);
+/* Whether its weights are still held (tp_clear of a cycle drops them): a
+ * cleared table must not launch. */
+int l2p_prepared_alive(PyObject *obj);
 /* Launch on stream; returns CUresult (no exception). */
 CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream);
 l2p_driver *l2p_prepared_driver(PyObject *obj);
@@ -128,7 +144,8 @@ PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssi
 /* controller.c */
 extern PyType_Spec l2p_controller_spec;
 
-/* The value of an environment flag: 1 for 1/true/yes/on (any case). */
+/* The value of an environment flag, the one rule for C and Python (_C.env_flag):
+ * 1 for 1/true/yes/on in any case, with surrounding blanks ignored. */
 int l2p_env_flag(const char *name);
 
 #endif /* L2P_H */

@@ -30,6 +30,7 @@ static l2p_nvrtc *finish(void *h, const char *path, int *found, char *msg, size_
         snprintf(msg, msglen, "out of memory");
         return NULL;
     }
+    n->refs = 1;
     n->handle = h;
     snprintf(n->path, sizeof n->path, "%s", path);
 #define L2P_NVRTC_RESOLVE(name, req, ret, params)                                        \
@@ -124,6 +125,19 @@ l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found
              "Install it with `pip install nvidia-cuda-nvrtc`, or point L2PREFETCH_LIBNVRTC at it.",
              *found ? "was found but could not be loaded" : "was not found", tried);
     return NULL;
+}
+
+void l2p_nvrtc_incref(l2p_nvrtc *n)
+{
+    n->refs++;
+}
+
+void l2p_nvrtc_decref(l2p_nvrtc *n)
+{
+    if (!n || --n->refs > 0)
+        return;
+    free(n->archs);
+    free(n);
 }
 
 int l2p_nvrtc_pick_arch(const l2p_nvrtc *n, int sm, int *ptx)

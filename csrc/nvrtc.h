@@ -25,6 +25,7 @@
     X(nvrtcGetCUBIN, 0, nvrtcResult, (nvrtcProgram, char *))
 
 typedef struct l2p_nvrtc {
+    long refs;           /* the module state's, and one per compile in flight */
     void *handle;
     void *builtins;      /* libnvrtc-builtins preloaded from NVRTC's folder, or NULL */
     char path[1024];
@@ -40,11 +41,17 @@ typedef struct l2p_nvrtc {
 
 /* Opens NVRTC: $L2PREFETCH_LIBNVRTC if set; else a libnvrtc already loaded in
  * the process (.so.13, then .so.12); else each folder of extra_dirs (the
- * nvidia-cuda-nvrtc wheel folders found on sys.path, $CUDA_HOME/lib64,
- * /usr/local/cuda/lib64), then the loader's path.  NULL with msg on failure;
+ * nvidia-cuda-nvrtc wheel folders under this interpreter's site-packages,
+ * $CUDA_HOME/lib64, /usr/local/cuda/lib64), then the loader's path.  NULL with msg on failure;
  * *found tells "found but failed to load" from "not found". */
 l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found, char *msg,
                           size_t msglen);
+
+/* References (taken under the GIL): a compile releases the GIL and keeps its
+ * instance alive while _C._use_nvrtc replaces the module's.  The last decref
+ * frees the struct; the library stays loaded. */
+void l2p_nvrtc_incref(l2p_nvrtc *n);
+void l2p_nvrtc_decref(l2p_nvrtc *n);
 
 /* The arch NVRTC should build SASS for, given the device's sm (x10): the
  * device's own when supported; otherwise the highest supported below it with

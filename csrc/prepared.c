@@ -10,8 +10,6 @@
  */
 #include "l2p.h"
 
-/* Set by l2p_device_ready() (driver.c): the call that failed. */
-
 #include "structmember.h"
 
 struct l2p_prepared {
@@ -55,6 +53,11 @@ uint64_t l2p_prepared_nbytes(PyObject *obj)
 l2p_driver *l2p_prepared_driver(PyObject *obj)
 {
     return ((l2p_prepared *)obj)->drv;
+}
+
+int l2p_prepared_alive(PyObject *obj)
+{
+    return ((l2p_prepared *)obj)->weights != NULL;
 }
 
 CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream)
@@ -109,9 +112,11 @@ static int parse_device(PyObject *obj, int *out)
         PyErr_Format(PyExc_ValueError, "device must be a CUDA device ('cuda' or 'cuda:N'), got %R", obj);
         return -1;
     }
-    PyObject *type = PyBool_Check(obj) ? NULL : PyObject_GetAttrString(obj, "type");
-    if (!type) {   /* not a torch.device either */
-        PyErr_Clear();
+    PyObject *type = NULL;
+    int found = PyBool_Check(obj) ? 0 : l2p_optional_attr(obj, "type", &type);
+    if (found < 0)
+        return -1;   /* its own exception: a property that raised, KeyboardInterrupt */
+    if (!found) {    /* not a torch.device either */
         PyErr_Format(PyExc_TypeError,
                      "device must be a CUDA device (an int, 'cuda:N' or a torch.device), not %s",
                      Py_TYPE(obj)->tp_name);
@@ -120,11 +125,13 @@ static int parse_device(PyObject *obj, int *out)
     int rc = -1;
     PyObject *index = NULL;
     if (PyUnicode_Check(type) && PyUnicode_CompareWithASCIIString(type, "cuda") == 0 &&
-        (index = PyObject_GetAttrString(obj, "index")) &&
-        (index == Py_None || (PyLong_Check(index) && !PyBool_Check(index)))) {
+        l2p_optional_attr(obj, "index", &index) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    if (index && (index == Py_None || (PyLong_Check(index) && !PyBool_Check(index)))) {
         rc = index == Py_None ? 0 : device_index(obj, index, out);
     } else {
-        PyErr_Clear();
         PyErr_Format(PyExc_ValueError,
                      "device must be a CUDA device (an int, 'cuda:N' or a torch.device), got %R", obj);
     }
@@ -133,22 +140,31 @@ static int parse_device(PyObject *obj, int *out)
     return rc;
 }
 
-/* torch's current CUDA device when torch is imported; else 0. */
-static int default_device(void)
+/* torch's current CUDA device when torch is imported, else 0 (also where
+ * torch.cuda.current_device() fails with an Exception: a CPU-only torch).
+ * -1 with a BaseException (KeyboardInterrupt) passed through. */
+static int default_device(int *out)
 {
-    PyObject *modules = PyImport_GetModuleDict();
-    if (!PyDict_GetItemString(modules, "torch"))
+    *out = 0;
+    PyObject *torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");   /* borrowed: only tested */
+    if (!torch || torch == Py_None)
         return 0;
     PyObject *cuda = PyImport_ImportModule("torch.cuda");
     PyObject *d = cuda ? PyObject_CallMethod(cuda, "current_device", NULL) : NULL;
     Py_XDECREF(cuda);
-    long v = d ? PyLong_AsLong(d) : -1;
-    Py_XDECREF(d);
-    if (v < 0) {
+    if (!d) {
+        if (l2p_error_is_base())
+            return -1;
         PyErr_Clear();
         return 0;
     }
-    return (int)v;
+    int overflow = 0;
+    long v = PyLong_Check(d) ? PyLong_AsLongAndOverflow(d, &overflow) : -1;
+    Py_DECREF(d);
+    PyErr_Clear();
+    if (!overflow && v >= 0 && v <= INT_MAX)
+        *out = (int)v;
+    return 0;
 }
 
 int l2p_device_arg(PyObject *obj, int *out)
@@ -156,7 +172,7 @@ int l2p_device_arg(PyObject *obj, int *out)
     if (parse_device(obj, out) < 0)
         return -1;
     if (*out < 0)
-        *out = default_device();
+        return default_device(out);
     return 0;
 }
 
@@ -267,6 +283,7 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     if (!tuple)
         return NULL;
     l2p_prepared *self = NULL;
+    l2p_driver *held = NULL;
     int device = -1;
     if (weights_device(st, tuple, devs, names, &device) < 0)
         goto error;
@@ -274,8 +291,11 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         PyErr_Format(PyExc_ValueError, "device=cuda:%d but the weights are on cuda:%d", asked_device, device);
         goto error;
     }
-    if (device < 0)
-        device = asked_device >= 0 ? asked_device : default_device();
+    if (device < 0) {
+        device = asked_device;
+        if (device < 0 && default_device(&device) < 0)
+            goto error;
+    }
     if (nranges > (Py_ssize_t)l2p_capacities[L2P_NUM_CAPACITIES - 1]) {
         PyErr_Format(PyExc_ValueError,
                      "%zd ranges, but one PreparedWeightRanges holds at most %u: split the weights "
@@ -287,6 +307,10 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     l2p_driver *d = l2p_use_driver(st);
     if (!d)
         goto error;
+    /* Held to the end: the allocations and the compile below can run Python
+     * code (a finalizer, a warning filter) that swaps the module's driver. */
+    held = d;
+    l2p_driver_incref(held);
     l2p_device *dev;
     CUresult r = l2p_device_ready(d, device, &dev);
     if (r != CUDA_SUCCESS) {
@@ -394,6 +418,7 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     PyMem_Free(ranges);
     PyMem_Free(devs);
     Py_XDECREF(names);
+    l2p_driver_decref(held);
     return (PyObject *)self;   /* tp_alloc (PyType_GenericAlloc) already tracks it */
 error:
     Py_XDECREF(self);
@@ -401,6 +426,7 @@ error:
     PyMem_Free(ranges);
     PyMem_Free(devs);
     Py_XDECREF(names);
+    l2p_driver_decref(held);
     return NULL;
 }
 
@@ -455,8 +481,12 @@ static PyObject *prepared_launch(l2p_prepared *self, PyObject *const *args, Py_s
     }
     l2p_state *st = l2p_state_of_type(Py_TYPE(self));
     CUstream s;
-    if (l2p_parse_stream(stream, self->device, &s) < 0)
+    if (l2p_parse_stream(stream, self->device, &s) < 0)   /* may run Python code */
         return NULL;
+    if (!self->weights)
+        return PyErr_Format(st->error,
+                            "this PreparedWeightRanges was cleared by the garbage collector (a "
+                            "reference cycle it was part of is being freed): it cannot launch");
     CUresult r = l2p_ensure_current(self->drv, self->dev);
     if (r == CUDA_ERROR_INVALID_CONTEXT)
         return PyErr_Format(PyExc_RuntimeError,
@@ -527,8 +557,18 @@ static PyObject *prepared_repr(l2p_prepared *self)
                                 l2p_variants[self->variant].name, self->grid);
 }
 
+static PyObject *prepared_reduce(PyObject *self, PyObject *args)
+{
+    return PyErr_Format(PyExc_TypeError,
+                        "cannot pickle a PreparedWeightRanges: it holds device addresses and a "
+                        "compiled function of this process; prepare the weights again where they "
+                        "are used");
+}
+
 static PyMethodDef prepared_methods[] = {
     {"launch", (PyCFunction)(void (*)(void))prepared_launch, METH_FASTCALL | METH_KEYWORDS, launch_doc},
+    {"__reduce_ex__", prepared_reduce, METH_VARARGS, NULL},
+    {"__reduce__", prepared_reduce, METH_VARARGS, NULL},
     {NULL},
 };
 

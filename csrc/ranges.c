@@ -10,8 +10,20 @@
  * 1 + sum((n - 1) * stride) elements.  A range must start 16-byte aligned (the
  * kernel moves 16-byte granules).  With a byte cap, each size is
  * min(size, remaining) rounded down to 16, the cap is spent in order, and the
- * walk stops once fewer than 16 bytes remain.  All arithmetic is checked: a
- * span that would not fit in 63 bits is an OverflowError, never a wrong range.
+ * walk stops giving ranges once fewer than 16 bytes remain; the weights after
+ * that are still read and checked (types, shapes), so that the same list is
+ * valid or invalid whatever the cap.  A weight with a zero in its shape is
+ * empty: no range, no alignment or span check, whatever its other sizes.  All
+ * arithmetic is checked: a span that would not fit in 63 bits is an
+ * OverflowError, never a wrong range.
+ *
+ * Reading a weight runs Python code (properties, __index__ of each size,
+ * __len__/__iter__ of a shape that is no tuple), which may change or free what
+ * was read before.  So every object read is held by a strong reference (the
+ * interface dict's items are taken out of it at once), shapes and strides are
+ * copied to C integers before any arithmetic, and only a missing attribute
+ * means "not a tensor": any other exception passes through, an Exception with a
+ * note naming the weight, a BaseException (KeyboardInterrupt) untouched.
  */
 #include "l2p.h"
 
@@ -32,146 +44,297 @@ static void info_clear(weight_info *w)
     Py_CLEAR(w->shape);
 }
 
+/* After a failed call into a weight's own code: a note saying which weight it
+ * was (BaseExceptions pass untouched).  Returns -1. */
+static int noted(Py_ssize_t index, const char *what)
+{
+    if (!l2p_error_is_base())
+        l2p_add_note("l2prefetch: while reading %s of weight %zd", what, index);
+    return -1;
+}
+
+/* 1 when o has data_ptr, element_size and stride (a tensor), 0 when it lacks
+ * one, -1 when looking raised anything but AttributeError. */
 static int is_tensor_like(PyObject *o)
 {
-    return PyObject_HasAttrString(o, "data_ptr") && PyObject_HasAttrString(o, "element_size") &&
-           PyObject_HasAttrString(o, "stride");
+    static const char *const names[] = {"data_ptr", "element_size", "stride"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        PyObject *a;
+        int r = l2p_optional_attr(o, names[i], &a);
+        Py_XDECREF(a);
+        if (r <= 0)
+            return r;
+    }
+    return 1;
+}
+
+/* 1 when o has __cuda_array_interface__, 0 when not, -1 on another error. */
+static int has_interface(PyObject *o)
+{
+    PyObject *a;
+    int r = l2p_optional_attr(o, "__cuda_array_interface__", &a);
+    Py_XDECREF(a);
+    return r;
 }
 
 static int get_u64(PyObject *o, uint64_t *out, Py_ssize_t index, const char *what)
 {
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "weight %zd: %s must be a non-negative integer, got %R",
-                     index, what, o);
+        if (l2p_error_is_base())
+            return -1;
+        l2p_format_from_cause(PyExc_ValueError, "weight %zd: %s must be a non-negative integer, got %R",
+                              index, what, o);
         return -1;
     }
     *out = v;
     return 0;
 }
 
-/* lo/hi offsets (bytes) of a strided view; item = element size. */
+/* obj (a size, a stride, an element size) as an int64 through its __index__;
+ * errors name the weight and what obj is. */
+static int get_i64(PyObject *obj, Py_ssize_t index, const char *what, Py_ssize_t pos, int64_t *out)
+{
+    char label[64];
+    if (pos >= 0)
+        PyOS_snprintf(label, sizeof label, "%s element %zd", what, pos);
+    else
+        PyOS_snprintf(label, sizeof label, "%s", what);
+    PyObject *num = PyNumber_Index(obj);
+    if (!num) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError))
+            return (l2p_format_from_cause(PyExc_TypeError, "weight %zd: %s must be an int, not %s",
+                                          index, label, Py_TYPE(obj)->tp_name), -1);
+        return noted(index, label);
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(num, &overflow);
+    if (overflow) {
+        PyErr_Format(PyExc_OverflowError, "weight %zd: %s is %R, which does not fit in 64 bits",
+                     index, label, num);
+        Py_DECREF(num);
+        return -1;
+    }
+    Py_DECREF(num);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+/* seq as a tuple (a new reference): the object itself when it is one, else a
+ * copy made by iterating it. */
+static PyObject *as_tuple(PyObject *seq, Py_ssize_t index, const char *what)
+{
+    if (PyTuple_Check(seq))
+        return Py_NewRef(seq);
+    PyObject *t = PySequence_Tuple(seq);
+    if (!t) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError))
+            l2p_format_from_cause(PyExc_TypeError, "weight %zd: %s must be a sequence of ints, not %s",
+                                  index, what, Py_TYPE(seq)->tp_name);
+        else
+            noted(index, what);
+    }
+    return t;
+}
+
+#define SMALL_NDIM 16
+
+/* lo/hi offsets (bytes) of a strided view; item = element size.  shape and
+ * strides (NULL: C-contiguous) are tuples the caller holds. */
 static int span_of(PyObject *shape, PyObject *strides, int64_t scale, int64_t item,
                    Py_ssize_t index, int *empty, int64_t *lo, int64_t *span)
 {
-    Py_ssize_t nd = PySequence_Size(shape);
-    if (nd < 0)
-        return -1;
-    if (strides && strides != Py_None && PySequence_Size(strides) != nd) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "weight %zd: shape %R and strides %R differ in length",
-                         index, shape, strides);
+    Py_ssize_t nd = PyTuple_GET_SIZE(shape);
+    if (strides && PyTuple_GET_SIZE(strides) != nd) {
+        PyErr_Format(PyExc_ValueError, "weight %zd: shape %R and strides %R differ in length",
+                     index, shape, strides);
         return -1;
     }
-    int64_t neg = 0, pos = 0, numel = 1;
+    int64_t small[2 * SMALL_NDIM];
+    int64_t *dims = nd <= SMALL_NDIM ? small : PyMem_Calloc(2 * (size_t)nd, sizeof *dims);
+    if (!dims) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int64_t *steps = dims + nd;
+    int rc = -1;
     *empty = 0;
+    /* Every size and stride first, through __index__ (Python code): the
+     * arithmetic below then reads only C integers. */
     for (Py_ssize_t i = 0; i < nd; i++) {
-        PyObject *n_obj = PySequence_GetItem(shape, i);
-        if (!n_obj)
-            return -1;
-        long long n = PyLong_AsLongLong(n_obj);
-        Py_DECREF(n_obj);
-        if (n == -1 && PyErr_Occurred())
-            return -1;
-        if (n < 0) {
-            PyErr_Format(PyExc_ValueError, "weight %zd: negative size %lld in shape %R", index, n, shape);
-            return -1;
+        if (get_i64(PyTuple_GET_ITEM(shape, i), index, "shape", i, &dims[i]) < 0)
+            goto done;
+        if (dims[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "weight %zd: negative size %lld in shape %R", index,
+                         (long long)dims[i], shape);
+            goto done;
         }
-        if (n == 0)
+        if (dims[i] == 0)
             *empty = 1;
-        if (!strides || strides == Py_None) {
-            if (__builtin_mul_overflow(numel, n ? n : 1, &numel))
+    }
+    for (Py_ssize_t i = 0; strides && i < nd; i++)
+        if (get_i64(PyTuple_GET_ITEM(strides, i), index, "strides", i, &steps[i]) < 0)
+            goto done;
+    rc = 0;
+    if (*empty)   /* no bytes, whatever the other sizes */
+        goto done;
+    int64_t neg = 0, pos = 0, numel = 1;
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        if (!strides) {
+            if (__builtin_mul_overflow(numel, dims[i], &numel))
                 goto overflow;
             continue;
         }
-        PyObject *s_obj = PySequence_GetItem(strides, i);
-        if (!s_obj)
-            return -1;
-        long long s = PyLong_AsLongLong(s_obj);
-        Py_DECREF(s_obj);
-        if (s == -1 && PyErr_Occurred())
-            return -1;
         int64_t step, off;
-        if (__builtin_mul_overflow((int64_t)s, scale, &step) ||
-            __builtin_mul_overflow(step, (int64_t)(n ? n - 1 : 0), &off))
+        if (__builtin_mul_overflow(steps[i], scale, &step) ||
+            __builtin_mul_overflow(step, dims[i] - 1, &off))
             goto overflow;
         if (off < 0 ? __builtin_add_overflow(neg, off, &neg) : __builtin_add_overflow(pos, off, &pos))
             goto overflow;
     }
-    if (*empty)
-        return 0;
-    if (!strides || strides == Py_None) {   /* C-contiguous */
+    if (!strides) {   /* C-contiguous */
         *lo = 0;
         if (__builtin_mul_overflow(numel, item, span))
             goto overflow;
-        return 0;
+        goto done;
     }
     *lo = neg;
     if (__builtin_sub_overflow(pos, neg, span) || __builtin_add_overflow(*span, item, span))
         goto overflow;
-    return 0;
+    goto done;
 overflow:
+    rc = -1;
     PyErr_Format(PyExc_OverflowError,
                  "weight %zd: the span of shape %R with strides %R does not fit in 64 bits",
                  index, shape, strides ? strides : Py_None);
-    return -1;
+done:
+    if (dims != small)
+        PyMem_Free(dims);
+    return rc;
+}
+
+/* Fills out->lo/nbytes from base and the span. */
+static int place(weight_info *out, uint64_t base, int64_t lo, int64_t span, Py_ssize_t index)
+{
+    if (out->empty)
+        return 0;
+    if (lo < 0 && base < (uint64_t)(-lo)) {
+        PyErr_Format(PyExc_ValueError, "weight %zd: strides reach below address 0", index);
+        return -1;
+    }
+    out->lo = base + (uint64_t)lo;
+    out->nbytes = (uint64_t)span;
+    if (out->lo + (out->nbytes - 1) < out->lo) {   /* its last byte */
+        PyErr_Format(PyExc_OverflowError, "weight %zd: its range runs past the end of the "
+                     "64-bit address space", index);
+        return -1;
+    }
+    return 0;
+}
+
+/* The CUDA device index of a weight's device.index: None (unknown: the driver
+ * says, from the pointer) or an int in 0..INT_MAX. */
+static int device_index(PyObject *idx, Py_ssize_t index, weight_info *out)
+{
+    if (idx == Py_None) {
+        out->dev.kind = L2P_DEV_UNKNOWN;
+        out->dev.index = -1;
+        return 0;
+    }
+    if (!PyLong_Check(idx) || PyBool_Check(idx)) {
+        PyErr_Format(PyExc_TypeError, "weight %zd: device.index must be None or an int, not %s",
+                     index, Py_TYPE(idx)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long v = PyLong_AsLongAndOverflow(idx, &overflow);
+    if (v == -1 && !overflow && PyErr_Occurred())
+        return -1;
+    if (overflow || v < 0 || v > INT_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "weight %zd: device.index must be a CUDA device index in 0..%d, got %R",
+                     index, INT_MAX, idx);
+        return -1;
+    }
+    out->dev.index = (int)v;
+    return 0;
 }
 
 static int describe_tensor(PyObject *w, Py_ssize_t index, weight_info *out)
 {
     int rc = -1;
-    PyObject *ptr = NULL, *stride = NULL, *es = NULL, *device = NULL, *type = NULL, *idx = NULL;
-    out->shape = PyObject_GetAttrString(w, "shape");
-    PyObject *dtype = PyObject_GetAttrString(w, "dtype");
-    out->dtype = dtype ? PyObject_Str(dtype) : NULL;
-    Py_XDECREF(dtype);
-    if (!out->shape || !out->dtype)
+    PyObject *shape_obj = NULL, *dtype = NULL, *ptr = NULL, *stride_obj = NULL, *stride = NULL,
+             *es = NULL, *device = NULL, *type = NULL, *idx = NULL;
+    if (!(shape_obj = PyObject_GetAttrString(w, "shape"))) {
+        noted(index, "shape");
         goto done;
+    }
+    if (!(out->shape = as_tuple(shape_obj, index, "shape")))
+        goto done;
+    if (!(dtype = PyObject_GetAttrString(w, "dtype")) || !(out->dtype = PyObject_Str(dtype))) {
+        noted(index, "dtype");
+        goto done;
+    }
     if (!(device = PyObject_GetAttrString(w, "device")) || !(out->device = PyObject_Str(device)) ||
         !(type = PyObject_GetAttrString(device, "type")) ||
-        !(idx = PyObject_GetAttrString(device, "index")))
+        !(idx = PyObject_GetAttrString(device, "index"))) {
+        noted(index, "device");
         goto done;
+    }
     out->dev.kind = PyUnicode_Check(type) && PyUnicode_CompareWithASCIIString(type, "cuda") == 0
                         ? L2P_DEV_CUDA
                         : L2P_DEV_OTHER;
-    out->dev.index = idx == Py_None ? -1 : (int)PyLong_AsLong(idx);
-    if (out->dev.index == -1 && PyErr_Occurred())
+    out->dev.index = -1;
+    if (out->dev.kind == L2P_DEV_CUDA && device_index(idx, index, out) < 0)
         goto done;
-    if (!(ptr = PyObject_CallMethod(w, "data_ptr", NULL)) ||
-        !(stride = PyObject_CallMethod(w, "stride", NULL)) ||
-        !(es = PyObject_CallMethod(w, "element_size", NULL)))
+    if (!(ptr = PyObject_CallMethod(w, "data_ptr", NULL))) {
+        noted(index, "data_ptr()");
         goto done;
-    long long item = PyLong_AsLongLong(es);
-    if (item == -1 && PyErr_Occurred())
-        goto done;
-    uint64_t base;
-    int64_t lo = 0, span = 0;
-    if (get_u64(ptr, &base, index, "data_ptr()") < 0 ||
-        span_of(out->shape, stride, item, item, index, &out->empty, &lo, &span) < 0)
-        goto done;
-    if (!out->empty) {
-        if (lo < 0 && base < (uint64_t)(-lo)) {
-            PyErr_Format(PyExc_ValueError, "weight %zd: strides reach below address 0", index);
-            goto done;
-        }
-        out->lo = base + (uint64_t)lo;
-        out->nbytes = (uint64_t)span;
-        if (out->lo + (out->nbytes - 1) < out->lo) {   /* its last byte */
-            PyErr_Format(PyExc_OverflowError, "weight %zd: its range runs past the end of the "
-                         "64-bit address space", index);
-            goto done;
-        }
     }
+    if (!(stride_obj = PyObject_CallMethod(w, "stride", NULL))) {
+        noted(index, "stride()");
+        goto done;
+    }
+    if (!(es = PyObject_CallMethod(w, "element_size", NULL))) {
+        noted(index, "element_size()");
+        goto done;
+    }
+    uint64_t base;
+    int64_t item, lo = 0, span = 0;
+    if (get_u64(ptr, &base, index, "data_ptr()") < 0 ||
+        !(stride = as_tuple(stride_obj, index, "stride()")) ||
+        get_i64(es, index, "element_size()", -1, &item) < 0)
+        goto done;
+    if (item < 1) {
+        PyErr_Format(PyExc_ValueError, "weight %zd: element_size() must be >= 1, got %R", index, es);
+        goto done;
+    }
+    if (span_of(out->shape, stride, item, item, index, &out->empty, &lo, &span) < 0 ||
+        place(out, base, lo, span, index) < 0)
+        goto done;
     rc = 0;
 done:
+    Py_XDECREF(shape_obj);
+    Py_XDECREF(dtype);
     Py_XDECREF(ptr);
+    Py_XDECREF(stride_obj);
     Py_XDECREF(stride);
     Py_XDECREF(es);
     Py_XDECREF(device);
     Py_XDECREF(type);
     Py_XDECREF(idx);
     return rc;
+}
+
+/* cai[key] as a new reference, NULL (no exception) when missing. */
+static PyObject *cai_item(PyObject *cai, const char *key)
+{
+    PyObject *k = PyUnicode_FromString(key);
+    PyObject *v = k ? PyDict_GetItemWithError(cai, k) : NULL;
+    Py_XDECREF(k);
+    return Py_XNewRef(v);
 }
 
 static int describe_cai(PyObject *w, PyObject *cai, Py_ssize_t index, weight_info *out)
@@ -181,22 +344,35 @@ static int describe_cai(PyObject *w, PyObject *cai, Py_ssize_t index, weight_inf
                      index, Py_TYPE(cai)->tp_name);
         return -1;
     }
-    PyObject *shape = PyDict_GetItemString(cai, "shape");
-    PyObject *typestr = PyDict_GetItemString(cai, "typestr");
-    PyObject *data = PyDict_GetItemString(cai, "data");
-    PyObject *strides = PyDict_GetItemString(cai, "strides");
+    /* Strong references to the four items first: what reads them below can run
+     * Python code that empties or changes the dict. */
+    int rc = -1;
+    PyObject *shape = cai_item(cai, "shape"), *typestr = NULL, *data = NULL, *strides_obj = NULL,
+             *strides = NULL;
+    if (!PyErr_Occurred())
+        typestr = cai_item(cai, "typestr");
+    if (!PyErr_Occurred())
+        data = cai_item(cai, "data");
+    if (!PyErr_Occurred())
+        strides_obj = cai_item(cai, "strides");
+    if (PyErr_Occurred())
+        goto done;
     if (!shape || !PyTuple_Check(shape) || !typestr || !PyUnicode_Check(typestr) || !data ||
         !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1) {
         PyErr_Format(PyExc_ValueError,
                      "weight %zd: __cuda_array_interface__ needs 'shape' (tuple), 'typestr' (str) "
                      "and 'data' ((ptr, readonly)); got %R", index, cai);
-        return -1;
+        goto done;
     }
     const char *ts = PyUnicode_AsUTF8(typestr);
-    long item = ts && strlen(ts) >= 3 ? strtol(ts + 2, NULL, 10) : 0;
-    if (item <= 0) {
+    if (!ts) {
+        PyErr_Clear();
+        ts = "";
+    }
+    long item = strlen(ts) >= 3 ? strtol(ts + 2, NULL, 10) : 0;
+    if (item <= 0 || item == LONG_MAX) {
         PyErr_Format(PyExc_ValueError, "weight %zd: typestr %R gives no item size", index, typestr);
-        return -1;
+        goto done;
     }
     out->shape = Py_NewRef(shape);
     out->dtype = Py_NewRef(typestr);
@@ -204,39 +380,43 @@ static int describe_cai(PyObject *w, PyObject *cai, Py_ssize_t index, weight_inf
     out->dev.kind = L2P_DEV_UNKNOWN;
     out->dev.index = -1;
     if (!out->device)
-        return -1;
+        goto done;
+    if (strides_obj && strides_obj != Py_None &&
+        !(strides = as_tuple(strides_obj, index, "__cuda_array_interface__ strides")))
+        goto done;
     uint64_t base;
     int64_t lo = 0, span = 0;
     if (get_u64(PyTuple_GET_ITEM(data, 0), &base, index, "the data pointer") < 0 ||
-        span_of(shape, strides, 1, item, index, &out->empty, &lo, &span) < 0)
-        return -1;
-    if (!out->empty) {
-        if (lo < 0 && base < (uint64_t)(-lo)) {
-            PyErr_Format(PyExc_ValueError, "weight %zd: strides reach below address 0", index);
-            return -1;
-        }
-        out->lo = base + (uint64_t)lo;
-        out->nbytes = (uint64_t)span;
-        if (out->lo + (out->nbytes - 1) < out->lo) {   /* its last byte */
-            PyErr_Format(PyExc_OverflowError, "weight %zd: its range runs past the end of the "
-                         "64-bit address space", index);
-            return -1;
-        }
-    }
-    return 0;
+        span_of(shape, strides, 1, item, index, &out->empty, &lo, &span) < 0 ||
+        place(out, base, lo, span, index) < 0)
+        goto done;
+    rc = 0;
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(typestr);
+    Py_XDECREF(data);
+    Py_XDECREF(strides_obj);
+    Py_XDECREF(strides);
+    return rc;
 }
 
 static int describe(PyObject *w, Py_ssize_t index, weight_info *out)
 {
     memset(out, 0, sizeof *out);
-    if (is_tensor_like(w))
+    int tensor = is_tensor_like(w);
+    if (tensor < 0)
+        return noted(index, "the attributes");
+    if (tensor)
         return describe_tensor(w, index, out);
     PyObject *cai = PyObject_GetAttrString(w, "__cuda_array_interface__");
     if (!cai) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError,
-                     "weight %zd is a %s, not a tensor: weights must be torch tensors or objects "
-                     "with __cuda_array_interface__", index, Py_TYPE(w)->tp_name);
+        if (PyErr_ExceptionMatches(PyExc_AttributeError))
+            l2p_format_from_cause(PyExc_TypeError,
+                                  "weight %zd is a %s, not a tensor: weights must be torch tensors "
+                                  "or objects with __cuda_array_interface__",
+                                  index, Py_TYPE(w)->tp_name);
+        else
+            noted(index, "__cuda_array_interface__");
         return -1;
     }
     int rc = describe_cai(w, cai, index, out);
@@ -253,18 +433,25 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
         *devices = NULL;
     if (device_names)
         *device_names = NULL;
-    if (PyUnicode_Check(weights) || PyBytes_Check(weights) || is_tensor_like(weights) ||
-        PyObject_HasAttrString(weights, "__cuda_array_interface__"))
+    int single = PyUnicode_Check(weights) || PyBytes_Check(weights);
+    if (!single && (single = is_tensor_like(weights)) == 0)
+        single = has_interface(weights);
+    if (single < 0)
+        return NULL;
+    if (single)
         return PyErr_Format(PyExc_TypeError,
                             "weights must be a sequence of tensors, not a single %s; wrap it: (w,)",
                             Py_TYPE(weights)->tp_name);
+    if (PyAnySet_Check(weights) || PyDict_Check(weights))
+        return PyErr_Format(PyExc_TypeError,
+                            "weights must be an ordered sequence of tensors (a list or tuple), not "
+                            "a %s: ranges are made and capped in the weights' order",
+                            Py_TYPE(weights)->tp_name);
     PyObject *tuple = PySequence_Tuple(weights);
     if (!tuple) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "weights must be a sequence of tensors, not %s",
-                         Py_TYPE(weights)->tp_name);
-        }
+        if (PyErr_ExceptionMatches(PyExc_TypeError))
+            l2p_format_from_cause(PyExc_TypeError, "weights must be a sequence of tensors, not %s",
+                                  Py_TYPE(weights)->tp_name);
         return NULL;
     }
     if (byte_cap < 0) {
@@ -282,11 +469,9 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
     uint64_t remaining = (uint64_t)byte_cap;
     Py_ssize_t used = 0;
     int spent = 0;   /* the cap is spent: later weights give no range (seed: the walk
-                        stops), but are still described for the device checks */
+                        stops), but are still read and checked */
     for (Py_ssize_t i = 0; i < count; i++) {
         weight_info w;
-        if (spent && !devs)
-            break;
         if (describe(PyTuple_GET_ITEM(tuple, i), i, &w) < 0) {
             info_clear(&w);
             goto error;

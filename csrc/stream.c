@@ -9,6 +9,10 @@
  * torch.cuda.current_stream(device).cuda_stream through Python.  The lookup
  * is retried until torch has been imported, so importing l2prefetch before
  * torch costs nothing.
+ *
+ * The Python fallback and a stream object's cuda_stream / device properties
+ * run Python code: callers look nothing of theirs up before these calls that
+ * they use after them (see DESIGN.md, "calls take effect at one point").
  */
 #define _GNU_SOURCE
 #include "l2p.h"
@@ -99,38 +103,44 @@ int l2p_parse_stream(PyObject *stream, int device, CUstream *out)
         *out = (CUstream)(uintptr_t)v;
         return 0;
     }
-    PyObject *handle = PyBool_Check(stream) ? NULL : PyObject_GetAttrString(stream, "cuda_stream");
-    if (!handle) {
-        PyErr_Clear();
+    PyObject *handle = NULL;
+    int found = PyBool_Check(stream) ? 0 : l2p_optional_attr(stream, "cuda_stream", &handle);
+    if (found < 0)
+        return -1;   /* the property raised: its exception, not ours */
+    if (!found) {
         PyErr_Format(PyExc_TypeError,
                      "stream must be None, an int CUstream handle or a torch.cuda.Stream, not %s", Py_TYPE(stream)->tp_name);
         return -1;
     }
-    PyObject *dev = PyObject_GetAttrString(stream, "device");
-    if (dev) {
-        PyObject *idx = PyObject_GetAttrString(dev, "index");
-        if (idx && PyLong_Check(idx) && PyLong_AsLong(idx) != device) {
+    /* A stream of another device, when it says which (.device.index). */
+    PyObject *dev = NULL, *idx = NULL;
+    int rc = -1;
+    if (l2p_optional_attr(stream, "device", &dev) < 0 ||
+        (dev && l2p_optional_attr(dev, "index", &idx) < 0))
+        goto done;
+    if (idx && PyLong_Check(idx) && !PyBool_Check(idx)) {
+        int overflow = 0;
+        long v = PyLong_AsLongAndOverflow(idx, &overflow);
+        if (v == -1 && !overflow && PyErr_Occurred())
+            goto done;
+        if (overflow || v != device) {
             PyErr_Format(PyExc_ValueError,
                          "the stream is on %S but the prefetch is for cuda:%d: pass a stream of cuda:%d",
                          dev, device, device);
-            Py_DECREF(idx);
-            Py_DECREF(dev);
-            Py_DECREF(handle);
-            return -1;
+            goto done;
         }
-        Py_XDECREF(idx);
-        Py_DECREF(dev);
     }
-    PyErr_Clear();
     /* One level only: a .cuda_stream that is itself an object (a Mock, say) is
      * an error, not something to unwrap without end. */
     if (!PyLong_Check(handle) || PyBool_Check(handle)) {
         PyErr_Format(PyExc_TypeError, "stream.cuda_stream must be an int CUstream handle, not %s",
                      Py_TYPE(handle)->tp_name);
-        Py_DECREF(handle);
-        return -1;
+        goto done;
     }
-    int rc = l2p_parse_stream(handle, device, out);
+    rc = l2p_parse_stream(handle, device, out);
+done:
+    Py_XDECREF(idx);
+    Py_XDECREF(dev);
     Py_DECREF(handle);
     return rc;
 }
@@ -141,4 +151,29 @@ PyObject *l2p_py_stream_source(PyObject *module, PyObject *unused)
     if (source == UNRESOLVED)
         resolve();
     return PyUnicode_FromString(source == SHIM ? "shim" : source == PYTHON ? "python" : "unresolved");
+}
+
+/* _C._set_stream_source(name): testing hook.  "python" forces the Python
+ * fallback (torch.cuda.current_stream), None forgets the choice (resolved again
+ * on next use), "shim" resolves and fails if there is no shim. */
+PyObject *l2p_py_set_stream_source(PyObject *module, PyObject *arg)
+{
+    if (arg == Py_None) {
+        source = UNRESOLVED;
+        shim = NULL;
+        Py_RETURN_NONE;
+    }
+    if (PyUnicode_Check(arg) && PyUnicode_CompareWithASCIIString(arg, "python") == 0) {
+        source = PYTHON;
+        Py_RETURN_NONE;
+    }
+    if (PyUnicode_Check(arg) && PyUnicode_CompareWithASCIIString(arg, "shim") == 0) {
+        source = UNRESOLVED;
+        shim = NULL;
+        resolve();
+        if (source == SHIM)
+            Py_RETURN_NONE;
+        return PyErr_Format(PyExc_RuntimeError, "no aoti_torch_get_current_cuda_stream in this process");
+    }
+    return PyErr_Format(PyExc_ValueError, "stream source must be 'python', 'shim' or None, not %R", arg);
 }

@@ -279,6 +279,7 @@ class FakeNvrtc:
             "fakenvrtc_calls": (c_int, [c_char_p]),
             "fakenvrtc_live_programs": (ctypes.c_long, []),
             "fakenvrtc_bad_destroys": (ctypes.c_long, []),
+            "fakenvrtc_set_compile_delay_us": (None, [ctypes.c_long]),
             "nvrtcGetErrorString": (c_char_p, [c_int]),
         }
         for name, (restype, argtypes) in sigs.items():
@@ -300,6 +301,10 @@ class FakeNvrtc:
         if n < 0:
             raise ValueError(f"unknown NVRTC function {name!r}")
         return n
+
+    def set_compile_delay(self, seconds):
+        """Each compile first sleeps this long (0: none), outside the stand-in's lock."""
+        self.lib.fakenvrtc_set_compile_delay_us(int(seconds * 1e6))
 
     def live_programs(self):
         """Programs created and not destroyed since reset()."""

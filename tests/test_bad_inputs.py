@@ -163,6 +163,95 @@ def subprocess_status(*args):
     return proc.returncode
 
 
+class Raising:
+    """A weight whose __cuda_array_interface__ raises exc."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    @property
+    def __cuda_array_interface__(self):
+        raise self.exc
+
+
+class RaisingStream:
+    """A stream whose cuda_stream raises exc."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    @property
+    def cuda_stream(self):
+        raise self.exc
+
+
+def odd_device_tensor(index):
+    """A meta tensor whose device says cuda with this index (not a torch.device)."""
+
+    class OddDeviceTensor(torch.Tensor):
+        @property
+        def device(self):
+            return types.SimpleNamespace(type="cuda", index=index)
+
+        def data_ptr(self):
+            return P0
+
+    return torch.Tensor._make_subclass(OddDeviceTensor, torch.empty(8, device="meta"))
+
+
+class SubController(PC):
+    """A subclass with a constructor argument of its own (not a device)."""
+
+    def __init__(self, name, device=None):
+        super().__init__(device)
+        self.name = name
+
+
+class ForgetfulController(PC):
+    """A subclass whose __init__ never calls the base's."""
+
+    def __init__(self):
+        pass
+
+
+def disabled_everywhere(value):
+    """(hooks.disabled(), l2prefetch.disabled(), not PrefetchController().enabled) under
+    L2PREFETCH_DISABLE=value: one parser, one rule."""
+    with mock.patch.dict(os.environ, {"L2PREFETCH_DISABLE": value}):
+        return hooks.disabled(), l2prefetch.disabled(), not PC(device=0).enabled
+
+
+CHILD_NVRTC = """
+import json, os, site, sys
+planted = os.path.join(os.getcwd(), "nvidia", "cu13", "lib", "libnvrtc.so.13")
+sys.path[1:1] = ["/nonexistent/\\udcff"]       # a sys.path entry that is not UTF-8
+real = site.getsitepackages
+site.getsitepackages = lambda: real() + ["/nonexistent/\\udcff", "/nonexistent/\\ud800"]
+from l2prefetch import _C, CudaUnavailableError
+try:
+    path = _C.nvrtc_info()["path"]
+except CudaUnavailableError as exc:
+    path = str(exc)
+print(json.dumps(planted in path))
+"""
+
+
+def planted_nvrtc_loaded(tmp_path, fakenvrtc):
+    """`python -m` from a folder holding nvidia/cu13/lib/libnvrtc.so.13 (a loadable NVRTC,
+    the stand-in): whether NVRTC is looked for (or loaded) there.  sys.path[0] is that
+    folder, and a non-UTF-8 entry is on sys.path and site-packages."""
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libnvrtc.so.13").write_bytes(open(fakenvrtc, "rb").read())
+    (tmp_path / "probe_nvrtc.py").write_text(CHILD_NVRTC)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(l2prefetch.__path__[0]))
+    env.pop("L2PREFETCH_LIBNVRTC", None)
+    proc = subprocess.run([sys.executable, "-m", "probe_nvrtc"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def exit_status(fn, *args):
     """fn(*args)'s return value, or the code of the SystemExit it raised."""
     try:
@@ -236,6 +325,11 @@ class Env:
         return plan_main(["--shapes", str(path)])
 
     @functools.cached_property
+    def fakenvrtc(self):    # the NVRTC stand-in, built once per session
+        from _fakecuda import build_fakenvrtc
+        return build_fakenvrtc(str(self.tmp_path.parent / "fakenvrtc-bad-inputs"))
+
+    @functools.cached_property
     def kimi(self):         # (model, layers, packed) of a 3-layer synthetic Kimi on meta
         return build_synthetic_kimi({"layers": 3}, tp=8)
 
@@ -307,6 +401,36 @@ ROWS = [
     row("compute_ranges", "strides below address 0",
         lambda e: compute_ranges([FakeArray(16, (4,), "<f4", (-16,))]),
         Raises(ValueError, r"weight 0: strides reach below address 0")),
+    row("compute_ranges", "a set of weights", lambda e: compute_ranges({cpu(8)}),
+        Raises(TypeError, r"weights must be an ordered sequence of tensors \(a list or tuple\), not a set")),
+    row("compute_ranges", "a frozenset of weights", lambda e: compute_ranges(frozenset()),
+        Raises(TypeError, r"ordered sequence of tensors .*, not a frozenset")),
+    row("compute_ranges", "a dict of weights", lambda e: compute_ranges({"w": cpu(8)}),
+        Raises(TypeError, r"ordered sequence of tensors .*, not a dict")),
+    row("compute_ranges", "byte cap spent, then a non-tensor", lambda e: compute_ranges([arr(0), object()], 16),
+        Raises(TypeError, r"weight 1 is a object, not a tensor")),
+    row("compute_ranges", "byte cap spent, then a span beyond 64 bits",
+        lambda e: compute_ranges([arr(0), FakeArray(P0, *TOO_WIDE)], 16),
+        Raises(OverflowError, r"weight 1: the span .* does not fit in 64 bits")),
+    row("compute_ranges", "byte cap spent, then a misaligned array (valid: no range, unchecked)",
+        lambda e: compute_ranges([arr(0), FakeArray(P0 + 4, (8,))], 16), Returns([(P0, 16)])),
+    row("compute_ranges", "zero-size with huge other sizes (valid: skipped)",
+        lambda e: compute_ranges([FakeArray(P0, (0, 2**62, 2**62)),
+                                  FakeArray(P0, (2**62, 0), "<f8", (2**62, 2**62))]), Returns([])),
+    row("compute_ranges", "a shape element beyond 64 bits", lambda e: compute_ranges([FakeArray(P0, (2**64,))]),
+        Raises(OverflowError, r"weight 0: shape element 0 is 18446744073709551616, which does not fit in 64 bits")),
+    row("compute_ranges", "a float shape element", lambda e: compute_ranges([arr(0), FakeArray(P0, (4, 2.0))]),
+        Raises(TypeError, r"weight 1: shape element 1 must be an int, not float")),
+    row("compute_ranges", "a str stride", lambda e: compute_ranges([FakeArray(P0, (4,), "<f2", ("2",))]),
+        Raises(TypeError, r"weight 0: strides element 0 must be an int, not str")),
+    row("compute_ranges", "KeyboardInterrupt in __cuda_array_interface__ (passes through)",
+        lambda e: compute_ranges([arr(0), Raising(KeyboardInterrupt())]), Raises(KeyboardInterrupt, r"")),
+    row("compute_ranges", "an error in __cuda_array_interface__ (its own)",
+        lambda e: compute_ranges([Raising(RuntimeError("no device"))]), Raises(RuntimeError, r"no device")),
+    row("compute_ranges", "device.index 2**32", lambda e: compute_ranges([odd_device_tensor(2**32)]),
+        Raises(ValueError, r"weight 0: device.index must be a CUDA device index in 0\.\.2147483647, got 4294967296")),
+    row("compute_ranges", "device.index -1", lambda e: compute_ranges([odd_device_tensor(-1)]),
+        Raises(ValueError, r"weight 0: device.index must be a CUDA device index .*, got -1")),
 
     # ---- PreparedWeightRanges(weights, *, byte_cap, grid, carveout, priority, kernel, device) --
     row("PreparedWeightRanges", "weights None", lambda e: PWR(None),
@@ -341,6 +465,18 @@ ROWS = [
         Raises(ValueError, r"16-byte aligned: weight 0 .*on cuda:0\) starts at 0x[0-9a-f]+, 2 bytes past")),
     row("PreparedWeightRanges", "span beyond 64 bits", lambda e: PWR([FakeArray(P0, *TOO_WIDE)]),
         Raises(OverflowError, r"weight 0: the span .* does not fit in 64 bits")),
+    row("PreparedWeightRanges", "a set of weights", lambda e: PWR({arr(0)}),
+        Raises(TypeError, r"ordered sequence of tensors .*, not a set")),
+    row("PreparedWeightRanges", "byte cap spent, then a non-tensor", lambda e: PWR([arr(0), object()], byte_cap=16),
+        Raises(TypeError, r"weight 1 is a object, not a tensor")),
+    row("PreparedWeightRanges", "device.index 2**32", lambda e: PWR([odd_device_tensor(2**32)]),
+        Raises(ValueError, r"weight 0: device.index must be a CUDA device index")),
+    row("PreparedWeightRanges", "KeyboardInterrupt in __cuda_array_interface__ (passes through)",
+        lambda e: PWR([Raising(KeyboardInterrupt())]), Raises(KeyboardInterrupt, r"")),
+    row("PreparedWeightRanges", "pickled", lambda e: pickle.dumps(e.table),
+        Raises(TypeError, r"cannot pickle a PreparedWeightRanges")),
+    row("PreparedWeightRanges", "copied", lambda e: copy.copy(e.table),
+        Raises(TypeError, r"cannot pickle a PreparedWeightRanges")),
     row("PreparedWeightRanges", "129 ranges", lambda e: PWR([arr(i, 8) for i in range(129)]),
         Raises(ValueError, r"129 ranges, but one PreparedWeightRanges holds at most 128")),
     row("PreparedWeightRanges", "zero-dim tensor (valid: one element)",
@@ -444,6 +580,21 @@ ROWS = [
     row("PreparedWeightRanges.launch", "an empty table (valid: the empty launch)",
         lambda e: PWR([], device=0).launch(stream=S), Returns(None)),
 
+    # ---- module functions and the NVRTC search --------------------------------------------------
+    row("_C._use_driver", "a path that cannot be encoded", lambda e: _C._use_driver("/x/\ud800"),
+        Raises(UnicodeEncodeError, r"surrogates not allowed")),
+    row("_C._use_driver", "a path with a NUL", lambda e: _C._use_driver("/x/a\0b"),
+        Raises(ValueError, r"embedded null byte")),
+    row("_C._use_nvrtc", "a path that cannot be encoded", lambda e: _C._use_nvrtc("/x/\ud800"),
+        Raises(UnicodeEncodeError, r"surrogates not allowed")),
+    row("NVRTC search", "python -m from a folder with a planted NVRTC, non-UTF-8 path entries "
+        "(valid: not looked for there)", lambda e: planted_nvrtc_loaded(e.tmp_path, e.fakenvrtc),
+        Returns(False)),
+    row("_C.env_flag", "a name with a NUL", lambda e: _C.env_flag("A\0B"),
+        Raises(ValueError, r"name must not contain a NUL")),
+    row("_C.env_flag", "name None", lambda e: _C.env_flag(None),
+        Raises(TypeError, r"name must be a str, not NoneType")),
+
     # ---- PrefetchController(device=None) ------------------------------------------------------------
     row("PrefetchController", "device 'cpu'", lambda e: PC(device="cpu"),
         Raises(ValueError, r"device must be a CUDA device .*got 'cpu'")),
@@ -464,9 +615,9 @@ ROWS = [
     row("PrefetchController", "graph_fork unknown", lambda e: PC(graph_fork="fast"),
         Raises(ValueError, r"graph_fork must be 'inline' \(the default\) or 'branch', not 'fast'")),
     row("PrefetchController", "graph_fork None", lambda e: PC(graph_fork=None),
-        Raises(ValueError, r"graph_fork must be 'inline' .* or 'branch', not None")),
+        Raises(TypeError, r"graph_fork must be 'inline' .* or 'branch', not NoneType")),
     row("PrefetchController", "graph_fork an int", lambda e: PC(graph_fork=1),
-        Raises(ValueError, r"graph_fork must be 'inline' .* or 'branch', not 1")),
+        Raises(TypeError, r"graph_fork must be 'inline' .* or 'branch', not int")),
     row("PrefetchController", "graph_fork positional", lambda e: PC(0, "branch"),
         Raises(TypeError, r"takes at most 1 positional argument \(2 given\)")),
     row("PrefetchController", "graph_fork 'branch' (valid)", lambda e: PC(graph_fork="branch").graph_fork,
@@ -474,6 +625,32 @@ ROWS = [
     row("PrefetchController", "unknown keyword", lambda e: PC(devic=0),
         Raises(TypeError, r"'devic' is an invalid keyword argument")),
     row("PrefetchController", "device None (valid: the current device)", lambda e: PC().device, Returns(0)),
+    row("PrefetchController", "eager a str", lambda e: PC(eager="no"),
+        Raises(TypeError, r"eager must be a bool, not str")),
+    row("PrefetchController", "eager an int", lambda e: PC(eager=0),
+        Raises(TypeError, r"eager must be a bool, not int")),
+    row("PrefetchController", "a subclass's own argument (valid: not the device)",
+        lambda e: (lambda c: (c.name, c.device))(SubController(1)), Returns((1, 0))),
+    row("PrefetchController", "__init__ called again", lambda e: e.ctl.__init__(device=1),
+        Raises(Error, r"__init__\(\) called on a controller that is initialised already \(cuda:0\)")),
+    row("PrefetchController", "a subclass that skips __init__, then fork",
+        lambda e: ForgetfulController().fork("attn", 0, 1, stream=S),
+        Raises(Error, r"not initialised: .*super\(\).__init__")),
+    row("PrefetchController", "pickled with protocol 0", lambda e: pickle.dumps(e.ctl, protocol=0),
+        Raises(TypeError, r"a PrefetchController cannot be pickled or copied")),
+    row("PrefetchController", "deep-copied", lambda e: copy.deepcopy(e.ctl),
+        Raises(TypeError, r"a PrefetchController cannot be pickled or copied")),
+    row("_C.PrefetchController", "pickled (the C type alone)",
+        lambda e: pickle.dumps(_C.PrefetchController(0)),
+        Raises(TypeError, r"cannot pickle a PrefetchController: it owns a CUDA stream")),
+    row("L2PREFETCH_DISABLE", "' 1' (valid: off for the hooks and the controller)",
+        lambda e: disabled_everywhere(" 1"), Returns((True, True, True))),
+    row("L2PREFETCH_DISABLE", "'Yes\\n' (valid: off everywhere)",
+        lambda e: disabled_everywhere("Yes\n"), Returns((True, True, True))),
+    row("L2PREFETCH_DISABLE", "' 0 ' (valid: on everywhere)",
+        lambda e: disabled_everywhere(" 0 "), Returns((False, False, False))),
+    row("L2PREFETCH_DISABLE", "'1x' (valid: on everywhere)",
+        lambda e: disabled_everywhere("1x"), Returns((False, False, False))),
 
     # ---- PrefetchController.add(point, layer, batches, ranges) ---------------------------------------
     row("PrefetchController.add", "point None", lambda e: e.ctl.add(None, 0, 1, e.table),
@@ -512,6 +689,26 @@ ROWS = [
         Raises(ValueError, r"ranges are prepared for cuda:1 but this controller is for cuda:0")),
     row("PrefetchController.add", "three arguments", lambda e: e.ctl.add("a", 0, 1),
         Raises(TypeError, r"add\(\) takes 4 arguments \(point, layer, batches, ranges\), 3 given")),
+    row("PrefetchController.add", "graph_fork unknown", lambda e: e.ctl.add("a", 0, 1, e.table, graph_fork="fast"),
+        Raises(ValueError, r"graph_fork must be 'inline', 'branch' or None \(the controller's\), not 'fast'")),
+    row("PrefetchController.add", "graph_fork an int", lambda e: e.ctl.add("a", 0, 1, e.table, graph_fork=1),
+        Raises(TypeError, r"graph_fork must be 'inline', 'branch' or None .*, not int")),
+    row("PrefetchController.add", "graph_fork positional", lambda e: e.ctl.add("a", 0, 1, e.table, "branch"),
+        Raises(TypeError, r"add\(\) takes 4 arguments \(point, layer, batches, ranges\), 5 given")),
+    row("PrefetchController.add", "unknown keyword", lambda e: e.ctl.add("a", 0, 1, e.table, mode="branch"),
+        Raises(TypeError, r"add\(\) got an unexpected keyword argument 'mode'")),
+    row("PrefetchController.add", "graph_fork 'branch' (valid: those keys' mode)",
+        lambda e: (e.ctl.add("a", 0, [1, 2], e.table, graph_fork="branch"),
+                   e.ctl.get_mode("a", 0, 2), e.ctl.get_mode("attn", 0, 1)), Returns((None, "branch", "inline"))),
+    row("PrefetchController.add", "graph_fork None (valid: the controller's)",
+        lambda e: (e.ctl.add("a", 0, 1, e.table, graph_fork=None), e.ctl.get_mode("a", 0, 1)),
+        Returns((None, "inline"))),
+    row("PrefetchController.add", "layer and batch 65535 (valid: sparse tables)",
+        lambda e: (e.ctl.add("p", 65535, [65535], e.table), e.ctl.add("p", 0, [65535], e.table),
+                   e.ctl.get("p", 65535, 65535) is e.table, len(e.ctl)), Returns((None, None, True, 4))),
+    row("PrefetchController.add", "a point name of a str subclass (valid: kept as a str)",
+        lambda e: (e.ctl.add(type("Name", (str,), {"__hash__": lambda s: 1 // 0})("b"), 0, 1, e.table),
+                   type(e.ctl.points[-1]).__name__), Returns((None, "str"))),
     row("PrefetchController.add", "an empty table (valid: its fork launches nothing)",
         lambda e: (e.ctl.add("e", 0, 1, PWR([], device=0)), e.ctl.fork("e", 0, 1, stream=S),
                    e.ctl.stats()["e"]), Returns((None, True, {"forks": 1, "bytes": 0}))),
@@ -559,6 +756,15 @@ ROWS = [
         lambda e: e.ctl.fork("attn", 0, 1, stream=e.ctl1.stream_handle),
         Raises(CudaError, r"cuEventRecord failed: CUDA_ERROR_INVALID_HANDLE")),
     # Nothing to launch, so the stream is not looked at.
+    row("PrefetchController.fork", "the capture-state query fails",
+        lambda e: (e.ctl, e.fake.fail("cuStreamGetCaptureInfo"), e.ctl.fork("attn", 0, 1, stream=S)),
+        Raises(CudaError, r"cuStreamGetCaptureInfo failed: CUDA_ERROR_UNKNOWN")),
+    row("PrefetchController.fork", "KeyboardInterrupt in stream.cuda_stream (passes through)",
+        lambda e: e.ctl.fork("attn", 0, 1, stream=RaisingStream(KeyboardInterrupt())),
+        Raises(KeyboardInterrupt, r"")),
+    row("PrefetchController.fork", "an error in stream.cuda_stream (its own)",
+        lambda e: e.ctl.fork("attn", 0, 1, stream=RaisingStream(RuntimeError("stream gone"))),
+        Raises(RuntimeError, r"stream gone")),
     row("PrefetchController.fork", "unknown point, stream of another device (valid: False)",
         lambda e: e.ctl.fork("nope", 0, 1, stream=e.stream1), Returns(False)),
 
@@ -591,6 +797,12 @@ ROWS = [
     row("PrefetchController.get", "unknown point (valid: None)", lambda e: e.ctl.get("nope", 0, 1),
         Returns(None)),
     row("PrefetchController.get", "huge batch (valid: None)", lambda e: e.ctl.get("attn", 0, 10**30),
+        Returns(None)),
+    row("PrefetchController.get_mode", "point None", lambda e: e.ctl.get_mode(None, 0, 1),
+        Raises(TypeError, r"point must be a str, not NoneType")),
+    row("PrefetchController.get_mode", "two arguments", lambda e: e.ctl.get_mode("attn", 0),
+        Raises(TypeError, r"get_mode\(\) takes point, layer, batch \(2 given\)")),
+    row("PrefetchController.get_mode", "unknown key (valid: None)", lambda e: e.ctl.get_mode("attn", 0, 3),
         Returns(None)),
     row("PrefetchController.keys", "an argument", lambda e: e.ctl.keys(1),
         Raises(TypeError, r"keys\(\) takes no arguments \(1 given\)")),

@@ -149,6 +149,9 @@ def test_graph_fork_with_the_c_controller(fake):
     if add_takes_graph_fork(fake):
         c = PC.from_plan(mixed_plan(), device=0)
         assert sorted(c.keys()) == [("attn", 0, 1), ("attn", 1, 1), ("attn", 2, 1)]
+        assert [c.get_mode("attn", layer, 1) for layer in range(3)] == [
+            e.graph_fork or "inline" for e in mixed_plan()]
+        c.close()
     else:
         with pytest.raises(NotImplementedError, match="takes no graph_fork"):
             PC.from_plan(mixed_plan(), device=0)

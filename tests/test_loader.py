@@ -238,3 +238,35 @@ def test_nvrtc_error_carries_numbered_source():
     assert e.source == "   1  __global__ void k() {}\n   2  int broken = ;\n"
     assert e.options == ["-DX=1"] and "(2)" in e.log
     assert "options: ['-DX=1']" in str(e) and e.log in str(e)
+
+
+def test_nvrtc_is_searched_only_under_site_packages(tmp_path):
+    """Where NVRTC is looked for when none is loaded: the wheel's folders under each
+    site-packages folder, CUDA_HOME, /usr/local/cuda, the loader's path; never under
+    the other sys.path entries, of which the working directory is one with `python -m`
+    (a planted nvidia/cu13/lib/libnvrtc.so.13 there would be code execution)."""
+    site_dir, cwd_dir = tmp_path / "site", tmp_path / "cwd"
+    site_dir.mkdir()
+    cwd_dir.mkdir()
+    code = textwrap.dedent(f"""
+        import json, site, sys
+        sys.path.insert(0, {str(cwd_dir)!r})
+        site.getsitepackages = lambda: [{str(site_dir)!r}]
+        site.ENABLE_USER_SITE = False
+        from l2prefetch import _C, CudaUnavailableError
+        try:
+            print(json.dumps({{"path": _C.nvrtc_info()["path"]}}))
+        except CudaUnavailableError as e:
+            print(json.dumps({{"message": str(e), "reason": e.reason}}))
+    """)
+    out = json.loads(run(code, L2PREFETCH_LIBNVRTC=None, CUDA_HOME=str(tmp_path / "cuda"),
+                         CUDA_PATH=None))
+    if "path" in out:        # found on the loader's path or in /usr/local/cuda
+        assert not out["path"].startswith(str(cwd_dir)), out
+        return
+    looked = out["message"]
+    assert f"{site_dir}/nvidia/cu13/lib/libnvrtc.so.13: not found" in looked
+    assert f"{site_dir}/nvidia/cuda_nvrtc/lib/libnvrtc.so.12: not found" in looked
+    assert f"{tmp_path}/cuda/lib64/libnvrtc.so.13: not found" in looked
+    assert "/usr/local/cuda/lib64/libnvrtc.so.13" in looked
+    assert str(cwd_dir) not in looked and out["reason"] == "nvrtc_not_found"

@@ -354,3 +354,42 @@ def test_failing_arch_query_trusts_the_sm(nv, tmp_path, op):
     assert_clean(nv)
     _C._use_nvrtc(nv.path)
     assert _C.nvrtc_info()["archs"] == [75, 80, 86, 89, 90, 100, 120]
+
+
+# ------------------------------------------------------------ kernel_cache_info
+
+def test_kernel_cache_info_says_how_each_image_was_obtained(nv, tmp_path, monkeypatch):
+    assert _C.kernel_cache_info() == []
+    nv.set_compile_delay(0.02)
+    try:
+        _C._kernel_image("ring", 90)
+    finally:
+        nv.set_compile_delay(0)
+    info, = _C.kernel_cache_info()
+    assert info == {"variant": "ring", "arch": 90, "ptx": False, "source": "compiled",
+                    "ms": info["ms"], "nvrtc_version": (13, 0)}
+    assert 20 <= info["ms"] < 10_000
+    _C._kernel_image("ring", 90)                    # the memory cache: nothing new
+    assert _C.kernel_cache_info() == [info]
+    info["source"] = "changed"                      # a copy
+    assert _C.kernel_cache_info()[0]["source"] == "compiled"
+    _C.clear_kernel_cache()
+    assert _C.kernel_cache_info() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _C._kernel_image("ring", 103)               # PTX for compute_100
+    _C._kernel_image("ring", 90)                    # the disk cache this time
+    got = {(i["arch"], i["ptx"]): i["source"] for i in _C.kernel_cache_info()}
+    assert got == {(100, True): "compiled", (90, False): "disk"}
+    assert nv.calls("nvrtcCompileProgram") == 2
+    monkeypatch.setenv("L2PREFETCH_NO_DISK_CACHE", "1")
+    _C.clear_kernel_cache()
+    _C._kernel_image("ring", 90)
+    assert [i["source"] for i in _C.kernel_cache_info()] == ["compiled"]
+
+
+def test_kernel_cache_info_of_a_prepared_table(fake, nv):
+    PWR([], device=0)
+    PWR([], device=0, kernel="load")
+    got = sorted((i["variant"], i["source"]) for i in _C.kernel_cache_info())
+    assert got == [("load", "compiled"), ("ring", "compiled")]

@@ -11,9 +11,9 @@ environment turns every controller into a no-op without a code change.
 """
 
 import logging
-import os
 
 from ._version import __version__
+from . import _C
 from ._C import (
     MAX_RANGES,
     CudaError,
@@ -48,5 +48,7 @@ __all__ = [
 
 
 def disabled() -> bool:
-    """Whether L2PREFETCH_DISABLE asks for no prefetching (1, true, yes, on)."""
-    return os.environ.get("L2PREFETCH_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether L2PREFETCH_DISABLE asks for no prefetching (1, true, yes, on; any case,
+    blanks around it ignored): the C controller's rule, read by the C parser."""
+    return _C.env_flag("L2PREFETCH_DISABLE")
+

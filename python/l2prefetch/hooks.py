@@ -29,7 +29,6 @@ attach nothing, which turns prefetching off without a code change.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
@@ -55,13 +54,15 @@ Site = tuple["torch.nn.Module", int]
 #: a batch of 0 (or None) skips the fork.
 BatchFn = Callable[["torch.nn.Module", tuple, dict], Optional[int]]
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
 _disabled_logged = False
 
 
 def disabled() -> bool:
-    """True when ``L2PREFETCH_DISABLE`` holds a true value (1, true, yes, on; any case)."""
-    return os.environ.get("L2PREFETCH_DISABLE", "").strip().lower() in _TRUE
+    """True when ``L2PREFETCH_DISABLE`` holds a true value (1, true, yes, on; any case,
+    blanks around it ignored): the rule the C controller uses, read by its parser."""
+    from . import _C
+
+    return _C.env_flag("L2PREFETCH_DISABLE")
 
 
 class Attachment:

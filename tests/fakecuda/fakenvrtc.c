@@ -21,6 +21,10 @@
  *     live program that program's log becomes "injected failure in <function>"
  *     (an injected nvrtcCompileProgram also leaves it uncompiled).
  *
+ *   - Takes a set time per compile on request (fakenvrtc_set_compile_delay_us),
+ *     sleeping before it takes its lock, so that compiles of several threads
+ *     overlap as real ones do (the extension compiles without the GIL).
+ *
  * Programs are encoded integers (kind << 48 | reset generation << 36 |
  * (index + 1) << 4), never dereferenced by callers.  One mutex guards
  * everything; counters are process-wide.
@@ -31,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -260,7 +265,13 @@ static int arch_option(const char *opt, int *num, int *ptx) {
     return 1;
 }
 
+static long compile_delay_us; /* read without the lock: set by the test before it compiles */
+
 EXPORT nvrtcResult nvrtcCompileProgram(nvrtcProgram prog, int num_options, const char *const *options) {
+    if (compile_delay_us > 0) {
+        struct timespec t = {compile_delay_us / 1000000, (compile_delay_us % 1000000) * 1000};
+        nanosleep(&t, NULL);
+    }
     GATE(nvrtcCompileProgram, prog);
     Prog *p = live_prog(prog);
     if (!p) UNLOCK_RETURN(E_INVALID_PROGRAM);
@@ -377,6 +388,9 @@ static int fn_index(const char *name) {
 }
 
 /* Forgets every program (live ones too), counter and pending failure. */
+/* Each nvrtcCompileProgram first sleeps us microseconds (0: none; reset() keeps it). */
+EXPORT void fakenvrtc_set_compile_delay_us(long us) { compile_delay_us = us; }
+
 EXPORT void fakenvrtc_reset(void) {
     pthread_mutex_lock(&mu);
     for (size_t i = 0; i < S.n; i++) prog_free(&S.progs[i]);
