@@ -36,7 +36,8 @@ def test_the_tuner_finds_an_idle_window():
 
     model = synthetic.IdleWindowModel(layers=4, hidden=4096, window_us=30)
     step = synthetic.idle_window_step(model)
-    result = tuning.tune(model, step, [1, 8], budget_s=60, progress=None)
+    result = tuning.tune(model, step, [1, 8], budget_s=45, progress=None)
+    print(result.markdown())
     for report in result.batches:
         role = by_role(report)["after a: b"]
         assert role.kept, role.reason
@@ -71,7 +72,8 @@ def test_tuned_hf_models_are_never_slower_and_bitwise_identical(model_type, conf
 
     model = hf.load_model(model_type, overrides=config)
     step = hf.DecodeStep(model)
-    result = tuning.tune(model, step, [1, 8], budget_s=45, progress=None)
+    result = tuning.tune(model, step, [1, 8], budget_s=40, progress=None)
+    print(f"{model_type}: tuned in {result.elapsed_s:.0f} s\n{result.summary()}")
     for report in result.batches:
         conf = report.confirmed
         assert report.plan == () or (conf is not None and conf.gain.low > 0), report.reason
