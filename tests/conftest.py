@@ -88,3 +88,33 @@ class FakeArray:
 def device_ptr(device=0, offset=0):
     """An address the stand-in maps to `device` (see tests/fakecuda)."""
     return ((device + 1) << 40) + offset
+
+
+def cuda_tensor(ptr, shape=(64,), device=0, dtype=None):
+    """A meta tensor that says it lives at ``ptr`` on cuda:``device`` (what ranges.c
+    reads): PlanEntry and from_plan take only torch tensors, and torch here may be
+    CPU-only.  ``shape`` may be an int."""
+    import torch
+
+    class FakeCudaTensor(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", device)
+
+        def data_ptr(self):
+            return ptr
+
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return torch.Tensor._make_subclass(
+        FakeCudaTensor, torch.empty(shape, dtype=dtype or torch.float16, device="meta"))
+
+
+class Raising:
+    """A weight whose __cuda_array_interface__ raises exc."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    @property
+    def __cuda_array_interface__(self):
+        raise self.exc

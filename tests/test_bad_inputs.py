@@ -45,7 +45,7 @@ from l2prefetch import PlanEntry, _C, deepseek_v3, hooks, kimi_k3  # noqa: E402
 from l2prefetch.__main__ import main  # noqa: E402
 from l2prefetch.cli import build_synthetic_kimi, plan_main  # noqa: E402
 from l2prefetch.plan import gate, plan_from_json  # noqa: E402
-from conftest import FakeArray, device_ptr  # noqa: E402
+from conftest import FakeArray, Raising, cuda_tensor, device_ptr  # noqa: E402
 
 compute_ranges = l2prefetch.compute_ranges
 PWR = l2prefetch.PreparedWeightRanges
@@ -83,18 +83,7 @@ def arr(i=0, n=1024, device=0, typestr="<f2"):
     return FakeArray(device_ptr(device, i * 65536), (n,), typestr)
 
 
-def cuda_tensor(ptr, shape=(64,), device=0, dtype=torch.float16):
-    """A meta tensor that says it lives at `ptr` on cuda:`device` (what ranges.c reads)."""
 
-    class FakeCudaTensor(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda", device)
-
-        def data_ptr(self):
-            return ptr
-
-    return torch.Tensor._make_subclass(FakeCudaTensor, torch.empty(shape, dtype=dtype, device="meta"))
 
 
 def cpu(*shape, dtype=torch.float16):
@@ -161,17 +150,6 @@ def subprocess_status(*args):
                           text=True, env=env, timeout=120)
     sys.stderr.write(proc.stderr)
     return proc.returncode
-
-
-class Raising:
-    """A weight whose __cuda_array_interface__ raises exc."""
-
-    def __init__(self, exc):
-        self.exc = exc
-
-    @property
-    def __cuda_array_interface__(self):
-        raise self.exc
 
 
 class RaisingStream:

@@ -20,7 +20,7 @@ import pytest
 
 import l2prefetch
 from l2prefetch import _C
-from conftest import FakeArray, device_ptr
+from conftest import FakeArray, cuda_tensor, device_ptr
 
 PWR = l2prefetch.PreparedWeightRanges
 PC = l2prefetch.PrefetchController
@@ -876,20 +876,7 @@ except ImportError:  # pragma: no cover
 needs_torch = pytest.mark.skipif(torch is None, reason="PlanEntry holds torch tensors")
 
 
-def cuda_tensor(ptr, n, device=0):
-    """A meta tensor that says it lives at `ptr` on cuda:`device` (what ranges.c reads):
-    PlanEntry takes only torch tensors, and torch here may be CPU-only."""
 
-    class FakeCudaTensor(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda", device)
-
-        def data_ptr(self):
-            return ptr
-
-    return torch.Tensor._make_subclass(FakeCudaTensor,
-                                       torch.empty(n, dtype=torch.float16, device="meta"))
 
 
 @needs_torch

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import l2prefetch  # noqa: E402
 from l2prefetch import _C, controller as controller_module  # noqa: E402
 from l2prefetch.plan import MAX_BATCH, MAX_LAYER, PlanEntry  # noqa: E402
-from conftest import device_ptr  # noqa: E402
+from conftest import cuda_tensor as fake_cuda_tensor, device_ptr  # noqa: E402
 
 PC = l2prefetch.PrefetchController
 PWR = l2prefetch.PreparedWeightRanges
@@ -28,19 +28,8 @@ MIB = 2**20
 
 
 def cuda_tensor(offset=0, n=1024, device=0):
-    """A meta tensor that says it lives on cuda:`device` (what ranges.c reads)."""
-    ptr = device_ptr(device, offset)
-
-    class FakeCudaTensor(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda", device)
-
-        def data_ptr(self):
-            return ptr
-
-    return torch.Tensor._make_subclass(FakeCudaTensor,
-                                       torch.empty(n, dtype=torch.float16, device="meta"))
+    """A fake CUDA tensor of n halves at ``offset`` into cuda:``device``'s fake memory."""
+    return fake_cuda_tensor(device_ptr(device, offset), n, device)
 
 
 def assert_nothing_alive(fake):

@@ -25,7 +25,7 @@ import pytest
 import l2prefetch
 from l2prefetch import _C
 from _fakecuda import FakeNvrtc, build_fakenvrtc
-from conftest import FakeArray, device_ptr
+from conftest import FakeArray, Raising, device_ptr
 
 PWR = l2prefetch.PreparedWeightRanges
 PC = l2prefetch.PrefetchController
@@ -71,17 +71,6 @@ class Interface:
     @property
     def __cuda_array_interface__(self):
         return self.cai
-
-
-class Raising:
-    """__cuda_array_interface__ raises exc."""
-
-    def __init__(self, exc):
-        self.exc = exc
-
-    @property
-    def __cuda_array_interface__(self):
-        raise self.exc
 
 
 class Stream:

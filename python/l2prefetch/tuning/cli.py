@@ -23,29 +23,16 @@ __all__ = ["add_parser", "main", "run"]
 HELP = "measure which prefetches pay for a Hugging Face model on this GPU; write a profile"
 
 
-class UsageError(Exception):
-    """A bad option or input: exit status 2, one line."""
-
-
-def _ints(text: str, what: str) -> list[int]:
+def _list(text: str, what: str, kind: type = int) -> list:
+    """A comma-separated list of ``kind`` values > 0, or an argparse error naming ``what``."""
+    noun = "integers" if kind is int else "numbers"
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got "
-                                         f"{text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"{what} must name at least one value")
-    return values
-
-
-def _floats(text: str, what: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be comma-separated numbers, got "
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated {noun}, got "
                                          f"{text!r}") from None
     if not values or not all(0 < v < 2**40 for v in values):
-        raise argparse.ArgumentTypeError(f"{what} must be numbers > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{what} must be {noun} > 0, got {text!r}")
     return values
 
 
@@ -67,7 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="a config field, e.g. num_hidden_layers=8 "
                         "(repeatable; values are read as JSON where they parse)")
-    parser.add_argument("--batches", type=lambda t: _ints(t, "--batches"), default=[1, 8],
+    parser.add_argument("--batches", type=lambda t: _list(t, "--batches"), default=[1, 8],
                         help="decode batches to tune, comma-separated (default 1,8)")
     parser.add_argument("--budget", type=_positive(float, "--budget", 0, 86400), default=300.0,
                         help="seconds of measuring, all batches together (default 300)")
@@ -89,9 +76,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="graph instances per variant (>= 5, default 5)")
     parser.add_argument("--rounds", type=_positive(int, "--rounds", 0, 100000), default=60,
                         help="replays of each graph instance per measuring group (default 60)")
-    parser.add_argument("--caps-mib", type=lambda t: _floats(t, "--caps-mib"),
+    parser.add_argument("--caps-mib", type=lambda t: _list(t, "--caps-mib", float),
                         default=[4, 8, 16, 24, 32, 48], help="byte caps to try, in MiB")
-    parser.add_argument("--grids", type=lambda t: _ints(t, "--grids"), default=[16, 32, 64],
+    parser.add_argument("--grids", type=lambda t: _list(t, "--grids"), default=[16, 32, 64],
                         help="loader CTA counts to try (default 16,32,64)")
     parser.add_argument("--kernels", default=None,
                         help="kernel variants to try, comma-separated; 'default' is the "
