@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from l2prefetch import tuning
-from l2prefetch.tuning import Read, Role, candidates, discover
+from l2prefetch.tuning import candidates, discover
 
 import _tuning_fakes as fakes
 
@@ -192,7 +191,7 @@ def test_roles_from_a_policy_plan():
 
 
 def test_hf_models_discover_unchanged():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from l2prefetch.tuning import hf
 
     small = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,

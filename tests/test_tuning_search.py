@@ -9,7 +9,6 @@ import pytest
 from l2prefetch.tuning import search as S
 from l2prefetch.tuning.stats import diff_interval, mean_interval, t_quantile
 
-import _tuning_fakes as fakes
 from _tuning_fakes import Clock, PlantedBackend, role
 
 MIB = 1 << 20

@@ -9,7 +9,6 @@ import torch
 
 from l2prefetch import PlanEntry, tuning
 from l2prefetch.tuning import profile as P
-from l2prefetch.tuning import tuner as T
 
 import _tuning_fakes as fakes
 from _tuning_fakes import FAKE_DEVICE, DeviceBackend
