@@ -63,6 +63,9 @@ def fake(fakecuda_path, monkeypatch, tmp_path):
     """
     monkeypatch.setenv("L2PREFETCH_CACHE_DIR", str(tmp_path / "kcache"))
     monkeypatch.delenv("L2PREFETCH_DISABLE", raising=False)
+    # Garbage of earlier tests (a controller in a reference cycle, say) is destroyed
+    # now, against the earlier recording, not in the middle of this test's.
+    gc.collect()
     drv = FakeCuda(fakecuda_path)
     drv.reset()
     _C._use_driver(fakecuda_path)
