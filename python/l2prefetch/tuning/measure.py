@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from .discover import Role
 from .rig import Rig
-from .search import Prepared, Probe, Setting, StepError, Variant
+from .search import Prepared, Probe, StepError, Variant
 
 __all__ = ["GraphBackend"]
 
@@ -301,8 +301,3 @@ class GraphBackend:
     def _sm_count(self) -> int:
         return self.torch.cuda.get_device_properties(self.device).multi_processor_count
 
-
-def setting_of(entry: Any) -> Setting:
-    """The tuner's setting of a plan entry (for reports of hand-made plans)."""
-    return Setting(byte_cap=entry.byte_cap, grid=entry.grid, kernel=getattr(entry, "kernel", None),
-                   graph_fork=getattr(entry, "graph_fork", None) or "inline")

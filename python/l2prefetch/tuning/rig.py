@@ -288,16 +288,6 @@ class Rig:
         return Measurement(medians, replays, outputs, t1 - t0, t2 - t1)
 
 
-def time_once(fn: Callable[[], Any], reps: int = 3) -> float:
-    """Seconds of host time of ``fn()``, the best of ``reps`` (for budget estimates)."""
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def medians(values: Mapping[Any, Sequence[float]]) -> dict[Any, float]:
     """The median of each list."""
     return {key: statistics.median(v) for key, v in values.items()}

@@ -267,7 +267,6 @@ class _Batch:
                  progress: Progress, deadline: float, clock: Callable[[], float]) -> None:
         self.backend, self.roles, self.batch, self.p = backend, list(roles), batch, params
         self.progress, self.deadline, self.clock = progress, deadline, clock
-        self.by_name = {role.name: role for role in self.roles}
         self.report = BatchReport(batch)
         self.prepared: Optional[Prepared] = None
 
