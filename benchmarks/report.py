@@ -29,7 +29,6 @@ Sections:
               slowdown of a concurrent copy.
   host        host cost of fork + join; controller construction time.
   graph       the cost of an empty fork inside a replayed graph.
-  table       the range table as kernel parameters against device memory.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ SECTIONS = {
     "persist": ("persist", "run"), "layer": ("layer", "run"),
     "layer_glue": ("layer", "run_glue"), "caps": ("caps", "run"),
     "kernels": ("kernels", "run"), "host": ("host", "run"), "graph": ("graph", "run"),
-    "table": ("table", "run"),
 }
 
 

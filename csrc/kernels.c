@@ -42,39 +42,20 @@
 
 const unsigned int l2p_capacities[L2P_NUM_CAPACITIES] = {8, 32, 128};
 
-/* Chunk, stage and block sizes: see benchmarks/RESULTS.md (kernel variants). */
+/* The loaders a plan (or the tuner) chooses between; chunk, stage and block
+ * sizes were chosen by the sweep in benchmarks/RESULTS.md, run 10, kernels. */
 const l2p_variant l2p_variants[] = {
-    /* The default on sm_90: 128 KiB in flight per CTA.  On the H200 at grid 32
-     * it loads 16 MiB in 9.8 us and 32 MiB in 14.5 us (2.3 TB/s), against
-     * 11.4 / 17.2 us for 4 x 16 KiB; 8 x 16 KiB is as fast (more copies to
-     * issue); more stages or CTAs add little (benchmarks/RESULTS.md, kernel
-     * variants). */
+    /* The sm_90 default: 4 x 32 KiB in flight per CTA.  On the H200 at grid 32 it
+     * loads 16 MiB in 10.1 us and 32 MiB in 14.6 us (benchmarks/RESULTS.md,
+     * Headlines); smaller chunks or more stages were no faster. */
     {"ring", 90, "-DL2P_KIND=1 -DL2P_CHUNK=32768 -DL2P_STAGES=4 -DL2P_BLOCK=32", 32, 131072,
      "cp.async.bulk copies into a 4 x 32 KiB shared-memory ring (real loads; sm_90 default)"},
-    {"ring_c16k_s4", 90, "-DL2P_KIND=1 -DL2P_CHUNK=16384 -DL2P_STAGES=4 -DL2P_BLOCK=32", 32, 65536,
-     "ring with 4 x 16 KiB"},
-    {"ring_c8k_s4", 90, "-DL2P_KIND=1 -DL2P_CHUNK=8192 -DL2P_STAGES=4 -DL2P_BLOCK=32", 32, 32768,
-     "ring with 4 x 8 KiB"},
-    {"ring_c16k_s2", 90, "-DL2P_KIND=1 -DL2P_CHUNK=16384 -DL2P_STAGES=2 -DL2P_BLOCK=32", 32, 32768,
-     "ring with 2 x 16 KiB"},
-    {"ring_c16k_s8", 90, "-DL2P_KIND=1 -DL2P_CHUNK=16384 -DL2P_STAGES=8 -DL2P_BLOCK=32", 32, 131072,
-     "ring with 8 x 16 KiB"},
-    {"ring_c32k_s6", 90, "-DL2P_KIND=1 -DL2P_CHUNK=32768 -DL2P_STAGES=6 -DL2P_BLOCK=32", 32, 196608,
-     "ring with 6 x 32 KiB"},
-    {"ring_c16k_s12", 90, "-DL2P_KIND=1 -DL2P_CHUNK=16384 -DL2P_STAGES=12 -DL2P_BLOCK=32", 32, 196608,
-     "ring with 12 x 16 KiB"},
     {"bulk_prefetch", 90, "-DL2P_KIND=2 -DL2P_CHUNK=16384 -DL2P_BLOCK=32", 32, 0,
-     "cp.async.bulk.prefetch.L2 of 16 KiB pieces"},
-    {"bulk_prefetch_evict_last", 90,
-     "-DL2P_KIND=2 -DL2P_CHUNK=16384 -DL2P_EVICT_LAST=1 -DL2P_BLOCK=32", 32, 0,
-     "cp.async.bulk.prefetch.L2 with an L2::evict_last cache hint"},
+     "cp.async.bulk.prefetch.L2 of 16 KiB pieces (no shared memory)"},
     {"line_prefetch", 80, "-DL2P_KIND=3 -DL2P_BLOCK=128", 128, 0,
      "prefetch.global.L2 of every 128-byte line"},
-    {"line_prefetch_evict_last", 80, "-DL2P_KIND=3 -DL2P_EVICT_LAST=1 -DL2P_BLOCK=128", 128, 0,
-     "prefetch.global.L2::evict_last of every 128-byte line"},
     {"load", 80, "-DL2P_KIND=4 -DL2P_BLOCK=256", 256, 0,
      "16-byte ld.global.cg loads, 256 threads (sm_80-sm_89 default)"},
-    {"load_b128", 80, "-DL2P_KIND=4 -DL2P_BLOCK=128", 128, 0, "16-byte loads, 128 threads"},
 };
 const int l2p_num_variants = (int)(sizeof l2p_variants / sizeof *l2p_variants);
 _Static_assert(sizeof l2p_variants / sizeof *l2p_variants <= L2P_MAX_VARIANTS,

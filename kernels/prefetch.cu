@@ -25,7 +25,6 @@
 //                     piece per thread in turn.  sm_90+.
 //            3 line:  prefetch.global.L2 of every 128-byte line.  sm_80+.
 //            4 load:  16-byte ld.global.cg loads, 4 in flight per thread.  sm_80+.
-//   L2P_EVICT_LAST  1: the bulk/line prefetches carry an evict_last hint.
 //   L2P_BLOCK       threads per CTA (the launch uses the same number).
 
 #ifndef L2P_KIND
@@ -36,9 +35,6 @@
 #endif
 #ifndef L2P_STAGES
 #define L2P_STAGES 4
-#endif
-#ifndef L2P_EVICT_LAST
-#define L2P_EVICT_LAST 0
 #endif
 #ifndef L2P_BLOCK
 #define L2P_BLOCK 32
@@ -138,19 +134,11 @@ __device__ __forceinline__ void prefetch(const L2pTable<CAP>& t, u64 g0, u64 g1)
 template <int CAP>
 __device__ __forceinline__ void prefetch(const L2pTable<CAP>& t, u64 g0, u64 g1)
 {
-#if L2P_EVICT_LAST
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-#endif
     u64 i = 0;
     for_each_piece(t, g0, g1, (u64)L2P_CHUNK, [&](u64 src, u64 bytes) {
         if (i++ % blockDim.x != threadIdx.x)
             return;
-#if L2P_EVICT_LAST
-        asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src), "r"((unsigned int)bytes), "l"(policy) : "memory");
-#else
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"((unsigned int)bytes) : "memory");
-#endif
     });
 }
 #elif L2P_KIND == 3
@@ -162,11 +150,7 @@ __device__ __forceinline__ void prefetch(const L2pTable<CAP>& t, u64 g0, u64 g1)
         u64 first = src & ~127ull, last = (src + bytes - 1) & ~127ull;
         for (u64 a = first + 128ull * threadIdx.x; a <= last; a += 128ull * blockDim.x) {
             u64 p = a < src ? src : a;
-#if L2P_EVICT_LAST
-            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p) : "memory");
-#else
             asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
-#endif
         }
     });
 }
@@ -212,28 +196,15 @@ __device__ __forceinline__ void body(const L2pTable<CAP>& t)
 }
 
 // One entry per table capacity; the host picks the smallest that fits
-// (csrc/kernels.c: l2p_capacities).  The table is the parameter block.  With
-// L2P_TABLE_GLOBAL=1 the entries take a pointer to the table in device memory
-// instead, as the seed did: benchmarks/report.py ("table") builds that form to
-// compare the two; l2prefetch itself always passes the table by value.
-#ifndef L2P_TABLE_GLOBAL
-#define L2P_TABLE_GLOBAL 0
-#endif
-#if L2P_TABLE_GLOBAL
-#define L2P_ENTRY(CAP)                                                               \
-    extern "C" __global__ void __launch_bounds__(L2P_BLOCK)                          \
-        l2p_prefetch_##CAP(const L2pTable<CAP>* __restrict__ t)                      \
-    {                                                                                \
-        body(*t);                                                                    \
-    }
-#else
+// (csrc/kernels.c: l2p_capacities).  The table is the parameter block
+// (__grid_constant__: read in place, never copied to local memory); a table in
+// device memory was slower (benchmarks/RESULTS.md, run 10, table).
 #define L2P_ENTRY(CAP)                                                               \
     extern "C" __global__ void __launch_bounds__(L2P_BLOCK)                          \
         l2p_prefetch_##CAP(const __grid_constant__ L2pTable<CAP> t)                  \
     {                                                                                \
         body(t);                                                                     \
     }
-#endif
 L2P_ENTRY(8)
 L2P_ENTRY(32)
 L2P_ENTRY(128)

@@ -228,7 +228,7 @@ def test_kernel_and_graph_fork_default_to_none():
 @pytest.mark.parametrize("field, value, error, words", [
     ("kernel", 3, TypeError, ["PlanEntry.kernel", "variant name (str) or None", "int 3"]),
     ("kernel", b"ring", TypeError, ["PlanEntry.kernel", "bytes"]),
-    ("kernel", "Ring", ValueError, ["'Ring' is not a kernel variant", "known: ", "ring,",
+    ("kernel", "Ring", ValueError, ["'Ring' is not a kernel variant", "known: ", "load, ring",
                                     "line_prefetch", "None for the device's default"]),
     ("kernel", "", ValueError, ["'' is not a kernel variant"]),
     ("graph_fork", 0, TypeError, ["PlanEntry.graph_fork", "'inline' or 'branch'", "int 0"]),

@@ -26,9 +26,7 @@ _Stream = Union[None, int, Any]  # None (torch's current), a CUstream handle, a 
 _Device = Union[None, int, str, Any]
 _GraphFork = Literal["inline", "branch"]
 # The names of csrc/kernels.c's variant table (tests/test_stubs.py checks them).
-_Kernel = Literal["ring", "ring_c16k_s4", "ring_c8k_s4", "ring_c16k_s2", "ring_c16k_s8",
-                  "ring_c32k_s6", "ring_c16k_s12", "bulk_prefetch", "bulk_prefetch_evict_last",
-                  "line_prefetch", "line_prefetch_evict_last", "load", "load_b128"]
+_Kernel = Literal["ring", "bulk_prefetch", "line_prefetch", "load"]
 
 class _TensorLike(Protocol):
     """A torch.Tensor, or anything read the same way."""

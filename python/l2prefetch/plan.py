@@ -79,11 +79,7 @@ GRAPH_FORKS: tuple[str, ...] = get_args(GraphFork)
 
 #: The loader kernel variants, as ``l2prefetch.kernel_variants()`` names them
 #: (tests/test_plan.py checks that the two lists agree).
-KernelName = Literal[
-    "ring", "ring_c16k_s4", "ring_c8k_s4", "ring_c16k_s2", "ring_c16k_s8", "ring_c32k_s6",
-    "ring_c16k_s12", "bulk_prefetch", "bulk_prefetch_evict_last", "line_prefetch",
-    "line_prefetch_evict_last", "load", "load_b128",
-]
+KernelName = Literal["ring", "bulk_prefetch", "line_prefetch", "load"]
 
 # The fields of an entry in each plan JSON version.
 _JSON_FIELDS: dict[int, tuple[str, ...]] = {
