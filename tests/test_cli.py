@@ -190,13 +190,19 @@ def test_without_torch(tmp_path):
     code = ("import sys; sys.modules['torch'] = None\n"
             "import l2prefetch, l2prefetch.plan, l2prefetch.hooks, l2prefetch.kimi_k3\n"
             "import l2prefetch.deepseek_v3, l2prefetch.controller, l2prefetch.cli\n"
+            "for call in (lambda: l2prefetch.hooks.attach(object(), object(), {}),\n"
+            "             lambda: l2prefetch.kimi_k3.attention_weights(object())):\n"
+            "    try:\n        call()\n"
+            "    except ModuleNotFoundError as exc:\n        print(exc.name, exc)\n"
             "try:\n    import l2prefetch.ops\n"
             "except ModuleNotFoundError as exc:\n    print(exc.name, exc)\n")
     env = {**os.environ, "PYTHONPATH": PYTHON_DIR}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
-    assert proc.stdout == ("torch l2prefetch.ops needs torch, which is not installed: "
-                           "pip install 'l2prefetch[torch]'\n"), proc.stderr
+    assert proc.stdout == "".join(
+        f"torch {what} needs torch, which is not installed: pip install 'l2prefetch[torch]'\n"
+        for what in ("l2prefetch.hooks.attach", "kimi_k3.attention_weights", "l2prefetch.ops")
+    ), proc.stderr
 
 
 def test_gpu_found_but_no_torch_is_a_reason(fake, monkeypatch, capsys):

@@ -32,6 +32,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
+from . import _torch
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -272,7 +274,7 @@ def attach(model: torch.nn.Module, controller: Controller,
             _disabled_logged = True
         return Attachment()
 
-    import torch
+    torch = _torch.require("l2prefetch.hooks.attach")
 
     for method in ("fork", "join"):
         if not callable(getattr(controller, method, None)):

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
+from . import _torch
 from .plan import CapSpec, PlanEntry, cap_groups, select_points
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,7 +129,7 @@ def attention_weights(attention: Any) -> tuple[torch.Tensor, ...]:
     ``W_UK_T`` and ``W_UV`` where they are tensors, then ``o_proj.weight``.
     Absent names are skipped; ``o_proj`` must exist.
     """
-    import torch
+    torch = _torch.require("kimi_k3.attention_weights")
 
     weights = [getattr(getattr(attention, name, None), "weight", None) for name in ATTENTION_INPUTS]
     weights += [getattr(attention, "W_UK_T", None), getattr(attention, "W_UV", None)]
