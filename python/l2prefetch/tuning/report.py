@@ -61,7 +61,9 @@ def markdown(result: Any) -> str:
                 "each, interleaved.  Times are us per decode step: means of per-instance "
                 "medians +- half their 95% interval; a role is kept when the 95% interval of "
                 "(a) - (b) is above zero and (b) beats (d), and the plan only when its "
-                "confirmation on fresh instances is a gain.")
+                "confirmation on fresh instances is a gain.  The verdict's step us is the "
+                "first capture replayed alone (the tuner's time estimate); the groups' (a) "
+                "is the step without forks among interleaved instances.")
     out = ["\n".join(head), ""]
     out.append("## Verdict\n")
     rows = []
