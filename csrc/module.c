@@ -140,17 +140,11 @@ error:
     return NULL;
 }
 
-/* Where NVRTC is searched when it is not loaded yet: the nvidia-cuda-nvrtc
- * wheel folders under each site-packages folder, never under the other
- * sys.path entries (the working directory is one with python -m, so a planted
- * nvidia/cu13/lib there would be loaded); then $CUDA_HOME (or $CUDA_PATH),
- * /usr/local/cuda and the loader's path (nvrtc.c).  Paths are encoded as the
- * file system wants them (undecodable bytes kept); others are skipped. */
-l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
+/* The site-packages folders as bytes for the file system (undecodable bytes
+ * kept), for nvrtc.c's search (the order: nvrtc.h, l2p_nvrtc_open); a folder
+ * that cannot be encoded, or holds a NUL, is left out.  A new list. */
+static PyObject *site_dirs(void)
 {
-    if (st->nvrtc)
-        return st->nvrtc;
-    static const char *const wheel_dirs[] = {"nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"};
     PyObject *dirs = PyList_New(0), *sites = dirs ? site_packages() : NULL;
     if (!sites) {
         Py_XDECREF(dirs);
@@ -160,42 +154,41 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
         PyObject *entry = PyList_GET_ITEM(sites, i);
         if (!PyUnicode_Check(entry) || PyUnicode_GET_LENGTH(entry) == 0)
             continue;
-        for (size_t k = 0; k < sizeof wheel_dirs / sizeof *wheel_dirs; k++) {
-            PyObject *d = PyUnicode_FromFormat("%U/%s", entry, wheel_dirs[k]);
-            PyObject *b = d ? PyUnicode_EncodeFSDefault(d) : NULL;
-            Py_XDECREF(d);
-            if (!b || (size_t)PyBytes_GET_SIZE(b) != strlen(PyBytes_AS_STRING(b))) {
-                Py_XDECREF(b);   /* not encodable, or a NUL inside: no such folder */
-                if (l2p_error_is_base())
-                    goto error;
-                PyErr_Clear();
-                continue;
-            }
-            int rc = PyList_Append(dirs, b);
-            Py_DECREF(b);
-            if (rc < 0)
+        PyObject *b = PyUnicode_EncodeFSDefault(entry);
+        if (!b || (size_t)PyBytes_GET_SIZE(b) != strlen(PyBytes_AS_STRING(b))) {
+            Py_XDECREF(b);   /* not encodable, or a NUL inside: no such folder */
+            if (l2p_error_is_base())
                 goto error;
+            PyErr_Clear();
+            continue;
         }
+        int rc = PyList_Append(dirs, b);
+        Py_DECREF(b);
+        if (rc < 0)
+            goto error;
     }
-    const char *home = getenv("CUDA_HOME");
-    if (!home || !*home)
-        home = getenv("CUDA_PATH");
-    PyObject *extra[2] = {home && *home ? PyBytes_FromFormat("%s/lib64", home) : NULL,
-                          PyBytes_FromString("/usr/local/cuda/lib64")};
-    for (int k = 0; k < 2; k++)
-        if (extra[k]) {
-            if (PyList_Append(dirs, extra[k]) < 0)
-                PyErr_Clear();
-            Py_DECREF(extra[k]);
-        }
-    if (PyErr_Occurred())
-        goto error;
+    Py_DECREF(sites);
+    return dirs;
+error:
+    Py_DECREF(dirs);
+    Py_DECREF(sites);
+    return NULL;
+}
+
+l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
+{
+    if (st->nvrtc)
+        return st->nvrtc;
+    PyObject *dirs = site_dirs();
+    if (!dirs)
+        return NULL;
     /* No Python code from here on: the list and its bytes stay as they are. */
     Py_ssize_t n = PyList_GET_SIZE(dirs);
     const char **cdirs = PyMem_Calloc((size_t)n + 1, sizeof *cdirs);
     if (!cdirs) {
+        Py_DECREF(dirs);
         PyErr_NoMemory();
-        goto error;
+        return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++)
         cdirs[i] = PyBytes_AS_STRING(PyList_GET_ITEM(dirs, i));
@@ -204,7 +197,6 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
     l2p_nvrtc *nv = l2p_nvrtc_open(cdirs, (int)n, &found, msg, sizeof msg);
     PyMem_Free(cdirs);
     Py_DECREF(dirs);
-    Py_DECREF(sites);
     if (!nv) {
         raise_unavailable(st, msg, found ? "nvrtc_load_failed" : "nvrtc_not_found");
         return NULL;
@@ -215,10 +207,6 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
     }
     st->nvrtc = nv;
     return nv;
-error:
-    Py_DECREF(dirs);
-    Py_DECREF(sites);
-    return NULL;
 }
 
 /* ---- module functions ---- */

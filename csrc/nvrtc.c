@@ -1,6 +1,8 @@
 /*
- * nvrtc.c: loading NVRTC and compiling with it.  Plain C: statuses out,
- * exceptions made by the caller (errors.c).
+ * nvrtc.c: loading NVRTC (the search order: nvrtc.h, l2p_nvrtc_open) and
+ * compiling with it.  Plain C: statuses out, exceptions made by the caller
+ * (errors.c); the site-packages folders come from the caller (state.c asks
+ * Python for them).
  */
 #define _GNU_SOURCE
 #include "nvrtc.h"
@@ -13,6 +15,9 @@
 
 static const char *const sonames[] = {"libnvrtc.so.13", "libnvrtc.so.12"};
 #define N_SONAMES (sizeof sonames / sizeof *sonames)
+/* Where the nvidia-cuda-nvrtc wheels (CUDA 13, CUDA 12) put it under site-packages. */
+static const char *const wheel_dirs[] = {"nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"};
+#define N_WHEEL_DIRS (sizeof wheel_dirs / sizeof *wheel_dirs)
 
 static void note(char *tried, size_t len, const char *path, const char *what)
 {
@@ -70,11 +75,32 @@ static l2p_nvrtc *finish(void *h, const char *path, int *found, char *msg, size_
     return n;
 }
 
-l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found, char *msg,
+/* Tries each soname in dir; the handle, or NULL with each attempt noted in
+ * tried (*found set when a file was there).  path receives what was tried. */
+static void *open_in(const char *dir, int *found, char *tried, size_t triedlen, char *path,
+                     size_t pathlen)
+{
+    for (size_t i = 0; i < N_SONAMES; i++) {
+        snprintf(path, pathlen, "%s/%s", dir, sonames[i]);
+        if (access(path, F_OK) != 0) {
+            note(tried, triedlen, path, "not found");
+            continue;
+        }
+        *found = 1;
+        void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+        if (h)
+            return h;
+        const char *err = dlerror();
+        note(tried, triedlen, path, err ? err : "dlopen failed");
+    }
+    return NULL;
+}
+
+l2p_nvrtc *l2p_nvrtc_open(const char *const *site_dirs, int n_sites, int *found, char *msg,
                           size_t msglen)
 {
     char tried[4096] = "";
-    char path[1024];
+    char path[1024], dir[1024];
     const char *override = getenv("L2PREFETCH_LIBNVRTC");
     void *h;
 
@@ -95,21 +121,22 @@ l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found
         if (h)
             return finish(h, sonames[i], found, msg, msglen);
     }
-    for (int k = 0; k < n_extra; k++) {
-        for (size_t i = 0; i < N_SONAMES; i++) {
-            snprintf(path, sizeof path, "%s/%s", extra_dirs[k], sonames[i]);
-            if (access(path, F_OK) != 0) {
-                note(tried, sizeof tried, path, "not found");
-                continue;
-            }
-            *found = 1;
-            h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-            if (h)
+    for (int k = 0; k < n_sites; k++)
+        for (size_t w = 0; w < N_WHEEL_DIRS; w++) {
+            snprintf(dir, sizeof dir, "%s/%s", site_dirs[k], wheel_dirs[w]);
+            if ((h = open_in(dir, found, tried, sizeof tried, path, sizeof path)))
                 return finish(h, path, found, msg, msglen);
-            const char *err = dlerror();
-            note(tried, sizeof tried, path, err ? err : "dlopen failed");
         }
+    const char *home = getenv("CUDA_HOME");
+    if (!home || !*home)
+        home = getenv("CUDA_PATH");
+    if (home && *home) {
+        snprintf(dir, sizeof dir, "%s/lib64", home);
+        if ((h = open_in(dir, found, tried, sizeof tried, path, sizeof path)))
+            return finish(h, path, found, msg, msglen);
     }
+    if ((h = open_in("/usr/local/cuda/lib64", found, tried, sizeof tried, path, sizeof path)))
+        return finish(h, path, found, msg, msglen);
     for (size_t i = 0; i < N_SONAMES; i++) {
         h = dlopen(sonames[i], RTLD_NOW | RTLD_LOCAL);
         if (h)

@@ -39,12 +39,16 @@ typedef struct l2p_nvrtc {
     } fn;
 } l2p_nvrtc;
 
-/* Opens NVRTC: $L2PREFETCH_LIBNVRTC if set; else a libnvrtc already loaded in
- * the process (.so.13, then .so.12); else each folder of extra_dirs (the
- * nvidia-cuda-nvrtc wheel folders under this interpreter's site-packages,
- * $CUDA_HOME/lib64, /usr/local/cuda/lib64), then the loader's path.  NULL with msg on failure;
- * *found tells "found but failed to load" from "not found". */
-l2p_nvrtc *l2p_nvrtc_open(const char *const *extra_dirs, int n_extra, int *found, char *msg,
+/* Opens NVRTC, searching in this order: $L2PREFETCH_LIBNVRTC if set (nothing
+ * else then); a libnvrtc already loaded in the process (.so.13, then .so.12);
+ * the nvidia-cuda-nvrtc wheel folders (nvidia/cu13/lib, nvidia/cuda_nvrtc/lib)
+ * under each of site_dirs, this interpreter's site-packages folders (never
+ * other sys.path entries: the working directory is one with python -m, so a
+ * planted nvidia/cu13/lib there would be loaded); $CUDA_HOME/lib64 (else
+ * $CUDA_PATH/lib64); /usr/local/cuda/lib64; then the loader's path.  NULL with
+ * msg (every place tried) on failure; *found tells "found but failed to load"
+ * from "not found". */
+l2p_nvrtc *l2p_nvrtc_open(const char *const *site_dirs, int n_sites, int *found, char *msg,
                           size_t msglen);
 
 /* References (taken under the GIL): a compile releases the GIL and keeps its
@@ -58,11 +62,11 @@ void l2p_nvrtc_decref(l2p_nvrtc *n);
  * *ptx set (the driver finishes the job); 0 when NVRTC supports nothing <= sm. */
 int l2p_nvrtc_pick_arch(const l2p_nvrtc *n, int sm, int *ptx);
 
-#endif /* L2P_NVRTC_H */
-
 /* Compiles source to CUBIN (or PTX when ptx is set) for sm.  On success
  * *image and *size hold a malloc'd image; *log always holds a malloc'd log (may be
  * empty) or NULL.  On failure *failed names the NVRTC call that failed. */
 nvrtcResult l2p_nvrtc_compile(const l2p_nvrtc *n, const char *source, const char *name,
                               const char *const *options, int num_options, int ptx,
                               char **image, size_t *size, char **log, const char **failed);
+
+#endif /* L2P_NVRTC_H */
