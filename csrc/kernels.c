@@ -557,6 +557,15 @@ done:
     return result;
 }
 
+/* _C.clear_kernel_cache(): forgets the in-process images (the disk cache stays). */
+PyObject *l2p_py_clear_kernel_cache(PyObject *module, PyObject *unused)
+{
+    l2p_state *st = l2p_get_state(module);
+    PyDict_Clear(st->cubins);
+    PyDict_Clear(st->kernel_info);
+    Py_RETURN_NONE;
+}
+
 /* _C.kernel_cache_info() -> [{"variant", "arch", "ptx", "source", "ms", "nvrtc_version"}]:
  * how each image in the memory cache was obtained, "compiled" or "disk". */
 PyObject *l2p_py_kernel_cache_info(PyObject *module, PyObject *unused)

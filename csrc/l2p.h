@@ -1,6 +1,8 @@
 /*
- * l2p.h: what the C units of l2prefetch._C share: the module state, the error
- * helpers (errors.c) and the entry points of each unit.  See DESIGN.md.
+ * l2p.h: what the C units of l2prefetch._C share: the module state's layout
+ * and the entry points of each unit, in the order the units build on each
+ * other (DESIGN.md): errors, args, state, ranges, stream, kernels, prepared,
+ * capture, controller, bench; module.c, the top, exports only the module.
  */
 #ifndef L2P_H
 #define L2P_H
@@ -13,6 +15,7 @@
 #include "driver.h"
 #include "nvrtc.h"
 
+/* The module state (made by module.c, held and reached through state.c). */
 typedef struct {
     PyTypeObject *prepared_type;
     PyTypeObject *controller_type;
@@ -26,15 +29,6 @@ typedef struct {
     PyObject *kernel_info;       /* same keys: {variant, arch, ptx, source, ms, nvrtc_version} */
     int cache_warned;            /* the disk cache warned once already */
 } l2p_state;
-
-extern PyModuleDef l2p_module_def;
-l2p_state *l2p_get_state(PyObject *module);
-/* The state of our module for one of our types or a subclass of one. */
-static inline l2p_state *l2p_state_of_type(PyTypeObject *type)
-{
-    return (l2p_state *)PyModule_GetState(PyType_GetModuleByDef(type, &l2p_module_def));
-}
-int l2p_device_arg(PyObject *obj, int *out);
 
 /* errors.c: status -> exception, in one place.  All return NULL / -1. */
 PyObject *l2p_raise_cuda(l2p_state *st, l2p_driver *d, const char *operation, CUresult status);
@@ -55,9 +49,35 @@ PyObject *l2p_format_from_cause(PyObject *type, const char *format, ...);
 /* Adds a note (PEP 678) to the set exception, e.g. which weight it was reading. */
 void l2p_add_note(const char *format, ...);
 
+/* args.c: arguments parsed the same way everywhere. */
+/* The device of a `device=` argument: None (-1), an int, 'cuda'/'cuda:N' or a
+ * torch.device.  Other types are TypeError, other values ValueError. */
+int l2p_parse_device(PyObject *obj, int *out);
+/* torch's current CUDA device when torch is imported, else 0 (a torch that
+ * cannot say counts as 0); -1 only with a BaseException. */
+int l2p_default_device(int *out);
+/* l2p_parse_device, with None meaning l2p_default_device. */
+int l2p_device_arg(PyObject *obj, int *out);
+
+/* state.c: the module state and what it holds. */
+extern PyModuleDef l2p_module_def;   /* the module's identity (module.c) */
+l2p_state *l2p_get_state(PyObject *module);
+/* The state of our module for one of our types or a subclass of one. */
+static inline l2p_state *l2p_state_of_type(PyTypeObject *type)
+{
+    return (l2p_state *)PyModule_GetState(PyType_GetModuleByDef(type, &l2p_module_def));
+}
 /* The driver and NVRTC of this module, opened on first use (raise on failure). */
 l2p_driver *l2p_use_driver(l2p_state *st);
 l2p_nvrtc *l2p_use_nvrtc(l2p_state *st);
+/* The value of an environment flag, the one rule for C and Python (_C.env_flag):
+ * 1 for 1/true/yes/on in any case, with surrounding blanks ignored. */
+int l2p_env_flag(const char *name);
+PyObject *l2p_py_env_flag(PyObject *module, PyObject *arg);
+PyObject *l2p_py_driver_info(PyObject *module, PyObject *unused);
+PyObject *l2p_py_nvrtc_info(PyObject *module, PyObject *unused);
+PyObject *l2p_py_use_driver(PyObject *module, PyObject *arg);
+PyObject *l2p_py_use_nvrtc(PyObject *module, PyObject *arg);
 
 /* ranges.c */
 typedef struct {
@@ -81,6 +101,14 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
                              Py_ssize_t *n, l2p_weight_device **devices, PyObject **device_names);
 PyObject *l2p_py_compute_ranges(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames);
+
+/* stream.c: torch's current stream without Python, through the AOTI shim. */
+int l2p_current_stream(int device, CUstream *out);
+/* stream: None (current), int handle, or an object with .cuda_stream (and
+ * .device.index checked against device). */
+int l2p_parse_stream(PyObject *stream, int device, CUstream *out);
+PyObject *l2p_py_stream_source(PyObject *module, PyObject *unused);
+PyObject *l2p_py_set_stream_source(PyObject *module, PyObject *arg);
 
 /* kernels.c: variants, compile (memory and disk cache), module load. */
 typedef struct {
@@ -108,15 +136,8 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
 PyObject *l2p_py_variants(PyObject *module, PyObject *unused);
 PyObject *l2p_py_kernel_image(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *l2p_py_kernel_cache_info(PyObject *module, PyObject *unused);
+PyObject *l2p_py_clear_kernel_cache(PyObject *module, PyObject *unused);
 PyObject *l2p_py_compile_source(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-
-/* stream.c: torch's current stream without Python, through the AOTI shim. */
-int l2p_current_stream(int device, CUstream *out);
-/* stream: None (current), int handle, or an object with .cuda_stream (and
- * .device.index checked against device). */
-int l2p_parse_stream(PyObject *stream, int device, CUstream *out);
-PyObject *l2p_py_stream_source(PyObject *module, PyObject *unused);
-PyObject *l2p_py_set_stream_source(PyObject *module, PyObject *arg);
 
 /* prepared.c */
 extern PyType_Spec l2p_prepared_spec;
@@ -143,9 +164,5 @@ PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssi
 
 /* controller.c */
 extern PyType_Spec l2p_controller_spec;
-
-/* The value of an environment flag, the one rule for C and Python (_C.env_flag):
- * 1 for 1/true/yes/on in any case, with surrounding blanks ignored. */
-int l2p_env_flag(const char *name);
 
 #endif /* L2P_H */

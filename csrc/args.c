@@ -1,0 +1,118 @@
+/*
+ * args.c: the arguments several calls parse the same way: a CUDA device
+ * (`device=` of PreparedWeightRanges and PrefetchController, device_info's).
+ * Parsing a torch.device, or asking torch for its current device, runs
+ * Python code: callers do it before what they read of their own.
+ */
+#include "l2p.h"
+
+#include <stdlib.h>
+
+/* A device index as an int in 0..INT_MAX; ValueError naming obj otherwise. */
+static int device_index(PyObject *obj, PyObject *index, int *out)
+{
+    int overflow = 0;
+    long v = PyLong_AsLongAndOverflow(index, &overflow);
+    if (v == -1 && !overflow && PyErr_Occurred())
+        return -1;
+    if (overflow < 0 || (!overflow && v < 0)) {
+        PyErr_Format(PyExc_ValueError, "device must be >= 0, got %R", obj);
+        return -1;
+    }
+    if (overflow > 0 || v > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "device %R is not a CUDA device index (too large)", obj);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* The device of a `device=` argument: None, an int, "cuda:N"/"cuda", or a
+ * torch.device.  -1 for None.  Other types are TypeError; other values
+ * (negative or huge indices, other device types) ValueError. */
+int l2p_parse_device(PyObject *obj, int *out)
+{
+    *out = -1;
+    if (!obj || obj == Py_None)
+        return 0;
+    if (PyLong_Check(obj) && !PyBool_Check(obj))
+        return device_index(obj, obj, out);
+    if (PyUnicode_Check(obj)) {
+        const char *s = PyUnicode_AsUTF8(obj);
+        if (s && strcmp(s, "cuda") == 0)
+            return 0;
+        if (s && strncmp(s, "cuda:", 5) == 0 && s[5] >= '0' && s[5] <= '9') {
+            char *end = NULL;
+            long v = strtol(s + 5, &end, 10);
+            if (*end == '\0' && v <= INT_MAX) {
+                *out = (int)v;
+                return 0;
+            }
+        }
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "device must be a CUDA device ('cuda' or 'cuda:N'), got %R", obj);
+        return -1;
+    }
+    PyObject *type = NULL;
+    int found = PyBool_Check(obj) ? 0 : l2p_optional_attr(obj, "type", &type);
+    if (found < 0)
+        return -1;   /* its own exception: a property that raised, KeyboardInterrupt */
+    if (!found) {    /* not a torch.device either */
+        PyErr_Format(PyExc_TypeError,
+                     "device must be a CUDA device (an int, 'cuda:N' or a torch.device), not %s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int rc = -1;
+    PyObject *index = NULL;
+    if (PyUnicode_Check(type) && PyUnicode_CompareWithASCIIString(type, "cuda") == 0 &&
+        l2p_optional_attr(obj, "index", &index) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    if (index && (index == Py_None || (PyLong_Check(index) && !PyBool_Check(index)))) {
+        rc = index == Py_None ? 0 : device_index(obj, index, out);
+    } else {
+        PyErr_Format(PyExc_ValueError,
+                     "device must be a CUDA device (an int, 'cuda:N' or a torch.device), got %R", obj);
+    }
+    Py_DECREF(type);
+    Py_XDECREF(index);
+    return rc;
+}
+
+/* torch's current CUDA device when torch is imported, else 0 (also where
+ * torch.cuda.current_device() fails with an Exception: a CPU-only torch).
+ * -1 with a BaseException (KeyboardInterrupt) passed through. */
+int l2p_default_device(int *out)
+{
+    *out = 0;
+    PyObject *torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");   /* borrowed: only tested */
+    if (!torch || torch == Py_None)
+        return 0;
+    PyObject *cuda = PyImport_ImportModule("torch.cuda");
+    PyObject *d = cuda ? PyObject_CallMethod(cuda, "current_device", NULL) : NULL;
+    Py_XDECREF(cuda);
+    if (!d) {
+        if (l2p_error_is_base())
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    int overflow = 0;
+    long v = PyLong_Check(d) ? PyLong_AsLongAndOverflow(d, &overflow) : -1;
+    Py_DECREF(d);
+    PyErr_Clear();
+    if (!overflow && v >= 0 && v <= INT_MAX)
+        *out = (int)v;
+    return 0;
+}
+
+int l2p_device_arg(PyObject *obj, int *out)
+{
+    if (l2p_parse_device(obj, out) < 0)
+        return -1;
+    if (*out < 0)
+        return l2p_default_device(out);
+    return 0;
+}
