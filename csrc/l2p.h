@@ -60,13 +60,9 @@ int l2p_default_device(int *out);
 int l2p_device_arg(PyObject *obj, int *out);
 
 /* state.c: the module state and what it holds. */
-extern PyModuleDef l2p_module_def;   /* the module's identity (module.c) */
 l2p_state *l2p_get_state(PyObject *module);
 /* The state of our module for one of our types or a subclass of one. */
-static inline l2p_state *l2p_state_of_type(PyTypeObject *type)
-{
-    return (l2p_state *)PyModule_GetState(PyType_GetModuleByDef(type, &l2p_module_def));
-}
+l2p_state *l2p_state_of_type(PyTypeObject *type);
 /* The driver and NVRTC of this module, opened on first use (raise on failure). */
 l2p_driver *l2p_use_driver(l2p_state *st);
 l2p_nvrtc *l2p_use_nvrtc(l2p_state *st);
@@ -164,5 +160,10 @@ PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssi
 
 /* controller.c */
 extern PyType_Spec l2p_controller_spec;
+
+/* module.c: the module; its definition is its identity, which
+ * l2p_state_of_type looks a subclass's module up by (the one name a unit
+ * takes from module.c: data, never a call). */
+extern PyModuleDef l2p_module_def;
 
 #endif /* L2P_H */

@@ -15,6 +15,11 @@ l2p_state *l2p_get_state(PyObject *module)
     return (l2p_state *)PyModule_GetState(module);
 }
 
+l2p_state *l2p_state_of_type(PyTypeObject *type)
+{
+    return (l2p_state *)PyModule_GetState(PyType_GetModuleByDef(type, &l2p_module_def));
+}
+
 int l2p_env_flag(const char *name)
 {
     const char *v = getenv(name);
