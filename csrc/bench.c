@@ -27,10 +27,10 @@ PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssi
     if (PyErr_Occurred())
         return NULL;
     l2p_driver *d = l2p_prepared_driver(p);
-    l2p_device *dev = NULL;
-    CUresult r = l2p_device_ready(d, l2p_prepared_device(p), &dev);
-    if (r != CUDA_SUCCESS)
-        return l2p_raise_cuda(st, d, l2p_device_ready_failed_call, r);
+    l2p_device *dev = l2p_use_device(st, d, l2p_prepared_device(p));
+    if (!dev)
+        return NULL;
+    CUresult r;
     CUstream side = NULL;
     CUevent ev = NULL, jev = NULL;
     CUcontext popped;

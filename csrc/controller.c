@@ -347,18 +347,8 @@ static int controller_init(controller *self, PyObject *args, PyObject *kwds)
         goto fail;
     self->drv = d;
     l2p_driver_incref(d);
-    CUresult r = l2p_device_ready(d, device, &self->dev);
-    if (r == CUDA_ERROR_INVALID_DEVICE || r == CUDA_ERROR_NO_DEVICE) {
-        PyErr_Format(PyExc_ValueError, "cuda:%d does not exist (the driver sees %d device%s)",
-                     device, d->device_count, d->device_count == 1 ? "" : "s");
+    if (!(self->dev = l2p_use_device(st, d, device)))
         goto fail;
-    }
-    if (r != CUDA_SUCCESS) {
-        char op[96];
-        PyOS_snprintf(op, sizeof op, "%s (preparing cuda:%d)", l2p_device_ready_failed_call, device);
-        l2p_raise_cuda(st, d, op, r);
-        goto fail;
-    }
     if (!self->eager && !d->fn.cuStreamGetCaptureInfo) {
         PyErr_Format(PyExc_ValueError,
                      "eager=False needs the capture state of a stream (cuStreamGetCaptureInfo, "
@@ -368,7 +358,7 @@ static int controller_init(controller *self, PyObject *args, PyObject *kwds)
     }
     CUcontext popped;
     const char *op = "cuCtxPushCurrent";
-    r = d->fn.cuCtxPushCurrent(self->dev->ctx);
+    CUresult r = d->fn.cuCtxPushCurrent(self->dev->ctx);
     if (r == CUDA_SUCCESS) {
         op = "cuStreamCreateWithPriority";
         r = d->fn.cuStreamCreateWithPriority(&self->side, CU_STREAM_NON_BLOCKING, 0);

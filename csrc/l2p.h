@@ -66,6 +66,10 @@ l2p_state *l2p_state_of_type(PyTypeObject *type);
 /* The driver and NVRTC of this module, opened on first use (raise on failure). */
 l2p_driver *l2p_use_driver(l2p_state *st);
 l2p_nvrtc *l2p_use_nvrtc(l2p_state *st);
+/* Device `device` of d, made ready (l2p_device_ready), or NULL with an
+ * exception: ValueError when d has no such device, else CudaError whose
+ * operation is "<the failed call> (preparing cuda:N)". */
+l2p_device *l2p_use_device(l2p_state *st, l2p_driver *d, int device);
 /* The value of an environment flag, the one rule for C and Python (_C.env_flag):
  * 1 for 1/true/yes/on in any case, with surrounding blanks ignored. */
 int l2p_env_flag(const char *name);

@@ -16,13 +16,9 @@ static PyObject *py_device_info(PyObject *module, PyObject *arg)
     l2p_driver *d = l2p_use_driver(st);
     if (!d)
         return NULL;
-    l2p_device *dev;
-    CUresult r = l2p_device_ready(d, device, &dev);
-    if (r != CUDA_SUCCESS) {
-        char op[96];
-        PyOS_snprintf(op, sizeof op, "%s (preparing cuda:%d)", l2p_device_ready_failed_call, device);
-        return l2p_raise_cuda(st, d, op, r);
-    }
+    l2p_device *dev = l2p_use_device(st, d, device);
+    if (!dev)
+        return NULL;
     int v = l2p_variant_default(dev->cc_major * 10 + dev->cc_minor);
     return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s}", "device", device, "sm",
                          dev->cc_major * 10 + dev->cc_minor, "sm_count", dev->sm_count, "l2_bytes",

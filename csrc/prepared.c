@@ -202,19 +202,9 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
      * code (a finalizer, a warning filter) that swaps the module's driver. */
     held = d;
     l2p_driver_incref(held);
-    l2p_device *dev;
-    CUresult r = l2p_device_ready(d, device, &dev);
-    if (r != CUDA_SUCCESS) {
-        if (r == CUDA_ERROR_INVALID_DEVICE || r == CUDA_ERROR_NO_DEVICE)
-            PyErr_Format(PyExc_ValueError, "cuda:%d does not exist (the driver sees %d device%s)",
-                         device, d->device_count, d->device_count == 1 ? "" : "s");
-        else {
-            char op[96];
-            PyOS_snprintf(op, sizeof op, "%s (preparing cuda:%d)", l2p_device_ready_failed_call, device);
-            l2p_raise_cuda(st, d, op, r);
-        }
+    l2p_device *dev = l2p_use_device(st, d, device);
+    if (!dev)
         goto error;
-    }
     int sm = dev->cc_major * 10 + dev->cc_minor;
     if (sm < 80) {
         PyErr_Format(PyExc_RuntimeError,

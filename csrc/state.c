@@ -86,6 +86,23 @@ l2p_driver *l2p_use_driver(l2p_state *st)
     return NULL;
 }
 
+l2p_device *l2p_use_device(l2p_state *st, l2p_driver *d, int device)
+{
+    l2p_device *dev;
+    CUresult r = l2p_device_ready(d, device, &dev);
+    if (r == CUDA_SUCCESS)
+        return dev;
+    if (r == CUDA_ERROR_INVALID_DEVICE || r == CUDA_ERROR_NO_DEVICE) {
+        PyErr_Format(PyExc_ValueError, "cuda:%d does not exist (the driver sees %d device%s)",
+                     device, d->device_count, d->device_count == 1 ? "" : "s");
+        return NULL;
+    }
+    char op[96];
+    PyOS_snprintf(op, sizeof op, "%s (preparing cuda:%d)", l2p_device_ready_failed_call, device);
+    l2p_raise_cuda(st, d, op, r);
+    return NULL;
+}
+
 /* The site-packages folders of this interpreter: site.getsitepackages() and,
  * when enabled, the user site (pip install --user); sysconfig's purelib and
  * platlib where site lacks getsitepackages (old virtualenv).  A new list. */

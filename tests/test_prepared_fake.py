@@ -519,6 +519,24 @@ def test_device_info_names_the_failed_call(fake):
     assert _C.device_info(0)["greatest_priority"] == -5
 
 
+def test_device_setup_fails_alike_everywhere(fake):
+    """device_info, PreparedWeightRanges and PrefetchController turn a device that
+    cannot be set up into the same exception: ValueError for one the driver does
+    not have, CudaError naming the call for a failed one."""
+    calls = (lambda: _C.device_info(3), lambda: PWR([], device=3),
+             lambda: l2prefetch.PrefetchController(device=3))
+    for call in calls:
+        with pytest.raises(ValueError, match=r"^cuda:3 does not exist \(the driver sees 1 device\)$"):
+            call()
+    for call in (lambda: _C.device_info(0), lambda: PWR([], device=0),
+                 lambda: l2prefetch.PrefetchController(device=0)):
+        fake.fail("cuDeviceGetAttribute", code="CUDA_ERROR_NOT_INITIALIZED")
+        with pytest.raises(l2prefetch.CudaError) as info:
+            call()
+        assert info.value.operation == "cuDeviceGetAttribute (preparing cuda:0)"
+        assert info.value.name == "CUDA_ERROR_NOT_INITIALIZED"
+
+
 def test_pointer_lookup_fault(fake):
     fake.fail("cuPointerGetAttribute", code="CUDA_ERROR_NOT_INITIALIZED")
     with pytest.raises(ValueError, match=rf"weight 0 .*{device_ptr(0):#x}.*"
