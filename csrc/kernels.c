@@ -87,6 +87,40 @@ int l2p_variant_default(int sm)
     return l2p_variant_find(sm >= 90 ? "ring" : "load");
 }
 
+int l2p_variant_check_sm(int variant, int sm, int device)
+{
+    const l2p_variant *v = &l2p_variants[variant];
+    if (sm >= v->min_sm)
+        return 0;
+    int lowest = v->min_sm;
+    for (int i = 0; i < l2p_num_variants; i++)
+        if (l2p_variants[i].min_sm < lowest)
+            lowest = l2p_variants[i].min_sm;
+    char where[48], floor[96] = "";
+    if (device >= 0)
+        PyOS_snprintf(where, sizeof where, "; cuda:%d is sm_%d", device, sm);
+    else
+        PyOS_snprintf(where, sizeof where, ", not sm_%d", sm);
+    if (sm < lowest)
+        PyOS_snprintf(floor, sizeof floor, " (l2prefetch needs compute capability %d.%d or newer)",
+                      lowest / 10, lowest % 10);
+    PyErr_Format(PyExc_ValueError, "kernel variant '%s' needs sm_%d or newer%s%s", v->name,
+                 v->min_sm, where, floor);
+    return -1;
+}
+
+/* The arch n builds for sm (l2p_nvrtc_pick_arch: *ptx set when it is PTX for
+ * a lower one), or 0 with RuntimeError when n supports nothing at or below sm:
+ * the NVRTC found cannot serve this GPU, whoever asked. */
+static int pick_arch(const l2p_nvrtc *n, int sm, int *ptx)
+{
+    int arch = l2p_nvrtc_pick_arch(n, sm, ptx);
+    if (arch == 0)
+        PyErr_Format(PyExc_RuntimeError, "NVRTC %d.%d (%s) supports no architecture at or below sm_%d",
+                     n->major, n->minor, n->path, sm);
+    return arch;
+}
+
 /* ---- hashing (hashlib: the cache is not on any hot path) ---- */
 
 static PyObject *sha256_hex(const void *data, Py_ssize_t len)
@@ -351,13 +385,9 @@ PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx)
     l2p_nvrtc_incref(n);
     PyObject *key = NULL, *opts = NULL, *image = NULL, *result = NULL;
     int ptx = 0;
-    int arch = l2p_nvrtc_pick_arch(n, sm, &ptx);
-    if (arch == 0) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "NVRTC %d.%d (%s) supports no architecture at or below sm_%d",
-                     n->major, n->minor, n->path, sm);
+    int arch = pick_arch(n, sm, &ptx);
+    if (arch == 0)
         goto done;
-    }
     *is_ptx = ptx;
     if (!(key = Py_BuildValue("(isii)", arch, v->name, n->major, n->minor)))
         goto done;
@@ -521,12 +551,11 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
         PyErr_Clear();
         sm = LONG_MAX;
     }
-    if (sm > 10000)
+    if (sm < 0 || sm > 10000)
         return PyErr_Format(PyExc_ValueError, "sm must be a compute capability x 10 (e.g. 90), got %R",
                             vals[1]);
-    if (sm < l2p_variants[variant].min_sm)
-        return PyErr_Format(PyExc_ValueError, "kernel variant '%s' needs sm_%d or newer, not sm_%ld",
-                            l2p_variants[variant].name, l2p_variants[variant].min_sm, sm);
+    if (l2p_variant_check_sm(variant, (int)sm, -1) < 0)
+        return NULL;
     int want_ptx = PyObject_IsTrue(vals[2]);
     if (want_ptx < 0)
         return NULL;
@@ -535,12 +564,9 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
         return NULL;
     l2p_nvrtc_incref(n);
     PyObject *result = NULL, *opts = NULL, *built = NULL;
-    int ptx = 0, arch = l2p_nvrtc_pick_arch(n, (int)sm, &ptx);
-    if (arch == 0) {
-        PyErr_Format(PyExc_ValueError, "NVRTC %d.%d supports no architecture at or below sm_%ld",
-                     n->major, n->minor, sm);
+    int ptx = 0, arch = pick_arch(n, (int)sm, &ptx);
+    if (arch == 0)
         goto done;
-    }
     ptx = ptx || want_ptx;
     if (!(opts = compile_options(&l2p_variants[variant], arch, ptx)) ||
         !(built = nvrtc_build(st, n, L2P_KERNEL_SOURCE, opts, ptx)))

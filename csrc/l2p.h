@@ -126,6 +126,10 @@ int l2p_variant_find(const char *name);
 /* The variant a str object names, or -1 (no exception set). */
 int l2p_variant_find_str(PyObject *name);
 int l2p_variant_default(int sm);
+/* Whether variant runs on sm (x10); ValueError otherwise, naming device when it
+ * is >= 0 (the sm of a device) and what l2prefetch needs when sm is below every
+ * variant's minimum. */
+int l2p_variant_check_sm(int variant, int sm, int device);
 /* Compiled code for (sm, variant) as bytes: memory cache, disk cache, NVRTC. */
 PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx);
 /* The function for (device, variant, capacity index), loading the module once. */

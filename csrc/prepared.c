@@ -206,11 +206,6 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     if (!dev)
         goto error;
     int sm = dev->cc_major * 10 + dev->cc_minor;
-    if (sm < 80) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "cuda:%d is sm_%d: l2prefetch needs compute capability 8.0 or newer", device, sm);
-        goto error;
-    }
     int variant = kernel_obj == Py_None ? l2p_variant_default(sm)
                                         : l2p_variant_find_str(kernel_obj);
     if (variant < 0) {
@@ -218,12 +213,9 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
                      kernel_obj);
         goto error;
     }
-    const l2p_variant *v = &l2p_variants[variant];
-    if (sm < v->min_sm) {
-        PyErr_Format(PyExc_ValueError, "kernel variant '%s' needs sm_%d or newer; cuda:%d is sm_%d",
-                     v->name, v->min_sm, device, sm);
+    if (l2p_variant_check_sm(variant, sm, device) < 0)
         goto error;
-    }
+    const l2p_variant *v = &l2p_variants[variant];
     if (v->smem > (unsigned)dev->smem_optin) {
         PyErr_Format(PyExc_ValueError, "kernel variant '%s' needs %u bytes of shared memory per CTA; "
                      "cuda:%d allows %d", v->name, v->smem, device, dev->smem_optin);

@@ -22,6 +22,7 @@ fail), nothing failed is cached in memory or on disk, and the next compile works
 
 import gc
 import os
+import re
 import warnings
 
 import pytest
@@ -335,6 +336,17 @@ def test_failing_version_query_makes_nvrtc_unusable(nv, fakecuda_path):
     assert info.value.reason == "nvrtc_load_failed"
     assert "has no nvrtcGetErrorString" in str(info.value)
     assert _C.compile("ring", 90)["image"].startswith(b"\x7fELF")
+    assert_clean(nv)
+
+
+def test_no_supported_arch_at_or_below_the_sm(nv):
+    # The stand-in supports sm_75 and up; the testing hook skips the variants'
+    # own minimum, so the NVRTC check is what answers (RuntimeError: this NVRTC
+    # cannot serve such a GPU, whatever the arguments), and nothing is compiled.
+    with pytest.raises(RuntimeError, match=rf"NVRTC 13\.0 \({re.escape(nv.path)}\) supports no "
+                                           r"architecture at or below sm_70"):
+        _C._kernel_image("load", 70)
+    assert nv.calls("nvrtcCompileProgram") == 0
     assert_clean(nv)
 
 
