@@ -71,15 +71,19 @@ int l2p_variant_find(const char *name)
     return -1;
 }
 
-int l2p_variant_find_str(PyObject *name)
+int l2p_variant_arg(PyObject *name)
 {
     Py_ssize_t len;
     const char *s = PyUnicode_AsUTF8AndSize(name, &len);
-    if (!s || (size_t)len != strlen(s)) {   /* not UTF-8, or a NUL inside: no variant */
-        PyErr_Clear();
-        return -1;
-    }
-    return l2p_variant_find(s);
+    int v = -1;
+    if (s && (size_t)len == strlen(s))
+        v = l2p_variant_find(s);
+    else
+        PyErr_Clear();   /* not UTF-8, or a NUL inside: no variant */
+    if (v < 0)
+        PyErr_Format(PyExc_ValueError, "unknown kernel variant %R; l2prefetch.kernel_variants() lists them",
+                     name);
+    return v;
 }
 
 int l2p_variant_default(int sm)
@@ -540,9 +544,9 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
     if (!PyUnicode_Check(vals[0]))
         return PyErr_Format(PyExc_TypeError, "variant must be a str, not %s",
                             Py_TYPE(vals[0])->tp_name);
-    int variant = l2p_variant_find_str(vals[0]);
+    int variant = l2p_variant_arg(vals[0]);
     if (variant < 0)
-        return PyErr_Format(PyExc_ValueError, "unknown kernel variant %R; known: see l2prefetch.kernel_variants()", vals[0]);
+        return NULL;
     if (!PyLong_Check(vals[1]) || PyBool_Check(vals[1]))
         return PyErr_Format(PyExc_TypeError, "sm must be an int (e.g. 90), not %s",
                             Py_TYPE(vals[1])->tp_name);
@@ -637,9 +641,9 @@ PyObject *l2p_py_kernel_image(PyObject *module, PyObject *const *args, Py_ssize_
 {
     if (nargs != 2 || !PyUnicode_Check(args[0]))
         return PyErr_Format(PyExc_TypeError, "_kernel_image(variant: str, sm: int)");
-    int variant = l2p_variant_find_str(args[0]);
+    int variant = l2p_variant_arg(args[0]);
     if (variant < 0)
-        return PyErr_Format(PyExc_ValueError, "unknown kernel variant %R", args[0]);
+        return NULL;
     long sm = PyLong_Check(args[1]) ? PyLong_AsLong(args[1]) : -1;
     if (sm < 1 || sm > 10000) {
         PyErr_Clear();

@@ -123,8 +123,8 @@ extern const l2p_variant l2p_variants[];
 extern const int l2p_num_variants;
 extern const unsigned int l2p_capacities[L2P_NUM_CAPACITIES];
 int l2p_variant_find(const char *name);
-/* The variant a str object names, or -1 (no exception set). */
-int l2p_variant_find_str(PyObject *name);
+/* The variant a str object names, or -1 with ValueError. */
+int l2p_variant_arg(PyObject *name);
 int l2p_variant_default(int sm);
 /* Whether variant runs on sm (x10); ValueError otherwise, naming device when it
  * is >= 0 (the sm of a device) and what l2prefetch needs when sm is below every

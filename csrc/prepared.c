@@ -207,10 +207,10 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         goto error;
     int sm = dev->cc_major * 10 + dev->cc_minor;
     int variant = kernel_obj == Py_None ? l2p_variant_default(sm)
-                                        : l2p_variant_find_str(kernel_obj);
+                                        : l2p_variant_arg(kernel_obj);
     if (variant < 0) {
-        PyErr_Format(PyExc_ValueError, "unknown kernel variant %R; l2prefetch.kernel_variants() lists them",
-                     kernel_obj);
+        if (!PyErr_Occurred())   /* the variant table names no default for sm */
+            PyErr_Format(PyExc_ValueError, "no default kernel variant for sm_%d: pass kernel=", sm);
         goto error;
     }
     if (l2p_variant_check_sm(variant, sm, device) < 0)
