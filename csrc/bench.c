@@ -33,10 +33,9 @@ PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssi
     CUresult r;
     CUstream side = NULL;
     CUevent ev = NULL, jev = NULL;
-    CUcontext popped;
     long long t0 = 0, t1 = 0;
-    const char *op = "cuCtxPushCurrent";
-    if ((r = d->fn.cuCtxPushCurrent(dev->ctx)) != CUDA_SUCCESS)
+    const char *op;
+    if ((r = l2p_ctx_push(d, dev->ctx, &op)) != CUDA_SUCCESS)
         return l2p_raise_cuda(st, d, op, r);
     if ((r = d->fn.cuStreamCreateWithPriority(&side, CU_STREAM_NON_BLOCKING, 0)) != CUDA_SUCCESS) {
         op = "cuStreamCreateWithPriority";
@@ -66,7 +65,7 @@ done:
         (void)d->fn.cuEventDestroy(jev);
     if (side)
         (void)d->fn.cuStreamDestroy(side);
-    (void)d->fn.cuCtxPopCurrent(&popped);
+    r = l2p_ctx_pop(d, r, &op);
     if (r != CUDA_SUCCESS)
         return l2p_raise_cuda(st, d, op, r);
     return PyLong_FromLongLong(t1 - t0);

@@ -356,9 +356,8 @@ static int controller_init(controller *self, PyObject *args, PyObject *kwds)
                      d->version / 1000, d->version % 1000 / 10);
         goto fail;
     }
-    CUcontext popped;
-    const char *op = "cuCtxPushCurrent";
-    CUresult r = d->fn.cuCtxPushCurrent(self->dev->ctx);
+    const char *op;
+    CUresult r = l2p_ctx_push(d, self->dev->ctx, &op);
     if (r == CUDA_SUCCESS) {
         op = "cuStreamCreateWithPriority";
         r = d->fn.cuStreamCreateWithPriority(&self->side, CU_STREAM_NON_BLOCKING, 0);
@@ -366,11 +365,7 @@ static int controller_init(controller *self, PyObject *args, PyObject *kwds)
             op = "cuEventCreate";
             r = d->fn.cuEventCreate(&self->join_event, CU_EVENT_DISABLE_TIMING);
         }
-        CUresult p = d->fn.cuCtxPopCurrent(&popped);
-        if (r == CUDA_SUCCESS && p != CUDA_SUCCESS) {
-            r = p;
-            op = "cuCtxPopCurrent";
-        }
+        r = l2p_ctx_pop(d, r, &op);   /* on failure teardown() below destroys what was made */
     }
     if (r != CUDA_SUCCESS) {
         l2p_raise_cuda(st, d, op, r);
@@ -512,9 +507,8 @@ static row *row_of(controller *self, int p, int layer, CUstream cur)
     }
     if (self->enabled) {
         l2p_driver *d = self->drv;
-        CUcontext popped;
-        const char *op = "cuCtxPushCurrent";
-        CUresult rc = d->fn.cuCtxPushCurrent(self->dev->ctx);
+        const char *op;
+        CUresult rc = l2p_ctx_push(d, self->dev->ctx, &op);
         if (rc == CUDA_SUCCESS) {
             op = "cuEventCreate";
             rc = d->fn.cuEventCreate(&r->event, CU_EVENT_DISABLE_TIMING);
@@ -526,12 +520,11 @@ static row *row_of(controller *self, int p, int layer, CUstream cur)
                     r->event = NULL;
                 }
             }
-            CUresult pop = d->fn.cuCtxPopCurrent(&popped);
-            if (rc == CUDA_SUCCESS && pop != CUDA_SUCCESS) {
+            CUresult made = rc;
+            rc = l2p_ctx_pop(d, rc, &op);
+            if (made == CUDA_SUCCESS && rc != CUDA_SUCCESS) {   /* the pop failed */
                 (void)d->fn.cuEventDestroy(r->event);
                 r->event = NULL;
-                op = "cuCtxPopCurrent";
-                rc = pop;
             }
         }
         if (rc != CUDA_SUCCESS) {

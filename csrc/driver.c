@@ -188,15 +188,10 @@ CUresult l2p_device_ready(l2p_driver *d, int ordinal, l2p_device **out)
     r = STEP(cuDevicePrimaryCtxRetain)(&dev->ctx, dev->dev);
     if (r != CUDA_SUCCESS)
         return r;
-    r = STEP(cuCtxPushCurrent)(dev->ctx);
+    r = l2p_ctx_push(d, dev->ctx, &l2p_device_ready_failed_call);
     if (r == CUDA_SUCCESS) {
-        CUcontext popped;
         r = STEP(cuCtxGetStreamPriorityRange)(&dev->least_priority, &dev->greatest_priority);
-        CUresult p = d->fn.cuCtxPopCurrent(&popped);
-        if (r == CUDA_SUCCESS && p != CUDA_SUCCESS) {
-            l2p_device_ready_failed_call = "cuCtxPopCurrent";
-            r = p;
-        }
+        r = l2p_ctx_pop(d, r, &l2p_device_ready_failed_call);
     }
     if (r != CUDA_SUCCESS) {
         (void)d->fn.cuDevicePrimaryCtxRelease(dev->dev);

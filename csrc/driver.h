@@ -123,4 +123,37 @@ static inline CUresult l2p_ensure_current(l2p_driver *d, const l2p_device *dev)
     return CUDA_ERROR_INVALID_CONTEXT;
 }
 
+/* A context pushed for the few calls that need it current, then popped:
+ *
+ *     const char *failed;
+ *     CUresult r = l2p_ctx_push(d, ctx, &failed);
+ *     if (r == CUDA_SUCCESS) {
+ *         failed = "cuX";
+ *         r = d->fn.cuX(...);
+ *         r = l2p_ctx_pop(d, r, &failed);
+ *     }
+ *
+ * A failed push sets *failed to "cuCtxPushCurrent".  The pop runs after every
+ * successful push; its failure becomes the result (*failed "cuCtxPopCurrent")
+ * only where the calls succeeded, so that what they made is undone by the
+ * caller whenever the result is not CUDA_SUCCESS. */
+static inline CUresult l2p_ctx_push(l2p_driver *d, CUcontext ctx, const char **failed)
+{
+    CUresult r = d->fn.cuCtxPushCurrent(ctx);
+    if (r != CUDA_SUCCESS)
+        *failed = "cuCtxPushCurrent";
+    return r;
+}
+
+static inline CUresult l2p_ctx_pop(l2p_driver *d, CUresult r, const char **failed)
+{
+    CUcontext popped;
+    CUresult p = d->fn.cuCtxPopCurrent(&popped);
+    if (r == CUDA_SUCCESS && p != CUDA_SUCCESS) {
+        *failed = "cuCtxPopCurrent";
+        return p;
+    }
+    return r;
+}
+
 #endif /* L2P_DRIVER_H */

@@ -477,9 +477,8 @@ int l2p_kernel_function(l2p_state *st, l2p_driver *d, l2p_device *dev, int varia
         /* From here to the end no Python code runs and the GIL is held: the load
          * and dev->modules[variant] are one step for other threads. */
         CUmodule mod = NULL;
-        CUcontext popped;
-        const char *op = "cuCtxPushCurrent";
-        CUresult r = d->fn.cuCtxPushCurrent(dev->ctx);
+        const char *op;
+        CUresult r = l2p_ctx_push(d, dev->ctx, &op);
         if (r == CUDA_SUCCESS) {
             op = "cuModuleLoadData";
             r = d->fn.cuModuleLoadData(&mod, PyBytes_AS_STRING(image));
@@ -495,14 +494,13 @@ int l2p_kernel_function(l2p_state *st, l2p_driver *d, l2p_device *dev, int varia
                                                  (int)v->smem);
                 }
             }
-            if (r != CUDA_SUCCESS && mod)
+            if (r != CUDA_SUCCESS && mod) {
                 (void)d->fn.cuModuleUnload(mod);
-            CUresult p = d->fn.cuCtxPopCurrent(&popped);
-            if (r == CUDA_SUCCESS && p != CUDA_SUCCESS) {
-                (void)d->fn.cuModuleUnload(mod);
-                r = p;
-                op = "cuCtxPopCurrent";
+                mod = NULL;
             }
+            r = l2p_ctx_pop(d, r, &op);
+            if (r != CUDA_SUCCESS && mod)   /* the pop failed */
+                (void)d->fn.cuModuleUnload(mod);
         }
         Py_DECREF(image);
         if (r != CUDA_SUCCESS) {
