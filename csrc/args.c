@@ -1,8 +1,10 @@
 /*
- * args.c: the arguments several calls parse the same way: a CUDA device
- * (`device=` of PreparedWeightRanges and PrefetchController, device_info's).
- * Parsing a torch.device, or asking torch for its current device, runs
- * Python code: callers do it before what they read of their own.
+ * args.c: the arguments calls parse the same way: a METH_FASTCALL signature
+ * (positional and keyword arguments, with the messages CPython's own
+ * functions give), and a CUDA device (`device=` of PreparedWeightRanges and
+ * PrefetchController, device_info's).  The signature runs no Python code;
+ * parsing a torch.device, or asking torch for its current device, does:
+ * callers do it before what they read of their own.
  */
 #include "l2p.h"
 
@@ -114,5 +116,69 @@ int l2p_device_arg(PyObject *obj, int *out)
         return -1;
     if (*out < 0)
         return l2p_default_device(out);
+    return 0;
+}
+
+/* ---- fast-call arguments ---- */
+
+#define MAX_PARAMS 16
+
+int l2p_parse_args(const l2p_signature *sig, PyObject *const *args, Py_ssize_t nargs,
+                   PyObject *kwnames, PyObject **vals)
+{
+    const char *f = sig->name;
+    int n = 0;
+    while (sig->params[n])
+        n++;
+    assert(n <= MAX_PARAMS && sig->posonly <= sig->maxpos && sig->maxpos <= n);
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs + nkw > n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %s %d argument%s (%zd given)", f,
+                     sig->required < n ? "at most" : "exactly", n, n == 1 ? "" : "s", nargs + nkw);
+        return -1;
+    }
+    if (nargs > sig->maxpos) {
+        if (sig->maxpos == 0)
+            PyErr_Format(PyExc_TypeError, "%s() takes no positional arguments", f);
+        else
+            PyErr_Format(PyExc_TypeError, "%s() takes %s %d positional argument%s (%zd given)", f,
+                         sig->required < sig->maxpos ? "at most" : "exactly", sig->maxpos,
+                         sig->maxpos == 1 ? "" : "s", nargs);
+        return -1;
+    }
+    char given[MAX_PARAMS] = {0};
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        vals[i] = args[i];
+        given[i] = 1;
+    }
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);   /* an exact or subclassed str */
+        int j = sig->posonly;
+        while (j < n && PyUnicode_CompareWithASCIIString(key, sig->params[j]) != 0)
+            j++;
+        if (j == n) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", f, key);
+            return -1;
+        }
+        if (given[j]) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", f,
+                         sig->params[j]);
+            return -1;
+        }
+        vals[j] = args[nargs + k];
+        given[j] = 1;
+    }
+    for (int j = 0; j < sig->required; j++) {
+        if (given[j])
+            continue;
+        if (j < sig->posonly)
+            PyErr_Format(PyExc_TypeError, "%s() takes %s %d positional argument%s (%zd given)", f,
+                         sig->required < sig->maxpos ? "at least" : "exactly", sig->required,
+                         sig->required == 1 ? "" : "s", nargs);
+        else
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s' (pos %d)", f,
+                         sig->params[j], j + 1);
+        return -1;
+    }
     return 0;
 }

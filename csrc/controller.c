@@ -567,31 +567,28 @@ static int set_slot(controller *self, row *r, int batch, int mode, PyObject *ran
     return 0;
 }
 
+static const l2p_signature add_sig = {
+    .name = "add",
+    .params = (const char *const[]){"point", "layer", "batches", "ranges", "graph_fork", NULL},
+    .posonly = 4, .maxpos = 4, .required = 4};
+
 static PyObject *controller_add(controller *self, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames)
 {
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nargs != 4)
-        return PyErr_Format(PyExc_TypeError, "add() takes 4 arguments (point, layer, batches, ranges), %zd given", nargs);
-    PyObject *mode_obj = Py_None;
-    for (Py_ssize_t i = 0; i < nkw; i++) {
-        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
-        if (PyUnicode_CompareWithASCIIString(k, "graph_fork") != 0)
-            return PyErr_Format(PyExc_TypeError, "add() got an unexpected keyword argument %R", k);
-        mode_obj = args[nargs + i];
-    }
-    if (check_open(self) < 0)
+    PyObject *vals[5] = {NULL, NULL, NULL, NULL, Py_None};
+    if (l2p_parse_args(&add_sig, args, nargs, kwnames, vals) < 0 || check_open(self) < 0)
         return NULL;
     l2p_state *st = state_of(self);
-    PyObject *point = args[0], *batches = args[2], *ranges = args[3];
+    PyObject *point = vals[0], *layer_obj = vals[1], *batches = vals[2], *ranges = vals[3],
+             *mode_obj = vals[4];
     long layer;
     int mode;
     if (!PyUnicode_Check(point) || PyUnicode_GET_LENGTH(point) == 0)
         return PyErr_Format(PyExc_TypeError, "point must be a non-empty str, not %R", point);
-    if (as_index(args[1], "layer", &layer) < 0)
+    if (as_index(layer_obj, "layer", &layer) < 0)
         return NULL;
     if (layer < 0 || layer > MAX_LAYER)
-        return PyErr_Format(PyExc_ValueError, "layer must be in 0..%d, got %R", MAX_LAYER, args[1]);
+        return PyErr_Format(PyExc_ValueError, "layer must be in 0..%d, got %R", MAX_LAYER, layer_obj);
     if (!l2p_prepared_check(st, ranges))
         return PyErr_Format(PyExc_TypeError, "ranges must be a PreparedWeightRanges, not %s", Py_TYPE(ranges)->tp_name);
     if (self->enabled && l2p_prepared_device(ranges) != self->device)
@@ -673,37 +670,29 @@ done:
 
 /* ---- fork / join ---- */
 
-/* point, layer, batch of args; no Python code runs (int subclasses are read as
+/* point, layer, batch of key; no Python code runs (int subclasses are read as
  * they are). */
-static int parse_key(PyObject *const *args, long *layer, long *batch)
+static int parse_key(PyObject *const *key, long *layer, long *batch)
 {
-    if (!PyUnicode_Check(args[0])) {
-        PyErr_Format(PyExc_TypeError, "point must be a str, not %s", Py_TYPE(args[0])->tp_name);
+    if (!PyUnicode_Check(key[0])) {
+        PyErr_Format(PyExc_TypeError, "point must be a str, not %s", Py_TYPE(key[0])->tp_name);
         return -1;
     }
-    return as_index(args[1], "layer", layer) < 0 || as_index(args[2], "batch", batch) < 0 ? -1 : 0;
+    return as_index(key[1], "layer", layer) < 0 || as_index(key[2], "batch", batch) < 0 ? -1 : 0;
 }
 
-static int stream_arg(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-                      Py_ssize_t npos, const char *fname, PyObject **stream)
-{
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    *stream = Py_None;
-    if (nargs == npos + 1 && nkw == 0) {
-        *stream = args[npos];
-        return 0;
-    }
-    if (nargs == npos && nkw == 1 &&
-        PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "stream") == 0) {
-        *stream = args[npos];
-        return 0;
-    }
-    if (nargs == npos && nkw == 0)
-        return 0;
-    PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments and an optional stream=",
-                 fname, npos);
-    return -1;
-}
+/* The signatures of the methods that take a key or a stream. */
+static const l2p_signature fork_sig = {
+    .name = "fork", .params = (const char *const[]){"point", "layer", "batch", "stream", NULL},
+    .posonly = 3, .maxpos = 4, .required = 3};
+static const l2p_signature join_sig = {
+    .name = "join", .params = (const char *const[]){"stream", NULL},
+    .posonly = 0, .maxpos = 1, .required = 0};
+static const char *const key_params[] = {"point", "layer", "batch", NULL};
+static const l2p_signature get_sig = {
+    .name = "get", .params = key_params, .posonly = 3, .maxpos = 3, .required = 3};
+static const l2p_signature get_mode_sig = {
+    .name = "get_mode", .params = key_params, .posonly = 3, .maxpos = 3, .required = 3};
 
 /* The capture id of stream s in *id, 0 when it is not capturing (or the driver
  * cannot say: older than 12.3).  A failed query raises CudaError: it is never
@@ -734,15 +723,14 @@ PyDoc_STRVAR(fork_doc,
 static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames)
 {
-    PyObject *stream;
+    PyObject *vals[4] = {NULL, NULL, NULL, Py_None};
     long layer, batch;
     int p;
-    if (nargs < 3)
-        return PyErr_Format(PyExc_TypeError, "fork() takes point, layer, batch (%zd given)", nargs);
-    if (stream_arg(args, nargs, kwnames, 3, "fork", &stream) < 0 ||
-        parse_key(args, &layer, &batch) < 0 || check_open(self) < 0)
+    if (l2p_parse_args(&fork_sig, args, nargs, kwnames, vals) < 0 ||
+        parse_key(vals, &layer, &batch) < 0 || check_open(self) < 0)
         return NULL;
-    slot *e = lookup(self, args[0], layer, batch, &p);
+    PyObject *point = vals[0], *stream = vals[3];
+    slot *e = lookup(self, point, layer, batch, &p);
     if (!e || !self->enabled)
         Py_RETURN_FALSE;
     unsigned long long gen = self->gen;
@@ -752,7 +740,7 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     if (self->gen != gen) {   /* the tables changed meanwhile: look again */
         if (check_open(self) < 0)
             return NULL;
-        if (!(e = lookup(self, args[0], layer, batch, &p)))
+        if (!(e = lookup(self, point, layer, batch, &p)))
             Py_RETURN_FALSE;
     }
     /* ---- commit: no Python code from here on, the GIL stays held ---- */
@@ -760,7 +748,7 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     l2p_driver *d = self->drv;
     if (!l2p_prepared_alive(e->ranges))
         return PyErr_Format(st->error, "the table registered for (%R, %ld, %ld) was cleared by the "
-                            "garbage collector: add() a new one", args[0], layer, batch);
+                            "garbage collector: add() a new one", point, layer, batch);
     if (ensure_context(self) < 0)
         return NULL;
     int mode = e->mode == GRAPH_FORK_DEFAULT ? self->graph_fork : e->mode;
@@ -814,8 +802,8 @@ PyDoc_STRVAR(join_doc,
 static PyObject *controller_join(controller *self, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames)
 {
-    PyObject *stream;
-    if (stream_arg(args, nargs, kwnames, 0, "join", &stream) < 0 || check_open(self) < 0)
+    PyObject *stream = Py_None;
+    if (l2p_parse_args(&join_sig, args, nargs, kwnames, &stream) < 0 || check_open(self) < 0)
         return NULL;
     if (!self->pending)
         Py_RETURN_NONE;
@@ -845,25 +833,24 @@ static PyObject *controller_join(controller *self, PyObject *const *args, Py_ssi
 
 static PyObject *controller_get(controller *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    PyObject *key[3];
     long layer, batch;
     int p;
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "get() takes point, layer, batch (%zd given)", nargs);
-    if (parse_key(args, &layer, &batch) < 0)
+    if (l2p_parse_args(&get_sig, args, nargs, NULL, key) < 0 || parse_key(key, &layer, &batch) < 0)
         return NULL;
-    slot *e = lookup(self, args[0], layer, batch, &p);
+    slot *e = lookup(self, key[0], layer, batch, &p);
     return Py_NewRef(e ? e->ranges : Py_None);
 }
 
 static PyObject *controller_get_mode(controller *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    PyObject *key[3];
     long layer, batch;
     int p;
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "get_mode() takes point, layer, batch (%zd given)", nargs);
-    if (parse_key(args, &layer, &batch) < 0)
+    if (l2p_parse_args(&get_mode_sig, args, nargs, NULL, key) < 0 ||
+        parse_key(key, &layer, &batch) < 0)
         return NULL;
-    slot *e = lookup(self, args[0], layer, batch, &p);
+    slot *e = lookup(self, key[0], layer, batch, &p);
     if (!e)
         Py_RETURN_NONE;
     return PyUnicode_FromString(graph_fork_names[e->mode == GRAPH_FORK_DEFAULT ? self->graph_fork : e->mode]);

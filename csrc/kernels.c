@@ -516,29 +516,17 @@ int l2p_kernel_function(l2p_state *st, l2p_driver *d, l2p_device *dev, int varia
 /* _C.compile(variant, sm, *, ptx=False) -> dict: the NVRTC output for sm
  * (no GPU needed): {"variant", "arch", "ptx", "image", "log", "options"}.  With
  * ptx=True it compiles PTX text (for instruction counts) and skips the caches. */
+static const l2p_signature compile_sig = {
+    .name = "compile", .params = (const char *const[]){"variant", "sm", "ptx", NULL},
+    .posonly = 0, .maxpos = 2, .required = 2};
+
 PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                          PyObject *kwnames)
 {
     l2p_state *st = l2p_get_state(module);
-    static const char *const kw[] = {"variant", "sm", "ptx"};
     PyObject *vals[3] = {NULL, NULL, Py_False};
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nargs > 2)
-        return PyErr_Format(PyExc_TypeError, "compile() takes 2 positional arguments (%zd given)", nargs);
-    for (Py_ssize_t i = 0; i < nargs; i++)
-        vals[i] = args[i];
-    for (Py_ssize_t i = 0; i < nkw; i++) {
-        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
-        int j = -1;
-        for (int m = 0; m < 3; m++)
-            if (PyUnicode_CompareWithASCIIString(name, kw[m]) == 0)
-                j = m;
-        if (j < 0)
-            return PyErr_Format(PyExc_TypeError, "compile() got an unexpected keyword argument %R", name);
-        vals[j] = args[nargs + i];
-    }
-    if (!vals[0] || !vals[1])
-        return PyErr_Format(PyExc_TypeError, "compile() needs variant and sm");
+    if (l2p_parse_args(&compile_sig, args, nargs, kwnames, vals) < 0)
+        return NULL;
     if (!PyUnicode_Check(vals[0]))
         return PyErr_Format(PyExc_TypeError, "variant must be a str, not %s",
                             Py_TYPE(vals[0])->tp_name);

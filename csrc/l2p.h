@@ -50,6 +50,20 @@ PyObject *l2p_format_from_cause(PyObject *type, const char *format, ...);
 void l2p_add_note(const char *format, ...);
 
 /* args.c: arguments parsed the same way everywhere. */
+typedef struct {
+    const char *name;           /* the function's, for messages: "fork" */
+    const char *const *params;  /* every parameter's name in order, NULL-terminated */
+    int posonly;                /* the first posonly are positional only */
+    int maxpos;                 /* how many may be given by position (the rest: keyword only) */
+    int required;               /* the first required must be given */
+} l2p_signature;
+/* The arguments of a METH_FASTCALL (| METH_KEYWORDS) call by sig into vals:
+ * each one given is stored there (borrowed), the others keep what the caller
+ * put there (its defaults).  TypeError as CPython words it for a wrong count,
+ * an unknown keyword, a value given twice or a missing one.  Runs no Python
+ * code. */
+int l2p_parse_args(const l2p_signature *sig, PyObject *const *args, Py_ssize_t nargs,
+                   PyObject *kwnames, PyObject **vals);
 /* The device of a `device=` argument: None (-1), an int, 'cuda'/'cuda:N' or a
  * torch.device.  Other types are TypeError, other values ValueError. */
 int l2p_parse_device(PyObject *obj, int *out);

@@ -337,21 +337,16 @@ PyDoc_STRVAR(launch_doc,
 "None for torch's current stream on this table's device.  Returns None; the\n"
 "kernel runs asynchronously.");
 
+static const l2p_signature launch_sig = {
+    .name = "launch", .params = (const char *const[]){"stream", NULL},
+    .posonly = 0, .maxpos = 1, .required = 0};
+
 static PyObject *prepared_launch(l2p_prepared *self, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames)
 {
     PyObject *stream = Py_None;
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nargs + nkw > 1)
-        return PyErr_Format(PyExc_TypeError, "launch() takes at most 1 argument (%zd given)", nargs + nkw);
-    if (nargs == 1)
-        stream = args[0];
-    else if (nkw == 1) {
-        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "stream") != 0)
-            return PyErr_Format(PyExc_TypeError, "launch() got an unexpected keyword argument %R",
-                                PyTuple_GET_ITEM(kwnames, 0));
-        stream = args[0];
-    }
+    if (l2p_parse_args(&launch_sig, args, nargs, kwnames, &stream) < 0)
+        return NULL;
     l2p_state *st = l2p_state_of_type(Py_TYPE(self));
     CUstream s;
     if (l2p_parse_stream(stream, self->device, &s) < 0)   /* may run Python code */

@@ -528,29 +528,18 @@ error:
     return NULL;
 }
 
+static const l2p_signature compute_ranges_sig = {
+    .name = "compute_ranges", .params = (const char *const[]){"weights", "byte_cap", NULL},
+    .posonly = 0, .maxpos = 2, .required = 1};
+
 /* compute_ranges(weights, byte_cap=0) -> list[tuple[int, int]] */
 PyObject *l2p_py_compute_ranges(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames)
 {
-    PyObject *weights = NULL, *cap_obj = NULL;
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nargs > 2)
-        return PyErr_Format(PyExc_TypeError, "compute_ranges() takes at most 2 arguments (%zd given)", nargs);
-    if (nargs > 0)
-        weights = args[0];
-    if (nargs > 1)
-        cap_obj = args[1];
-    for (Py_ssize_t i = 0; i < nkw; i++) {
-        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
-        if (PyUnicode_CompareWithASCIIString(k, "weights") == 0 && !weights)
-            weights = args[nargs + i];
-        else if (PyUnicode_CompareWithASCIIString(k, "byte_cap") == 0 && !cap_obj)
-            cap_obj = args[nargs + i];
-        else
-            return PyErr_Format(PyExc_TypeError, "compute_ranges() got an unexpected or repeated keyword argument %R", k);
-    }
-    if (!weights)
-        return PyErr_Format(PyExc_TypeError, "compute_ranges() missing required argument 'weights'");
+    PyObject *vals[2] = {NULL, NULL};
+    if (l2p_parse_args(&compute_ranges_sig, args, nargs, kwnames, vals) < 0)
+        return NULL;
+    PyObject *weights = vals[0], *cap_obj = vals[1];
     long long cap = 0;
     if (cap_obj) {
         if (!PyLong_Check(cap_obj) || PyBool_Check(cap_obj))

@@ -128,10 +128,14 @@ def test_compile_argument_errors():
         _C.compile("no_such_variant", 90)
     with pytest.raises(TypeError, match="int"):
         _C.compile(5, 90)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"compile\(\) missing required argument 'sm' \(pos 2\)"):
         _C.compile("load")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"compile\(\) got an unexpected keyword argument 'bogus'"):
         _C.compile("load", 90, bogus=True)
+    with pytest.raises(TypeError, match=r"compile\(\) got multiple values for argument 'variant'"):
+        _C.compile("load", 90, variant="ring")
+    with pytest.raises(TypeError, match=r"compile\(\) takes exactly 2 positional arguments \(3 given\)"):
+        _C.compile("load", 90, True)
     out = _C.compile(variant="load", sm=90, ptx=True)
     assert out["ptx"] is True
 
