@@ -94,6 +94,7 @@ PyObject *l2p_py_use_driver(PyObject *module, PyObject *arg);
 PyObject *l2p_py_use_nvrtc(PyObject *module, PyObject *arg);
 
 /* ranges.c */
+/* A byte range; also the kernel's L2pRange in the parameter block (prepared.c). */
 typedef struct {
     uint64_t ptr;     /* first byte, 16-byte aligned */
     uint64_t nbytes;  /* bytes from ptr; need not be a multiple of 16 */

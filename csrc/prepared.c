@@ -12,6 +12,18 @@
 
 #include "structmember.h"
 
+/* The kernel's parameter block: kernels/prefetch.cu's L2pTable<CAP>, CAP the
+ * capacity (l2p_capacities), l2p_range being its L2pRange.  The one place its
+ * layout is written in C. */
+typedef struct {
+    uint64_t count;           /* ranges used */
+    uint64_t granules;        /* sum of nbytes / 16 over them */
+    l2p_range ranges[];       /* CAP entries, those past count zero */
+} param_block;
+_Static_assert(sizeof(param_block) == 16 && offsetof(param_block, ranges) == 16 &&
+                   sizeof(l2p_range) == 16 && offsetof(l2p_range, nbytes) == 8,
+               "the layout of prefetch.cu's L2pTable: two u64, then (u64 ptr, u64 nbytes) ranges");
+
 struct l2p_prepared {
     PyObject_HEAD
     l2p_driver *drv;
@@ -29,7 +41,7 @@ struct l2p_prepared {
     CUlaunchConfig cfg;
     CUlaunchAttribute attrs[2];
     void *params[1];
-    uint64_t *table;          /* the parameter block: count, granules, ranges */
+    param_block *table;       /* the kernel's one parameter */
     PyObject *weakreflist;
 };
 
@@ -247,8 +259,8 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     if (l2p_kernel_function(st, d, dev, variant, cap, &self->func) < 0)
         goto error;
 
-    size_t words = 2 + 2 * (size_t)l2p_capacities[cap];
-    self->table = PyMem_Calloc(words, sizeof(uint64_t));
+    self->table = PyMem_Calloc(1, sizeof *self->table +
+                                      (size_t)l2p_capacities[cap] * sizeof self->table->ranges[0]);
     self->ranges_tuple = PyTuple_New(nranges);
     if (!self->table || !self->ranges_tuple) {
         PyErr_NoMemory();
@@ -256,8 +268,7 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     }
     uint64_t granules = 0;
     for (Py_ssize_t i = 0; i < nranges; i++) {
-        self->table[2 + 2 * i] = ranges[i].ptr;
-        self->table[3 + 2 * i] = ranges[i].nbytes;
+        self->table->ranges[i] = ranges[i];
         granules += ranges[i].nbytes / 16;
         self->nbytes += ranges[i].nbytes;
         PyObject *t = Py_BuildValue("(KK)", (unsigned long long)ranges[i].ptr,
@@ -266,8 +277,8 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
             goto error;
         PyTuple_SET_ITEM(self->ranges_tuple, i, t);
     }
-    self->table[0] = (uint64_t)nranges;
-    self->table[1] = granules;
+    self->table->count = (uint64_t)nranges;
+    self->table->granules = granules;
     self->params[0] = self->table;
 
     CUlaunchConfig *c = &self->cfg;
