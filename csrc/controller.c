@@ -451,6 +451,23 @@ PyDoc_STRVAR(add_doc,
 "are the same either way); None keeps the controller's.  The (point, layer)\n"
 "event is created and recorded once here, before any capture can begin.");
 
+/* items (n of them, room for *cap) with room for one more: *cap doubled, from
+ * first, when full.  The array (moved or not), or NULL with MemoryError, the
+ * old one untouched. */
+static void *room_for_one(void *items, int n, int *cap, int first, size_t size)
+{
+    if (n < *cap)
+        return items;
+    int grown = *cap ? 2 * *cap : first;
+    void *more = PyMem_Realloc(items, (size_t)grown * size);
+    if (!more) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *cap = grown;
+    return more;
+}
+
 /* Whether (name, layer) has its row (and so its event) now. */
 static int has_row(controller *self, PyObject *name, long layer)
 {
@@ -463,16 +480,10 @@ static int point_id(controller *self, PyObject *name)
     int p = find_point(self, name);
     if (p >= 0)
         return p;
-    if (self->npoints == self->cap_points) {
-        int cap = self->cap_points ? 2 * self->cap_points : 4;
-        point *pts = PyMem_Realloc(self->points, (size_t)cap * sizeof *pts);
-        if (!pts) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        self->points = pts;
-        self->cap_points = cap;
-    }
+    point *pts = room_for_one(self->points, self->npoints, &self->cap_points, 4, sizeof *pts);
+    if (!pts)
+        return -1;
+    self->points = pts;
     point *pt = &self->points[self->npoints];
     memset(pt, 0, sizeof *pt);
     pt->name = Py_NewRef(name);
@@ -548,16 +559,10 @@ static int set_slot(controller *self, row *r, int batch, int mode, PyObject *ran
         r->slots[i].mode = mode;
         return 0;
     }
-    if (r->n == r->cap) {
-        int cap = r->cap ? 2 * r->cap : 8;
-        slot *slots = PyMem_Realloc(r->slots, (size_t)cap * sizeof *slots);
-        if (!slots) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        r->slots = slots;
-        r->cap = cap;
-    }
+    slot *slots = room_for_one(r->slots, r->n, &r->cap, 8, sizeof *slots);
+    if (!slots)
+        return -1;
+    r->slots = slots;
     memmove(&r->slots[i + 1], &r->slots[i], (size_t)(r->n - i) * sizeof *r->slots);
     r->slots[i].batch = batch;
     r->slots[i].mode = mode;
