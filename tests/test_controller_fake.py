@@ -196,6 +196,28 @@ def test_add_bad_ranges_and_arity(fake, table):
     assert len(c) == 0
 
 
+def test_signatures_refuse_a_value_given_twice_or_by_a_positional_only_name(fake, table):
+    # one parser (csrc/args.c) for every fast-call method, worded as CPython's
+    c = PC(device=0)
+    c.add("a", 0, 1, table)
+    with pytest.raises(TypeError, match=r"^fork\(\) takes at most 4 arguments \(5 given\)$"):
+        c.fork("a", 0, 1, STREAM, stream=STREAM)
+    with pytest.raises(TypeError, match=r"^fork\(\) got an unexpected keyword argument 'point'$"):
+        c.fork(point="a", layer=0, batch=1)
+    with pytest.raises(TypeError, match=r"^join\(\) takes at most 1 argument \(2 given\)$"):
+        c.join(STREAM, stream=STREAM)
+    with pytest.raises(TypeError, match=r"^launch\(\) takes at most 1 argument \(2 given\)$"):
+        table.launch(STREAM, stream=STREAM)
+    with pytest.raises(TypeError, match=r"^compute_ranges\(\) got multiple values for argument 'weights'$"):
+        _C.compute_ranges([], weights=[])
+    with pytest.raises(TypeError, match=r"^add\(\) got an unexpected keyword argument 'point'$"):
+        c.add("a", 0, 1, table, point="b")
+    assert c.fork("a", 0, 1, stream=STREAM) and c.fork("a", 0, 1, STREAM)
+    assert c.fork("b", 0, 1) is False
+    c.join(stream=STREAM)
+    assert len(c) == 1
+
+
 def test_add_ranges_of_another_device(fake):
     reopen(fake, device_count=2)
     t1 = PWR([arr(0, device=1)])
