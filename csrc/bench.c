@@ -1,6 +1,6 @@
 /*
  * bench.c: the floor the controller's host cost is measured against
- * (benchmarks/report.py, "host cost"): the fork and join driver sequence,
+ * (benchmarks/sections/host.py): the fork and join driver sequence,
  * cuEventRecord + cuStreamWaitEvent + cuLaunchKernelEx, then the join's
  * cuEventRecord + cuStreamWaitEvent, called from C in a loop with nothing else.
  */

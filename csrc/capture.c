@@ -2,13 +2,12 @@
  * capture.c: how a fork goes into a CUDA graph being captured.
  *
  * NOTE [inline graph fork]: a side branch in a replayed graph can cost far
- * more than its own nodes.  Measured on the H200 (benchmarks/RESULTS.md,
- * "Run 5"): in a graph of cuBLAS GEMVs, or in Hugging Face DeepSeek-V3's
- * decode step (727 kernels, 30 of their edges programmatic), one fork to a
- * side stream and its join slow the whole replay by 35-60 us, even when the
- * side branch launches nothing (a bare cross-stream edge costs the same) and
- * whether it has one fork or ten.  In graphs of plain elementwise kernels the
- * same fork costs ~0.5 us.
+ * more than its own nodes.  In graphs of cuBLAS kernels (with their
+ * programmatic edges), a real model's decode step among them, one fork to a
+ * side stream and its join slow the whole replay by tens of us, even when the
+ * branch launches nothing (a bare cross-stream edge costs the same) and
+ * however many forks it holds; in graphs of plain elementwise kernels the same
+ * fork costs under a microsecond (benchmarks/RESULTS.md, section "Run 5").
  *
  * So, while the stream is capturing, the controller does not fork to its side
  * stream: it puts the prefetch kernel K on the captured stream itself, after
@@ -21,22 +20,22 @@
  *               X ---------------------> Y          (X's own edge, unchanged)
  *               K --launch order-------> Y
  *
- * K starts when X is done, as the seed's event-based fork did ("a prefetch
+ * K starts when X is done, as the eager fork's event makes it ("a prefetch
  * starts only after the work it overlaps"); Y still waits for X exactly as
  * before and for nothing of K but its launch, so K overlaps Y and what
- * follows.  The graph stays one chain; the replay no longer pays the branch.
+ * follows.  The graph stays one chain; the replay does not pay for a branch.
  * Nothing waits for K inside the graph; the graph as a whole completes after
  * it, which is the join of the eager path.  Another stream that joins after
  * the fork (an event recorded here and waited on there, as torch does for
  * NCCL) inherits the same two edges: its kernel waits for X and for K's
- * launch only (benchmarks/probe_edges.py).
+ * launch only (tests/test_capture_edges_gpu.py checks it).
  *
- * Session 2 gave K a launch-order edge from X too, so that K started as soon
- * as X was running.  With X a bandwidth-bound GEMV (the routed experts before
- * next_attention) K then competed with X for HBM: at TP 2 with real NCCL
- * all-reduces the two-layer step lost 5-7 us per step with the shipped plan
- * (benchmarks/RESULTS.md, run 7).  Driver 12.3 or newer (edge data); older
- * drivers and PrefetchController(graph_fork="branch") use the side stream.
+ * K's edge from X is an ordinary one, not launch order: started while X runs,
+ * K competes with X for HBM, and with X a bandwidth-bound GEMV (the routed
+ * experts before next_attention, real all-reduces at TP 2) that made the step
+ * slower (benchmarks/RESULTS.md, section "Run 7").  Driver 12.3 or newer (edge
+ * data); older drivers and PrefetchController(graph_fork="branch") use the
+ * side stream.
  */
 #include "l2p.h"
 

@@ -13,8 +13,9 @@
  * a fork leaves nothing pending; graph_fork="branch" keeps the side stream,
  * for the whole controller or (add(..., graph_fork=)) for some keys only.
  * With eager=False, a fork outside a capture does nothing and returns False:
- * in a host-bound eager decode step a fork costs host time (~15 us measured in
- * a real model's step) and cannot gain, as the GPU waits for the host anyway.
+ * in a host-bound eager decode step a fork costs host time and cannot gain, as
+ * the GPU waits for the host anyway (benchmarks/RESULTS.md, section "The eager
+ * fork's host cost inside the step").
  *
  * The tables are sparse: a point holds one row pointer per layer up to its
  * highest layer, a (point, layer) row holds its event and its batches sorted

@@ -158,8 +158,7 @@ void l2p_driver_decref(l2p_driver *d)
 }
 
 /* The driver call behind l2p_device_ready()'s last failure, so that callers can
- * name it (set and read under the GIL).  Declared where it is used: driver.h
- * is not this change's to edit. */
+ * name it (set and read under the GIL; declared in driver.h). */
 const char *l2p_device_ready_failed_call = "";
 #define STEP(call) (l2p_device_ready_failed_call = #call, d->fn.call)
 

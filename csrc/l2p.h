@@ -108,7 +108,7 @@ typedef struct {
 } l2p_weight_device;
 enum { L2P_DEV_UNKNOWN = 0, L2P_DEV_CUDA = 1, L2P_DEV_OTHER = 2 };
 
-/* Ranges of `weights` (a sequence) with the seed's rules.  On success returns
+/* Ranges of `weights` (a sequence) with the reference design's rules.  On success returns
  * a new tuple of the weights and fills *ranges (PyMem_Malloc'd, *n entries,
  * *n may be 0) and, if devices is not NULL, one entry per weight
  * (PyMem_Malloc'd).  Raises TypeError/ValueError/OverflowError otherwise. */

@@ -31,9 +31,10 @@ static PyObject *py_device_info(PyObject *module, PyObject *arg)
 static PyMethodDef module_methods[] = {
     {"compute_ranges", (PyCFunction)(void (*)(void))l2p_py_compute_ranges, METH_FASTCALL | METH_KEYWORDS,
      "compute_ranges(weights, byte_cap=0)\n--\n\n"
-     "The (ptr, nbytes) byte ranges a prefetch of weights covers, with the seed's\n"
-     "rules (see the README).  Pure arithmetic: tensors on any device, or objects\n"
-     "with __cuda_array_interface__."},
+     "The (ptr, nbytes) byte ranges a prefetch of weights covers: in order, each\n"
+     "non-empty weight's lowest to highest byte (the first 16-byte aligned), the\n"
+     "total capped at byte_cap bytes (the README, \"Ranges\").  Pure arithmetic:\n"
+     "tensors on any device, or objects with __cuda_array_interface__."},
     {"compile", (PyCFunction)(void (*)(void))l2p_py_compile, METH_FASTCALL | METH_KEYWORDS,
      "compile(variant, sm, *, ptx=False)\n--\n\n"
      "Compile a kernel variant with NVRTC for sm (e.g. 90) without a GPU; returns\n"

@@ -1,13 +1,14 @@
 /*
- * ranges.c: the byte ranges of a list of weights, with the seed's rules.
+ * ranges.c: the byte ranges of a list of weights, with the reference design's
+ * rules.
  *
  * Weights are torch tensors (read through data_ptr/shape/stride/element_size,
  * so any device works: this is arithmetic) or objects with
  * __cuda_array_interface__ (v2/v3; strides in bytes or None).  Each non-empty
  * weight covers its lowest to its highest byte: with strides s_i and sizes n_i
  * the span is (sum of (n_i - 1) * s_i over positive strides, minus the same over
- * negative ones) + one element, which for non-negative strides is the seed's
- * 1 + sum((n - 1) * stride) elements.  A range must start 16-byte aligned (the
+ * negative ones) + one element, which for non-negative strides is the reference
+ * design's 1 + sum((n - 1) * stride) elements.  A range must start 16-byte aligned (the
  * kernel moves 16-byte granules).  With a byte cap, each size is
  * min(size, remaining) rounded down to 16, the cap is spent in order, and the
  * walk stops giving ranges once fewer than 16 bytes remain; the weights after
@@ -468,8 +469,8 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
     }
     uint64_t remaining = (uint64_t)byte_cap;
     Py_ssize_t used = 0;
-    int spent = 0;   /* the cap is spent: later weights give no range (seed: the walk
-                        stops), but are still read and checked */
+    int spent = 0;   /* the cap is spent: later weights give no range (the reference
+                        design's walk stops), but are still read and checked */
     for (Py_ssize_t i = 0; i < count; i++) {
         weight_info w;
         if (describe(PyTuple_GET_ITEM(tuple, i), i, &w) < 0) {
