@@ -132,11 +132,9 @@ int l2p_parse_args(const l2p_signature *sig, PyObject *const *args, Py_ssize_t n
         n++;
     assert(n <= MAX_PARAMS && sig->posonly <= sig->maxpos && sig->maxpos <= n);
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nargs + nkw > n) {
-        PyErr_Format(PyExc_TypeError, "%s() takes %s %d argument%s (%zd given)", f,
-                     sig->required < n ? "at most" : "exactly", n, n == 1 ? "" : "s", nargs + nkw);
-        return -1;
-    }
+    /* No count of positional + keyword arguments: with at most maxpos positional ones and
+     * each keyword naming a distinct parameter not given yet, there are at most n, and a
+     * value given twice is reported as such (as CPython does), not as a count. */
     if (nargs > sig->maxpos) {
         if (sig->maxpos == 0)
             PyErr_Format(PyExc_TypeError, "%s() takes no positional arguments", f);

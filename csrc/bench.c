@@ -34,7 +34,7 @@ PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssi
     CUstream side = NULL;
     CUevent ev = NULL, jev = NULL;
     long long t0 = 0, t1 = 0;
-    const char *op;
+    const char *op = NULL;
     if ((r = l2p_ctx_push(d, dev->ctx, &op)) != CUDA_SUCCESS)
         return l2p_raise_cuda(st, d, op, r);
     if ((r = d->fn.cuStreamCreateWithPriority(&side, CU_STREAM_NON_BLOCKING, 0)) != CUDA_SUCCESS) {
@@ -56,8 +56,10 @@ PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssi
             r = d->fn.cuStreamWaitEvent(cur, jev, 0);
     }
     t1 = now_ns();
-    if (r == CUDA_SUCCESS)
+    if (r == CUDA_SUCCESS) {
+        op = "cuStreamSynchronize";
         r = d->fn.cuStreamSynchronize(side);
+    }
 done:
     if (ev)
         (void)d->fn.cuEventDestroy(ev);

@@ -60,8 +60,9 @@ typedef struct {
 /* The arguments of a METH_FASTCALL (| METH_KEYWORDS) call by sig into vals:
  * each one given is stored there (borrowed), the others keep what the caller
  * put there (its defaults).  TypeError as CPython words it for a wrong count,
- * an unknown keyword, a value given twice or a missing one.  Runs no Python
- * code. */
+ * an unknown keyword, a value given twice or a missing one.  Matching runs no
+ * Python code (keywords are compared as text, never through __eq__/__hash__);
+ * only the unknown-keyword error formats the key with repr(), and returns. */
 int l2p_parse_args(const l2p_signature *sig, PyObject *const *args, Py_ssize_t nargs,
                    PyObject *kwnames, PyObject **vals);
 /* The device of a `device=` argument: None (-1), an int, 'cuda'/'cuda:N' or a

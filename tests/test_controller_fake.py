@@ -200,13 +200,13 @@ def test_signatures_refuse_a_value_given_twice_or_by_a_positional_only_name(fake
     # one parser (csrc/args.c) for every fast-call method, worded as CPython's
     c = PC(device=0)
     c.add("a", 0, 1, table)
-    with pytest.raises(TypeError, match=r"^fork\(\) takes at most 4 arguments \(5 given\)$"):
+    with pytest.raises(TypeError, match=r"^fork\(\) got multiple values for argument \'stream\'$"):
         c.fork("a", 0, 1, STREAM, stream=STREAM)
     with pytest.raises(TypeError, match=r"^fork\(\) got an unexpected keyword argument 'point'$"):
         c.fork(point="a", layer=0, batch=1)
-    with pytest.raises(TypeError, match=r"^join\(\) takes at most 1 argument \(2 given\)$"):
+    with pytest.raises(TypeError, match=r"^join\(\) got multiple values for argument \'stream\'$"):
         c.join(STREAM, stream=STREAM)
-    with pytest.raises(TypeError, match=r"^launch\(\) takes at most 1 argument \(2 given\)$"):
+    with pytest.raises(TypeError, match=r"^launch\(\) got multiple values for argument \'stream\'$"):
         table.launch(STREAM, stream=STREAM)
     with pytest.raises(TypeError, match=r"^compute_ranges\(\) got multiple values for argument 'weights'$"):
         _C.compute_ranges([], weights=[])
@@ -1186,3 +1186,22 @@ def test_graph_fork_per_key_falls_back_without_edge_data(fake):
     assert ctl.fork("attn", 0, 1, stream=STREAM)
     assert _launch_streams(fake)[-1] == hex(ctl.stream_handle)
     ctl.join(stream=STREAM)
+
+
+# -- the host-cost floor (_C._floor_fork_join, benchmarks/sections/host.py) ------------------
+
+@pytest.mark.parametrize("name, n", [("cuStreamCreateWithPriority", 3), ("cuEventCreate", 3),
+                                     ("cuEventRecord", 3), ("cuStreamSynchronize", 3),
+                                     ("cuStreamSynchronize", 0), ("cuCtxPopCurrent", 0)])
+def test_floor_fault_names_its_call(fake, name, n):
+    """Every failure of the C floor names the driver call that failed (a loop of no pairs
+    included) and releases its stream and events."""
+    p = PWR([arr(0)])
+    assert _C._floor_fork_join(p, 2, STREAM) >= 0
+    fake.fail(name, code="CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(l2prefetch.CudaError) as info:
+        _C._floor_fork_join(p, n, STREAM)
+    expected = "the fork/join sequence" if name == "cuEventRecord" else name
+    assert info.value.operation.startswith(expected), info.value.operation
+    assert info.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert (fake.live("stream"), fake.live("event"), fake.bad_destroys()) == (0, 0, 0)

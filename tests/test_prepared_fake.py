@@ -221,7 +221,7 @@ def test_launch_bad_stream(fake, stream, exc, match):
 
 def test_launch_bad_arguments(fake):
     t = PWR([arr(0)])
-    with pytest.raises(TypeError, match="at most 1 argument"):
+    with pytest.raises(TypeError, match="at most 1 positional argument"):
         t.launch(STREAM, STREAM)
     with pytest.raises(TypeError, match="unexpected keyword"):
         t.launch(strm=STREAM)
