@@ -122,6 +122,11 @@ def test_verbose_adds_the_instruction_mix(tmp_path, args):
 def test_info_is_the_default(fake, capsys):
     fake.configure(device_count=0)
     _C._use_driver(fake.path)
+    # The two calls compared come after a first one: on the H200, in a pytest-xdist
+    # worker, the first info of the process printed ptxas's resource report and the
+    # second did not (what NVRTC's log holds is not ours to fix).
+    assert cli.main(["info"]) == 0
+    capsys.readouterr()
     assert cli.main([]) == 0
     default = capsys.readouterr().out
     assert cli.main(["info"]) == 0

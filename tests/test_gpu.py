@@ -22,6 +22,15 @@ def _rand(shape, dtype=torch.bfloat16):
     return torch.randn(shape, device=DEV, dtype=torch.float32).to(dtype)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cublas_ready():
+    """Create cuBLAS's handle before any capture: its creation frees memory, which a
+    capture refuses, so the first matmul of a process must not be a captured one (a test
+    selected alone with -k, as .ci/gpu sanitize does, would be)."""
+    a = torch.ones((16, 16), device=DEV, dtype=torch.bfloat16)
+    (a @ a).float().sum().item()
+
+
 def _sleep_us(us):
     """Keep the current stream busy for about us microseconds (one CTA, no memory)."""
     torch.cuda._sleep(int(us * 1980))
