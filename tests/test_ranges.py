@@ -1,4 +1,4 @@
-"""compute_ranges (csrc/ranges.c) against the seed's range rules.
+"""compute_ranges (csrc/ranges.c) against the reference design's range rules.
 
 The seed (PreparedWeightRanges.__init__) walks the weights in order, skips
 empty ones, requires each range to start 16-byte aligned, spans
@@ -198,7 +198,7 @@ def test_random_tensors_match_seed(seed, device):
         expected = outcome(seed_ranges, weights, cap)
         assert c_outcome(weights, cap) == expected, (cap, [
             (tuple(w.shape), w.stride(), w.dtype, w.data_ptr()) for w in weights])
-        # The generalised reference agrees with the seed on tensors.
+        # The generalised reference agrees with the reference design on tensors.
         assert outcome(reference_ranges, weights, cap) == expected
 
 
