@@ -576,9 +576,7 @@ done:
 /* _C.clear_kernel_cache(): forgets the in-process images (the disk cache stays). */
 PyObject *l2p_py_clear_kernel_cache(PyObject *module, PyObject *unused)
 {
-    l2p_state *st = l2p_get_state(module);
-    PyDict_Clear(st->cubins);
-    PyDict_Clear(st->kernel_info);
+    l2p_forget_kernels(l2p_get_state(module));
     Py_RETURN_NONE;
 }
 

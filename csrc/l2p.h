@@ -81,6 +81,8 @@ l2p_state *l2p_state_of_type(PyTypeObject *type);
 /* The driver and NVRTC of this module, opened on first use (raise on failure). */
 l2p_driver *l2p_use_driver(l2p_state *st);
 l2p_nvrtc *l2p_use_nvrtc(l2p_state *st);
+/* Forgets the in-process kernel images and their info (the disk cache stays). */
+void l2p_forget_kernels(l2p_state *st);
 /* Device `device` of d, made ready (l2p_device_ready), or NULL with an
  * exception: ValueError when d has no such device, else CudaError whose
  * operation is "<the failed call> (preparing cuda:N)". */

@@ -197,6 +197,12 @@ error:
     return NULL;
 }
 
+void l2p_forget_kernels(l2p_state *st)
+{
+    PyDict_Clear(st->cubins);
+    PyDict_Clear(st->kernel_info);
+}
+
 l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
 {
     if (st->nvrtc)
@@ -347,7 +353,6 @@ PyObject *l2p_py_use_nvrtc(PyObject *module, PyObject *arg)
         return NULL;
     }
     l2p_nvrtc_decref(old);   /* the library stays loaded */
-    PyDict_Clear(st->cubins);
-    PyDict_Clear(st->kernel_info);
+    l2p_forget_kernels(st);  /* images of the old NVRTC */
     Py_RETURN_NONE;
 }
