@@ -123,7 +123,7 @@ static CUgraphEdgeData launch_order(void)
 }
 
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
-                                   const char **failed)
+                                   int order_edge, const char **failed)
 {
     deps before = {0}, after = {0}, next = {0};
     before.nodes = after.nodes = next.nodes = NULL;
@@ -137,9 +137,10 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
     *failed = "cuLaunchKernelEx";
     if ((r = l2p_prepared_launch_raw(prepared, s)) != CUDA_SUCCESS)
         goto out;
-    /* The stream now depends on K alone; make it X's edges plus K's launch. */
+    /* The stream now depends on K alone; make it X's edges plus K's launch
+     * ('inline'), or X's edges alone ('leaf': K is a sink of the graph). */
     *failed = "cuStreamGetCaptureInfo";
-    if ((r = get_deps(d, s, &after, 0)) != CUDA_SUCCESS)
+    if (order_edge && (r = get_deps(d, s, &after, 0)) != CUDA_SUCCESS)
         goto out;
     if ((r = reserve(&next, before.n + after.n)) != CUDA_SUCCESS)
         goto out;
@@ -153,7 +154,8 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
         next.edges[before.n + i] = launch_order();
     }
     *failed = "cuStreamUpdateCaptureDependencies";
-    r = d->fn.cuStreamUpdateCaptureDependencies(s, next.nodes, next.edges, next.n,
+    r = d->fn.cuStreamUpdateCaptureDependencies(s, next.n ? next.nodes : NULL,
+                                                next.n ? next.edges : NULL, next.n,
                                                 CU_STREAM_SET_CAPTURE_DEPENDENCIES);
     /* On failure the stream depends on K with an ordinary edge: correct, serial. */
 out:

@@ -53,8 +53,9 @@
 
 /* While capturing: the prefetch node on the captured stream itself with
  * launch-order edges (capture.c, NOTE [inline graph fork]), or the side stream. */
-enum { GRAPH_FORK_DEFAULT = -1, GRAPH_FORK_INLINE = 0, GRAPH_FORK_BRANCH = 1 };
-static const char *const graph_fork_names[] = {"inline", "branch"};
+enum { GRAPH_FORK_DEFAULT = -1, GRAPH_FORK_INLINE = 0, GRAPH_FORK_BRANCH = 1, GRAPH_FORK_LEAF = 2,
+       GRAPH_FORK_COUNT = 3 };
+static const char *const graph_fork_names[] = {"inline", "branch", "leaf"};
 
 /* __init__ not run (or failed), running, done; close() or the GC ended it. */
 enum { STATE_UNINIT = 0, STATE_INITIALISING, STATE_OPEN, STATE_CLOSED };
@@ -251,13 +252,13 @@ static int parse_graph_fork(PyObject *obj, int allow_none, int *out)
         *out = GRAPH_FORK_DEFAULT;
         return 0;
     }
-    const char *allowed = allow_none ? "'inline', 'branch' or None (the controller's)"
-                                     : "'inline' (the default) or 'branch'";
+    const char *allowed = allow_none ? "'inline', 'branch', 'leaf' or None (the controller's)"
+                                     : "'inline' (the default), 'branch' or 'leaf'";
     if (!PyUnicode_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "graph_fork must be %s, not %s", allowed, Py_TYPE(obj)->tp_name);
         return -1;
     }
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < GRAPH_FORK_COUNT; i++)
         if (PyUnicode_CompareWithASCIIString(obj, graph_fork_names[i]) == 0) {
             *out = i;
             return 0;
@@ -758,7 +759,8 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     if (ensure_context(self) < 0)
         return NULL;
     int mode = e->mode == GRAPH_FORK_DEFAULT ? self->graph_fork : e->mode;
-    int inline_ok = mode == GRAPH_FORK_INLINE && l2p_capture_inline_available(d);
+    int inline_ok = (mode == GRAPH_FORK_INLINE || mode == GRAPH_FORK_LEAF) &&
+                    l2p_capture_inline_available(d);
     unsigned long long cap = 0;
     if ((inline_ok || !self->pending || self->capture_id != 0 || !self->eager) &&
         capture_of(self, cur, &cap) < 0)
@@ -775,7 +777,8 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
         Py_RETURN_FALSE;
     if (cap && inline_ok) {
         const char *failed;
-        CUresult r = l2p_capture_inline_launch(d, cur, e->ranges, &failed);
+        CUresult r = l2p_capture_inline_launch(d, cur, e->ranges, mode == GRAPH_FORK_INLINE,
+                                               &failed);
         if (r != CUDA_SUCCESS)
             return l2p_raise_cuda(st, d, failed, r);
         self->points[p].forks++;

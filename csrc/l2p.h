@@ -176,10 +176,11 @@ l2p_driver *l2p_prepared_driver(PyObject *obj);
 
 /* capture.c: the inline graph fork (NOTE [inline graph fork]). */
 int l2p_capture_inline_available(const l2p_driver *d);
-/* Capture prepared's launch on s (capturing) as a node with launch-order edges;
- * on failure *failed names the driver call. */
+/* Capture prepared's launch on s (capturing) as a node after s's last nodes;
+ * with order_edge the next node gets a launch-order edge from it ('inline'),
+ * else nothing depends on it ('leaf').  On failure *failed names the driver call. */
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
-                                   const char **failed);
+                                   int order_edge, const char **failed);
 
 /* bench.c */
 PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
