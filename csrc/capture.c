@@ -123,7 +123,8 @@ static CUgraphEdgeData launch_order(void)
 }
 
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
-                                   int order_edge, const char **failed)
+                                   int order_edge, CUgraphNode chain, CUgraphNode *node,
+                                   const char **failed)
 {
     deps before = {0}, after = {0}, next = {0};
     before.nodes = after.nodes = next.nodes = NULL;
@@ -133,15 +134,29 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
     *failed = "cuStreamGetCaptureInfo";
     if ((r = get_deps(d, s, &before, 0)) != CUDA_SUCCESS)
         goto out;
-    /* K after X, an ordinary captured launch (on failure nothing was captured). */
+    /* K after X (and after chain, the previous leaf, when given). */
+    if (chain) {
+        CUgraphEdgeData e;
+        memset(&e, 0, sizeof e);
+        *failed = "cuStreamUpdateCaptureDependencies";
+        if ((r = d->fn.cuStreamUpdateCaptureDependencies(s, &chain, &e, 1,
+                                                         CU_STREAM_ADD_CAPTURE_DEPENDENCIES))
+            != CUDA_SUCCESS)
+            goto out;
+    }
+    /* An ordinary captured launch (on failure nothing was captured). */
     *failed = "cuLaunchKernelEx";
     if ((r = l2p_prepared_launch_raw(prepared, s)) != CUDA_SUCCESS)
         goto out;
     /* The stream now depends on K alone; make it X's edges plus K's launch
      * ('inline'), or X's edges alone ('leaf': K is a sink of the graph). */
     *failed = "cuStreamGetCaptureInfo";
-    if (order_edge && (r = get_deps(d, s, &after, 0)) != CUDA_SUCCESS)
+    if ((r = get_deps(d, s, &after, 0)) != CUDA_SUCCESS)
         goto out;
+    if (node)
+        *node = after.n == 1 ? after.nodes[0] : NULL;
+    if (!order_edge)
+        after.n = 0;
     if ((r = reserve(&next, before.n + after.n)) != CUDA_SUCCESS)
         goto out;
     next.n = before.n + after.n;

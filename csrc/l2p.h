@@ -180,7 +180,8 @@ int l2p_capture_inline_available(const l2p_driver *d);
  * with order_edge the next node gets a launch-order edge from it ('inline'),
  * else nothing depends on it ('leaf').  On failure *failed names the driver call. */
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
-                                   int order_edge, const char **failed);
+                                   int order_edge, CUgraphNode chain, CUgraphNode *node,
+                                   const char **failed);
 
 /* bench.c */
 PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

@@ -799,6 +799,56 @@ def test_inline_fork_first_in_capture(fake, ctl):
                                                                         1, 2)]
 
 
+def test_leaf_fork_edges(fake, table):
+    """graph_fork='leaf': K depends on X by X's own edge and nothing depends on K: the
+    stream's dependencies afterwards are X's alone, the next node does not wait for K."""
+    c = PC(device=0, graph_fork="leaf")
+    assert c.graph_fork == "leaf"
+    c.add("attn", 0, 1, table)
+    fake.set_capture(7)
+    x = fake.add_capture_node(0)
+    fake.clear_log()
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    launch, = fake.log("cuLaunchKernelEx")
+    assert kv(launch)["stream"] == CUR and _deps(launch) == [(x, 0, 0)]
+    k = int(kv(launch)["node"])
+    update, = fake.log("cuStreamUpdateCaptureDependencies")
+    assert kv(update)["flags"] == "1" and _deps(update) == [(x, 0, 0)]
+    assert fake.log("cuEventRecord") == [] and fake.log("cuStreamWaitEvent") == []
+    assert not c.pending and c.stats()["attn"] == {"forks": 1, "bytes": 4096}
+    c.join(stream=STREAM)
+    assert fake.log("cuEventRecord") == []
+    PWR([arr(5)]).launch(STREAM)
+    deps = _deps(fake.log("cuLaunchKernelEx")[-1])
+    assert deps == [(x, 0, 0)] and k not in [d[0] for d in deps]
+
+
+def test_leaf_fork_first_in_capture(fake, table):
+    """No node captured yet: K is a root and the stream is left with no dependencies."""
+    c = PC(device=0)
+    c.add("attn", 0, 1, table, graph_fork="leaf")
+    assert c.get_mode("attn", 0, 1) == "leaf"
+    fake.set_capture(7)
+    fake.clear_log()
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    launch, = fake.log("cuLaunchKernelEx")
+    assert _deps(launch) == []
+    update, = fake.log("cuStreamUpdateCaptureDependencies")
+    assert kv(update)["n"] == "0"
+    PWR([arr(5)]).launch(STREAM)
+    assert _deps(fake.log("cuLaunchKernelEx")[-1]) == []
+
+
+def test_leaf_fork_eager_takes_the_side_stream(fake, table):
+    c = PC(device=0, graph_fork="leaf")
+    c.add("attn", 0, 1, table)
+    fake.clear_log()
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    assert kv(fake.log("cuLaunchKernelEx")[-1])["stream"] != CUR and c.pending
+    c.join(stream=STREAM)
+    assert not c.pending
+
+
 @pytest.mark.parametrize("call, nth", [("cuStreamGetCaptureInfo", 2), ("cuLaunchKernelEx", 1),
                                        ("cuStreamGetCaptureInfo", 3),
                                        ("cuStreamUpdateCaptureDependencies", 1)])
