@@ -24,6 +24,8 @@ typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUkern_st *CUkernel;
 
 enum {
     CUDA_SUCCESS = 0,
@@ -72,6 +74,22 @@ typedef struct CUgraphEdgeData_st {
     unsigned char type;
     unsigned char reserved[5];
 } CUgraphEdgeData;
+
+/* CUgraphNodeType (only the kernel node) */
+enum { CU_GRAPH_NODE_TYPE_KERNEL = 0 };
+
+/* CUDA_KERNEL_NODE_PARAMS_v2 (CUDA 12.0), what cuGraphKernelNodeGetParams and
+ * cuGraphExecKernelNodeSetParams take at ABI version 12000. */
+typedef struct CUDA_KERNEL_NODE_PARAMS_st {
+    CUfunction func;
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    void **kernelParams;
+    void **extra;
+    CUkernel kern;
+    CUcontext ctx;
+} CUDA_KERNEL_NODE_PARAMS;
 
 /* CUlaunchAttributeID (only the two we set) */
 enum {

@@ -50,7 +50,13 @@
       (CUstream, int *, unsigned long long *, CUgraph *, const CUgraphNode **,         \
        const CUgraphEdgeData **, size_t *))                                            \
     X(cuStreamUpdateCaptureDependencies, 12030, 0,                                     \
-      (CUstream, CUgraphNode *, const CUgraphEdgeData *, size_t, unsigned int))
+      (CUstream, CUgraphNode *, const CUgraphEdgeData *, size_t, unsigned int))          \
+    X(cuGraphGetNodes, 10000, 0, (CUgraph, CUgraphNode *, size_t *))                    \
+    X(cuGraphNodeGetType, 10000, 0, (CUgraphNode, int *))                               \
+    X(cuGraphKernelNodeGetParams, 12000, 0, (CUgraphNode, CUDA_KERNEL_NODE_PARAMS *))   \
+    X(cuGraphNodeSetEnabled, 11060, 0, (CUgraphExec, CUgraphNode, unsigned int))        \
+    X(cuGraphExecKernelNodeSetParams, 12000, 0,                                        \
+      (CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS *))
 
 /* The oldest driver we accept: cuGetProcAddress_v2 and cuLaunchKernelEx. */
 #define L2P_MIN_DRIVER_VERSION 12000

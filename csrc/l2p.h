@@ -172,6 +172,8 @@ uint64_t l2p_prepared_nbytes(PyObject *obj);
 int l2p_prepared_alive(PyObject *obj);
 /* Launch on stream; returns CUresult (no exception). */
 CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream);
+/* prepared's launch as a kernel node's parameters (func, dimensions, its table). */
+void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p);
 l2p_driver *l2p_prepared_driver(PyObject *obj);
 
 /* capture.c: the inline graph fork (NOTE [inline graph fork]). */
@@ -182,6 +184,10 @@ int l2p_capture_inline_available(const l2p_driver *d);
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
                                    int order_edge, CUgraphNode chain, CUgraphNode *node,
                                    const char **failed);
+
+/* graph.c: loader nodes of a captured graph, switched in place. */
+PyObject *l2p_py_graph_loader_nodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *l2p_py_graph_set_loaders(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* bench.c */
 PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

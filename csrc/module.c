@@ -69,6 +69,14 @@ static PyMethodDef module_methods[] = {
      "Testing hook: compile source with options to CUBIN (raises NvrtcError)."},
     {"_floor_fork_join", (PyCFunction)(void (*)(void))l2p_py_floor_fork_join, METH_FASTCALL,
      "Benchmark hook: n fork+join driver sequences of prepared from C; total ns."},
+    {"_graph_loader_nodes", (PyCFunction)(void (*)(void))l2p_py_graph_loader_nodes, METH_FASTCALL,
+     "_graph_loader_nodes(graph)\n--\n\n"
+     "The kernel nodes of template graph (a raw CUgraph handle) that launch l2prefetch's\n"
+     "kernels, as a tuple of raw node handles (the tuner's in-place switch)."},
+    {"_graph_set_loaders", (PyCFunction)(void (*)(void))l2p_py_graph_set_loaders, METH_FASTCALL,
+     "_graph_set_loaders(exec, nodes, state)\n--\n\n"
+     "Switch those nodes of executable graph exec to state 'on' (the captured loads),\n"
+     "'empty' (an empty table) or 'off' (disabled), for the next replays."},
     {"_use_driver", l2p_py_use_driver, METH_O, "Testing hook: the driver library new objects use."},
     {"_use_nvrtc", l2p_py_use_nvrtc, METH_O, "Testing hook: the NVRTC library compiles use."},
     {"_set_stream_source", l2p_py_set_stream_source, METH_O,

@@ -79,6 +79,21 @@ CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream)
     return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func, self->params, NULL);
 }
 
+void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p)
+{
+    l2p_prepared *self = (l2p_prepared *)obj;
+    memset(p, 0, sizeof *p);
+    p->func = self->func;
+    p->gridDimX = self->cfg.gridDimX;
+    p->gridDimY = self->cfg.gridDimY;
+    p->gridDimZ = self->cfg.gridDimZ;
+    p->blockDimX = self->cfg.blockDimX;
+    p->blockDimY = self->cfg.blockDimY;
+    p->blockDimZ = self->cfg.blockDimZ;
+    p->sharedMemBytes = self->cfg.sharedMemBytes;
+    p->kernelParams = self->params;
+}
+
 static int check_int(PyObject *o, const char *what, long lo, long hi, long *out)
 {
     if (!PyLong_Check(o) || PyBool_Check(o)) {

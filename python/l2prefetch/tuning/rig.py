@@ -31,7 +31,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
-__all__ = ["Measurement", "Rig", "build_controller", "empty_controller", "spin_cycles_per_us"]
+__all__ = ["LoaderSwitch", "Measurement", "Rig", "build_controller", "empty_controller",
+           "spin_cycles_per_us"]
 
 
 def spin_cycles_per_us(device: Any = None) -> float:
@@ -182,13 +183,14 @@ class Rig:
 
     # ------------------------------------------------------------ capture
     def capture(self, fn: Callable[[], Any], *, warmup: int = 1,
-                pool: Any = None) -> tuple[Any, Any]:
+                pool: Any = None, keep_graph: bool = False) -> tuple[Any, Any]:
         """Capture ``fn()`` into a CUDA graph after ``warmup`` eager calls on the
         capture stream (cuBLAS handles, workspaces, lazy init), in memory pool
         ``pool`` (None: a private one).  Returns ``(graph, output)``; the output
-        tensor is refreshed by each replay."""
+        tensor is refreshed by each replay.  ``keep_graph`` keeps the template
+        graph (instantiated here), which :class:`LoaderSwitch` needs."""
         torch = self.torch
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
@@ -198,8 +200,37 @@ class Rig:
                 with torch.cuda.graph(graph, pool=pool, stream=self.stream):
                     output = fn()
             torch.cuda.current_stream().wait_stream(self.stream)
+            if keep_graph:
+                graph.instantiate()
             torch.cuda.synchronize()
         return graph, output
+
+    def paired(self, switches: Sequence["LoaderSwitch"], states: Mapping[str, Any], rounds: int
+               ) -> dict[str, list[float]]:
+        """Per state, the median us of each switch's graph in that state, in switch order.
+
+        Every round replays every graph once in every state (``states[name]``: what
+        :meth:`LoaderSwitch.set` takes), the states' order rotated each round, so a
+        state's comparison with another is paired within each graph instance.
+        """
+        torch = self.torch
+        names = list(states)
+        pairs: dict[tuple[str, int], list] = {(n, i): [] for n in names for i in range(len(switches))}
+        with torch.cuda.device(self.device):
+            for r in range(rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for i, sw in enumerate(switches):
+                    for name in order:
+                        sw.set(states[name])
+                        start = torch.cuda.Event(enable_timing=True)
+                        end = torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        sw.graph.replay()
+                        end.record()
+                        pairs[(name, i)].append((start, end))
+            torch.cuda.synchronize()
+        return {n: [statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs[(n, i)])
+                    for i in range(len(switches))] for n in names}
 
     # ------------------------------------------------------------ replays
     def replays(self, graphs: Mapping[Any, Any], rounds: int,
@@ -286,6 +317,44 @@ class Rig:
         medians = {name: [statistics.median(x) for x in per] for name, per in replays.items()}
         del graphs
         return Measurement(medians, replays, outputs, t1 - t0, t2 - t1)
+
+
+class LoaderSwitch:
+    """The loader nodes of one captured graph (``Rig.capture(..., keep_graph=True)``),
+    switched in place between replays: the tuner's paired comparisons.
+
+    :meth:`set` takes ``"on"`` (the captured loads), ``"empty"`` (the same kernels
+    with no ranges: the empty-fork control), ``"off"`` (the nodes disabled) or a
+    mapping from a captured table's ranges to the table each such node should
+    launch instead (another cap, grid or kernel; priority and carveout stay as
+    captured).  Updates apply to later replays only, so switching needs no sync.
+    """
+
+    def __init__(self, graph: Any) -> None:
+        from .. import _C
+
+        self._C = _C
+        self.graph = graph
+        found = _C._graph_loader_nodes(graph.raw_cuda_graph())
+        self.nodes = tuple(node for node, _ in found)
+        #: The ranges each node was captured with, in node order.
+        self.captured = tuple(ranges for _, ranges in found)
+        self._exec = graph.raw_cuda_graph_exec()
+        self._state: Any = "on"
+
+    def set(self, state: Any) -> None:
+        if state is self._state or (isinstance(state, str) and state == self._state):
+            return
+        if isinstance(state, Mapping):
+            try:
+                tables = tuple(state[ranges] for ranges in self.captured)
+            except KeyError as exc:
+                raise ValueError(f"no table given for the loader node captured with ranges "
+                                 f"{exc.args[0]!r}") from None
+            self._C._graph_set_loaders(self._exec, self.nodes, tables)
+        else:
+            self._C._graph_set_loaders(self._exec, self.nodes, state)
+        self._state = state
 
 
 def medians(values: Mapping[Any, Sequence[float]]) -> dict[Any, float]:
