@@ -36,6 +36,19 @@
  * slower (benchmarks/RESULTS.md, section "Run 7").  Driver 12.3 or newer (edge
  * data); older drivers and PrefetchController(graph_fork="branch") use the
  * side stream.
+ *
+ * NOTE [leaf graph fork]: an inline K overlaps Y only.  The graph executor
+ * puts K and Y on one hardware stream (the launch-order edge is a programmatic
+ * dependency, which lives within a stream), and work on a stream completes in
+ * order: Y's completion is held until K's, so the node after Y waits for all
+ * of K (a CUPTI timeline of an HF Llama graph shows Y "running" until K ends,
+ * the window after it starting only then: benchmarks/RESULTS.md, run 12).  So
+ * graph_fork="leaf": K depends on X by X's own edge and nothing depends on it;
+ * the stream's dependencies are set back to X's.  The executor then runs K on
+ * another stream beside the whole window, and the graph completes after it.
+ * Each leaf also depends on the previous leaf of the same capture, so that the
+ * loaders form one side chain (one extra stream, not one per fork: seven
+ * streams cost about 4 us more per step than two at batch 8, run 12).
  */
 #include "l2p.h"
 

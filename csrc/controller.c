@@ -101,8 +101,7 @@ typedef struct {
     int pending;
     unsigned long long capture_id;       /* capture of the pending fork, 0 if eager */
     PyObject *stream_obj;     /* torch.cuda.ExternalStream, made on first use */
-    int leaf_chain;           /* EXPERIMENT: L2PREFETCH_LEAF_CHAIN=1 chains leaves */
-    CUgraphNode leaf_tail;    /* the last leaf node of capture leaf_capture */
+    CUgraphNode leaf_tail;    /* the last leaf node of capture leaf_capture (capture.c) */
     unsigned long long leaf_capture;
     PyObject *weakreflist;
 } controller;
@@ -340,10 +339,6 @@ static int controller_init(controller *self, PyObject *args, PyObject *kwds)
         goto fail;
     self->device = device;
     self->graph_fork = graph_fork;
-    {
-        const char *chain_env = getenv("L2PREFETCH_LEAF_CHAIN");
-        self->leaf_chain = chain_env && chain_env[0] == '1';
-    }
     self->eager = eager_obj == Py_True;
     self->enabled = !l2p_env_flag("L2PREFETCH_DISABLE");
     if (!self->enabled) {
@@ -785,7 +780,7 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     if (cap && inline_ok) {
         const char *failed;
         CUgraphNode chain = NULL, node = NULL;
-        if (mode == GRAPH_FORK_LEAF && self->leaf_chain && self->leaf_capture == cap)
+        if (mode == GRAPH_FORK_LEAF && self->leaf_capture == cap)
             chain = self->leaf_tail;
         CUresult r = l2p_capture_inline_launch(d, cur, e->ranges, mode == GRAPH_FORK_INLINE,
                                                chain, &node, &failed);

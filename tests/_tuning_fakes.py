@@ -32,13 +32,18 @@ class Clock:
 
 
 class PlantedBackend:
+    """Planted gains; instance i of every variant shares offset i.  With ``paired``,
+    variants of one fork structure (same roles and modes) are measured as switched
+    states of one instance (their own noise 0.2 us) and reported in ``pairs``."""
+
     rounds = 10
 
     def __init__(self, gains: Mapping[str, Callable[[Setting], float]], *,
                  fork_cost_us: float = 0.5, instance_sd_us: float = 1.0, step_us: float = 2000.0,
                  interference: Mapping[frozenset, float] = (), gaps: Mapping[str, float] = (),
                  seed: int = 0, clock: Clock | None = None, capture_s: float = 0.02,
-                 fail: Mapping[int, Exception] = (), differs: frozenset = frozenset()) -> None:
+                 fail: Mapping[int, Exception] = (), differs: frozenset = frozenset(),
+                 paired: bool = False) -> None:
         self.gains = dict(gains)
         self.fork_cost_us, self.sd, self.step_us = fork_cost_us, instance_sd_us, step_us
         self.interference = dict(interference)
@@ -50,6 +55,8 @@ class PlantedBackend:
         self.differs = differs
         self.groups: list[dict[str, Variant]] = []
         self.prepared: list[int] = []
+        self.switches = paired
+        self.pairs: list[set[str]] = []
 
     def prepare(self, batch: int) -> Prepared:
         if batch in self.fail:
@@ -76,7 +83,19 @@ class PlantedBackend:
     def measure(self, batch, variants, instances):
         self.groups.append(dict(variants))
         offsets = [self.rng.gauss(0.0, self.sd) for _ in range(instances)]
-        times = {name: [self.time(v, offsets[i] + self.rng.gauss(0.0, self.sd))
+        structures: dict[tuple, set[str]] = {}
+        for name, v in variants.items():
+            if v.roles:
+                structures.setdefault(tuple(sorted((r, s.graph_fork) for r, s in v.roles)),
+                                      set()).add(name)
+        self.pairs = [g for g in structures.values() if len(g) > 1] if self.switches else []
+        shared = {n: k for k, g in enumerate(self.pairs) for n in g}
+        group_offsets = [[self.rng.gauss(0.0, self.sd) for _ in range(instances)]
+                         for _ in self.pairs]
+        own = {name: (0.2 if name in shared else self.sd) for name in variants}
+        times = {name: [self.time(v, offsets[i] + (group_offsets[shared[name]][i]
+                                                    if name in shared else 0.0)
+                                  + self.rng.gauss(0.0, own[name]))
                         for i in range(instances)] for name, v in variants.items()}
         if self.clock is not None:
             self.clock.t += len(variants) * instances * (

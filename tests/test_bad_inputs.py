@@ -958,12 +958,12 @@ ROWS = [
     row("PlanEntry", "kernel 'ring' (valid)", lambda e: PlanEntry("p", 0, [1], (cpu(4),), kernel="ring").kernel,
         Returns("ring")),
     row("PlanEntry", "graph_fork an int", lambda e: PlanEntry("p", 0, [1], (cpu(4),), graph_fork=1),
-        Raises(TypeError, r"PlanEntry.graph_fork must be 'inline' or 'branch', or None \(the "
+        Raises(TypeError, r"PlanEntry.graph_fork must be 'inline', 'branch' or 'leaf', or None \(the "
                           r"controller's mode\), got int 1")),
     row("PlanEntry", "graph_fork a bool", lambda e: PlanEntry("p", 0, [1], (cpu(4),), graph_fork=True),
-        Raises(TypeError, r"PlanEntry.graph_fork must be 'inline' or 'branch'.*got bool True")),
+        Raises(TypeError, r"PlanEntry.graph_fork must be 'inline', 'branch' or 'leaf'.*got bool True")),
     row("PlanEntry", "graph_fork unknown", lambda e: PlanEntry("p", 0, [1], (cpu(4),), graph_fork="side"),
-        Raises(ValueError, r"PlanEntry.graph_fork must be 'inline' or 'branch', or None .*got 'side'")),
+        Raises(ValueError, r"PlanEntry.graph_fork must be 'inline', 'branch' or 'leaf', or None .*got 'side'")),
     row("PlanEntry", "graph_fork 'branch' (valid)",
         lambda e: PlanEntry("p", 0, [1], (cpu(4),), graph_fork="branch").graph_fork, Returns("branch")),
 
@@ -1153,7 +1153,7 @@ ROWS = [
     row("plan_from_json", "an unknown kernel", lambda e: plan_from_json(plan_json(2, kernel="nope"), e.model),
         Raises(ValueError, r"PlanEntry.kernel 'nope' is not a kernel variant; known:")),
     row("plan_from_json", "an unknown graph_fork", lambda e: plan_from_json(plan_json(2, graph_fork="side"), e.model),
-        Raises(ValueError, r"PlanEntry.graph_fork must be 'inline' or 'branch', or None .*got 'side'")),
+        Raises(ValueError, r"PlanEntry.graph_fork must be 'inline', 'branch' or 'leaf', or None .*got 'side'")),
     row("plan_from_json", "version 2 with kernel and graph_fork (valid)",
         lambda e: [(x.kernel, x.graph_fork) for x in
                    plan_from_json(plan_json(2, kernel="ring", graph_fork="branch"), e.model)],

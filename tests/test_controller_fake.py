@@ -823,6 +823,30 @@ def test_leaf_fork_edges(fake, table):
     assert deps == [(x, 0, 0)] and k not in [d[0] for d in deps]
 
 
+def test_leaf_forks_chain_within_one_capture(fake, table):
+    """A second leaf of the same capture depends on its fork's node and on the first
+    leaf (one side chain); in another capture the chain starts again."""
+    c = PC(device=0, graph_fork="leaf")
+    c.add("attn", 0, 1, table)
+    c.add("mlp", 0, 1, table)
+    fake.set_capture(7)
+    x = fake.add_capture_node(0)
+    fake.clear_log()
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    k1 = int(kv(fake.log("cuLaunchKernelEx")[-1])["node"])
+    y = fake.add_capture_node(0)
+    assert c.fork("mlp", 0, 1, stream=STREAM)
+    launch = fake.log("cuLaunchKernelEx")[-1]
+    k2 = int(kv(launch)["node"])
+    assert sorted(d[0] for d in _deps(launch)) == sorted([y, k1])
+    assert _deps(fake.log("cuStreamUpdateCaptureDependencies")[-1]) == [(y, 0, 0)]
+    fake.set_capture(8)
+    z = fake.add_capture_node(0)
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    assert _deps(fake.log("cuLaunchKernelEx")[-1]) == [(z, 0, 0)]
+    assert x and k2
+
+
 def test_leaf_fork_first_in_capture(fake, table):
     """No node captured yet: K is a root and the stream is left with no dependencies."""
     c = PC(device=0)

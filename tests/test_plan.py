@@ -231,8 +231,8 @@ def test_kernel_and_graph_fork_default_to_none():
     ("kernel", "Ring", ValueError, ["'Ring' is not a kernel variant", "known: ", "load, ring",
                                     "line_prefetch", "None for the device's default"]),
     ("kernel", "", ValueError, ["'' is not a kernel variant"]),
-    ("graph_fork", 0, TypeError, ["PlanEntry.graph_fork", "'inline' or 'branch'", "int 0"]),
-    ("graph_fork", "Inline", ValueError, ["'inline' or 'branch', or None", "'Inline'"]),
+    ("graph_fork", 0, TypeError, ["PlanEntry.graph_fork", "'inline', 'branch' or 'leaf'", "int 0"]),
+    ("graph_fork", "Inline", ValueError, ["'inline', 'branch' or 'leaf', or None", "'Inline'"]),
 ])
 def test_kernel_and_graph_fork_are_checked(field, value, error, words):
     with pytest.raises(error) as info:

@@ -6,6 +6,7 @@ import io
 
 import pytest
 
+from l2prefetch.plan import GRAPH_FORKS
 from l2prefetch.tuning import search as S
 from l2prefetch.tuning.stats import diff_interval, mean_interval, t_quantile
 
@@ -101,7 +102,8 @@ def test_the_sweep_finds_the_best_cap_and_verifies_it_on_fresh_instances():
     chosen = by_name(report)["A"].chosen
     assert chosen.stage == "verify" and chosen.setting.byte_cap == 16 * MIB
     stages = [t.stage for t in by_name(report)["A"].trials]
-    assert stages.count("sweep") == len(S.DEFAULT_CAPS_MIB) and "verify" in stages
+    assert stages.count("sweep") == len(S.DEFAULT_CAPS_MIB) * len(GRAPH_FORKS)
+    assert "verify" in stages
     # caps are limited to what the role can load
     (small,), _ = run(PlantedBackend({"A": pays(8.0)}, seed=3), [role("A", mib=6)])
     caps = {t.setting.byte_cap for t in by_name(small)["A"].trials if t.stage == "sweep"}
@@ -186,3 +188,29 @@ def test_step_errors_propagate():
     backend = PlantedBackend({"A": pays(1.0)}, fail={8: RuntimeError("batch 8 too big")})
     with pytest.raises(S.StepError, match="step\\(8\\) failed"):
         run(backend, [role("A")], batches=(1, 8))
+
+
+def test_the_sweep_tries_every_fork_mode_at_every_cap():
+    """A role that pays only as a branch fork is found although the default (inline) loses."""
+    backend = PlantedBackend({"A": lambda s: 6.0 if s.graph_fork == "branch" else -3.0}, seed=5)
+    (report,), _ = run(backend, [role("A", mib=32)])
+    rep = by_name(report)["A"]
+    swept = {(t.setting.graph_fork, t.setting.byte_cap) for t in rep.trials if t.stage == "sweep"}
+    caps = {min(int(c * MIB), 32 * MIB) for c in S.DEFAULT_CAPS_MIB}
+    assert swept == {(m, c) for m in GRAPH_FORKS for c in caps}
+    assert rep.kept and rep.chosen.setting.graph_fork == "branch"
+    assert report.plan and report.plan[0][1].graph_fork == "branch"
+
+
+def test_paired_backend_narrows_the_interval_against_empty_forks():
+    """Where the backend measures (d) and (b) in the same instances, their difference is
+    paired: the instance spread (3 us here) cancels, an unpaired one keeps it."""
+    gains = {"A": lambda s: 1.0}
+    widths = {}
+    for paired in (False, True):
+        backend = PlantedBackend(gains, instance_sd_us=3.0, seed=7, paired=paired)
+        (report,), _ = run(backend, [role("A", mib=16)], graph_forks=("leaf",))
+        sweep = [t for t in by_name(report)["A"].trials if t.stage == "sweep"]
+        widths[paired] = max(t.vs_empty.half_width for t in sweep)
+        assert bool(backend.pairs) == paired
+    assert widths[True] < 0.5 < 2.0 < widths[False]

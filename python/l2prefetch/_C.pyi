@@ -24,7 +24,7 @@ class CudaUnavailableError(ImportError):
 
 _Stream = Union[None, int, Any]  # None (torch's current), a CUstream handle, a torch.cuda.Stream
 _Device = Union[None, int, str, Any]
-_GraphFork = Literal["inline", "branch"]
+_GraphFork = Literal["inline", "branch", "leaf"]
 # The names of csrc/kernels.c's variant table (tests/test_stubs.py checks them).
 _Kernel = Literal["ring", "bulk_prefetch", "line_prefetch", "load"]
 
@@ -110,7 +110,7 @@ class PrefetchController:
         or 'branch') overrides the controller's for these keys while capturing; None
         keeps the controller's."""
     def get_mode(self, point: str, layer: int, batch: int, /) -> Optional[_GraphFork]:
-        """'inline' or 'branch': how a fork of that key goes into a captured graph (its
+        """'inline', 'branch' or 'leaf': how a fork of that key goes into a captured graph (its
         add()'s graph_fork, else the controller's); None where nothing is registered."""
     def fork(self, point: str, layer: int, batch: int, /, stream: _Stream = None) -> bool: ...
     def join(self, stream: _Stream = None) -> None: ...

@@ -74,7 +74,7 @@ CapSpec = Union[int, tuple[int, Optional[int]]]
 
 #: How a fork goes into a CUDA graph being captured: on the captured stream
 #: ('inline') or as a side branch ('branch'); see PrefetchController.
-GraphFork = Literal["inline", "branch"]
+GraphFork = Literal["inline", "branch", "leaf"]
 GRAPH_FORKS: tuple[str, ...] = get_args(GraphFork)
 
 #: The loader kernel variants, as ``l2prefetch.kernel_variants()`` names them
@@ -175,7 +175,7 @@ def _check_kernel(value: object) -> None:
 
 
 def _check_graph_fork(value: object) -> None:
-    known = " or ".join(repr(mode) for mode in GRAPH_FORKS)
+    known = ", ".join(repr(mode) for mode in GRAPH_FORKS[:-1]) + f" or {GRAPH_FORKS[-1]!r}"
     if not isinstance(value, str):
         raise TypeError(f"PlanEntry.graph_fork must be {known}, or None (the controller's "
                         f"mode), got {type(value).__name__} {value!r}")
@@ -197,8 +197,8 @@ class PlanEntry:
     asks for the greatest stream priority.  ``kernel`` names the loader
     variant (one of ``l2prefetch.kernel_variants()``; None: the device's
     default, or ``from_plan(kernel=...)``).  ``graph_fork`` says how this
-    entry's forks go into a CUDA graph being captured ('inline' or 'branch';
-    None: the controller's ``graph_fork``).  Wrong types raise TypeError, bad
+    entry's forks go into a CUDA graph being captured (one of :data:`GRAPH_FORKS`,
+    'inline', 'branch' or 'leaf'; None: the controller's ``graph_fork``).  Wrong types raise TypeError, bad
     values ValueError, both naming the field.
 
     Entries compare and hash by value, with weights by identity (two entries

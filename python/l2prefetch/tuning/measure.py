@@ -54,6 +54,17 @@ def _max_diff(x: Any, y: Any) -> Optional[float]:
     return None
 
 
+class _Switched:
+    """One state of a LoaderSwitch's graph, replayed as if it were its own graph."""
+
+    def __init__(self, switch: Any, state: Any) -> None:
+        self.switch, self.state = switch, state
+
+    def replay(self) -> None:
+        self.switch.set(self.state)
+        self.switch.graph.replay()
+
+
 class GraphBackend:
     """Measures variants of ``step(batch)`` in CUDA graphs on one device.
 
@@ -80,6 +91,10 @@ class GraphBackend:
         self._roles: dict[str, Role] = {}
         #: The caps the search tries (bytes): the probe counts reads up to the largest.
         self.caps_bytes: tuple[int, ...] = ()
+        #: Variants of one fork structure share graph instances (tuning.rig.LoaderSwitch);
+        #: needs torch's raw graph handles (CUDAGraph.raw_cuda_graph_exec).
+        self.switches = hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec")
+        self.pairs: list[set[str]] = []
 
     # ------------------------------------------------------------------ setup
     def use_roles(self, roles: Sequence[Role], caps_bytes: Sequence[int] = ()) -> None:
@@ -136,38 +151,125 @@ class GraphBackend:
 
     def measure(self, batch: int, variants: Mapping[str, Variant],
                 instances: int) -> tuple[dict[str, list[float]], dict[str, bool]]:
-        from .. import hooks
+        """Per variant, the median us of each instance, and whether its outputs are
+        bitwise the no-fork step's.
 
-        controllers = {}
-        setups: dict[str, Callable[[], Any]] = {}
+        Variants whose forks have one structure (the same roles in the same fork
+        modes) share their graph instances: the instance is captured once with
+        the loads of the variant loading most, and every variant of the group is
+        its loader nodes switched in place (:class:`~l2prefetch.tuning.rig.LoaderSwitch`:
+        other tables, or the empty ones), so that their differences are paired
+        (:attr:`pairs`).  The other variants are captured each on their own.  All
+        graphs are replayed interleaved, round after round.
+        """
+        from .rig import LoaderSwitch
+
+        torch = self.torch
+        controllers: dict[str, Any] = {}
+        groups: dict[tuple, list[str]] = {}
+        for name, variant in variants.items():
+            if variant.roles:
+                controllers[name] = self._controller(variant, batch)
+                key = tuple(sorted((r, s.graph_fork) for r, s in variant.roles))
+                groups.setdefault(key, []).append(name)
+        paired: list[tuple[str, list[str], dict[str, Any]]] = []
+        for names in groups.values() if self.switches else ():
+            loads = [n for n in names if not variants[n].empty]
+            states = self._states(names, loads, controllers) if len(names) > 1 and loads else None
+            if states is not None:
+                head = max(loads, key=lambda n: sum(l2p.nbytes for l2p in
+                                                   self._tables(controllers[n])))
+                paired.append((head, names, states))
+        in_pairs = {n for _, names, _ in paired for n in names}
+        fn = self._fn(batch)
+        graphs: dict[tuple[str, int], Any] = {}
+        outputs: dict[str, list[Any]] = {name: [] for name in variants}
+        switched: list[tuple[Any, list[str], dict[str, Any], Any]] = []
         try:
-            for name, variant in variants.items():
-                if not variant.roles:
+            for i in range(instances):
+                for name, variant in variants.items():
+                    if name in in_pairs:
+                        continue
+                    graph, out = self._capture(name, variant, controllers, fn, warmup=i == 0)
+                    graphs[(name, i)] = graph
+                    outputs[name].append(out)
+                for head, names, states in paired:
+                    graph, out = self._capture(head, variants[head], controllers, fn,
+                                               warmup=i == 0, keep_graph=True)
+                    switch = LoaderSwitch(graph)
+                    for name in names:
+                        graphs[(name, i)] = _Switched(switch, states[name])
+                    switched.append((switch, names, states, out))
+            us = self.rig.replays(graphs, self.rounds)
+            medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
+                       for name in variants}
+            reference = outputs["a"][0] if outputs.get("a") else None
+            identical = {}
+            for name, outs in outputs.items():
+                if name in in_pairs:
                     continue
-                controller = self._controller(variant, batch)
-                controllers[name] = controller
-                points = self._points(variant)
-
-                def setup(controller: Any = controller, points: dict = points) -> Any:
-                    return hooks.attach(self.model, controller, points)
-                setups[name] = setup
-            fn = self._fn(batch)
-            m = self.rig.measure({name: fn for name in variants}, instances, self.rounds,
-                                 setup=setups)
+                identical[name] = self._identical(batch, name, reference, outs)
+            for switch, names, states, out in switched:
+                for name in names:
+                    switch.set(states[name])
+                    switch.graph.replay()
+                    torch.cuda.synchronize(self.device)
+                    ok = self._identical(batch, name, reference, [out])
+                    identical[name] = identical.get(name, True) and ok
         finally:
             for controller in controllers.values():
                 controller.close()
-        identical = {}
-        reference = m.outputs.get("a", [None])[0]
-        for name, outs in m.outputs.items():
-            flags = [_bitwise_equal(reference, out) for out in outs]
-            identical[name] = all(flags)
-            if not identical[name]:
-                diffs = [_max_diff(reference, out) for out in outs]
-                logger.warning("batch %d, variant %s: outputs of instances %s differ from the "
-                               "no-fork step's first instance (max abs diff %s)", batch, name,
-                               [i for i, f in enumerate(flags) if not f], diffs)
-        return m.medians, identical
+            del graphs
+        self.pairs = [set(names) for _, names, _ in paired]
+        return medians, identical
+
+    def _capture(self, name: str, variant: Variant, controllers: Mapping[str, Any],
+                 fn: Callable[[], Any], *, warmup: bool, keep_graph: bool = False) -> tuple:
+        from .. import hooks
+
+        if not variant.roles:
+            return self.rig.capture(fn, warmup=1 if warmup else 0, keep_graph=keep_graph)
+        with hooks.attach(self.model, controllers[name], self._points(variant)):
+            return self.rig.capture(fn, warmup=1 if warmup else 0, keep_graph=keep_graph)
+
+    @staticmethod
+    def _tables(controller: Any) -> list[Any]:
+        return [controller.get(*key) for key in controller.keys()]
+
+    def _states(self, names: list[str], loads: list[str],
+                controllers: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+        """Per variant of one structure, what LoaderSwitch.set takes: a mapping from
+        each captured table's ranges (any loads variant may be the captured one) to
+        that variant's table for the same key; None when the keys differ or two keys
+        load the same ranges differently (then the group is captured unpaired)."""
+        keys = None
+        for name in names:
+            k = set(controllers[name].keys())
+            if keys is None:
+                keys = k
+            elif k != keys:
+                return None
+        states: dict[str, Any] = {}
+        for name in names:
+            mapping: dict[Any, Any] = {}
+            for head in loads:
+                for key in keys:
+                    captured = controllers[head].get(*key).ranges
+                    table = controllers[name].get(*key)
+                    if mapping.get(captured, table) is not table:
+                        return None
+                    mapping[captured] = table
+            states[name] = mapping
+        return states
+
+    def _identical(self, batch: int, name: str, reference: Any, outs: Sequence[Any]) -> bool:
+        flags = [_bitwise_equal(reference, out) for out in outs]
+        if not all(flags):
+            diffs = [_max_diff(reference, out) for out in outs]
+            logger.warning("batch %d, variant %s: outputs of instances %s differ from the "
+                           "no-fork step's first instance (max abs diff %s)", batch, name,
+                           [i for i, f in enumerate(flags) if not f], diffs)
+        return all(flags)
 
     # ------------------------------------------------------------------ probe
     def probe(self, batch: int, roles: Sequence[Role]) -> Optional[dict[str, Probe]]:

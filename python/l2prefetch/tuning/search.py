@@ -8,12 +8,14 @@ every group interleaving its variants; see :mod:`l2prefetch.tuning.rig`):
    cold-to-hot gaps where the backend can (:meth:`Backend.probe`).
 2. **screen**: a role whose gap (the most its loads could gain) is under
    ``min_gain_us`` is not measured; the rest are measured in decreasing gap.
-3. **sweep**: per role, one group of (a) no forks, (d) the role's forks with
-   empty tables and (b) its loads at each cap, with the default kernel,
-   grid and inline forks.
-4. **refine**: for roles whose best cap beat (a) and (d), one group with the
-   other grids, the side-branch fork and the other kernels at that cap,
-   each with its own (d).
+3. **sweep**: per role, one group of (a) no forks and, in every fork mode
+   (``graph_forks``: inline, branch, leaf), (d) the role's forks with empty
+   tables and (b) its loads at each cap, with the default kernel and grid.
+   A backend that switches loader nodes in place (:attr:`Backend.pairs`)
+   measures a mode's (d) and (b)s inside the same graph instances, so their
+   differences are paired and the instances' spread cancels.
+4. **refine**: for roles whose best setting beat (a) and (d), one group with
+   the other grids and kernels at that cap and mode, each with its own (d).
 5. **verify**: the chosen setting of each such role on fresh instances:
    kept only if the 95% interval of its gain over (a) lies above zero and
    its loads beat (d).  Choosing the best of several settings on one set of
@@ -42,7 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Protocol
 
 from .discover import MIB, Role, describe_bytes
-from .stats import Interval, diff_interval, mean_interval
+from ..plan import GRAPH_FORKS
+from .stats import Interval, diff_interval, mean_interval, paired_interval
 
 __all__ = ["Backend", "BatchReport", "Probe", "RoleReport", "Setting", "StepError", "Trial",
            "Variant", "search"]
@@ -118,6 +121,12 @@ class Backend(Protocol):
     captures the real step; tests plant effects in a fake."""
 
     rounds: int
+    #: After each measure(): the sets of variant names measured in the same graph
+    #: instances (instance i of each), whose differences are paired; [] if none.
+    pairs: list
+    #: Whether measure() captures each fork structure once per instance and switches
+    #: its tables in place (what the budget estimate assumes).
+    switches: bool
 
     def prepare(self, batch: int) -> Prepared: ...
 
@@ -271,11 +280,21 @@ class _Batch:
         self.prepared: Optional[Prepared] = None
 
     # ------------------------------------------------------------------ cost
-    def cost(self, variants: int) -> float:
-        """Estimated seconds of one group of ``variants`` variants."""
+    def cost(self, variants: int, captures: Optional[int] = None) -> float:
+        """Estimated seconds of one group of ``variants`` variants, of which
+        ``captures`` (default: all) are captured (the others switched in place)."""
         p = self.prepared
-        per_graph = p.capture_s + self.backend.rounds * p.step_us * 1e-6 if p else 1.0
-        return variants * self.p.instances * per_graph * 1.2 + 0.05
+        captures = variants if captures is None else captures
+        if not p:
+            return variants * self.p.instances * 1.2 + 0.05
+        replay = self.backend.rounds * p.step_us * 1e-6
+        return self.p.instances * (captures * p.capture_s + variants * replay) * 1.2 + 0.05
+
+    def sweep_cost(self, caps: int) -> float:
+        """Estimated seconds of a role's sweep: (a), and per mode (d) and the caps; a
+        pairing backend captures each mode once per instance."""
+        modes = len(self.p.graph_forks)
+        return self.cost(1 + modes * (caps + 1), 1 + modes if self.backend.switches else None)
 
     def left(self) -> float:
         return self.deadline - self.clock()
@@ -324,7 +343,7 @@ class _Batch:
             rep = reports[role.name]
             verify_reserve = (len(promising) + 1) * self.cost(3)
             caps = self.caps_for(role)
-            while caps and not self.fits(len(caps) + 2, final_reserve + verify_reserve):
+            while caps and self.sweep_cost(len(caps)) + final_reserve + verify_reserve > self.left():
                 caps = self.coarser(caps)
             if not caps:
                 rep.reason = "not measured: the budget ran out"
@@ -359,7 +378,7 @@ class _Batch:
         return self.report
 
     def eta(self, roles_left: int) -> float:
-        return min(self.left(), roles_left * self.cost(len(self.p.caps) + 2) + 3 * self.cost(2))
+        return min(self.left(), roles_left * self.sweep_cost(len(self.p.caps)) + 3 * self.cost(2))
 
     def caps_for(self, role: Role) -> list[int]:
         fallback = role.default("byte_cap", 0)
@@ -379,23 +398,33 @@ class _Batch:
         return Setting(byte_cap=cap, grid=role.default("grid", DEFAULT_GRID),
                        kernel=self.p.kernels[0], graph_fork=self.p.graph_forks[0])
 
+    def diff(self, times: dict[str, list[float]], x: str, y: str) -> Interval:
+        """times[x] - times[y]: paired where the backend measured both in the same
+        graph instances, else Welch's interval across instances."""
+        if any(x in group and y in group for group in self.backend.pairs):
+            return paired_interval(times[x], times[y])
+        return diff_interval(times[x], times[y])
+
     def trial(self, stage: str, setting: Setting, times: dict[str, list[float]], b: str,
               d: str) -> Trial:
         a_t, b_t, d_t = times["a"], times[b], times[d]
         return Trial(stage, setting, mean_interval(a_t), mean_interval(b_t), mean_interval(d_t),
-                     diff_interval(a_t, b_t), diff_interval(d_t, b_t))
+                     self.diff(times, "a", b), self.diff(times, d, b))
 
     def sweep(self, role: Role, caps: list[int], rep: RoleReport, eta: float) -> Optional[Trial]:
         base = self.default_setting(role, caps[0])
-        variants = {"a": Variant(), "d": Variant(((role.name, base),), empty=True)}
+        variants = {"a": Variant()}
         settings = {}
-        for cap in caps:
-            s = dataclasses.replace(base, byte_cap=cap)
-            settings[f"b{cap}"] = s
-            variants[f"b{cap}"] = Variant(((role.name, s),))
-        times, _ = self.group(f"{role.name}: caps {', '.join(describe_bytes(c) for c in caps)}",
-                              variants, eta)
-        trials = [self.trial("sweep", s, times, key, "d") for key, s in settings.items()]
+        for mode in self.p.graph_forks:
+            m = dataclasses.replace(base, graph_fork=mode)
+            variants[f"d:{mode}"] = Variant(((role.name, m),), empty=True)
+            for cap in caps:
+                s = dataclasses.replace(m, byte_cap=cap)
+                settings[f"b:{mode}:{cap}"] = (s, f"d:{mode}")
+                variants[f"b:{mode}:{cap}"] = Variant(((role.name, s),))
+        times, _ = self.group(f"{role.name}: caps {', '.join(describe_bytes(c) for c in caps)}"
+                              f" x forks {', '.join(self.p.graph_forks)}", variants, eta)
+        trials = [self.trial("sweep", s, times, key, d) for key, (s, d) in settings.items()]
         rep.trials += trials
         best = max(trials, key=lambda t: t.gain.estimate)
         if best.gain.estimate <= 0 or best.vs_empty.estimate <= 0:
@@ -411,9 +440,6 @@ class _Batch:
         for grid in self.p.grids:
             if grid != setting.grid:
                 out.append(dataclasses.replace(setting, grid=grid))
-        for mode in self.p.graph_forks:
-            if mode != setting.graph_fork:
-                out.append(dataclasses.replace(setting, graph_fork=mode))
         for kernel in self.p.kernels:
             if kernel != setting.kernel:
                 out.append(dataclasses.replace(setting, kernel=kernel))
@@ -432,7 +458,7 @@ class _Batch:
                 variants[d] = Variant(((role.name, s),), empty=True)
             variants[f"b{i}"] = Variant(((role.name, s),))
             keys[f"b{i}"] = (s, d)
-        times, _ = self.group(f"{role.name}: grids, forks and kernels at "
+        times, _ = self.group(f"{role.name}: grids and kernels at "
                               f"{describe_bytes(best.setting.byte_cap)}", variants)
         trials = [self.trial("refine", s, times, key, d) for key, (s, d) in keys.items()]
         rep.trials += trials
@@ -510,7 +536,7 @@ def search(backend: Backend, roles: Sequence[Role], batches: Sequence[int], *,
            budget_s: float, instances: int = MIN_INSTANCES,
            caps_mib: Sequence[float] = DEFAULT_CAPS_MIB, grids: Sequence[int] = DEFAULT_GRIDS,
            kernels: Sequence[Optional[str]] = (None,),
-           graph_forks: Sequence[str] = ("inline", "branch"),
+           graph_forks: Sequence[str] = GRAPH_FORKS,
            min_gain_us: float = DEFAULT_MIN_GAIN_US, progress: Any = sys.stderr,
            clock: Callable[[], float] = time.monotonic) -> list[BatchReport]:
     """Run the search of the module's docstring for each batch; the budget is

@@ -22,7 +22,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["Interval", "diff_interval", "mean_interval", "t_quantile"]
+__all__ = ["Interval", "diff_interval", "mean_interval", "paired_interval", "t_quantile"]
 
 #: The interval's coverage.
 CONFIDENCE = 0.95
@@ -151,3 +151,19 @@ def diff_interval(a: Sequence[float], b: Sequence[float],
     df = se2 * se2 / ((va * va / (na - 1) if va else 0.0) + (vb * vb / (nb - 1) if vb else 0.0))
     half = t_quantile(0.5 + confidence / 2, df) * math.sqrt(se2)
     return Interval(diff, diff - half, diff + half, na + nb)
+
+
+def paired_interval(a: Sequence[float], b: Sequence[float],
+                    confidence: float = CONFIDENCE) -> Interval:
+    """mean(a - b) over pairs measured in the same graph instance (a[i] and b[i]),
+    with Student's t interval on the differences: the instances' spread cancels."""
+    xa, xb = _check("a", a), _check("b", b)
+    if len(xa) != len(xb):
+        raise ValueError(f"paired samples must have equal lengths, got {len(xa)} and {len(xb)}")
+    d = [x - y for x, y in zip(xa, xb)]
+    diff = statistics.fmean(d)
+    sd = statistics.stdev(d)
+    if sd == 0.0:
+        return Interval(diff, diff, diff, len(d))
+    half = t_quantile(0.5 + confidence / 2, len(d) - 1) * sd / math.sqrt(len(d))
+    return Interval(diff, diff - half, diff + half, len(d))

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
+from ..plan import GRAPH_FORKS
 from .discover import Role, candidates as discover_candidates, describe_bytes, discover
 from .profile import PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, versions
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, MIN_INSTANCES,
@@ -238,7 +239,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
          instances: int = MIN_INSTANCES, rounds: int = DEFAULT_ROUNDS,
          caps_mib: Sequence[float] = DEFAULT_CAPS_MIB, grids: Sequence[int] = DEFAULT_GRIDS,
          kernels: Optional[Sequence[Optional[str]]] = None,
-         graph_forks: Sequence[str] = ("inline", "branch"),
+         graph_forks: Sequence[str] = GRAPH_FORKS,
          min_gain_us: float = DEFAULT_MIN_GAIN_US, min_bytes: int = 1 << 20,
          device: Any = None, progress: Any = sys.stderr,
          backend: Optional[Backend] = None) -> TuneResult:
@@ -292,8 +293,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     if any(c * (1 << 20) >= 2**63 for c in caps_mib):
         raise ValueError(f"caps_mib must be below 2**43 MiB, got {list(caps_mib)}")
     if isinstance(graph_forks, str) or not graph_forks or any(
-            g not in ("inline", "branch") for g in graph_forks):
-        raise ValueError(f"graph_forks must be a non-empty sequence of 'inline' and 'branch', "
+            g not in GRAPH_FORKS for g in graph_forks):
+        raise ValueError(f"graph_forks must be a non-empty sequence of {', '.join(GRAPH_FORKS)}, "
                          f"got {graph_forks!r}")
     from .. import _C
 
