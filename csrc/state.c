@@ -330,7 +330,10 @@ PyObject *l2p_py_use_driver(PyObject *module, PyObject *arg)
     l2p_driver *old = st->driver;
     st->driver = NULL;
     if (arg != Py_None && !with_env_path(st, "L2PREFETCH_LIBCUDA", arg, open_driver)) {
-        st->driver = old;
+        if (st->driver)   /* opened by another call while the failure ran Python code */
+            l2p_driver_decref(old);
+        else
+            st->driver = old;
         return NULL;
     }
     if (old)
@@ -349,7 +352,10 @@ PyObject *l2p_py_use_nvrtc(PyObject *module, PyObject *arg)
     l2p_nvrtc *old = st->nvrtc;
     st->nvrtc = NULL;
     if (arg != Py_None && !with_env_path(st, "L2PREFETCH_LIBNVRTC", arg, open_nvrtc)) {
-        st->nvrtc = old;
+        if (st->nvrtc)   /* opened by another call while the search ran Python code */
+            l2p_nvrtc_decref(old);
+        else
+            st->nvrtc = old;
         return NULL;
     }
     l2p_nvrtc_decref(old);   /* the library stays loaded */
