@@ -5,12 +5,13 @@
  */
 #define _GNU_SOURCE
 #include "driver.h"
+#include "paths.h"
 
 #include <dlfcn.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 typedef CUresult (*proc_address_v2)(const char *, void **, int, unsigned long long, int *);
 typedef CUresult (*driver_version_fn)(int *);
@@ -21,25 +22,36 @@ static const char *const extra_dirs[] = {"/usr/local/nvidia/lib64", "/usr/lib/ws
 
 static void *try_open(const char *path, char *tried, size_t triedlen, int *found_any)
 {
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (h)
-        return h;
-    const char *err = dlerror();
-    size_t used = strlen(tried);
-    /* A path with a slash that does not exist is "not found"; anything else
-     * (wrong ELF class, missing dependency) is a load failure worth its text. */
-    int missing = strchr(path, '/') ? access(path, F_OK) != 0
-                                    : (err && strstr(err, "cannot open shared object file"));
+    const char *err = NULL;
+    int missing;
+    /* A path with a slash must name a regular file (paths.h: a FIFO would hang
+     * dlopen); one that does not exist is "not found".  Anything else (not a
+     * regular file, wrong ELF class, missing dependency) is a load failure
+     * worth its text. */
+    int kind = strchr(path, '/') ? l2p_library_file(path, &err) : L2P_FILE_OK;
+    if (kind == L2P_FILE_OK) {
+        void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+        if (h)
+            return h;
+        err = dlerror();
+        missing = !strchr(path, '/') && err && strstr(err, "cannot open shared object file");
+        if (missing)
+            err = "not found";
+    } else {
+        missing = kind == L2P_FILE_MISSING;
+    }
     if (!missing)
         *found_any = 1;
-    snprintf(tried + used, triedlen - used, "%s  %s: %s", used ? "\n" : "", path,
-             missing ? "not found" : (err ? err : "dlopen failed"));
+    size_t used = strlen(tried);
+    char shown[96];
+    snprintf(tried + used, triedlen - used, "%s  %s: %s", used ? "\n" : "",
+             l2p_shown_path(path, shown, sizeof shown), err ? err : "dlopen failed");
     return NULL;
 }
 
 l2p_driver *l2p_driver_open(l2p_load_error *why, CUresult *status, char *msg, size_t msglen)
 {
-    char tried[2048] = "";
+    char tried[2 * PATH_MAX] = "";
     int found_any = 0;
     void *h = NULL;
     const char *opened = NULL;
@@ -93,7 +105,7 @@ l2p_driver *l2p_driver_open(l2p_load_error *why, CUresult *status, char *msg, si
     d->refs = 1;
     d->handle = h;
     d->version = v;
-    snprintf(d->path, sizeof d->path, "%s", opened);
+    snprintf(d->path, sizeof d->path, "%s", opened);   /* fits: try_open refused longer */
 
     int symbol_status = 0;
 #define L2P_RESOLVE(name, ver, req, params)                                               \

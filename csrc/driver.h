@@ -14,6 +14,8 @@
 #ifndef L2P_DRIVER_H
 #define L2P_DRIVER_H
 
+#include <limits.h>
+
 #include "cuda_min.h"
 
 /* X(name, abi_version, required, return, params) */
@@ -79,7 +81,7 @@ typedef struct l2p_device {
 typedef struct l2p_driver {
     long refs;
     void *handle;               /* dlopen handle; never dlclose()d */
-    char path[512];             /* what was opened */
+    char path[PATH_MAX];        /* what was opened */
     int version;                /* cuDriverGetVersion */
     struct {
 #define L2P_DRIVER_FIELD(name, ver, req, params) CUresult (*name) params;

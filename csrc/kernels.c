@@ -308,9 +308,10 @@ static double now_ms(void)
 
 /* Compiles source with options (a sequence of str) on n; returns (image bytes,
  * log str) or raises NvrtcError carrying the log, the options and the numbered
- * source.  The compile runs without the GIL: it holds n and a tuple of the
- * options, so nothing it reads can be freed by another thread meanwhile
- * (source must be kept alive by the caller). */
+ * source.  The caller holds a reference to n (taken before anything that can
+ * run Python: copying the options runs their __iter__, which may swap the
+ * module's NVRTC) and keeps source alive.  The compile runs without the GIL on
+ * a tuple of the options, so nothing it reads can be freed meanwhile. */
 static PyObject *nvrtc_build(l2p_state *st, l2p_nvrtc *n, const char *source, PyObject *options,
                              int ptx)
 {
@@ -336,7 +337,6 @@ static PyObject *nvrtc_build(l2p_state *st, l2p_nvrtc *n, const char *source, Py
     size_t size = 0;
     const char *failed = NULL;
     nvrtcResult r;
-    l2p_nvrtc_incref(n);
     Py_BEGIN_ALLOW_THREADS
     r = l2p_nvrtc_compile(n, source, "prefetch.cu", argv, (int)nopts, ptx, &image, &size, &log, &failed);
     Py_END_ALLOW_THREADS
@@ -351,7 +351,6 @@ static PyObject *nvrtc_build(l2p_state *st, l2p_nvrtc *n, const char *source, Py
         /* PTX is text with a terminating NUL that the driver wants; keep it. */
         result = Py_BuildValue("(y#s)", image, (Py_ssize_t)size, log ? log : "");
     }
-    l2p_nvrtc_decref(n);
     free(image);
     free(log);
     Py_DECREF(opts);
@@ -652,7 +651,9 @@ PyObject *l2p_py_compile_source(PyObject *module, PyObject *const *args, Py_ssiz
     l2p_nvrtc *n = l2p_use_nvrtc(st);
     if (!n)
         return NULL;
-    PyObject *built = nvrtc_build(st, n, src, args[1], 0);   /* copies the options */
+    l2p_nvrtc_incref(n);   /* before nvrtc_build copies the options (their __iter__) */
+    PyObject *built = nvrtc_build(st, n, src, args[1], 0);
+    l2p_nvrtc_decref(n);
     if (!built)
         return NULL;
     PyObject *image = Py_NewRef(PyTuple_GET_ITEM(built, 0));

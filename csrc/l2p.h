@@ -78,7 +78,10 @@ int l2p_device_arg(PyObject *obj, int *out);
 l2p_state *l2p_get_state(PyObject *module);
 /* The state of our module for one of our types or a subclass of one. */
 l2p_state *l2p_state_of_type(PyTypeObject *type);
-/* The driver and NVRTC of this module, opened on first use (raise on failure). */
+/* The driver and NVRTC of this module, opened on first use (raise on failure).
+ * Borrowed from the state: a caller that goes on to run Python code (an
+ * allocation, a copy of a sequence, a warning) takes its reference
+ * (l2p_driver_incref / l2p_nvrtc_incref) at once, before any such call. */
 l2p_driver *l2p_use_driver(l2p_state *st);
 l2p_nvrtc *l2p_use_nvrtc(l2p_state *st);
 /* Forgets the in-process kernel images and their info (the disk cache stays). */

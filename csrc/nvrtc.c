@@ -6,12 +6,12 @@
  */
 #define _GNU_SOURCE
 #include "nvrtc.h"
+#include "paths.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 static const char *const sonames[] = {"libnvrtc.so.13", "libnvrtc.so.12"};
 #define N_SONAMES (sizeof sonames / sizeof *sonames)
@@ -22,7 +22,11 @@ static const char *const wheel_dirs[] = {"nvidia/cu13/lib", "nvidia/cuda_nvrtc/l
 static void note(char *tried, size_t len, const char *path, const char *what)
 {
     size_t used = strlen(tried);
-    snprintf(tried + used, len - used, "%s  %s: %s", used ? "\n" : "", path, what);
+    char shown[96];
+    int n = snprintf(tried + used, len - used, "%s  %s: %s", used ? "\n" : "",
+                     l2p_shown_path(path, shown, sizeof shown), what);
+    if (n >= 0 && (size_t)n >= len - used && len >= 4)   /* the list is full: say so */
+        memcpy(tried + len - 4, "...", 4);
 }
 
 /* A library that loaded was found, even when it cannot be used (a symbol
@@ -37,7 +41,7 @@ static l2p_nvrtc *finish(void *h, const char *path, int *found, char *msg, size_
     }
     n->refs = 1;
     n->handle = h;
-    snprintf(n->path, sizeof n->path, "%s", path);
+    snprintf(n->path, sizeof n->path, "%s", path);   /* fits: longer paths were refused */
 #define L2P_NVRTC_RESOLVE(name, req, ret, params)                                        \
     *(void **)&n->fn.name = dlsym(h, #name);                                             \
     if (!n->fn.name && req) {                                                            \
@@ -57,10 +61,12 @@ static l2p_nvrtc *finish(void *h, const char *path, int *found, char *msg, size_
      * which set no RPATH), load it first so that lookup finds it. */
     const char *slash = strrchr(path, '/');
     if (slash) {
-        char builtins[1100];
-        snprintf(builtins, sizeof builtins, "%.*s/libnvrtc-builtins.so.%d.%d", (int)(slash - path),
-                 path, n->major, n->minor);
-        if (access(builtins, F_OK) == 0)
+        char builtins[PATH_MAX];
+        const char *why;
+        int len = snprintf(builtins, sizeof builtins, "%.*s/libnvrtc-builtins.so.%d.%d",
+                           (int)(slash - path), path, n->major, n->minor);
+        if (len > 0 && (size_t)len < sizeof builtins &&
+            l2p_library_file(builtins, &why) == L2P_FILE_OK)
             n->builtins = dlopen(builtins, RTLD_NOW | RTLD_GLOBAL);
     }
     if (n->fn.nvrtcGetNumSupportedArchs && n->fn.nvrtcGetSupportedArchs &&
@@ -81,9 +87,16 @@ static void *open_in(const char *dir, int *found, char *tried, size_t triedlen, 
                      size_t pathlen)
 {
     for (size_t i = 0; i < N_SONAMES; i++) {
-        snprintf(path, pathlen, "%s/%s", dir, sonames[i]);
-        if (access(path, F_OK) != 0) {
-            note(tried, triedlen, path, "not found");
+        const char *why;
+        if (!l2p_join_path(path, pathlen, dir, sonames[i])) {
+            note(tried, triedlen, dir, "not searched: the path is longer than PATH_MAX");
+            return NULL;
+        }
+        int kind = l2p_library_file(path, &why);
+        if (kind != L2P_FILE_OK) {   /* a FIFO there would hang dlopen (paths.h) */
+            note(tried, triedlen, path, why);
+            if (kind == L2P_FILE_UNUSABLE)
+                *found = 1;
             continue;
         }
         *found = 1;
@@ -99,20 +112,27 @@ static void *open_in(const char *dir, int *found, char *tried, size_t triedlen, 
 l2p_nvrtc *l2p_nvrtc_open(const char *const *site_dirs, int n_sites, int *found, char *msg,
                           size_t msglen)
 {
-    char tried[4096] = "";
-    char path[1024], dir[1024];
+    char tried[4 * PATH_MAX] = "";
+    char path[PATH_MAX], dir[PATH_MAX];
     const char *override = getenv("L2PREFETCH_LIBNVRTC");
     void *h;
 
     *found = 0;
     if (override && *override) {
-        h = dlopen(override, RTLD_NOW | RTLD_LOCAL);
-        if (h)
-            return finish(h, override, found, msg, msglen);
-        *found = access(override, F_OK) == 0;
-        const char *err = dlerror();
+        /* A path must name a regular file (paths.h); a bare name is the loader's. */
+        const char *err = NULL;
+        int kind = strchr(override, '/') ? l2p_library_file(override, &err) : L2P_FILE_OK;
+        if (kind == L2P_FILE_OK) {
+            if ((h = dlopen(override, RTLD_NOW | RTLD_LOCAL)))
+                return finish(h, override, found, msg, msglen);
+            err = dlerror();
+            *found = strchr(override, '/') || !(err && strstr(err, "cannot open shared object file"));
+        } else {
+            *found = kind == L2P_FILE_UNUSABLE;
+        }
+        char shown[96];
         snprintf(msg, msglen, "NVRTC from L2PREFETCH_LIBNVRTC=%s could not be loaded: %s",
-                 override, err ? err : "dlopen failed");
+                 l2p_shown_path(override, shown, sizeof shown), err ? err : "dlopen failed");
         return NULL;
     }
     /* Reuse the NVRTC the process already has (torch loads one lazily). */
@@ -121,18 +141,26 @@ l2p_nvrtc *l2p_nvrtc_open(const char *const *site_dirs, int n_sites, int *found,
         if (h)
             return finish(h, sonames[i], found, msg, msglen);
     }
+    /* A folder whose path does not fit is noted and skipped, never cut short. */
     for (int k = 0; k < n_sites; k++)
         for (size_t w = 0; w < N_WHEEL_DIRS; w++) {
-            snprintf(dir, sizeof dir, "%s/%s", site_dirs[k], wheel_dirs[w]);
+            if (!l2p_join_path(dir, sizeof dir, site_dirs[k], wheel_dirs[w])) {
+                note(tried, sizeof tried, site_dirs[k], "not searched: the path is longer than PATH_MAX");
+                continue;
+            }
             if ((h = open_in(dir, found, tried, sizeof tried, path, sizeof path)))
                 return finish(h, path, found, msg, msglen);
         }
     const char *home = getenv("CUDA_HOME");
-    if (!home || !*home)
+    const char *home_var = "CUDA_HOME";
+    if (!home || !*home) {
         home = getenv("CUDA_PATH");
+        home_var = "CUDA_PATH";
+    }
     if (home && *home) {
-        snprintf(dir, sizeof dir, "%s/lib64", home);
-        if ((h = open_in(dir, found, tried, sizeof tried, path, sizeof path)))
+        if (!l2p_join_path(dir, sizeof dir, home, "lib64"))
+            note(tried, sizeof tried, home_var, "not searched: its value is longer than PATH_MAX");
+        else if ((h = open_in(dir, found, tried, sizeof tried, path, sizeof path)))
             return finish(h, path, found, msg, msglen);
     }
     if ((h = open_in("/usr/local/cuda/lib64", found, tried, sizeof tried, path, sizeof path)))

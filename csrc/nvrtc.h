@@ -5,6 +5,8 @@
 #ifndef L2P_NVRTC_H
 #define L2P_NVRTC_H
 
+#include <limits.h>
+
 #include "cuda_min.h"
 
 #define L2P_NVRTC_FUNCTIONS(X)                                                          \
@@ -28,7 +30,7 @@ typedef struct l2p_nvrtc {
     long refs;           /* the module state's, and one per compile in flight */
     void *handle;
     void *builtins;      /* libnvrtc-builtins preloaded from NVRTC's folder, or NULL */
-    char path[1024];
+    char path[PATH_MAX];
     int major, minor;
     int *archs;          /* supported sm numbers (x10), ascending */
     int num_archs;

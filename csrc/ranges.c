@@ -12,8 +12,8 @@
  * kernel moves 16-byte granules).  With a byte cap, each size is
  * min(size, remaining) rounded down to 16, the cap is spent in order, and the
  * walk stops giving ranges once fewer than 16 bytes remain; the weights after
- * that are still read and checked (types, shapes), so that the same list is
- * valid or invalid whatever the cap.  A weight with a zero in its shape is
+ * that are still read and checked (types, shapes, spans, alignment), so that the
+ * same list is valid or invalid whatever the cap.  A weight with a zero in its shape is
  * empty: no range, no alignment or span check, whatever its other sizes.  All
  * arithmetic is checked: a span that would not fit in 63 bits is an
  * OverflowError, never a wrong range.
@@ -484,11 +484,11 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
         }
         if (names)
             PyList_SET_ITEM(names, i, Py_NewRef(w.device));
-        if (w.empty || spent) {
+        if (w.empty) {
             info_clear(&w);
             continue;
         }
-        if (w.lo % 16) {
+        if (w.lo % 16) {   /* past a spent cap too: no cap changes the verdict */
             char addr[24];
             PyOS_snprintf(addr, sizeof addr, "0x%llx", (unsigned long long)w.lo);
             PyErr_Format(PyExc_ValueError,
@@ -499,6 +499,10 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
                          i, w.shape, w.dtype, w.device, addr, (int)(w.lo % 16));
             info_clear(&w);
             goto error;
+        }
+        if (spent) {
+            info_clear(&w);
+            continue;
         }
         uint64_t size = w.nbytes;
         if (byte_cap) {

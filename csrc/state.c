@@ -51,9 +51,12 @@ PyObject *l2p_py_env_flag(PyObject *module, PyObject *arg)
     return PyBool_FromLong(l2p_env_flag(name));
 }
 
+/* msg names paths (L2PREFETCH_LIBCUDA's value, folders searched), which are
+ * bytes in any encoding: bytes that are not UTF-8 are shown as \xNN escapes,
+ * never a UnicodeDecodeError in place of the reason. */
 static PyObject *raise_unavailable(l2p_state *st, const char *msg, const char *reason)
 {
-    PyObject *text = PyUnicode_FromString(msg);
+    PyObject *text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "backslashreplace");
     PyObject *exc = text ? PyObject_CallOneArg(st->unavailable_error, text) : NULL;
     Py_XDECREF(text);
     if (!exc)
@@ -72,7 +75,7 @@ l2p_driver *l2p_use_driver(l2p_state *st)
         return st->driver;
     l2p_load_error why;
     CUresult status;
-    char msg[3072];
+    char msg[3 * PATH_MAX];   /* the places tried (driver.c) and a line around them */
     l2p_driver *d = l2p_driver_open(&why, &status, msg, sizeof msg);
     if (d) {
         st->driver = d;
@@ -221,7 +224,7 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
     for (Py_ssize_t i = 0; i < n; i++)
         cdirs[i] = PyBytes_AS_STRING(PyList_GET_ITEM(dirs, i));
     int found = 0;
-    char msg[6144];
+    char msg[5 * PATH_MAX];   /* the places tried (nvrtc.c) and a line around them */
     l2p_nvrtc *nv = l2p_nvrtc_open(cdirs, (int)n, &found, msg, sizeof msg);
     PyMem_Free(cdirs);
     Py_DECREF(dirs);
@@ -330,7 +333,10 @@ PyObject *l2p_py_use_driver(PyObject *module, PyObject *arg)
     l2p_driver *old = st->driver;
     st->driver = NULL;
     if (arg != Py_None && !with_env_path(st, "L2PREFETCH_LIBCUDA", arg, open_driver)) {
-        st->driver = old;
+        if (st->driver)   /* opened by another call while the failure ran Python code */
+            l2p_driver_decref(old);
+        else
+            st->driver = old;
         return NULL;
     }
     if (old)
@@ -349,7 +355,10 @@ PyObject *l2p_py_use_nvrtc(PyObject *module, PyObject *arg)
     l2p_nvrtc *old = st->nvrtc;
     st->nvrtc = NULL;
     if (arg != Py_None && !with_env_path(st, "L2PREFETCH_LIBNVRTC", arg, open_nvrtc)) {
-        st->nvrtc = old;
+        if (st->nvrtc)   /* opened by another call while the search ran Python code */
+            l2p_nvrtc_decref(old);
+        else
+            st->nvrtc = old;
         return NULL;
     }
     l2p_nvrtc_decref(old);   /* the library stays loaded */

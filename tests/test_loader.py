@@ -39,7 +39,7 @@ def run(code, **env):
     return run_lines(code, **env)[-1]
 
 
-def run_lines(code, **env):
+def run_lines(code, timeout=120, **env):
     full = dict(os.environ)
     full["PYTHONPATH"] = os.pathsep.join(p for p in (PYTHON_DIR, os.environ.get("PYTHONPATH")) if p)
     for key, value in env.items():
@@ -48,13 +48,13 @@ def run_lines(code, **env):
         else:
             full[key] = value
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=full, timeout=120)
+                          env=full, timeout=timeout)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().splitlines()
 
 
-def probe(call="_C.driver_info()", **env):
-    return json.loads(run(PROBE.format(call=call), **env))
+def probe(call="_C.driver_info()", timeout=120, **env):
+    return json.loads(run_lines(PROBE.format(call=call), timeout=timeout, **env)[-1])
 
 
 def test_exception_hierarchy():
@@ -93,6 +93,130 @@ def test_driver_not_a_library(tmp_path):
     assert str(bogus) in out["message"]
     # the dynamic loader's own words
     assert "ELF" in out["message"] or "too short" in out["message"]
+
+
+def not_a_file(tmp_path, kind, name):
+    """A FIFO or a folder where a library is looked for."""
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+@pytest.mark.parametrize("var, call, reason", [
+    ("L2PREFETCH_LIBCUDA", "_C.driver_info()", "load_failed"),
+    ("L2PREFETCH_LIBNVRTC", "_C.nvrtc_info()", "nvrtc_load_failed"),
+])
+def test_library_path_that_is_not_a_regular_file(tmp_path, kind, var, call, reason):
+    """issue 21: dlopen() opens its file with a blocking open(), so a FIFO at the path
+    hung the process; only a regular file is loaded."""
+    path = not_a_file(tmp_path, kind, "libx.so")
+    out = probe(call, timeout=30, **{var: str(path)})
+    assert (out["type"], out["reason"]) == ("CudaUnavailableError", reason)
+    word = "a FIFO" if kind == "fifo" else "a directory"
+    assert str(path) in out["message"]
+    assert f": not a regular file ({word})" in out["message"]
+
+
+def test_nvrtc_search_skips_a_fifo(tmp_path):
+    """The same in the folders searched for NVRTC (site-packages, CUDA_HOME)."""
+    site_dir, cuda = tmp_path / "site", tmp_path / "cuda"
+    fifos = [not_a_file(site_dir, "fifo", "nvidia/cu13/lib/libnvrtc.so.13"),
+             not_a_file(cuda, "fifo", "lib64/libnvrtc.so.12")]
+    code = textwrap.dedent(f"""
+        import json, site
+        site.getsitepackages = lambda: [{str(site_dir)!r}]
+        site.ENABLE_USER_SITE = False
+        from l2prefetch import _C, CudaUnavailableError
+        try:
+            print(json.dumps({{"path": _C.nvrtc_info()["path"]}}))
+        except CudaUnavailableError as e:
+            print(json.dumps({{"message": str(e), "reason": e.reason}}))
+    """)
+    out = json.loads(run_lines(code, timeout=30, L2PREFETCH_LIBNVRTC=None, CUDA_HOME=str(cuda),
+                               CUDA_PATH=None)[-1])
+    if "path" in out:        # found on the loader's path or in /usr/local/cuda
+        assert str(tmp_path) not in out["path"], out
+        return
+    for fifo in fifos:
+        assert f"{fifo}: not a regular file (a FIFO)" in out["message"]
+    assert out["reason"] == "nvrtc_load_failed"
+
+
+@pytest.mark.parametrize("var, call, reason", [
+    ("L2PREFETCH_LIBCUDA", "_C.driver_info()", "not_found"),
+    ("L2PREFETCH_LIBNVRTC", "_C.nvrtc_info()", "nvrtc_not_found"),
+])
+def test_library_path_that_is_not_utf8(var, call, reason):
+    """issue 21: such a path raised UnicodeDecodeError in place of the reason; its bytes
+    are shown escaped."""
+    path = os.fsdecode(b"/nonexistent/\xff\xfe/libx.so")
+    out = probe(call, **{var: path})
+    assert (out["type"], out["reason"]) == ("CudaUnavailableError", reason)
+    assert "/nonexistent/\\xff\\xfe/libx.so" in out["message"]
+
+
+def test_info_with_a_driver_path_that_is_not_utf8():
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR,
+               L2PREFETCH_LIBCUDA=os.fsdecode(b"/nonexistent/\xff/libcuda.so.1"))
+    proc = subprocess.run([sys.executable, "-m", "l2prefetch", "info"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "/nonexistent/\\xff/libcuda.so.1: not found" in proc.stdout
+
+
+def long_path(tmp_path, total):
+    """A folder under tmp_path whose path is about total characters long."""
+    folder = str(tmp_path)
+    while len(folder) < total:
+        folder = os.path.join(folder, "d" * min(200, max(1, total - len(folder) - 1)))
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def test_long_library_paths_are_kept_whole(fake, tmp_path):
+    """A driver path of 700 and an NVRTC path of 1100 characters: driver_info() and
+    nvrtc_info() used to name them cut to 511 and 1023 characters."""
+    from _fakecuda import build_fakenvrtc
+    driver = os.path.join(long_path(tmp_path / "a", 700), "libcuda.so.1")
+    os.symlink(fake.path, driver)
+    nvrtc = build_fakenvrtc(long_path(tmp_path / "b", 1100))
+    _C._use_driver(driver)
+    assert _C.driver_info()["path"] == driver
+    _C._use_nvrtc(nvrtc)
+    try:
+        assert _C.nvrtc_info()["path"] == nvrtc
+    finally:
+        _C._use_nvrtc(None)
+
+
+def test_paths_longer_than_path_max_are_named():
+    """No path is cut short to fit a buffer: one that no open() takes is named."""
+    too_long = "/" + "x" * 5000
+    out = probe(L2PREFETCH_LIBCUDA=too_long + "/libcuda.so.1")
+    assert out["reason"] == "not_found"
+    assert f"/{'x' * 63}... (5014 bytes): not found: the path is longer than PATH_MAX" in (
+        out["message"])
+    code = textwrap.dedent("""
+        import json, site
+        site.getsitepackages = lambda: []
+        site.ENABLE_USER_SITE = False
+        from l2prefetch import _C, CudaUnavailableError
+        try:
+            print(json.dumps({"path": _C.nvrtc_info()["path"]}))
+        except CudaUnavailableError as e:
+            print(json.dumps({"message": str(e), "reason": e.reason}))
+    """)
+    out = json.loads(run(code, L2PREFETCH_LIBNVRTC=None, CUDA_HOME=too_long, CUDA_PATH=None))
+    if "path" in out:
+        pytest.skip(f"NVRTC found in /usr/local/cuda or on the loader's path: {out['path']}")
+    assert "CUDA_HOME: not searched: its value is longer than PATH_MAX" in out["message"]
+    assert too_long[:1000] not in out["message"]
 
 
 def test_every_use_raises_the_same_way():

@@ -3,7 +3,9 @@
 The seed (PreparedWeightRanges.__init__) walks the weights in order, skips
 empty ones, requires each range to start 16-byte aligned, spans
 ``1 + sum((n - 1) * stride)`` elements, and with a byte cap spends the cap in
-order in multiples of 16, stopping once fewer than 16 bytes remain.  The C
+order in multiples of 16, stopping once fewer than 16 bytes remain (the
+weights past that are still checked: a list is valid or not whatever the cap,
+issue 21, so the references here check every weight's alignment first).  The C
 code generalises that to negative strides (lowest to highest byte) and to
 objects with __cuda_array_interface__.  Everything here is arithmetic: CPU and
 meta tensors, and fake device arrays.
@@ -33,8 +35,19 @@ class Misaligned(Exception):
         self.index = index
 
 
+def check_alignment(weights, lowest_byte):
+    """Every non-empty weight starts 16-byte aligned, whatever the cap (issue 21: the
+    reference design's walk stopped at a spent cap and never looked further)."""
+    for index, weight in enumerate(weights):
+        _, shape, _, _ = describe(weight)
+        if not any(n == 0 for n in shape) and lowest_byte(weight) % 16:
+            raise Misaligned(index)
+
+
 def seed_ranges(weights, byte_cap=0):
-    """The seed's loop, verbatim but for the table (torch tensors only)."""
+    """The seed's loop, verbatim but for the table (torch tensors only), after the
+    alignment of every weight is checked (check_alignment)."""
+    check_alignment(weights, lambda w: w.data_ptr())
     ranges, remaining = [], byte_cap
     for index, weight in enumerate(weights):
         if weight.numel() == 0:
@@ -72,8 +85,14 @@ def describe(weight):
     return cai["data"][0], shape, tuple(strides), item
 
 
+def lowest_byte(weight):
+    ptr, shape, strides, _ = describe(weight)
+    return ptr + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+
+
 def reference_ranges(weights, byte_cap=0):
     """The seed's rules over lowest..highest byte (any stride sign, CAI too)."""
+    check_alignment(weights, lowest_byte)
     ranges, remaining = [], byte_cap
     for index, weight in enumerate(weights):
         ptr, shape, strides, item = describe(weight)
@@ -348,15 +367,19 @@ def test_cap_spent_in_order(cap, expected_sizes):
     assert got == seed_ranges(ws, cap)
 
 
-def test_cap_stops_before_later_misaligned_weight():
+@pytest.mark.parametrize("cap", [0, 1, 16, 64, 80, 1 << 40])
+def test_misaligned_weight_past_a_spent_cap_still_raises(cap):
+    # issue 21: with cap=64 the first weight spends the cap, and the walk used to stop
+    # before looking at the second; the verdict must not depend on the cap.
     t = torch.empty(16, dtype=torch.float32)
     bad = torch.empty(9, dtype=torch.float32)[1:]
-    # With a cap that runs out on the first weight, the second is never looked at.
-    assert compute_ranges([t, bad], byte_cap=64) == [(t.data_ptr(), 64)]
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        compute_ranges([t, bad], byte_cap=80)
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        compute_ranges([t, bad])
+    with pytest.raises(ValueError, match=r"16-byte aligned: weight 1 \("):
+        compute_ranges([t, bad], byte_cap=cap)
+    aligned = FakeArray(0x10000, (32,), "<f2")  # 64 bytes
+    empty = FakeArray(0x20001, (0,), "<f2")     # empty: no alignment to check
+    late = FakeArray(0x1004A, (32,), "<f2")
+    with pytest.raises(ValueError, match=r"16-byte aligned: weight 2 \(.*0x1004a, 10 bytes"):
+        compute_ranges([aligned, empty, late], byte_cap=cap)
 
 
 def test_cap_smaller_than_granule_still_checks_first_weight():

@@ -5,7 +5,7 @@ shape) skipped; each range covers a weight's lowest to highest byte, 1 + sum((n-
 elements for non-negative strides, the lowest byte moved down by negative ones; it must
 start 16-byte aligned; with a byte cap each size is min(size, remaining) rounded down to
 16 and the walk stops when fewer than 16 bytes remain (the weights after it are still
-checked for type and shape, not for alignment).  A span or a step that does not fit in
+checked, alignment included: a list is valid or invalid whatever the cap, issue 21).  A span or a step that does not fit in
 63 bits is an OverflowError, strides that reach below address 0 a ValueError, a range past
 the top of the 64-bit address space an OverflowError; never a wrong range.
 
@@ -91,11 +91,13 @@ def reference(described, cap):
     try:
         for base, shape, strides, item, scale in described:
             r = span(base, shape, strides, item, scale)
-            if r is None or spent:
+            if r is None:
                 continue
             lo, size = r
             if lo % 16:
                 raise ValueError("misaligned")
+            if spent:
+                continue
             if cap:
                 size = min(size, remaining) // 16 * 16
                 remaining -= size
@@ -196,6 +198,9 @@ def test_the_reference_matches_the_readme_examples():
     assert reference([(base, (4, 8), None, 2, 1)], 0) == [(base, 64)]
     assert actual([w], 0) == [(base, 64)]
     assert actual([w, w], 100) == [(base, 64), (base, 32)]          # 100 - 64 = 36 -> 32
-    assert actual([w, w, Iface(base + 8, (1,), 2, None)], 64) == [(base, 64)]   # spent first
+    assert actual([w, w, Iface(base + 16, (1,), 2, None)], 64) == [(base, 64)]  # spent first
+    # misaligned past the spent cap: refused all the same (issue 21)
+    assert actual([w, w, Iface(base + 8, (1,), 2, None)], 64) is ValueError
+    assert reference([(base, (4, 8), None, 2, 1), (base + 8, (1,), None, 2, 1)], 64) is ValueError
     assert actual([Iface(base + 64, (3,), 4, (-16,))], 0) == [(base + 32, 36)]  # negative
     assert actual([Iface(base, (0, 1 << 62, 1 << 62), 8, None)], 0) == []      # zero-size

@@ -346,6 +346,38 @@ def test_options_changed_by_another_thread_during_a_compile(fakenvrtc):
     assert b"-DX49=1" in image and options == []
 
 
+class IterHook(list):
+    """A list whose iteration (the C side's copy of it) runs hook first."""
+
+    def __init__(self, items, hook):
+        super().__init__(items)
+        self.hook = hook
+
+    def __iter__(self):
+        self.hook()
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("swap", ["fresh", "default"])
+def test_options_iteration_swaps_nvrtc_before_a_compile(fakenvrtc, swap):
+    """issue 21: copying the options runs their __iter__, which replaces the module's NVRTC
+    and frees the instance the compile fetched; it used to take its reference only after
+    the copy (heap-use-after-free under the sanitizer pass).  The compile keeps the NVRTC
+    it began with."""
+    def hook():
+        if swap == "fresh":
+            _C._use_nvrtc(fakenvrtc.path)   # a new instance; the fetched one is released
+        else:
+            _C._use_nvrtc(None)             # none until the next use
+        gc.collect()
+
+    options = IterHook([f"-DY{i}=1" for i in range(8)], Once(hook))
+    image = _C._compile_source("__global__ void k() {}", options)
+    assert options.hook.runs == 1
+    assert image.startswith(b"\x7fELF") and b"fake cubin" in image and b"-DY7=1" in image
+    assert fakenvrtc.live_programs() == 0 and fakenvrtc.bad_destroys() == 0
+
+
 @pytest.mark.parametrize("call", ["driver_info", "nvrtc_info"])
 def test_finalizer_swaps_the_instance_an_info_call_reads(fake, fakenvrtc, eager_gc, call):
     swap = {"driver_info": lambda: _C._use_driver(fake.path),
