@@ -1,4 +1,4 @@
-"""The command line: ``python -m l2prefetch [info | plan | tune] [options]``.
+"""The command line: ``python -m l2prefetch [info | plan | tune | trace] [options]``.
 
 * ``info`` (also what runs with no command): what l2prefetch does on this
   machine.  On a GPU it prepares ~32 MiB of weights, launches the prefetch and
@@ -9,6 +9,7 @@
 * ``plan``: the Kimi K3 prefetch plan of a synthetic Kimi-sized model, which
   lives on torch's ``meta`` device (shapes only: no memory, no GPU).
 * ``tune``: from :mod:`l2prefetch.tuning.cli`, where that module exists.
+* ``trace``: from :mod:`l2prefetch.tuning.trace_cli`: where the loads ran in the graph.
 
 Every command is a pair ``add_parser(subparsers)``, which adds its parser and
 sets ``func=run``, and ``run(args) -> int``, its exit status.
@@ -125,6 +126,13 @@ def _commands() -> list[Any]:
         tuning_cli = None
     if tuning_cli is not None:
         adders.append(tuning_cli.add_parser)
+    try:
+        from .tuning import trace_cli  # add_parser(subparsers) adds 'trace'
+    except ImportError as exc:
+        if exc.name not in ("l2prefetch.tuning", "l2prefetch.tuning.trace_cli"):
+            raise
+    else:
+        adders.append(trace_cli.add_parser)
     return adders
 
 

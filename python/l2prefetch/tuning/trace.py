@@ -1,0 +1,745 @@
+"""Where the prefetch loads ran inside a captured CUDA graph, per fork (``python -m l2prefetch trace``).
+
+A loader is a kernel node of the captured decode step; whether its loads pay
+depends on what the GPU runs meanwhile (issue 24: an inline loader held the
+node after it; a leaf or branch loader ran beside the window).  :func:`trace`
+captures the step three times:
+
+* *loads*: the forks with their tables (the role or profile traced);
+* *control*: the same forks with empty tables
+  (:func:`~l2prefetch.tuning.rig.empty_controller`), each kernel's baseline;
+* *layout*: no forks; an empty loader kernel on the captured stream marks
+  each fork and the start and end of each consumer module (the module that
+  reads the first loaded weight), which places them among the step's kernels
+  by order.  The step's own kernels are the same in all three graphs; where
+  they are not, a fork's consumer is the first GEMM/GEMV-named kernel after it.
+
+Each graph is replayed a few times under ``torch.profiler`` (CUPTI records
+every kernel of a graph replay, on the hardware stream the graph executor
+chose); per kernel, the medians over the replays of its start and end,
+relative to the replay's first kernel, make one timeline.  Per fork it gives
+the loader's start, end and stream, the window (the kernels that ran on other
+streams while it ran), the overlap (the share of the loader's time during
+which another stream ran a kernel) and the consumer's time with loads and
+with empty tables.  With ``dot=`` the loads graph is also written with
+``cuGraphDebugDotPrint`` and each loader node's neighbours are listed.
+
+The parsing and the analysis are pure Python (tested on synthetic traces);
+capturing needs torch with CUDA.  Nothing of this is imported by the runtime
+(controller, hooks, ops): only the trace command imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import statistics
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
+
+__all__ = ["Forks", "ForkTrace", "Kernel", "Layout", "TraceError", "TraceResult", "analyze",
+           "forks_of_profile", "forks_of_role", "kernel_events", "layout_of", "median_timeline",
+           "split_replays", "timeline", "trace"]
+
+logger = logging.getLogger(__name__)
+
+#: The loader kernels' names: ``l2p_prefetch_<CAP>`` (CAP: the most ranges it takes).
+LOADER_PREFIX = "l2p_prefetch_"
+#: The fallback consumer: the first kernel after the fork whose name says it multiplies.
+GEMM_NAME = re.compile(r"gemm|gemv|matmul|splitk|cutlass|xmma|nvjet", re.IGNORECASE)
+#: Kernels shown before each fork, and the most rows of one fork's table.
+BEFORE = 3
+MAX_ROWS = 40
+#: Eager replays before the profiled ones (lazy instantiation, clocks).
+WARM_REPLAYS = 3
+
+
+class TraceError(ValueError):
+    """A kernel trace that cannot be read: malformed, empty, or replays that differ."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel's run: ``start`` and ``end`` in us, ``stream`` as CUPTI names it."""
+
+    name: str
+    stream: Any
+    start: float
+    end: float
+
+    @property
+    def dur(self) -> float:
+        return self.end - self.start
+
+    @property
+    def loader(self) -> bool:
+        return self.name.startswith(LOADER_PREFIX)
+
+
+def _finite(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def kernel_events(data: Any) -> list[Kernel]:
+    """The kernels of a chrome trace (``export_chrome_trace``'s JSON, parsed), by start.
+
+    Kernel events are ``"ph": "X"``, ``"cat": "kernel"`` with ``ts`` and ``dur``
+    in us; the stream is ``args.stream`` (else ``tid``).  Other events are
+    skipped; a kernel event without a name, a finite ``ts`` or a ``dur >= 0``
+    raises :class:`TraceError`.
+    """
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise TraceError("a chrome trace is a JSON object with a 'traceEvents' list (or that "
+                         f"list), got {type(data).__name__}")
+    out = []
+    for i, event in enumerate(events):
+        if not isinstance(event, dict) or event.get("ph") != "X" or event.get("cat") != "kernel":
+            continue
+        name, ts, dur = event.get("name"), event.get("ts"), event.get("dur")
+        if not isinstance(name, str) or not _finite(ts) or not _finite(dur) or dur < 0:
+            raise TraceError(f"traceEvents[{i}] is a kernel event without a name, a finite "
+                             f"'ts' and a finite 'dur' >= 0: {str(event)[:200]}")
+        args = event.get("args")
+        stream = args.get("stream", event.get("tid")) if isinstance(args, dict) else \
+            event.get("tid")
+        out.append(Kernel(name, stream, float(ts), float(ts) + float(dur)))
+    out.sort(key=lambda k: (k.start, k.end))
+    return out
+
+
+def split_replays(kernels: Sequence[Kernel], replays: int) -> list[list[Kernel]]:
+    """``kernels`` (by start) of ``replays`` back-to-back replays of one graph, one list per
+    replay, each relative to its first kernel.  Every replay must run the same kernels."""
+    if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
+        raise ValueError(f"replays must be an int >= 1, got {replays!r}")
+    if not kernels:
+        raise TraceError("the trace holds no kernel events: was the profiler recording CUDA "
+                         "activity (ProfilerActivity.CUDA) while the graph replayed?")
+    if len(kernels) % replays:
+        raise TraceError(f"{len(kernels)} kernels do not split into {replays} replays of one "
+                         "graph (each replay runs the same kernels)")
+    per = len(kernels) // replays
+    runs = [list(kernels[i * per:(i + 1) * per]) for i in range(replays)]
+    first = Counter(k.name for k in runs[0])
+    for r, run in enumerate(runs[1:], 1):
+        if Counter(k.name for k in run) != first:
+            raise TraceError(f"replay {r} ran other kernels than replay 0: the trace is not of "
+                             f"{replays} replays of one graph")
+    return [[Kernel(k.name, k.stream, k.start - run[0].start, k.end - run[0].start)
+             for k in run] for run in runs]
+
+
+def _keyed(run: Sequence[Kernel]) -> dict[tuple[str, int], Kernel]:
+    """A replay's kernels keyed by (name, n): the n-th kernel of that name by start, which
+    is the same kernel in every replay (same-named kernels do not run side by side)."""
+    seen: Counter = Counter()
+    out = {}
+    for k in sorted(run, key=lambda k: (k.start, k.end)):
+        out[(k.name, seen[k.name])] = k
+        seen[k.name] += 1
+    return out
+
+
+def median_timeline(runs: Sequence[Sequence[Kernel]]) -> list[Kernel]:
+    """One timeline of several replays (:func:`split_replays`): per kernel the median start
+    and end and the stream it ran on most often, by median start."""
+    if not runs:
+        raise TraceError("no replays to take medians over")
+    keyed = [_keyed(run) for run in runs]
+    if any(run.keys() != keyed[0].keys() for run in keyed):
+        raise TraceError("the replays ran different kernels: they are not replays of one graph")
+    out = []
+    for key in keyed[0]:
+        ks = [run[key] for run in keyed]
+        stream = Counter(k.stream for k in ks).most_common(1)[0][0]
+        out.append(Kernel(key[0], stream, statistics.median(k.start for k in ks),
+                          statistics.median(k.end for k in ks)))
+    out.sort(key=lambda k: (k.start, k.end))
+    return out
+
+
+def timeline(data: Any, replays: int) -> list[Kernel]:
+    """The median timeline of a chrome trace of ``replays`` replays of one graph."""
+    return median_timeline(split_replays(kernel_events(data), replays))
+
+
+# ------------------------------------------------------------------ analysis
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where forks and consumers fall among the step's own kernels (the non-loader
+    kernels by start): ``names`` those kernels' names; ``forks`` per fork in order its
+    key and the index of the first kernel after it; ``consumers[path]`` a module's
+    kernels as ``(first, last + 1)``."""
+
+    names: tuple[str, ...]
+    forks: tuple[tuple[Any, int], ...]
+    consumers: Mapping[str, tuple[int, int]]
+
+
+def layout_of(kernels: Sequence[Kernel], marks: Sequence[tuple[str, Any]]) -> Layout:
+    """The layout of a marker graph's timeline: its loader kernels are markers, in the
+    order of ``marks`` (``("fork", key)``, ``("begin", path)``, ``("end", path)``)."""
+    markers = sum(1 for k in kernels if k.loader)
+    if markers != len(marks):
+        raise TraceError(f"the layout graph ran {markers} marker kernels for {len(marks)} marks")
+    names: list[str] = []
+    forks, begins, consumers = [], {}, {}
+    pending = iter(marks)
+    for k in kernels:
+        if not k.loader:
+            names.append(k.name)
+            continue
+        kind, what = next(pending)
+        if kind == "fork":
+            forks.append((what, len(names)))
+        elif kind == "begin":
+            begins.setdefault(what, len(names))
+        elif kind == "end" and what in begins:
+            consumers.setdefault(what, (begins[what], len(names)))
+        else:
+            raise TraceError(f"a layout mark must be ('fork', key), ('begin', path) or "
+                             f"('end', path) after its begin, got {(kind, what)!r}")
+    return Layout(tuple(names), tuple(forks), consumers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of a fork's table: ``index`` among the step's kernels (None for a loader),
+    the kernel with loads, its run with empty tables (``control``), and what it is."""
+
+    index: Optional[int]
+    kernel: Kernel
+    control: Optional[Kernel]
+    role: str
+
+
+@dataclasses.dataclass
+class ForkTrace:
+    """One fork: its loader against its window and its consumer (see the module's docstring).
+
+    ``key`` is ``(point, layer, batch)`` and ``consumer_path`` the consumer module
+    where known; ``before`` the kernel the fork follows; ``found_by`` says how the
+    consumer was found (``"module"``, ``"name"`` or ``"none"``).
+    """
+
+    number: int
+    key: Optional[tuple]
+    mode: Optional[str]
+    consumer_path: Optional[str]
+    loader: Kernel
+    loader_control: Optional[Kernel]
+    before: Optional[Kernel]
+    window: list[Kernel]
+    overlap: float
+    consumer: list[Kernel]
+    consumer_control: list[Kernel]
+    found_by: str
+    rows: list[Row]
+
+    @property
+    def label(self) -> str:
+        if self.key is None:
+            return f"fork {self.number}"
+        point, layer, batch = self.key
+        return f"`{point}`, layer {layer}, batch {batch}"
+
+    @staticmethod
+    def _span(kernels: Sequence[Kernel]) -> Optional[float]:
+        return kernels[-1].end - kernels[0].start if kernels else None
+
+    @property
+    def consumer_us(self) -> Optional[float]:
+        return self._span(self.consumer)
+
+    @property
+    def consumer_control_us(self) -> Optional[float]:
+        return self._span(self.consumer_control)
+
+    @property
+    def fork_us(self) -> Optional[float]:
+        """When the fork's predecessor ended: the earliest the loader can start."""
+        return None if self.before is None else self.before.end
+
+    @property
+    def start_after_fork_us(self) -> Optional[float]:
+        return None if self.fork_us is None else self.loader.start - self.fork_us
+
+    def summary(self) -> str:
+        ld = self.loader
+        parts = [f"loads ran {ld.start:.1f}-{ld.end:.1f} us ({ld.dur:.1f} us"
+                 + (f", starting {self.start_after_fork_us:+.1f} us after the fork)"
+                    if self.fork_us is not None else ")")]
+        if self.window:
+            parts.append(f"window (kernels on other streams meanwhile) "
+                         f"{min(k.start for k in self.window):.1f}-"
+                         f"{max(k.end for k in self.window):.1f} us")
+        else:
+            parts.append("window (kernels on other streams meanwhile): none")
+        parts.append(f"overlap {100 * self.overlap:.0f}%")
+        if self.consumer:
+            control = self.consumer_control_us
+            parts.append(f"consumer {self.consumer_us:.1f} us with loads vs "
+                         + (f"{control:.1f} us with empty tables" if control is not None
+                            else "(no control)"))
+        else:
+            parts.append("consumer not found")
+        return "; ".join(parts)
+
+
+def _covered(loader: Kernel, others: Sequence[Kernel]) -> float:
+    """How many us of ``loader``'s run at least one of ``others`` ran."""
+    spans = sorted((max(k.start, loader.start), min(k.end, loader.end)) for k in others)
+    total, reach = 0.0, loader.start
+    for start, end in spans:
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
+def _consumer(step: Sequence[Kernel], after: int, layout: Optional[Layout],
+              path: Optional[str]) -> tuple[int, int, str]:
+    span = layout.consumers.get(path) if layout is not None and path is not None else None
+    if span is not None and span[1] > span[0]:
+        return span[0], span[1], "module"
+    for j in range(after, len(step)):
+        if GEMM_NAME.search(step[j].name):
+            return j, j + 1, "name"
+    return after, after, "none"
+
+
+def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
+            layout: Optional[Layout] = None,
+            consumers: Optional[Mapping[tuple, str]] = None,
+            modes: Optional[Mapping[tuple, str]] = None) -> list[ForkTrace]:
+    """Per loader kernel of the ``loads`` timeline, its :class:`ForkTrace`.
+
+    ``control`` is the timeline with empty tables; ``layout`` places forks and
+    consumers (:func:`layout_of`; ignored, with a warning, when its kernels are
+    not the step's); ``consumers[key]`` is each fork's consumer module path and
+    ``modes[key]`` its graph fork mode, by ``(point, layer, batch)``.
+    """
+    step = [k for k in loads if not k.loader]
+    loaders = [k for k in loads if k.loader]
+    base = [k for k in control if not k.loader] if control is not None else None
+    base_loaders = [k for k in control if k.loader] if control is not None else []
+    if base is not None and [k.name for k in base] != [k.name for k in step]:
+        logger.warning("the control graph ran other kernels than the loads graph: no "
+                       "durations with empty tables")
+        base, base_loaders = None, []
+    if len(base_loaders) != len(loaders):
+        base_loaders = []
+    if layout is not None and (list(layout.names) != [k.name for k in step]
+                               or len(layout.forks) != len(loaders)):
+        logger.warning("the layout graph's kernels are not the loads graph's (%d kernels and "
+                       "%d forks against %d and %d): forks placed by time, consumers by name",
+                       len(layout.names), len(layout.forks), len(step), len(loaders))
+        layout = None
+    out = []
+    for i, loader in enumerate(loaders):
+        if layout is not None:
+            key, after = layout.forks[i]
+        else:
+            # Without a layout: the fork follows the kernels that ended before the loader began.
+            key, after = None, sum(1 for k in step if k.end <= loader.start)
+        path = (consumers or {}).get(key) if key is not None else None
+        c0, c1, found_by = _consumer(step, after, layout, path)
+        # The window: the step's kernels on other streams that ran while the loader ran.
+        in_window = [j for j, k in enumerate(step) if k.stream != loader.stream
+                     and k.start < loader.end and k.end > loader.start]
+        window = [step[j] for j in in_window]
+        in_window_set = set(in_window)
+        overlap = _covered(loader, window) / loader.dur if loader.dur > 0 else 0.0
+        last = max([c1, *(j + 1 for j in in_window)])
+        first = max(0, after - BEFORE)
+        rows = []
+        for j in range(first, last):
+            role = ", ".join(r for r, on in (("window", j in in_window_set),
+                                             ("consumer", c0 <= j < c1)) if on)
+            rows.append(Row(j, step[j], base[j] if base is not None else None, role))
+        lo = step[first].start if first < len(step) else loader.start
+        hi = step[last - 1].end if last > first else loader.end
+        for n, other in enumerate(loaders):
+            if other is loader or lo <= other.start <= hi:
+                rows.append(Row(None, other, base_loaders[n] if base_loaders else None,
+                                "**loader**" if other is loader else "another fork's loader"))
+        rows.sort(key=lambda r: (r.kernel.start, r.index is not None))
+        out.append(ForkTrace(
+            number=i + 1, key=key, mode=(modes or {}).get(key), consumer_path=path,
+            loader=loader, loader_control=base_loaders[i] if base_loaders else None,
+            before=step[after - 1] if after > 0 else None, window=window, overlap=overlap,
+            consumer=step[c0:c1], consumer_control=base[c0:c1] if base is not None else [],
+            found_by=found_by, rows=rows))
+    return out
+
+
+# ------------------------------------------------------------------ output
+
+def _name(name: str, width: int = 72) -> str:
+    text = name if len(name) <= width else name[:width - 3] + "..."
+    return "`" + text.replace("`", "'").replace("|", "\\|") + "`"
+
+
+def _us(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
+@dataclasses.dataclass
+class TraceResult:
+    """What :func:`trace` found: per fork a :class:`ForkTrace`, plus the whole step's span
+    with loads and with empty tables, and the loader nodes' neighbours in the graph."""
+
+    title: str
+    replays: int
+    forks: list[ForkTrace]
+    step_us: Optional[float] = None
+    control_step_us: Optional[float] = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+    graph: list[str] = dataclasses.field(default_factory=list)
+    streams: list[Any] = dataclasses.field(default_factory=list)
+    kernels: list[Kernel] = dataclasses.field(default_factory=list, repr=False)
+
+    def markdown(self) -> str:
+        lines = [f"# l2prefetch trace: {self.title}", ""]
+        lines.append(f"Medians over {self.replays} replay{'s' if self.replays != 1 else ''} "
+                     "of each captured graph (CUPTI, "
+                     "torch.profiler); times in us from the replay's first kernel.  Loaders "
+                     f"are `{LOADER_PREFIX}*`; the control is the same graph with empty tables.")
+        if self.step_us is not None:
+            lines.append(f"The step's kernels span {self.step_us:.1f} us with loads"
+                         + (f", {self.control_step_us:.1f} us with empty tables."
+                            if self.control_step_us is not None else "."))
+        if self.notes:
+            lines += [""] + [f"- {note}" for note in self.notes]
+        if not self.forks:
+            lines += ["", "No loader kernel ran: nothing forked in this step (is the batch one "
+                          "the plan covers?)."]
+        for fork in self.forks:
+            lines += ["", f"## Fork {fork.number}: {fork.label}"
+                      + (f" ({fork.mode})" if fork.mode else ""), ""]
+            lines.append(fork.summary() + ".")
+            how = {"module": f"the kernels of `{fork.consumer_path}`, placed by the layout graph",
+                   "name": "the first GEMM/GEMV-named kernel after the fork",
+                   "none": "none found"}[fork.found_by]
+            lines.append("")
+            before = fork.before
+            lines.append("The fork follows " + (
+                f"{_name(before.name, 60)} (stream {before.stream}, ends {before.end:.1f} us)"
+                if before is not None else "the step's start")
+                + f"; the loader ran on stream {fork.loader.stream}; consumer: {how}.")
+            if fork.number - 1 < len(self.graph):
+                lines.append(f"Graph: {self.graph[fork.number - 1]}")
+            lines += ["", "| # | kernel | stream | start | end | dur | dur, empty tables | |",
+                      "|---|---|---|---|---|---|---|---|"]
+            rows = fork.rows
+            if len(rows) > MAX_ROWS:
+                keep = MAX_ROWS // 2
+                rows = rows[:keep] + [None] + rows[-keep:]
+            for row in rows:
+                if row is None:
+                    lines.append(f"| ... | {len(fork.rows) - 2 * (MAX_ROWS // 2)} rows left out "
+                                 "| | | | | | |")
+                    continue
+                k, c = row.kernel, row.control
+                lines.append(f"| {'-' if row.index is None else row.index} | {_name(k.name)} | "
+                             f"{k.stream} | {k.start:.1f} | {k.end:.1f} | {k.dur:.1f} | "
+                             f"{_us(c.dur if c else None)} | {row.role} |")
+        return "\n".join(lines) + "\n"
+
+    def plot(self, path: str) -> None:
+        """A PNG of each fork's rows as a Gantt chart, one row per stream, the loaders
+        highlighted.  Raises ImportError where matplotlib is not installed."""
+        try:
+            from matplotlib.figure import Figure
+        except ImportError:
+            raise ImportError("--plot needs matplotlib: pip install matplotlib") from None
+        forks = self.forks[:8] or [None]
+        fig = Figure(figsize=(11, 2.2 * len(forks) + 0.6))
+        for n, fork in enumerate(forks):
+            ax = fig.add_subplot(len(forks), 1, n + 1)
+            if fork is None:
+                ax.set_title("no loader kernel ran")
+                continue
+            lo = min(r.kernel.start for r in fork.rows)
+            hi = max(r.kernel.end for r in fork.rows)
+            shown = [k for k in self.kernels if k.end >= lo and k.start <= hi] or \
+                [r.kernel for r in fork.rows]
+            streams = sorted({str(k.stream) for k in shown})
+            window, consumer = {id(k) for k in fork.window}, {id(k) for k in fork.consumer}
+            for k in shown:
+                color = ("tab:red" if k is fork.loader else "tab:orange" if k.loader else
+                         "tab:blue" if id(k) in consumer else
+                         "tab:green" if id(k) in window else "0.65")
+                ax.broken_barh([(k.start, max(k.dur, 0.05))],
+                               (streams.index(str(k.stream)) - 0.4, 0.8), color=color)
+            if fork.fork_us is not None:
+                ax.axvline(fork.fork_us, color="k", linestyle="--", linewidth=0.8)
+            ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+            ax.set_title(f"fork {fork.number}: {fork.label.replace('`', '')}"
+                         f"{' (' + fork.mode + ')' if fork.mode else ''}: overlap "
+                         f"{100 * fork.overlap:.0f}% (red: its loader, green: window, blue: "
+                         "consumer, orange: other loaders)", fontsize=8)
+        fig.axes[-1].set_xlabel("us from the replay's first kernel")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------ the graph's nodes
+
+_DOT_NODE = re.compile(r'^\s*"?([\w.]+)"?\s*\[(.*?)\];?\s*$', re.S | re.M)
+_DOT_EDGE = re.compile(r'"?([\w.]+)"?\s*->\s*"?([\w.]+)"?')
+
+
+def dot_neighbours(text: str) -> list[str]:
+    """Per loader node of a ``cuGraphDebugDotPrint`` graph, in node order, a line naming
+    the nodes it depends on and those that depend on it."""
+    nodes: dict[str, str] = {}
+    for m in _DOT_NODE.finditer(text):
+        if "->" not in m.group(0):
+            nodes.setdefault(m.group(1), m.group(2))
+    edges = [(a, b) for a, b in _DOT_EDGE.findall(text) if a in nodes and b in nodes]
+
+    def short(node: str) -> str:
+        found = re.search(r"(l2p_prefetch_\d+|[A-Za-z_][\w:]*(?:gemm|gemv|kernel|Kernel)\w*)",
+                          nodes[node])
+        return f"{node} ({found.group(1)[:48]})" if found else node
+
+    def order(node: str) -> tuple:
+        digits = re.findall(r"\d+", node)
+        return tuple(int(d) for d in digits), node
+
+    out = []
+    for node in sorted((n for n, label in nodes.items() if LOADER_PREFIX in label), key=order):
+        preds = [short(a) for a, b in edges if b == node]
+        succs = [short(b) for a, b in edges if a == node]
+        out.append(f"node {short(node)} depends on {', '.join(preds) or 'nothing'}; "
+                   f"{', '.join(succs) or 'nothing (a sink of the graph)'} depend"
+                   f"{'s' if len(succs) <= 1 else ''} on it.")
+    return out
+
+
+# ------------------------------------------------------------------ what to fork
+
+@dataclasses.dataclass
+class Forks:
+    """What a trace forks: ``build(empty)`` makes its controller (``empty``: the control,
+    same forks with empty tables), ``points`` are the hook points for
+    :func:`l2prefetch.hooks.attach`, ``consumers[(point, layer)]`` the path of the module
+    that reads each fork's first loaded weight."""
+
+    build: Callable[[bool], Any]
+    points: dict[str, list[tuple[Any, int]]]
+    consumers: dict[tuple[str, int], str]
+
+
+def forks_of_role(model: Any, role: Any, batch: int, *, byte_cap: int, grid: int = 32,
+                  kernel: Optional[str] = None, mode: str = "inline",
+                  device: Any = None) -> Forks:
+    """The forks of a :class:`~l2prefetch.tuning.Role` at ``batch``, every one in ``mode``
+    ('inline', 'branch' or 'leaf': the controller's, so any mode its C build takes)."""
+    from .. import PrefetchController
+    from .rig import empty_controller
+
+    entries = role.entries((batch,), byte_cap=byte_cap, grid=grid, kernel=kernel)
+
+    def build(empty: bool) -> Any:
+        if empty:
+            return empty_controller(entries, device, graph_fork=mode, eager=False)
+        return PrefetchController.from_plan(entries, device, graph_fork=mode, eager=False)
+    return Forks(build, {role.name: role.hook_sites(model)},
+                 {(role.name, s.layer): s.reads[0] for s in role.sites if s.reads})
+
+
+def forks_of_profile(model: Any, profile: Any, device: Any = None) -> Forks:
+    """The forks of a loaded :class:`~l2prefetch.tuning.Profile` (each entry in its own
+    mode, as :func:`~l2prefetch.tuning.rig.build_controller` deploys it)."""
+    from .rig import build_controller
+
+    consumers = {}
+    for entry, raw in zip(profile.plan, profile.data["plan"]):
+        if raw["weights"]:
+            consumers.setdefault((entry.point, entry.layer), raw["weights"][0].rpartition(".")[0])
+    return Forks(lambda empty: build_controller(profile.plan, device, empty=empty, eager=False),
+                 profile.hook_points(model), consumers)
+
+
+# ------------------------------------------------------------------ on the GPU
+
+class _Markers:
+    """The layout graph's stand-in controller: where ``control`` would fork, it launches
+    an empty loader kernel on the captured stream and notes the key."""
+
+    def __init__(self, torch: Any, control: Any, marker: Any, marks: list) -> None:
+        self.torch, self.control, self.marker, self.marks = torch, control, marker, marks
+        self.modes: dict[tuple, Optional[str]] = {}
+
+    def fork(self, point: str, layer: int, batch: int) -> bool:
+        if not self.torch.cuda.is_current_stream_capturing() or \
+                self.control.get(point, layer, batch) is None:
+            return False
+        self.marker.launch()
+        self.marks.append(("fork", (point, layer, batch)))
+        self.modes[(point, layer, batch)] = self.control.get_mode(point, layer, batch)
+        return True
+
+    def join(self) -> None:
+        pass
+
+    def mark(self, kind: str, path: str) -> None:
+        if self.torch.cuda.is_current_stream_capturing():
+            self.marker.launch()
+            self.marks.append((kind, path))
+
+
+def _capture(torch: Any, fn: Callable[[], Any], stream: Any, keep_graph: bool = False) -> Any:
+    """``fn()`` captured into a graph with its own memory pool (as the tuning rig does,
+    whose docstring says why) after one eager call on the capture stream."""
+    graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
+    if keep_graph:
+        graph.enable_debug_mode()   # torch before 2.9 dumps only in debug mode
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return graph
+
+
+def _dump(graph: Any, path: str) -> list[str]:
+    """Write ``graph`` (captured with ``keep_graph``) to ``path`` with cuGraphDebugDotPrint;
+    return its loader nodes' neighbours (:func:`dot_neighbours`)."""
+    import warnings
+
+    graph.instantiate()   # first: an older torch frees the graph once it has dumped it
+    if os.path.lexists(path):
+        os.unlink(path)
+    with warnings.catch_warnings():  # torch warns "DEBUG: calling debug_dump()"
+        warnings.simplefilter("ignore")
+        graph.debug_dump(path)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return dot_neighbours(f.read())
+    except OSError as exc:
+        raise OSError(f"cuGraphDebugDotPrint wrote no graph to {path}: {exc}") from exc
+
+
+def _profile(torch: Any, graph: Any, replays: int) -> Any:
+    """The chrome trace (parsed) of ``replays`` replays of ``graph``, CUDA activity only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(WARM_REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory(prefix="l2prefetch-trace-") as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+
+def _span(kernels: Sequence[Kernel]) -> Optional[float]:
+    return max(k.end for k in kernels) - min(k.start for k in kernels) if kernels else None
+
+
+def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
+          replays: int = 5, dot: Optional[str] = None, title: str = "") -> TraceResult:
+    """Trace ``step(batch)`` with ``forks`` (see the module's docstring).
+
+    ``step(batch)`` runs one capturable decode step of ``model`` (as for
+    :func:`~l2prefetch.tuning.tune`); ``dot`` a path for the loads graph's
+    ``cuGraphDebugDotPrint``.  Raises :class:`~l2prefetch.tuning.StepError` when
+    the step fails or cannot be captured, :class:`TraceError` for a trace that
+    cannot be read.
+    """
+    import torch
+
+    from .. import PreparedWeightRanges, hooks
+    from .search import StepError
+
+    if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
+        raise ValueError(f"replays must be an int >= 1, got {replays!r}")
+    if hooks.disabled():
+        raise ValueError("L2PREFETCH_DISABLE is set, so nothing forks: unset it to trace")
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(f"trace needs the model on a CUDA device, it is on {device}")
+
+    def fn() -> Any:
+        with torch.no_grad():
+            return step(batch)
+
+    controllers: list[Any] = []
+    handles: list[Any] = []
+    graphs: dict[str, Any] = {}
+    marks: list[tuple[str, Any]] = []
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        try:
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except Exception as exc:
+                raise StepError(f"step({batch}) failed: {type(exc).__name__}: {exc}") from exc
+            loads, control = forks.build(False), forks.build(True)
+            controllers += [loads, control]
+            markers = _Markers(torch, control, PreparedWeightRanges([], grid=1,
+                                                                    device=device.index), marks)
+            try:
+                for name, controller in (("loads", loads), ("control", control)):
+                    with hooks.attach(model, controller, forks.points):
+                        graphs[name] = _capture(torch, fn, stream,
+                                                keep_graph=bool(dot) and name == "loads")
+                # The layout graph: markers where the forks are and around each consumer.
+                for path in sorted(set(forks.consumers.values())):
+                    module = model.get_submodule(path)
+                    handles.append(module.register_forward_pre_hook(
+                        lambda m, a, path=path: markers.mark("begin", path)))
+                    handles.append(module.register_forward_hook(
+                        lambda m, a, o, path=path: markers.mark("end", path)))
+                with hooks.attach(model, markers, forks.points):
+                    graphs["layout"] = _capture(torch, fn, stream)
+            except Exception as exc:
+                raise StepError(f"step({batch}) cannot be captured with the forks: "
+                                f"{type(exc).__name__}: {exc}") from exc
+            neighbours = _dump(graphs["loads"], dot) if dot else []
+            timelines = {name: timeline(_profile(torch, graph, replays), replays)
+                         for name, graph in graphs.items()}
+        finally:
+            for handle in handles:
+                handle.remove()
+            graphs.clear()      # the graphs launch the controllers' tables: gone first
+            for controller in controllers:
+                controller.close()
+    try:
+        layout: Optional[Layout] = layout_of(timelines["layout"], marks)
+    except TraceError as exc:
+        logger.warning("the layout graph cannot place forks and consumers (%s): consumers "
+                       "found by name", exc)
+        layout = None
+    consumers = {(p, l, b): forks.consumers.get((p, l)) for (p, l, b) in markers.modes}
+    result = TraceResult(
+        title=title or type(model).__name__, replays=replays,
+        forks=analyze(timelines["loads"], timelines["control"], layout, consumers,
+                      markers.modes),
+        step_us=_span(timelines["loads"]), control_step_us=_span(timelines["control"]),
+        graph=neighbours, kernels=timelines["loads"])
+    if dot:
+        result.notes.append(f"The loads graph's nodes and edges: `{dot}` (cuGraphDebugDotPrint).")
+    return result

@@ -1,0 +1,443 @@
+"""``l2prefetch trace``: kernel timelines of synthetic chrome traces, the Markdown, the CLI's
+bad inputs (CPU), and one real trace of a tiny HF Llama (GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import types
+
+import pytest
+
+from l2prefetch import cli
+from l2prefetch.tuning import trace as tr
+from l2prefetch.tuning import trace_cli
+
+PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+T0 = 1.7e12      # CUPTI's clock: absolute microseconds
+KEY = ("after self_attn.o_proj: mlp.gate_proj", 0, 1)
+CONSUMER = "model.layers.0.mlp.gate_proj"
+
+
+def kernel(name, stream, ts, dur, **extra):
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream,
+            "ts": T0 + ts, "dur": dur, "args": {"stream": stream, "device": 0}, **extra}
+
+
+def step(loader, *, held=0.0, gate=12.0, t=0.0):
+    """One replay of a GEMV, the fork, an add, a norm, a 40 us spin and the consumer GEMV.
+
+    ``loader`` is (stream, start, dur) or None; ``held`` stretches the add (an inline
+    loader holding its next node); ``t`` shifts the whole replay."""
+    events = [kernel("gemv_o_proj", 7, t, 10), kernel("add", 7, t + 11, 2 + held),
+              kernel("norm", 7, t + 14 + held, 2), kernel("spin", 7, t + 17 + held, 40),
+              kernel("gemv_gate_proj", 7, t + 58 + held, gate)]
+    if loader is not None:
+        stream, start, dur = loader
+        events.append(kernel("l2p_prefetch_32", stream, t + start, dur))
+    return events
+
+
+def layout():
+    """The layout graph: markers after the fork's GEMV and around the consumer's."""
+    events = [kernel("gemv_o_proj", 7, 0, 10), kernel("l2p_prefetch_8", 7, 10.2, 0.3),
+              kernel("add", 7, 11, 2), kernel("norm", 7, 14, 2), kernel("spin", 7, 17, 40),
+              kernel("l2p_prefetch_8", 7, 57.2, 0.3), kernel("gemv_gate_proj", 7, 58, 12),
+              kernel("l2p_prefetch_8", 7, 70.2, 0.3)]
+    marks = [("fork", KEY), ("begin", CONSUMER), ("end", CONSUMER)]
+    return tr.layout_of(tr.timeline({"traceEvents": events}, 1), marks)
+
+
+def traced(loads, control=None, with_layout=True):
+    timeline = tr.timeline({"traceEvents": loads}, 1)
+    base = tr.timeline({"traceEvents": control}, 1) if control is not None else None
+    return tr.analyze(timeline, base, layout() if with_layout else None, {KEY: CONSUMER},
+                      {KEY: "leaf"}), timeline
+
+
+# -- the timeline ---------------------------------------------------------------------------
+
+def test_a_leaf_loader_overlaps_its_window():
+    forks, _ = traced(step((20, 11.5, 28.5), gate=12), step((20, 11.5, 1.0), gate=18))
+    (fork,) = forks
+    assert fork.key == KEY and fork.mode == "leaf" and fork.found_by == "module"
+    assert (fork.loader.start, fork.loader.end, fork.loader.stream) == (11.5, 40.0, 20)
+    assert fork.before.name == "gemv_o_proj" and fork.fork_us == 10.0
+    assert fork.start_after_fork_us == pytest.approx(1.5)
+    assert [k.name for k in fork.window] == ["add", "norm", "spin"]
+    # covered: the add from 11.5 to 13, the norm 14-16, the spin 17-40 of the loader's 28.5 us
+    assert fork.overlap == pytest.approx((1.5 + 2 + 23) / 28.5)
+    assert [k.name for k in fork.consumer] == ["gemv_gate_proj"]
+    assert fork.consumer_us == 12 and fork.consumer_control_us == 18
+    assert fork.loader_control.dur == 1.0
+    roles = {row.kernel.name: row.role for row in fork.rows}
+    assert roles == {"gemv_o_proj": "", "add": "window", "norm": "window", "spin": "window",
+                     "l2p_prefetch_32": "**loader**", "gemv_gate_proj": "consumer"}
+    assert [row.kernel.name for row in fork.rows][:3] == ["gemv_o_proj", "add",
+                                                            "l2p_prefetch_32"]
+
+
+def test_an_inline_loader_on_the_same_stream_holds_the_next_kernel():
+    # The loader runs on the step's stream; the add after it ends only when it does.
+    forks, _ = traced(step((7, 10.5, 19.5), held=17.7), step((7, 10.5, 1.0)))
+    (fork,) = forks
+    assert fork.window == [] and fork.overlap == 0.0
+    assert "window (kernels on other streams meanwhile): none" in fork.summary()
+    add = next(row for row in fork.rows if row.kernel.name == "add")
+    assert add.kernel.dur == pytest.approx(19.7, abs=1e-3) and add.control.dur == 2
+    assert fork.consumer_us == fork.consumer_control_us == 12
+
+
+def test_the_window_reaches_past_the_consumer_when_the_loader_does():
+    forks, _ = traced(step((20, 11.0, 62.0)))
+    (fork,) = forks
+    assert [k.name for k in fork.window] == ["add", "norm", "spin", "gemv_gate_proj"]
+    assert next(r for r in fork.rows if r.kernel.name == "gemv_gate_proj").role == \
+        "window, consumer"
+    assert fork.consumer_control_us is None and "(no control)" in fork.summary()
+
+
+def test_no_loader_kernels_no_forks():
+    forks, timeline = traced(step(None))
+    assert forks == [] and len(timeline) == 5
+    text = tr.TraceResult("tiny", 1, forks).markdown()
+    assert "No loader kernel ran" in text and "## Fork" not in text
+
+
+def test_without_a_layout_forks_go_by_time_and_the_consumer_by_name():
+    forks, _ = traced(step((20, 11.5, 5.0)), with_layout=False)
+    (fork,) = forks
+    assert fork.key is None and fork.label == "fork 1" and fork.found_by == "name"
+    assert fork.before.name == "gemv_o_proj"
+    assert [k.name for k in fork.consumer] == ["gemv_gate_proj"]
+
+
+def test_a_layout_of_other_kernels_is_not_used(caplog):
+    loads = step((20, 11.5, 5.0)) + [kernel("extra", 7, 80, 1)]
+    forks = tr.analyze(tr.timeline(loads, 1), None, layout(), {KEY: CONSUMER})
+    assert forks[0].found_by == "name" and forks[0].key is None
+    assert "forks placed by time" in caplog.text
+
+
+def test_a_control_of_other_kernels_gives_no_durations(caplog):
+    forks, _ = traced(step((20, 11.5, 5.0)), step(None)[:-1] + [kernel("x", 7, 60, 1)])
+    assert all(row.control is None for row in forks[0].rows)
+    assert "control graph ran other kernels" in caplog.text
+
+
+def test_several_replays_give_medians_relative_to_each_replays_first_kernel():
+    shifts, jitter = (0.0, 500.0, 1100.0), (0.0, 0.9, 0.3)
+    events = []
+    for shift, j in zip(shifts, jitter):
+        events += step((20, 11.5 + j, 28.5 - j), gate=12 + 2 * j, t=shift)
+    timeline = tr.timeline({"traceEvents": events[::-1]}, 3)   # any order in the file
+    by_name = {k.name: k for k in timeline}
+    # (CUPTI's absolute clock leaves about 1e-4 us of float resolution)
+    assert by_name["l2p_prefetch_32"].start == pytest.approx(
+        statistics.median(11.5 + j for j in jitter), abs=1e-3)
+    assert by_name["l2p_prefetch_32"].end == 40.0
+    assert by_name["gemv_gate_proj"].dur == pytest.approx(
+        statistics.median(12 + 2 * j for j in jitter), abs=1e-3)
+    assert by_name["gemv_o_proj"].start == 0.0
+    assert [k.name for k in timeline] == ["gemv_o_proj", "add", "l2p_prefetch_32", "norm",
+                                          "spin", "gemv_gate_proj"]
+
+
+def test_same_named_kernels_keep_their_order():
+    events = [kernel("k", 7, 0, 1), kernel("k", 7, 5, 3), kernel("k", 7, 100, 2),
+              kernel("k", 7, 104, 4)]
+    timeline = tr.timeline(events, 2)
+    assert [(k.start, k.dur) for k in timeline] == [(0, 1.5), (4.5, 3.5)]
+
+
+@pytest.mark.parametrize("data, message", [
+    ("text", "a chrome trace is a JSON object"),
+    ({"traceEvents": {}}, "a chrome trace is a JSON object"),
+    ({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "dur": 1}]},
+     r"traceEvents\[0\] is a kernel event without"),
+    ({"traceEvents": [kernel("k", 7, 0, -1)]}, "'dur' >= 0"),
+    ({"traceEvents": [kernel("k", 7, 0, float("nan"))]}, "finite 'dur'"),
+    ({"traceEvents": [{**kernel("k", 7, 0, 1), "name": 3}]}, "without a name"),
+    ({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1}]},
+     "no kernel events"),
+    ({"traceEvents": step(None)}, "5 kernels do not split into 2 replays"),
+    ({"traceEvents": step(None) + step(None, t=100)[:-1] + [kernel("x", 7, 190, 1)]},
+     "replay 1 ran other kernels"),
+])
+def test_malformed_traces_raise_a_clear_error(data, message):
+    with pytest.raises(tr.TraceError, match=message):
+        tr.timeline(data, 2 if "replay" in message else 1)
+
+
+def test_a_layout_with_the_wrong_marks_raises():
+    events = tr.timeline(step((7, 10.5, 0.3)), 1)
+    with pytest.raises(tr.TraceError, match="1 marker kernels for 2 marks"):
+        tr.layout_of(events, [("fork", KEY), ("begin", CONSUMER)])
+    with pytest.raises(tr.TraceError, match="a layout mark must be"):
+        tr.layout_of(events, [("end", CONSUMER)])
+    with pytest.raises(ValueError, match="replays must be an int >= 1"):
+        tr.split_replays(events, 0)
+
+
+# -- the Markdown and the plot ---------------------------------------------------------------
+
+def test_the_markdown_timeline():
+    forks, timeline = traced(step((20, 11.5, 28.5), gate=12), step((20, 11.5, 1.0), gate=18))
+    result = tr.TraceResult("LlamaForCausalLM, batch 1", 5, forks, step_us=70, control_step_us=76,
+                            notes=["a note"], graph=["node graph_0_node_3 depends on ..."],
+                            kernels=timeline)
+    text = result.markdown()
+    assert text.startswith("# l2prefetch trace: LlamaForCausalLM, batch 1\n")
+    assert "Medians over 5 replays" in text and "- a note" in text
+    assert "70.0 us with loads, 76.0 us with empty tables" in text
+    assert f"## Fork 1: `{KEY[0]}`, layer 0, batch 1 (leaf)" in text
+    assert ("loads ran 11.5-40.0 us (28.5 us, starting +1.5 us after the fork); window "
+            "(kernels on other streams meanwhile) 11.0-57.0 us; overlap 93%; consumer 12.0 us "
+            "with loads vs 18.0 us with empty tables.") in text
+    assert f"consumer: the kernels of `{CONSUMER}`, placed by the layout graph" in text
+    assert "The fork follows `gemv_o_proj` (stream 7, ends 10.0 us); the loader ran on stream 20" \
+        in text
+    assert "Graph: node graph_0_node_3 depends on ..." in text
+    assert "| - | `l2p_prefetch_32` | 20 | 11.5 | 40.0 | 28.5 | 1.0 | **loader** |" in text
+    assert "| 3 | `spin` | 7 | 17.0 | 57.0 | 40.0 | 40.0 | window |" in text
+    assert "| 4 | `gemv_gate_proj` | 7 | 58.0 | 70.0 | 12.0 | 18.0 | consumer |" in text
+
+
+def test_long_tables_and_odd_names_stay_markdown():
+    events = [kernel("gemv|x`y" + "z" * 100, 7, 0, 1)]
+    events += [kernel(f"k{i}", 7, 2 + 2 * i, 1) for i in range(60)]
+    events += [kernel("l2p_prefetch_8", 20, 1.5, 200), kernel("gemv_late", 7, 130, 1)]
+    result = tr.TraceResult("t", 1, tr.analyze(tr.timeline(events, 1)))
+    text = result.markdown()
+    assert "`gemv\\|x'y" in text and "z" * 80 not in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + tr.MAX_ROWS + 1           # the header, the kept rows, the ellipsis
+    assert f"| ... | {len(result.forks[0].rows) - tr.MAX_ROWS} rows left out" in text
+
+
+def test_the_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    forks, timeline = traced(step((20, 11.5, 28.5)))
+    path = tmp_path / "trace.png"
+    tr.TraceResult("t", 1, forks, kernels=timeline).plot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_without_matplotlib(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match="--plot needs matplotlib"):
+        tr.TraceResult("t", 1, []).plot("x.png")
+
+
+DOT = """digraph dot {
+subgraph cluster_1 {
+label="graph_1" graph[style="dashed"];
+"graph_1_node_0"[style="solid" shape="rectangle" label="0
+KERNEL
+gemv_o_proj_kernel
+"];
+
+"graph_1_node_1"[style="solid" shape="rectangle" label="1
+KERNEL
+l2p_prefetch_32
+"];
+
+"graph_1_node_2"[style="solid" shape="rectangle" label="2
+KERNEL
+add_kernel
+"];
+
+"graph_1_node_0" -> "graph_1_node_1";
+"graph_1_node_0" -> "graph_1_node_2";
+}
+}
+"""
+
+
+def test_the_loader_nodes_neighbours_in_the_graph():
+    lines = tr.dot_neighbours(DOT)
+    assert lines == ["node graph_1_node_1 (l2p_prefetch_32) depends on graph_1_node_0 "
+                     "(gemv_o_proj_kernel); nothing (a sink of the graph) depends on it."]
+    inline = DOT.replace('"graph_1_node_0" -> "graph_1_node_2"', '"graph_1_node_1" -> '
+                         '"graph_1_node_2"')
+    assert tr.dot_neighbours(inline)[0].endswith("graph_1_node_2 (add_kernel) depends on it.")
+
+
+# -- the command line (CPU) ------------------------------------------------------------------
+
+TINY = ["--set", "hidden_size=256", "--set", "intermediate_size=1024",
+        "--set", "num_hidden_layers=2", "--set", "num_attention_heads=4",
+        "--set", "num_key_value_heads=2", "--set", "vocab_size=512"]
+ROLE = "after self_attn.o_proj: mlp.gate_proj"
+
+
+def one_line_error(capsys, argv, message, code=2):
+    assert cli.main(argv) == code
+    captured = capsys.readouterr()
+    assert len(captured.err.splitlines()) == 1, captured.err
+    assert message in captured.err, captured.err
+    return captured.err
+
+
+def test_help_works_without_torch_and_the_runtime_never_imports_trace():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from l2prefetch import cli\n"
+            "try:\n    cli.main(['trace', '--help'])\n"
+            "except SystemExit as exc:\n    assert not exc.code, exc.code\n"
+            "import l2prefetch, l2prefetch.controller, l2prefetch.hooks, l2prefetch.plan\n"
+            "print(sorted(m for m in sys.modules if m.endswith(('.trace', 'trace_cli'))))\n")
+    env = {**os.environ, "PYTHONPATH": PYTHON_DIR}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: python -m l2prefetch trace" in proc.stdout and "--mode" in proc.stdout
+    # the CLI registers trace_cli; the trace logic itself stays unimported
+    assert proc.stdout.splitlines()[-1] == "['l2prefetch.tuning.trace_cli']"
+    code = ("import sys, l2prefetch, l2prefetch.controller, l2prefetch.hooks, l2prefetch.ops\n"
+            "print([m for m in sys.modules if m.startswith('l2prefetch.tuning')])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_trace_is_a_command(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "trace" in capsys.readouterr().out
+    assert cli.main(["trace", "--help"]) == 0
+    assert "usage: python -m l2prefetch trace" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["trace", "llama", "--role", ROLE, "--bogus"], "unrecognized arguments: --bogus"),
+    (["trace", "llama"], "one of the arguments --profile/--plan --role is required"),
+    (["trace", "llama", "--role", ROLE, "--profile", "p.json"], "not allowed with argument"),
+    (["trace", "llama", "--role", ROLE, "--mode", "sideways"], "argument --mode: invalid choice"),
+    (["trace", "llama", "--role", ROLE, "--grid", "0"], "--grid must be in 1..65535"),
+    (["trace", "llama", "--role", ROLE, "--cap-mib", "x"], "--cap-mib must be a number"),
+    (["trace", "llama", "--role", ROLE, "--replays", "0"], "--replays must be in 1..1000"),
+    (["trace", "llama", "--role", ROLE, "--device", "cpu"], "--device must be a CUDA device"),
+    (["trace", "llama", "--profile", "/no/such.json"], "--profile /no/such.json: no such file"),
+    (["trace", "llama", "--profile", __file__, "--mode", "leaf"],
+     "--mode set with --profile: a profile's entries carry their own settings"),
+    (["trace", "llama", "--role", ROLE, "--kernel", "nope"], "--kernel 'nope' is not a loader"),
+    (["trace", "llama", "--role", ROLE, "--out", "/no/such/dir/t.md"],
+     "--out /no/such/dir/t.md: the directory /no/such/dir does not exist"),
+])
+def test_bad_options_exit_2_with_one_line(capsys, argv, message):
+    one_line_error(capsys, argv, message)
+
+
+def test_no_gpu_no_matplotlib_and_disabled_exit_2(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    one_line_error(capsys, ["trace", "llama", "--role", ROLE], "trace needs a CUDA GPU, and "
+                   f"torch {torch.__version__} sees none")
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "1")
+    one_line_error(capsys, ["trace", "llama", "--role", ROLE], "L2PREFETCH_DISABLE is set")
+    monkeypatch.delenv("L2PREFETCH_DISABLE")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    one_line_error(capsys, ["trace", "llama", "--role", ROLE, "--plot", "t.png"],
+                   "--plot needs matplotlib, which is not installed")
+
+
+def test_a_missing_model_exits_2(capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # get past the GPU check
+    one_line_error(capsys, ["trace", "no-such-model-type", "--role", ROLE],
+                   "cannot build 'no-such-model-type': 'no-such-model-type' is neither a "
+                   "checkpoint directory")
+    one_line_error(capsys, ["trace", "llama", "--set", "oops", "--role", ROLE], "KEY=VALUE")
+
+
+def tiny_model():
+    from l2prefetch.tuning import hf
+
+    model = hf.load_model("llama", overrides=hf.parse_overrides(TINY[1::2]), device="cpu",
+                          dtype="float32")
+    return model, hf.DecodeStep(model, max_cache_len=16)
+
+
+def namespace(**kw):
+    defaults = dict(profile=None, role=None, batch=None, cap_mib=None, mode=None, grid=None,
+                    kernel=None, min_bytes_mib=0.25)
+    return types.SimpleNamespace(**{**defaults, **kw})
+
+
+def test_roles_and_profiles_are_checked_against_the_model(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    model, step = tiny_model()
+    with pytest.raises(trace_cli._Bad, match=r"--role 'nope' is not a role of this model; its "
+                       r"roles: .*'after self_attn.o_proj: mlp.gate_proj'"):
+        trace_cli._forks(namespace(role="nope"), model, step, tr)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"plan": []}))
+    with pytest.raises(trace_cli._Bad, match="--profile: profile .*is not an l2prefetch profile"):
+        trace_cli._forks(namespace(profile=str(bad)), model, step, tr)
+
+    from l2prefetch.tuning import profile as profile_module
+
+    loaded = profile_module.Profile(data={"batches": [8], "plan": []}, plan=[], sites={})
+    monkeypatch.setattr(profile_module, "load_profile", lambda path, model: loaded)
+    with pytest.raises(trace_cli._Bad, match="its plan is empty, so nothing forks"):
+        trace_cli._forks(namespace(profile=str(bad)), model, step, tr)
+    loaded.plan.append(types.SimpleNamespace(batches=(8,)))
+    with pytest.raises(trace_cli._Bad, match=r"--batch 1: the profile forks at batches \[8\]"):
+        trace_cli._forks(namespace(profile=str(bad), batch=1), model, step, tr)
+
+
+def test_a_role_becomes_forks_with_its_consumers():
+    pytest.importorskip("transformers")
+    model, step = tiny_model()
+    forks, batch, what = trace_cli._forks(namespace(role=ROLE, mode="leaf", cap_mib=0),
+                                          model, step, tr)
+    assert batch == 1 and what == f"role '{ROLE}', 0 MiB, grid 32, leaf"
+    assert forks.consumers == {(ROLE, 0): "model.layers.0.mlp.gate_proj",
+                               (ROLE, 1): "model.layers.1.mlp.gate_proj"}
+    (sites,) = forks.points.values()
+    assert [layer for _, layer in sites] == [0, 1]
+    assert sites[1][0] is model.model.layers[1].self_attn.o_proj
+
+
+# -- on the GPU ------------------------------------------------------------------------------
+
+GPU_TINY = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
+
+
+@pytest.mark.gpu
+def test_a_leaf_loader_starts_at_its_fork_and_overlaps_the_next_kernels(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from l2prefetch.tuning import candidates, discover, hf
+
+    model = hf.load_model("llama", overrides=GPU_TINY, device="cuda", dtype="bfloat16")
+    step = hf.DecodeStep(model)
+    roles = {r.name: r for r in candidates(model, discover(model, lambda: step(1)))}
+    forks = tr.forks_of_role(model, roles[ROLE], 1, byte_cap=0, mode="leaf")
+    result = tr.trace(model, step, 1, forks, replays=5, dot=str(tmp_path / "g.dot"))
+    print(result.markdown())
+    assert [f.key[1] for f in result.forks] == [0, 1]
+    for fork in result.forks:
+        assert fork.mode == "leaf" and fork.found_by == "module"
+        assert fork.before is not None and tr.GEMM_NAME.search(fork.before.name), fork.before
+        assert fork.consumer_path == f"model.layers.{fork.key[1]}.mlp.gate_proj"
+        assert 0 <= fork.start_after_fork_us < 5, fork.summary()
+        assert fork.loader.stream != fork.before.stream, fork.summary()
+        before = next(r.index for r in fork.rows if r.kernel is fork.before)
+        after = next(r.kernel for r in fork.rows if r.index == before + 1)
+        assert after in fork.window, fork.summary()     # the kernel right after the fork
+        assert fork.overlap > 0.5, fork.summary()
+    assert len(result.graph) == 2 and all("a sink of the graph" in g for g in result.graph)
+    # the command line writes the same kind of timeline
+    out = tmp_path / "trace.md"
+    argv = ["trace", "llama", *[x for k, v in GPU_TINY.items() for x in ("--set", f"{k}={v}")],
+            "--role", ROLE, "--mode", "leaf", "--cap-mib", "0", "--out", str(out)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    text = out.read_text()
+    assert f"## Fork 2: `{ROLE}`, layer 1, batch 1 (leaf)" in text and "**loader**" in text
