@@ -70,6 +70,7 @@ import torch
 import l2prefetch
 from l2prefetch import deepseek_v3, hooks
 from l2prefetch.plan import format_plan
+from l2prefetch.tuning.hf import cache_keyword
 from l2prefetch.tuning.report import table
 from l2prefetch.tuning.rig import Rig, empty_controller
 from l2prefetch.tuning.stats import diff_interval
@@ -135,12 +136,12 @@ class Decoder:
         device = model.device
         self.model, self.batch, self.prompt_len = model, batch, prompt_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        self.inputs = {cache_keyword(model): self.cache, "use_cache": True}
         generator = torch.Generator().manual_seed(seed * 1000 + batch)
         self.prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
                                     generator=generator).to(device)
         positions = torch.arange(prompt_len, device=device).expand(batch, -1)
-        logits = model(input_ids=self.prompt, position_ids=positions, past_key_values=self.cache,
-                       use_cache=True).logits
+        logits = model(input_ids=self.prompt, position_ids=positions, **self.inputs).logits
         self.ids = logits[:, -1:].argmax(-1).contiguous()            # [B, 1], static
         self.pos = torch.full((batch, 1), prompt_len, dtype=torch.long, device=device)
         # StaticLayer.cumulative_length: a device tensor since the prefill's lazy init.
@@ -150,8 +151,7 @@ class Decoder:
                                "transformers version does not keep the cache position on the device")
 
     def step(self):
-        out = self.model(input_ids=self.ids, position_ids=self.pos, past_key_values=self.cache,
-                         use_cache=True)
+        out = self.model(input_ids=self.ids, position_ids=self.pos, **self.inputs)
         self.pos.add_(1)
         return out.logits
 

@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from collections import Counter  # noqa: E402
 
 from l2prefetch import PrefetchController, deepseek_v3, hooks  # noqa: E402
+from l2prefetch.tuning.hf import cache_keyword  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -58,19 +59,18 @@ class Step:
     def __init__(self, model, batch):
         self.model = model
         self.cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
+        self.inputs = {cache_keyword(model): self.cache, "use_cache": True}
         generator = torch.Generator().manual_seed(batch)
         prompt = torch.randint(0, CONFIG["vocab_size"], (batch, PROMPT), generator=generator)
         prompt = prompt.to(DEV)
         positions = torch.arange(PROMPT, device=DEV).expand(batch, -1)
-        logits = model(input_ids=prompt, position_ids=positions, past_key_values=self.cache,
-                       use_cache=True).logits
+        logits = model(input_ids=prompt, position_ids=positions, **self.inputs).logits
         self.ids = logits[:, -1:].argmax(-1).contiguous()
         self.pos = torch.full((batch, 1), PROMPT, dtype=torch.long, device=DEV)
         self.lengths = [layer.cumulative_length for layer in self.cache.layers]
 
     def __call__(self):
-        logits = self.model(input_ids=self.ids, position_ids=self.pos,
-                            past_key_values=self.cache, use_cache=True).logits
+        logits = self.model(input_ids=self.ids, position_ids=self.pos, **self.inputs).logits
         self.pos.add_(1)
         return logits
 

@@ -78,6 +78,56 @@ def test_decode_step_replays_the_same_step():
         hf.DecodeStep(model, prompt_len=8, max_cache_len=8)
 
 
+def test_the_cache_goes_in_under_the_name_forward_takes():
+    import functools
+
+    class New:      # transformers 5.24: cache=, past_key_values= deprecated
+        def forward(self, input_ids=None, cache=None, use_cache=None):
+            pass
+
+    class Old:      # transformers 5.17
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            pass
+
+    class Wrapped:  # a decorator such as transformers' deprecate_kwarg (functools.wraps)
+        forward = functools.wraps(New.forward)(lambda self, *args, **kwargs: None)
+
+    assert hf.cache_keyword(New()) == "cache"
+    assert hf.cache_keyword(Old()) == "past_key_values"
+    assert hf.cache_keyword(Wrapped()) == "cache"
+
+
+def test_decode_step_passes_no_deprecated_argument():
+    pytest.importorskip("transformers")
+    import warnings
+
+    model = hf.load_model("llama", overrides=hf.parse_overrides(TINY[1::2]), device="cpu",
+                          dtype="float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf.DecodeStep(model, max_cache_len=16)(2)
+    deprecations = [str(w.message) for w in caught
+                    if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert deprecations == []
+
+
+def test_list_roles_says_what_it_builds_and_how_big(capsys):
+    pytest.importorskip("transformers")
+    argv = ["llama", *TINY, "--device", "cpu", "--dtype", "float32", "--list-roles"]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    model = hf.load_model("llama", overrides=hf.parse_overrides(TINY[1::2]), device="cpu",
+                          dtype="float32")
+    count = sum(p.numel() for p in model.parameters())
+    lines = err.splitlines()
+    assert lines[0] == (f"[l2prefetch tune] LlamaForCausalLM, 2 layers, {count / 1e6:.1f} M "
+                        f"parameters ({count * 4 / 2**30:.2f} GiB of float32): building it "
+                        "with random weights on cpu"), err
+    assert lines[1].startswith("[l2prefetch tune] model ready in ")
+    assert "discovering the roles" in lines[2] and len(lines) == 3
+    assert run([*argv, "--quiet"], capsys) == (0, out, "")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["llama", "--batches", "1,x"], "--batches must be comma-separated integers"),
     (["llama", "--budget", "0"], "--budget must be in"),

@@ -112,7 +112,7 @@ def test_a_profile_of_another_device_or_model_is_refused(tmp_path, monkeypatch):
     (lambda t: "[" * 100000, "is not valid JSON"),
     (lambda t: json.dumps({"format": "x"}), "is not an l2prefetch profile"),
     (lambda t: t.replace('"version": 1', '"version": 7'), "version 7"),
-    (lambda t: t.replace('"batches": [\n  1,\n  8\n ]', '"batches": []'), "'batches' must be"),
+    (lambda t: t.replace('"batches": [1, 8]', '"batches": []'), "'batches' must be"),
     (lambda t: t.replace('"sm_count": 132', '"sm_count": "many"'), "'sm_count' must be int"),
     (lambda t: t.replace('"site": "model.layers.0', '"sight": "model.layers.0'),
      "unknown fields \\['sight'\\]"),
@@ -124,6 +124,28 @@ def test_corrupted_profiles(tmp_path, mutate, message):
     path.write_text(mutate(path.read_text()))
     with pytest.raises(ValueError, match=message):
         tuning.load_profile(path, model, check_device=False)
+
+
+def test_a_profile_holds_a_line_per_interval_not_per_number(tmp_path, monkeypatch):
+    model, result = tuned()
+    path = tmp_path / "p.json"
+    result.save(path, model)
+    text = path.read_text()
+    data = json.loads(text)
+    confirmed = data["results"][0]["confirmed"]["gain"]
+    assert f'"gain": {json.dumps(confirmed)}' in text          # an interval on one line
+    assert '"batches": [1, 8],' in text
+    bare = [line for line in text.splitlines()
+            if line.strip().rstrip(",").lstrip("-").replace(".", "").replace("e", "").isdigit()]
+    assert bare == []                                          # no number alone on a line
+    # the reader takes the compact file and the one-number-per-line files written before
+    monkeypatch.setattr(P, "device_fingerprint", lambda device=None: dict(FAKE_DEVICE))
+    indented = tmp_path / "indented.json"
+    indented.write_text(json.dumps(data, indent=1))
+    assert indented.read_text().count("\n") > 2 * text.count("\n")
+    for one in (path, indented):
+        profile = tuning.load_profile(one, model)
+        assert profile.plan == result.plan and profile.batches == [1, 8]
 
 
 def test_save_needs_a_device_and_writes_atomically(tmp_path):

@@ -132,10 +132,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.list_roles and not torch.cuda.is_available():
         return _fail(f"tuning needs a CUDA GPU, and torch {torch.__version__} sees none "
                      "(--list-roles --device cpu discovers roles without one)")
+    progress = None if args.quiet else sys.stderr
     try:
         overrides = hf.parse_overrides(args.overrides)
         model = hf.load_model(args.model, overrides=overrides, device=args.device,
-                              dtype=args.dtype, seed=args.seed)
+                              dtype=args.dtype, seed=args.seed, progress=progress)
         step = hf.DecodeStep(model, prompt_len=args.prompt_len, max_cache_len=args.max_cache_len,
                              seed=args.seed)
     except ImportError as exc:
@@ -144,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot build {args.model!r}: {exc}")
     min_bytes = max(1, int(args.min_bytes_mib * (1 << 20)))
     if args.list_roles:
+        if progress is not None:
+            print(f"[l2prefetch tune] discovering the roles: the prompt, then one decode step "
+                  f"at batch {args.batches[0]}", file=progress, flush=True)
         try:
             reads = discover(model, lambda: step(args.batches[0]), min_bytes=min_bytes)
         except ValueError as exc:
@@ -157,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                       instances=args.instances, rounds=args.rounds, caps_mib=args.caps_mib,
                       grids=args.grids, kernels=kernels, graph_forks=forks,
                       min_gain_us=args.min_gain_us, min_bytes=min_bytes,
-                      progress=None if args.quiet else sys.stderr)
+                      progress=progress)
     except StepError as exc:
         print(f"l2prefetch tune: {exc}", file=sys.stderr)
         return 1

@@ -13,15 +13,20 @@ synchronises the host and cannot be captured.
 per batch a ``StaticCache`` filled by a prompt of ``prompt_len`` random
 tokens, static ``input_ids`` and ``position_ids``; each call resets the
 cache's length counters and the position to the prompt length, then decodes
-one token, so every replay of a captured step does the same work.
+one token, so every replay of a captured step does the same work.  The cache
+goes in as ``cache=`` where the model's ``forward`` takes it (transformers 5.24:
+``past_key_values`` is deprecated there, to be removed in 5.40), else as
+``past_key_values=`` (5.17).
 
-Needs ``transformers`` (tested with 5.17).
+Needs ``transformers`` (tested with 5.17 and 5.24: the ``tune`` extra's bounds).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -36,9 +41,19 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ImportError("tuning a Hugging Face model needs transformers: pip install "
-                          "transformers") from None
+        raise ImportError("tuning a Hugging Face model needs transformers: install "
+                          "l2prefetch's 'tune' extra (README, Install)") from None
     return transformers
+
+
+def cache_keyword(model: Any) -> str:
+    """The name under which ``model.forward`` takes its KV cache: ``cache`` where it
+    has that parameter (newer transformers), else ``past_key_values``."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):   # a forward without a signature: the old name
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def parse_overrides(items: Any) -> dict:
@@ -94,9 +109,33 @@ def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[st
                          "llama)") from None
 
 
+def _size(tf: Any, config: Any, dtype: Any) -> str:
+    """'LlamaForCausalLM, 2 layers, 666.9 M parameters (1.24 GiB of bfloat16)', from the
+    model built on the meta device (shapes only, no memory: 0.3 s on 2 cores for the
+    671 B-parameter DeepSeek-V3 config).  Only words for a progress line, so a model that
+    cannot be built on meta is just named."""
+    import torch
+
+    layers = f"{getattr(config, 'num_hidden_layers', '?')} layers"
+    try:
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception:  # noqa: BLE001 (only the size is lost; the real build reports)
+        return f"{type(config).__name__}, {layers}"
+    count = sum(p.numel() for p in model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    number = f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.1f} M"
+    return (f"{type(model).__name__}, {layers}, {number} parameters "
+            f"({nbytes / 2**30:.2f} GiB of {str(dtype).removeprefix('torch.')})")
+
+
 def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
-               device: Any = "cuda", dtype: Any = "bfloat16", seed: int = 0) -> Any:
-    """A causal LM in eval mode on ``device`` (see the module's docstring)."""
+               device: Any = "cuda", dtype: Any = "bfloat16", seed: int = 0,
+               progress: Any = None) -> Any:
+    """A causal LM in eval mode on ``device`` (see the module's docstring).
+
+    ``progress``: a text stream (stderr) for a line before the build, naming the model
+    and its size, and one after it with the time it took; None: quiet."""
     import torch
 
     tf = _transformers()
@@ -106,6 +145,12 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch dtype name such as bfloat16, got {dtype!r}")
     config, checkpoint = _config(source, dict(overrides or {}))
+    t0 = time.monotonic()
+    if progress is not None:
+        how = (f"loading {checkpoint}" if checkpoint is not None
+               else "building it with random weights")
+        print(f"[l2prefetch tune] {_size(tf, config, torch_dtype)}: {how} on {device}",
+              file=progress, flush=True)
     if checkpoint is not None:
         model = tf.AutoModelForCausalLM.from_pretrained(
             checkpoint, config=config, dtype=torch_dtype, attn_implementation="sdpa",
@@ -122,6 +167,9 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
         except (ValueError, NotImplementedError, AttributeError):
             pass  # a model without fused experts
     model.eval()
+    if progress is not None:
+        print(f"[l2prefetch tune] model ready in {time.monotonic() - t0:.1f} s", file=progress,
+              flush=True)
     return model
 
 
@@ -136,20 +184,20 @@ class _State:
         device = next(model.parameters()).device
         self.prompt_len = prompt_len
         self.cache = tf.StaticCache(config=model.config, max_cache_len=max_cache_len)
+        self.inputs = {cache_keyword(model): self.cache, "use_cache": True}
         generator = torch.Generator().manual_seed(seed * 1000 + batch)
         prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
                                generator=generator).to(device)
         positions = torch.arange(prompt_len, device=device).expand(batch, -1)
         with torch.no_grad():
-            logits = model(input_ids=prompt, position_ids=positions, past_key_values=self.cache,
-                           use_cache=True).logits
+            logits = model(input_ids=prompt, position_ids=positions, **self.inputs).logits
         self.ids = logits[:, -1:].argmax(-1).contiguous()
         self.pos = torch.full((batch, 1), prompt_len, dtype=torch.long, device=device)
         self.lengths = [getattr(layer, "cumulative_length", None) for layer in self.cache.layers]
         if not all(isinstance(t, torch.Tensor) for t in self.lengths):
             raise RuntimeError("this transformers version's StaticCache keeps no device tensor "
                                "of its length (cumulative_length), so a decode step cannot be "
-                               "replayed; tested with transformers 5.17")
+                               "replayed; tested with transformers 5.17 and 5.24")
 
 
 class DecodeStep:
@@ -186,5 +234,4 @@ class DecodeStep:
         for length in s.lengths:
             length.fill_(s.prompt_len)
         s.pos.fill_(s.prompt_len)
-        return self.model(input_ids=s.ids, position_ids=s.pos, past_key_values=s.cache,
-                          use_cache=True).logits
+        return self.model(input_ids=s.ids, position_ids=s.pos, **s.inputs).logits

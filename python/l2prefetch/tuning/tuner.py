@@ -39,6 +39,24 @@ ALTERNATIVE_KERNELS = ("load", "bulk_prefetch")
 DEFAULT_ROUNDS = 60
 
 
+def _compact_json(value: Any, indent: str = "") -> str:
+    """JSON with a member per line, but a list or object of scalars on one line: the
+    profile's thousands of numbers take a line per interval or setting, not per number
+    (run 11's profiles: 3.6x fewer lines).  Any JSON reader reads it, as the profile's
+    reader reads the ``json.dumps(indent=1)`` files written before."""
+    members = value.values() if isinstance(value, dict) else value
+    if not isinstance(value, (dict, list)) or not any(isinstance(m, (dict, list))
+                                                        for m in members):
+        return json.dumps(value)
+    inner = indent + " "
+    if isinstance(value, dict):
+        # a key as json.dumps writes it: a string, other scalars as their JSON text
+        items = [f"{inner}{json.dumps(k if isinstance(k, str) else json.dumps(k))}: "
+                 f"{_compact_json(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
+    return "[\n" + ",\n".join(inner + _compact_json(v, inner) for v in value) + f"\n{indent}]"
+
+
 @dataclasses.dataclass
 class TuneResult:
     """What :func:`tune` found: per batch the roles measured and the confirmed plan.
@@ -120,7 +138,7 @@ class TuneResult:
         if self.device is None:
             raise ValueError("this result has no device fingerprint (it was not measured on a "
                              "GPU), so it cannot be saved as a profile")
-        text = json.dumps(self.to_profile(model), indent=1)
+        text = _compact_json(self.to_profile(model))
         target = os.fspath(path)
         tmp = f"{target}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
