@@ -286,9 +286,20 @@ def test_nbytes_follows_the_seed_rules():
     capped = PlanEntry("p", 0, (1,), (a, b), byte_cap=16 * 1024 + 100)
     assert capped.nbytes == 16 * 1024 + 96
     assert PlanEntry("p", 0, (1,), (a, b), byte_cap=1000).nbytes == 992
-    for cap in (0, 15, 16, 17, 10_000, 40_000):
+    for cap in (0, 16, 17, 10_000, 40_000):
         entry = PlanEntry("p", 0, (1,), (a, t, empty, b), byte_cap=cap)
         assert entry.nbytes == sum(n for _, n in seed_ranges(entry.weights, cap))
+
+
+@pytest.mark.parametrize("cap", [1, 8, 15])
+def test_a_cap_under_16_bytes_is_refused(cap):
+    # Issue 21 (9): such a cap makes a table that loads nothing (compute_ranges stops
+    # below 16 bytes), while the entry says it prefetches.
+    a = w(64, 128)
+    with pytest.raises(ValueError, match=f"PlanEntry.byte_cap must be 0 \\(no cap\\) or at "
+                       f"least 16 bytes .*got {cap}$"):
+        PlanEntry("p", 0, (1,), (a,), byte_cap=cap)
+    assert PlanEntry("p", 0, (1,), (a,), byte_cap=16).byte_cap == 16
 
 
 def test_nbytes_works_on_meta_tensors():

@@ -113,7 +113,7 @@ def test_a_profile_of_another_device_or_model_is_refused(tmp_path, monkeypatch):
     (lambda t: json.dumps({"format": "x"}), "is not an l2prefetch profile"),
     (lambda t: t.replace('"version": 1', '"version": 7'), "version 7"),
     (lambda t: t.replace('"batches": [1, 8]', '"batches": []'), "'batches' must be"),
-    (lambda t: t.replace('"sm_count": 132', '"sm_count": "many"'), "'sm_count' must be int"),
+    (lambda t: t.replace('"sm_count": 132', '"sm_count": "many"'), "'device.sm_count' must be an int"),
     (lambda t: t.replace('"site": "model.layers.0', '"sight": "model.layers.0'),
      "unknown fields \\['sight'\\]"),
 ])

@@ -276,7 +276,9 @@ class PrefetchController(_C.PrefetchController):
 
         ``profile`` is the path of a profile written by ``python -m l2prefetch
         tune`` (or :meth:`l2prefetch.tuning.TuneResult.save`), or one already
-        read with :func:`l2prefetch.tuning.load_profile`.  A profile tuned on
+        read with :func:`l2prefetch.tuning.load_profile` for this ``model``
+        (one loaded for another model object, even of the same shapes, is
+        refused: its plan holds that model's weights).  A profile tuned on
         another GPU or another model is refused
         (:class:`~l2prefetch.tuning.ProfileMismatchError`, naming what
         differs).  ``eager=False`` by default: the tuner measured captured
@@ -286,7 +288,11 @@ class PrefetchController(_C.PrefetchController):
         from .tuning.profile import Profile, load_profile
         from .tuning.rig import build_controller
 
-        if not isinstance(profile, Profile):
+        if isinstance(profile, Profile):
+            # The plan holds the tensors of the model it was loaded for, and the hooks
+            # go on ``model``: they must be one model.
+            profile.check_model(model)
+        else:
             profile = load_profile(profile, model, device=device)
         controller = build_controller(profile.plan, device, eager=eager)
         if not isinstance(controller, cls):  # pragma: no cover - a subclass asked for itself

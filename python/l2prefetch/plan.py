@@ -30,6 +30,7 @@ import json
 import math
 import numbers
 import sys
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union, get_args
@@ -45,6 +46,7 @@ __all__ = [
     "KernelName",
     "MAX_BATCH",
     "MAX_LAYER",
+    "MIN_BYTE_CAP",
     "PLAN_JSON_VERSION",
     "PlanEntry",
     "cap_groups",
@@ -68,6 +70,9 @@ PLAN_JSON_VERSION = 2
 MAX_LAYER = 65535
 MAX_BATCH = 65535
 MIB = 2**20
+#: The smallest byte cap that loads anything: a capped range is cut down to a
+#: multiple of 16 bytes and none is made from fewer (compute_ranges' rule).
+MIN_BYTE_CAP = 16
 
 #: A per-batch cap of a capped point: the cap in MiB, or (cap in MiB, carveout).
 CapSpec = Union[int, tuple[int, Optional[int]]]
@@ -191,7 +196,8 @@ class PlanEntry:
     ``batches`` becomes a sorted tuple of distinct ints in 1..65535 and
     ``weights`` a tuple of tensors in the order given (all on one device, since
     the controller builds one range table per entry).  ``layer`` is in
-    0..65535.  ``byte_cap`` is in bytes (0: no cap); ``grid`` is the number of
+    0..65535.  ``byte_cap`` is in bytes (0: no cap, else at least 16: a smaller
+    cap would load nothing); ``grid`` is the number of
     loader CTAs; ``carveout`` is the preferred shared-memory carveout in
     percent (-1 is the driver's default, None sets no attribute); ``priority``
     asks for the greatest stream priority.  ``kernel`` names the loader
@@ -232,6 +238,10 @@ class PlanEntry:
         if self.byte_cap >= 2**63:  # what PreparedWeightRanges can take
             raise ValueError(f"PlanEntry.byte_cap must be an int >= 0 below 2**63, "
                              f"got {self.byte_cap}")
+        if 0 < self.byte_cap < MIN_BYTE_CAP:
+            raise ValueError(f"PlanEntry.byte_cap must be 0 (no cap) or at least "
+                             f"{MIN_BYTE_CAP} bytes (ranges are cut to 16-byte units, so a "
+                             f"smaller cap loads nothing), got {self.byte_cap}")
         _check_int("grid", self.grid, 1, 65535)
         if self.carveout is not None:
             _check_int("carveout", self.carveout, -1, 100)
@@ -483,12 +493,16 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
 
     Reads version 2 and version 1 (whose entries have no ``kernel`` and
     ``graph_fork``: both None).  Raises ValueError for malformed or too deeply
-    nested JSON, another version, missing or unknown fields, or a weight name
-    that does not resolve (with the closest names); TypeError/ValueError from
-    :class:`PlanEntry` for bad field values.
+    nested JSON, a key given twice in one object, a number too long to convert,
+    another version, missing or unknown fields, a weight listed twice in an
+    entry, two entries for one (point, layer, batch), or a weight name that does
+    not resolve (with the closest names); TypeError/ValueError from
+    :class:`PlanEntry` for bad field values, prefixed with the entry.
     """
+    from ._files import loads_json
+
     try:
-        data = json.loads(text)
+        data = loads_json(text, "plan JSON")
     except json.JSONDecodeError as exc:
         raise ValueError(f"plan JSON does not parse: {exc}") from exc
     except RecursionError:
@@ -507,7 +521,8 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
     if not isinstance(raw_entries, list):
         raise ValueError("plan JSON 'entries' must be a list")
     tensors = _named_tensors(model)
-    plan = []
+    plan: list[PlanEntry] = []
+    owner: dict[tuple, int] = {}   # (point, layer, batch) -> the entry that plans it
     for i, raw in enumerate(raw_entries):
         if not isinstance(raw, dict):
             raise ValueError(f"plan JSON entry {i} must be an object, got {raw!r}")
@@ -521,6 +536,10 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError(f"plan JSON entry {i}: 'weights' must be a list of names, "
                              f"got {names!r}")
+        repeated = sorted(n for n, count in Counter(names).items() if count > 1)
+        if repeated:
+            raise ValueError(f"plan JSON entry {i}: 'weights' lists {repeated} more than once "
+                             "(an entry loads each weight once)")
         weights = []
         for name in names:
             if name not in tensors:
@@ -531,7 +550,21 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
                                  f"buffer or tensor attribute of the model{hint}")
             weights.append(tensors[name])
         fields = {k: v for k, v in raw.items() if k != "weights"}
-        plan.append(PlanEntry(weights=tuple(weights), **fields))
+        try:
+            entry = PlanEntry(weights=tuple(weights), **fields)
+        except (TypeError, ValueError) as exc:
+            if type(exc) not in (TypeError, ValueError):
+                raise
+            raise type(exc)(f"plan JSON entry {i}: {exc}") from None
+        for batch in entry.batches:
+            key = (entry.point, entry.layer, batch)
+            if key in owner:
+                raise ValueError(f"plan JSON entries {owner[key]} and {i} both prefetch at "
+                                 f"point {entry.point!r}, layer {entry.layer}, batch {batch} "
+                                 "(one entry per point, layer and batch: the controller keeps "
+                                 "only the last)")
+            owner[key] = i
+        plan.append(entry)
     return plan
 
 

@@ -15,12 +15,17 @@ as warnings (the plan still applies; tune again to be sure).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
 import os
+import reprlib
+import weakref
 from collections.abc import Mapping
 from typing import Any, Optional, Union
+
+from .._files import loads_json, read_text
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "Profile", "ProfileMismatchError",
            "device_fingerprint", "load_profile", "model_fingerprint"]
@@ -41,17 +46,27 @@ class ProfileMismatchError(ValueError):
 
 def device_fingerprint(device: Any = None) -> dict:
     """What a profile records of a CUDA device: name, sm (e.g. 90), SMs, L2
-    bytes and the driver version (needs torch with CUDA and the driver)."""
+    bytes and the driver version (needs torch with CUDA and the driver).
+
+    ``device`` is what the controller takes (None: torch's current device, an
+    index, 'cuda:N', a torch.device): another value is a TypeError/ValueError
+    naming it; no driver, or a torch that sees no GPU (the device's name comes
+    from torch), a :class:`l2prefetch.CudaUnavailableError`.
+    """
     import torch
 
-    from .. import _C
+    from .. import _C, CudaUnavailableError
 
-    index = torch.device("cuda", torch.cuda.current_device()).index if device is None \
-        else torch.device(device).index
-    if index is None:
-        index = torch.cuda.current_device()
+    # The driver's view first: it checks the argument as the controller does.
+    info = _C.device_info(device)
+    index = info["device"]
+    if not torch.cuda.is_available():
+        raise CudaUnavailableError(
+            f"torch {torch.__version__} sees no CUDA device (a CPU-only build?), so the name "
+            f"of cuda:{index}, which a profile is checked against, cannot be read: use a CUDA "
+            "build of torch, or load_profile(..., check_device=False) to read the profile "
+            "without its GPU")
     props = torch.cuda.get_device_properties(index)
-    info = _C.device_info(index)
     return {"name": props.name, "sm": info["sm"], "sm_count": info["sm_count"],
             "l2_bytes": info["l2_bytes"], "driver_version": info["driver_version"]}
 
@@ -99,12 +114,44 @@ def versions() -> dict:
 
 @dataclasses.dataclass
 class Profile:
-    """A loaded profile: its raw data, the plan resolved in a model and the fork sites."""
+    """A loaded profile: its raw data, the plan resolved in a model and the fork sites.
+
+    The plan holds the tensors of the model it was resolved in, so the profile
+    is bound to that model: :meth:`hook_points` and
+    :meth:`~l2prefetch.PrefetchController.from_profile` refuse another one
+    (even of the same shapes; load the profile for each model).  ``model`` is
+    a weak reference to it (None for a profile made by hand: then the plan's
+    weights must be the model's tensors).
+    """
 
     data: dict
     plan: list
     sites: dict[str, list[tuple[str, int]]]
     path: Optional[str] = None
+    model: Optional[weakref.ref] = dataclasses.field(default=None, repr=False, compare=False)
+
+    def check_model(self, model: Any) -> None:
+        """Raise :class:`ProfileMismatchError` unless ``model`` is the model this profile's
+        plan was resolved in."""
+        from ..plan import _named_tensors
+
+        where = f"profile {self.path}" if self.path else "this profile"
+        fix = ("its plan holds that model's weights and its sites are that model's "
+               "modules: load the profile for this model (tuning.load_profile(path, model))")
+        if self.model is not None:
+            bound = self.model()
+            if bound is not model:
+                what = ("a model that no longer exists" if bound is None
+                        else f"another {type(bound).__name__} object")
+                raise ProfileMismatchError(f"{where} was loaded for {what}, not this "
+                                           f"{type(model).__name__}: {fix}")
+            return
+        mine = {id(t) for t in _named_tensors(model).values()}
+        for i, entry in enumerate(self.plan):
+            if any(id(w) not in mine for w in entry.weights):
+                raise ProfileMismatchError(f"{where}: plan[{i}] ({entry.point!r}, layer "
+                                           f"{entry.layer}) holds weights that are not this "
+                                           f"{type(model).__name__}'s: {fix}")
 
     @property
     def batches(self) -> list[int]:
@@ -119,7 +166,9 @@ class Profile:
         return not self.plan
 
     def hook_points(self, model: Any) -> dict[str, list[tuple[Any, int]]]:
-        """``point -> [(module, layer)]`` for :func:`l2prefetch.hooks.attach`."""
+        """``point -> [(module, layer)]`` for :func:`l2prefetch.hooks.attach` (``model``
+        must be the profile's own: :meth:`check_model`)."""
+        self.check_model(model)
         return {point: [(model.get_submodule(path) if path else model, layer)
                         for path, layer in sites] for point, sites in self.sites.items()}
 
@@ -131,57 +180,149 @@ class Profile:
         return build_controller(self.plan, device, eager=eager)
 
 
+def _show(value: Any) -> str:
+    """A value for a message: its repr, shortened (a field may hold megabytes)."""
+    return reprlib.repr(value)
+
+
 def _fail(where: str, what: str) -> ValueError:
     return ValueError(f"profile {where}: {what}; write it again with `python -m l2prefetch tune`")
 
 
-def _require(data: Mapping, key: str, kind: Union[type, tuple], where: str) -> Any:
+def _kind(kind: Union[type, tuple]) -> str:
+    names = {int: "an int", str: "a str", dict: "an object", list: "a list", type(None): "null"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _require(data: Mapping, key: str, kind: Union[type, tuple], where: str,
+             place: str = "") -> Any:
+    """``data[key]``, which must be of ``kind`` (bool is no int); ``place`` is the field's
+    parent in the file (``model.``) for the message."""
     if key not in data:
-        raise _fail(where, f"missing {key!r}")
+        raise _fail(where, f"missing {place + key!r}")
     value = data[key]
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-        raise _fail(where, f"{key!r} must be {getattr(kind, '__name__', kind)}, got {value!r}")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kind):
+        raise _fail(where, f"{place + key!r} must be {_kind(kind)}, got {_show(value)}")
     return value
 
 
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and low <= value <= high
+
+
+def _check_fingerprint(weights: dict, where: str) -> None:
+    """model.weights: path -> [shape (ints >= 0), dtype name]."""
+    for path, described in weights.items():
+        if not (isinstance(described, list) and len(described) == 2
+                and isinstance(described[0], list)
+                and all(_int_in(n, 0, 2**63 - 1) for n in described[0])
+                and isinstance(described[1], str) and described[1]):
+            raise _fail(where, f"'model.weights'[{_show(path)}] must be [shape, dtype] (a list "
+                        f"of ints >= 0 and a dtype name such as \"bfloat16\"), got "
+                        f"{_show(described)}")
+
+
+def _check_entry(i: int, entry: Any, data: dict, owner: dict, where: str) -> None:
+    """plan[i]: its fields, and that it agrees with the rest of the file.  ``owner`` maps
+    each (point, layer, batch) already planned to the entry that plans it."""
+    from ..plan import MAX_LAYER
+    from .discover import _layer_of
+
+    if not isinstance(entry, dict):
+        raise _fail(where, f"plan[{i}] must be an object, got {_show(entry)}")
+    missing = [k for k in ("point", "layer", "batches", "weights", "site") if k not in entry]
+    unknown = sorted(set(entry) - set(_ENTRY_KEYS))
+    if missing or unknown:
+        raise _fail(where, f"plan[{i}]: missing fields {missing}, unknown fields {unknown}")
+    point, layer, batches = entry["point"], entry["layer"], entry["batches"]
+    if not isinstance(point, str) or not point:
+        raise _fail(where, f"plan[{i}].point must be a non-empty str, got {_show(point)}")
+    if not _int_in(layer, 0, MAX_LAYER):
+        raise _fail(where, f"plan[{i}].layer must be an int in 0..{MAX_LAYER}, got "
+                    f"{_show(layer)}")
+    names = entry["weights"]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise _fail(where, f"plan[{i}].weights must be a non-empty list of weight paths, "
+                    f"got {_show(names)}")
+    repeated = sorted(n for n, count in collections.Counter(names).items() if count > 1)
+    if repeated:
+        raise _fail(where, f"plan[{i}].weights lists {_show(repeated)} more than once (a prefetch "
+                    "loads each weight once)")
+    absent = [n for n in names if n not in data["model"]["weights"]]
+    if absent:
+        raise _fail(where, f"plan[{i}].weights {_show(absent)} are not in the model fingerprint "
+                    "('model.weights')")
+    site = entry["site"]
+    if not isinstance(site, str):
+        raise _fail(where, f"plan[{i}].site must be a module path, got {_show(site)}")
+    site_layer = _layer_of(site)[0]
+    if site_layer is not None and site_layer != layer:
+        raise _fail(where, f"plan[{i}].site {_show(site)} is in layer {site_layer}, but the "
+                    f"entry is for layer {layer}")
+    if not isinstance(batches, list) or not batches:
+        raise _fail(where, f"plan[{i}].batches must be a non-empty list of the profile's "
+                    f"batches, got {_show(batches)}")
+    tuned = set(data["batches"])
+    for batch in batches:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch not in tuned:
+            raise _fail(where, f"plan[{i}].batches holds {_show(batch)}, which is not one of "
+                        f"the profile's batches {_show(data['batches'])}")
+        key = (point, layer, batch)
+        if key in owner:
+            raise _fail(where, f"plan[{owner[key]}] and plan[{i}] both prefetch at point "
+                        f"{_show(point)}, layer {layer}, batch {batch} (one entry per point, "
+                        "layer and batch)")
+        owner[key] = i
+
+
 def parse_profile(text: str, where: str = "<text>") -> dict:
-    """Check a profile's structure (not its fit to a model or device) and return its data."""
+    """Check a profile's structure and that it agrees with itself (not its fit to a model
+    or device) and return its data.  Every error is a ValueError naming the file
+    (``where``) and the field."""
+    from ..plan import MAX_BATCH
+
     try:
-        data = json.loads(text)
+        data = loads_json(text, f"profile {where}")
     except (json.JSONDecodeError, RecursionError) as exc:
         raise _fail(where, f"is not valid JSON ({exc}); it may be truncated") from None
+    except ValueError as exc:  # a key twice, a number too long: named by loads_json
+        raise ValueError(f"{exc}; write it again with `python -m l2prefetch tune`") from None
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-        raise _fail(where, f"is not an l2prefetch profile (no \"format\": \"{PROFILE_FORMAT}\")")
+        raise _fail(where, f"is not an l2prefetch profile (no \"format\": "
+                    f"\"{PROFILE_FORMAT}\")")
     version = data.get("version")
     if version != PROFILE_VERSION or isinstance(version, bool):
-        raise _fail(where, f"has version {version!r}; this l2prefetch reads version "
+        raise _fail(where, f"has version {_show(version)}; this l2prefetch reads version "
                     f"{PROFILE_VERSION}")
     device = _require(data, "device", dict, where)
     for key in DEVICE_KEYS:
-        _require(device, key, str if key == "name" else int, where)
+        value = _require(device, key, str if key == "name" else int, where, "device.")
+        if key != "name" and not _int_in(value, 0, 2**63 - 1):
+            raise _fail(where, f"'device.{key}' must be an int >= 0, got {_show(value)}")
+    if "driver_version" in device:
+        _require(device, "driver_version", (int, type(None)), where, "device.")
     model = _require(data, "model", dict, where)
-    _require(model, "layers", int, where)
-    weights = _require(model, "weights", dict, where)
+    layers = _require(model, "layers", int, where, "model.")
+    if not _int_in(layers, 0, 2**63 - 1):
+        raise _fail(where, f"'model.layers' must be an int >= 0, got {_show(layers)}")
+    _check_fingerprint(_require(model, "weights", dict, where, "model."), where)
+    if "versions" in data:
+        found = _require(data, "versions", dict, where)
+        for key, value in found.items():
+            if value is not None and not isinstance(value, str):
+                raise _fail(where, f"'versions'[{key!r}] must be a version string or null, "
+                            f"got {_show(value)}")
     batches = _require(data, "batches", list, where)
-    if not batches or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
-                              for b in batches):
-        raise _fail(where, f"'batches' must be a non-empty list of ints >= 1, got {batches!r}")
-    plan = _require(data, "plan", list, where)
-    for i, entry in enumerate(plan):
-        if not isinstance(entry, dict):
-            raise _fail(where, f"plan[{i}] must be an object, got {entry!r}")
-        missing = [k for k in ("point", "layer", "batches", "weights", "site") if k not in entry]
-        unknown = sorted(set(entry) - set(_ENTRY_KEYS))
-        if missing or unknown:
-            raise _fail(where, f"plan[{i}]: missing fields {missing}, unknown fields {unknown}")
-        names = entry["weights"]
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise _fail(where, f"plan[{i}]: 'weights' must be a list of module paths")
-        absent = [n for n in names if n not in weights]
-        if absent:
-            raise _fail(where, f"plan[{i}]: weights {absent} are not in the model fingerprint")
-        if not isinstance(entry["site"], str):
-            raise _fail(where, f"plan[{i}]: 'site' must be a module path, got {entry['site']!r}")
+    if not batches or not all(_int_in(b, 1, MAX_BATCH) for b in batches):
+        raise _fail(where, f"'batches' must be a non-empty list of ints in 1..{MAX_BATCH}, got "
+                    f"{_show(batches)}")
+    if len(set(batches)) != len(batches):
+        raise _fail(where, f"'batches' names a batch more than once: {_show(batches)}")
+    owner: dict = {}
+    for i, entry in enumerate(_require(data, "plan", list, where)):
+        _check_entry(i, entry, data, owner, where)
     return data
 
 
@@ -231,17 +372,19 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     """Read a profile and resolve its plan in ``model``.
 
     Raises ValueError for a file that is not a well-formed profile (corrupt,
-    truncated, another version), :class:`ProfileMismatchError` (a ValueError)
-    when it was tuned on another device (unless ``check_device=False``, for
-    inspecting a profile without its GPU) or another model, naming what
-    differs; OSError from reading the file.
+    truncated, another version, a field that contradicts another) or not a
+    regular file, naming the file and the field; :class:`ProfileMismatchError`
+    (a ValueError) when it was tuned on another device (unless
+    ``check_device=False``, for inspecting a profile without its GPU) or
+    another model, naming what differs; a bad ``device`` as the controller
+    does, and :class:`l2prefetch.CudaUnavailableError` without a GPU to check
+    (see :func:`device_fingerprint`); OSError from reading the file.  The
+    profile is bound to ``model`` (:meth:`Profile.check_model`).
     """
     from ..plan import PlanEntry, _named_tensors
 
     where = os.fspath(source)
-    with open(where, encoding="utf-8") as f:
-        text = f.read()
-    data = parse_profile(text, where)
+    data = parse_profile(read_text(where, "profile"), where)
     if check_device:
         _check_device(data, device)
     _check_model(data, model)
@@ -264,10 +407,10 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
         if (raw["site"], raw["layer"]) not in point_sites:  # one hook per site and layer
             point_sites.append((raw["site"], raw["layer"]))
     mine = versions()
-    for key, value in data.get("versions", {}).items():
+    for key, value in data.get("versions", {}).items():  # checked: str -> str or null
         if key in mine and mine[key] != value:
             logger.warning("profile written with %s %s, this is %s %s", key, value, key,
                            mine[key])
     logger.info("profile %s: %d entries over %d points for batches %s", where, len(plan),
                 len(sites), data["batches"])
-    return Profile(data=data, plan=plan, sites=sites, path=where)
+    return Profile(data=data, plan=plan, sites=sites, path=where, model=weakref.ref(model))
