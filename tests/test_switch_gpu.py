@@ -1,0 +1,67 @@
+"""Loader nodes switched in place (csrc/graph.c, tuning.rig.LoaderSwitch) and the leaf fork.
+
+Functional checks on a small captured graph: the switch finds exactly the
+loader nodes, each state ('on', 'empty', 'off', another table) replays with
+bitwise the same output, and a leaf fork leaves the step's output unchanged.
+Timing equivalence (a switched 'empty' against a captured empty fork) is a
+benchmark, not a test: benchmarks/RESULTS.md, run 12.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from l2prefetch import PrefetchController, PreparedWeightRanges, _C  # noqa: E402
+from l2prefetch.tuning.rig import LoaderSwitch, Rig  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def setup():
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    w1 = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)
+    w2 = torch.randn(4096, 1024, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
+    return dev, w1, w2, x
+
+
+@pytest.mark.parametrize("mode", ["leaf", "branch", "inline"])
+def test_switched_states_replay_bitwise(setup, mode):
+    dev, w1, w2, x = setup
+    rig = Rig(dev)
+    loads = PreparedWeightRanges([w2], grid=32, device=0)
+    half = PreparedWeightRanges([w2], byte_cap=4 << 20, grid=16, device=0)
+    c = PrefetchController(0, graph_fork=mode)
+    c.add("p", 0, [1], loads)
+    c.add("p", 1, [1], loads)
+
+    def step():
+        h = x @ w1.t()
+        c.fork("p", 0, 1)
+        h = torch.relu(h) @ w1.t()
+        c.fork("p", 1, 1)
+        y = h @ w2.t()
+        c.join()
+        return y
+
+    ref = step().clone()
+    graph, out = rig.capture(step, keep_graph=True)
+    sw = LoaderSwitch(graph)
+    assert len(sw.nodes) == 2 and sw.captured == (loads.ranges, loads.ranges)
+    for state in ("empty", "off", {loads.ranges: half}, "on", "off", "on"):
+        sw.set(state)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="no table given"):
+        sw.set({half.ranges: loads})
+    with pytest.raises(ValueError, match="'on', 'empty', 'off'"):
+        _C._graph_set_loaders(graph.raw_cuda_graph_exec(), sw.nodes, "fast")
+
+
+def test_a_graph_without_forks_has_no_loader_nodes(setup):
+    dev, w1, _, x = setup
+    graph, _ = Rig(dev).capture(lambda: x @ w1.t(), keep_graph=True)
+    assert LoaderSwitch(graph).nodes == ()
