@@ -428,10 +428,12 @@ def test_a_leaf_loader_starts_at_its_fork_and_overlaps_the_next_kernels(tmp_path
         assert fork.before is not None and tr.GEMM_NAME.search(fork.before.name), fork.before
         assert fork.consumer_path == f"model.layers.{fork.key[1]}.mlp.gate_proj"
         assert 0 <= fork.start_after_fork_us < 5, fork.summary()
-        assert fork.loader.stream != fork.before.stream, fork.summary()
         before = next(r.index for r in fork.rows if r.kernel is fork.before)
         after = next(r.kernel for r in fork.rows if r.index == before + 1)
         assert after in fork.window, fork.summary()     # the kernel right after the fork
+        # the executor keeps the loader on the fork's stream and moves what follows
+        # to another one (RESULTS.md, run 12): the window runs beside the loader
+        assert all(k.stream != fork.loader.stream for k in fork.window), fork.summary()
         assert fork.overlap > 0.5, fork.summary()
     assert len(result.graph) == 2 and all("a sink of the graph" in g for g in result.graph)
     # the command line writes the same kind of timeline
