@@ -435,7 +435,10 @@ def test_a_leaf_loader_starts_at_its_fork_and_overlaps_the_next_kernels(tmp_path
         # to another one (RESULTS.md, run 12): the window runs beside the loader
         assert all(k.stream != fork.loader.stream for k in fork.window), fork.summary()
         assert fork.overlap > 0.5, fork.summary()
-    assert len(result.graph) == 2 and all("a sink of the graph" in g for g in result.graph)
+    # the leaves of one capture form one side chain: the second depends on the first
+    # loader, and nothing depends on the last (H200 run: RESULTS.md, run 12)
+    assert len(result.graph) == 2 and "a sink of the graph" in result.graph[-1]
+    assert result.graph[-1].split(";")[0].count("(l2p_prefetch_") == 2
     # the command line writes the same kind of timeline
     out = tmp_path / "trace.md"
     argv = ["trace", "llama", *[x for k, v in GPU_TINY.items() for x in ("--set", f"{k}={v}")],
