@@ -184,8 +184,10 @@ static void warn_cache(l2p_state *st, int kind, const char *format, ...)
     va_start(ap, format);
     vsnprintf(text, sizeof text, format, ap);
     va_end(ap);
+    /* paths are bytes in any encoding: what is not UTF-8 is shown as \xNN */
     PyObject *msg = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "backslashreplace");
-    if (!msg || PyErr_WarnEx(PyExc_RuntimeWarning, PyUnicode_AsUTF8(msg), 1) < 0)
+    const char *m = msg ? PyUnicode_AsUTF8(msg) : NULL;
+    if (!m || PyErr_WarnEx(PyExc_RuntimeWarning, m, 1) < 0)
         PyErr_Clear();
     Py_XDECREF(msg);
 }
