@@ -6,13 +6,24 @@
  * most once per process (l2p_state.cubins) and stored under
  * $L2PREFETCH_CACHE_DIR, else $XDG_CACHE_HOME/l2prefetch, else
  * ~/.cache/l2prefetch, unless L2PREFETCH_NO_DISK_CACHE=1.  The file name is
- * readable (variant, arch, NVRTC version) and ends in a key that hashes
- * everything that changes the binary: the embedded kernel source, the NVRTC
- * version, the target, every option, and the cache format.  A file carries the
- * SHA-256 of its payload and is verified on load; a bad one is recompiled and
- * replaced.  Writes go to a temporary file renamed into place, so concurrent
- * processes never see half a file.  An unwritable cache warns once and the
- * compile goes on.
+ * readable (variant, arch, NVRTC version) and ends in the hash of a key that
+ * holds everything that changes the binary: the variant, the target, the
+ * NVRTC version, the embedded kernel source's hash, every option, and the
+ * cache format.  A file holds that key and the SHA-256 of key and payload; a
+ * file that is damaged, or whose key is not the one its name stands for (a
+ * file renamed onto another's name), is a miss: recompiled and replaced, with
+ * a warning.  Writes go to a new temporary file renamed into place, so
+ * concurrent processes never see half a file.  Trouble with the cache warns
+ * once per kind (folder, file, write) and the compile goes on.
+ *
+ * NOTE [kernel cache trust] (csrc/DESIGN.md, "The kernel cache"): the payload
+ * runs on the GPU, and a SHA-256 anyone can compute proves nothing about who
+ * wrote it, so the cache trusts the owner of its folder (and root) and no one
+ * else: a folder that another user owns, or that has a group or other write
+ * bit (sticky or not), is not used (cache_open); a file is read only through
+ * the checked folder's descriptor, without following a link or blocking, when
+ * it is a regular file passing the same check (cache_read); a new file is
+ * created O_EXCL | O_NOFOLLOW, mode 0600, and renamed into place (cache_write).
  *
  * The compile releases the GIL, so two threads can compile the same (arch,
  * variant) at once: it holds a reference to its NVRTC and copies of its
@@ -28,6 +39,9 @@
 #include "l2p.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,8 +51,11 @@
 
 #include "kernel_source.h"
 
-#define CACHE_MAGIC "L2PCACHE1\n"
+#define CACHE_MAGIC "L2PCACHE2\n"   /* 2: the key inside the hashed content */
 #define CACHE_MAGIC_LEN 10
+#define CACHE_HEAD (CACHE_MAGIC_LEN + 65)   /* the magic, the SHA-256 in hex, '\n' */
+#define CACHE_MAX_BYTES (16 << 20)          /* images are tens of KiB */
+#define CACHE_MAX_TEXT "16 MiB"
 
 const unsigned int l2p_capacities[L2P_NUM_CAPACITIES] = {8, 32, 128};
 
@@ -141,29 +158,50 @@ static PyObject *sha256_hex(const void *data, Py_ssize_t len)
     return hex;
 }
 
-/* ---- the disk cache ---- */
+/* ---- the disk cache (NOTE [kernel cache trust]) ---- */
 
-static int cache_dir(char *out, size_t len)
+/* st->cache_warned: each kind of trouble is warned about once per process. */
+enum { WARN_FOLDER = 1, WARN_FILE = 2, WARN_WRITE = 4 };
+
+/* The folder of the disk cache for one lookup: opened once, checked on the
+ * descriptor, every file reached relative to it (openat), so what was checked
+ * is what is read and written even if its path is renamed meanwhile. */
+typedef struct {
+    int fd;                  /* -1: no disk cache for this lookup */
+    const char *var;         /* the variable its path came from, for messages */
+    char path[PATH_MAX];
+} cache_folder;
+
+/* A warning of kind once per process, never a failure: the compile result is
+ * good without the cache (a warning filter that raises is ignored here). */
+static void warn_cache(l2p_state *st, int kind, const char *format, ...)
 {
-    if (l2p_env_flag("L2PREFETCH_NO_DISK_CACHE"))
-        return 0;
-    const char *dir = getenv("L2PREFETCH_CACHE_DIR");
-    if (dir && *dir)
-        return snprintf(out, len, "%s", dir) < (int)len;
-    const char *xdg = getenv("XDG_CACHE_HOME");
-    if (xdg && *xdg)
-        return snprintf(out, len, "%s/l2prefetch", xdg) < (int)len;
-    const char *home = getenv("HOME");
-    if (home && *home)
-        return snprintf(out, len, "%s/.cache/l2prefetch", home) < (int)len;
-    return 0;
+    if (st->cache_warned & kind)
+        return;
+    st->cache_warned |= kind;
+    char text[PATH_MAX + 512];
+    va_list ap;
+    va_start(ap, format);
+    vsnprintf(text, sizeof text, format, ap);
+    va_end(ap);
+    /* paths are bytes in any encoding: what is not UTF-8 is shown as \xNN */
+    PyObject *msg = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "backslashreplace");
+    const char *m = msg ? PyUnicode_AsUTF8(msg) : NULL;
+    if (!m || PyErr_WarnEx(PyExc_RuntimeWarning, m, 1) < 0)
+        PyErr_Clear();
+    Py_XDECREF(msg);
 }
 
+#define SILENCE "(set L2PREFETCH_CACHE_DIR, or L2PREFETCH_NO_DISK_CACHE=1 to silence)"
+
+/* mkdir -p path (mode 0755 less the umask). */
 static int make_dirs(const char *path)
 {
-    char buf[1024];
-    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
+    char buf[PATH_MAX];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) {
+        errno = ENAMETOOLONG;
         return -1;
+    }
     for (char *p = buf + 1; *p; p++) {
         if (*p != '/')
             continue;
@@ -175,89 +213,218 @@ static int make_dirs(const char *path)
     return mkdir(buf, 0755) == 0 || errno == EEXIST ? 0 : -1;
 }
 
-static void warn_cache(l2p_state *st, const char *what, const char *path)
+/* Who may have written what a descriptor holds: NULL when only this user (or
+ * root) can have, else why not.  Mode bits only; ACLs are not read. */
+static const char *untrusted(const struct stat *sb)
 {
-    if (st->cache_warned)
-        return;
-    st->cache_warned = 1;
-    /* A warning, never a failure: the compile result is still good. */
-    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
-                         "l2prefetch: kernel cache %s %s (%s); going on without it "
-                         "(set L2PREFETCH_CACHE_DIR, or L2PREFETCH_NO_DISK_CACHE=1 to silence)",
-                         what, path, strerror(errno)) < 0)
-        PyErr_Clear();
-}
-
-/* Returns new bytes with the verified payload, or NULL (no exception) when the
- * file is missing or bad. */
-static PyObject *cache_read(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    PyObject *result = NULL;
-    char head[CACHE_MAGIC_LEN + 65];
-    long size;
-    if (fread(head, 1, sizeof head, f) != sizeof head ||
-        memcmp(head, CACHE_MAGIC, CACHE_MAGIC_LEN) != 0 || head[sizeof head - 1] != '\n' ||
-        fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < (long)sizeof head ||
-        fseek(f, (long)sizeof head, SEEK_SET) != 0)
-        goto out;
-    size -= (long)sizeof head;
-    PyObject *payload = PyBytes_FromStringAndSize(NULL, size);
-    if (!payload)
-        goto error;
-    if (fread(PyBytes_AS_STRING(payload), 1, (size_t)size, f) != (size_t)size) {
-        Py_DECREF(payload);
-        goto out;
-    }
-    PyObject *hex = sha256_hex(PyBytes_AS_STRING(payload), size);
-    if (!hex) {
-        Py_DECREF(payload);
-        goto error;
-    }
-    const char *h = PyUnicode_AsUTF8(hex);
-    if (h && memcmp(h, head + CACHE_MAGIC_LEN, 64) == 0)
-        result = payload;
-    else
-        Py_DECREF(payload);
-    Py_DECREF(hex);
-out:
-    fclose(f);
-    return result;
-error:
-    PyErr_Clear();
-    fclose(f);
+    if (sb->st_uid != geteuid() && sb->st_uid != 0)
+        return "is owned by another user";
+    if (sb->st_mode & (S_IWGRP | S_IWOTH))
+        return "is writable by its group or by others";
     return NULL;
 }
 
-static void cache_write(l2p_state *st, const char *dir, const char *path, PyObject *payload)
+/* Opens the cache folder (made when missing) into cf->fd, or leaves it -1:
+ * L2PREFETCH_NO_DISK_CACHE, no folder named, or one that cannot be used or is
+ * not trusted (warned once). */
+static void cache_open(l2p_state *st, cache_folder *cf)
 {
-    char tmp[1500];
-    if (make_dirs(dir) != 0) {
-        warn_cache(st, "folder cannot be created:", dir);
+    cf->fd = -1;
+    if (l2p_env_flag("L2PREFETCH_NO_DISK_CACHE"))
+        return;
+    const char *dir, *suffix;
+    if ((dir = getenv("L2PREFETCH_CACHE_DIR")) && *dir) {
+        cf->var = "L2PREFETCH_CACHE_DIR";
+        suffix = "";
+    } else if ((dir = getenv("XDG_CACHE_HOME")) && *dir) {
+        cf->var = "XDG_CACHE_HOME";
+        suffix = "/l2prefetch";
+    } else if ((dir = getenv("HOME")) && *dir) {
+        cf->var = "HOME";
+        suffix = "/.cache/l2prefetch";
+    } else {
         return;
     }
-    PyObject *hex = sha256_hex(PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload));
-    if (!hex) {
+    int len = snprintf(cf->path, sizeof cf->path, "%s%s", dir, suffix);
+    if (len < 0 || (size_t)len >= sizeof cf->path) {
+        warn_cache(st, WARN_FOLDER,
+                   "l2prefetch: the kernel cache folder from %s is %zu bytes long, longer than "
+                   "any path this system opens (PATH_MAX %d); going on without the disk cache " SILENCE,
+                   cf->var, strlen(dir) + strlen(suffix), PATH_MAX);
+        return;
+    }
+    int fd = open(cf->path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT && make_dirs(cf->path) == 0)
+        fd = open(cf->path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    struct stat sb;
+    const char *why = fd < 0 || fstat(fd, &sb) != 0 ? strerror(errno) : untrusted(&sb);
+    if (why) {
+        warn_cache(st, WARN_FOLDER,
+                   "l2prefetch: kernel cache folder %s (from %s) %s%s; going on without the "
+                   "disk cache " SILENCE,
+                   cf->path, cf->var, fd < 0 ? "cannot be used: " : "", why);
+        if (fd >= 0)
+            close(fd);
+        return;
+    }
+    cf->fd = fd;
+}
+
+static void cache_close(cache_folder *cf)
+{
+    if (cf->fd >= 0)
+        close(cf->fd);
+    cf->fd = -1;
+}
+
+/* A cache file: CACHE_MAGIC, the SHA-256 (hex) of everything after its line,
+ * '\n', the key (the text the file name hashes), '\n', the payload.  The file
+ * of key under name in cf: new bytes of its payload, or NULL (no exception)
+ * for a miss.  Anything there but such a file, made by this user or root and
+ * bound to this key, is a miss with a warning: the caller compiles and
+ * replaces it.  Opened without following a link and without blocking (a FIFO
+ * at the name), read only when a regular file of at most CACHE_MAX_BYTES. */
+static PyObject *cache_read(l2p_state *st, const cache_folder *cf, const char *name,
+                            const char *key)
+{
+    int fd = openat(cf->fd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT)
+        return NULL;
+    PyObject *data = NULL, *payload = NULL, *hex = NULL;
+    const char *why = NULL;
+    struct stat sb;
+    if (fd < 0)
+        why = errno == ELOOP ? "is a symbolic link" : strerror(errno);
+    else if (fstat(fd, &sb) != 0)
+        why = strerror(errno);
+    else if (!S_ISREG(sb.st_mode))
+        why = "is not a regular file";
+    else if (!(why = untrusted(&sb)) && sb.st_size > CACHE_MAX_BYTES)
+        why = "is larger than any kernel image (" CACHE_MAX_TEXT ")";
+    if (why)
+        goto bad;
+    Py_ssize_t size = (Py_ssize_t)sb.st_size, got = 0;
+    if (!(data = PyBytes_FromStringAndSize(NULL, size)))
+        goto error;
+    char *p = PyBytes_AS_STRING(data);
+    while (got < size) {
+        ssize_t r = read(fd, p + got, (size_t)(size - got));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        got += r;
+    }
+    size_t keylen = strlen(key);
+    const char *body = p + CACHE_HEAD;
+    if (got != size || size < CACHE_HEAD || memcmp(p, CACHE_MAGIC, CACHE_MAGIC_LEN) != 0 ||
+        p[CACHE_HEAD - 1] != '\n') {
+        why = "is not a kernel cache file of this version (or was cut short)";
+        goto bad;
+    }
+    if (!(hex = sha256_hex(body, size - CACHE_HEAD)))
+        goto error;
+    const char *h = PyUnicode_AsUTF8(hex);
+    if (!h)
+        goto error;
+    if (memcmp(h, p + CACHE_MAGIC_LEN, 64) != 0) {
+        why = "is damaged (its SHA-256 does not match)";
+        goto bad;
+    }
+    if ((size_t)(size - CACHE_HEAD) <= keylen || memcmp(body, key, keylen) != 0 ||
+        body[keylen] != '\n') {
+        why = "was made for another kernel (its key is not this file name's)";
+        goto bad;
+    }
+    payload = PyBytes_FromStringAndSize(body + keylen + 1, size - CACHE_HEAD - (Py_ssize_t)keylen - 1);
+    if (!payload)
+        goto error;
+    goto out;
+bad:
+    warn_cache(st, WARN_FILE,
+               "l2prefetch: kernel cache file %s/%s %s; compiling the kernel and replacing it",
+               cf->path, name, why);
+    goto out;
+error:
+    PyErr_Clear();   /* out of memory while reading: compile as if missing */
+out:
+    Py_XDECREF(hex);
+    Py_XDECREF(data);
+    if (fd >= 0)
+        close(fd);
+    return payload;
+}
+
+static int write_all(int fd, const char *p, size_t n)
+{
+    while (n) {
+        ssize_t r = write(fd, p, n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return -1;
+        p += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+/* Writes payload as the file of key under name in cf: a new temporary file
+ * (O_EXCL | O_NOFOLLOW, mode 0600: never an existing file or a planted link)
+ * in the same folder, renamed over name, so readers see the old file or the
+ * whole new one. */
+static void cache_write(l2p_state *st, const cache_folder *cf, const char *name, const char *key,
+                        PyObject *payload)
+{
+    static unsigned serial;   /* under the GIL: this process's temporary names */
+    size_t keylen = strlen(key);
+    Py_ssize_t n = PyBytes_GET_SIZE(payload);
+    PyObject *body = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)keylen + 1 + n);
+    if (!body) {
         PyErr_Clear();
         return;
     }
-    snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid());
-    FILE *f = fopen(tmp, "wb");
-    int ok = f != NULL;
-    if (ok) {
-        ok = fwrite(CACHE_MAGIC, 1, CACHE_MAGIC_LEN, f) == CACHE_MAGIC_LEN &&
-             fwrite(PyUnicode_AsUTF8(hex), 1, 64, f) == 64 && fputc('\n', f) != EOF &&
-             fwrite(PyBytes_AS_STRING(payload), 1, (size_t)PyBytes_GET_SIZE(payload), f) ==
-                 (size_t)PyBytes_GET_SIZE(payload);
-        ok = (fclose(f) == 0) && ok;
+    char *b = PyBytes_AS_STRING(body);
+    memcpy(b, key, keylen);
+    b[keylen] = '\n';
+    memcpy(b + keylen + 1, PyBytes_AS_STRING(payload), (size_t)n);
+    PyObject *hex = sha256_hex(b, PyBytes_GET_SIZE(body));
+    const char *h = hex ? PyUnicode_AsUTF8(hex) : NULL;
+    if (!h) {
+        PyErr_Clear();
+        Py_XDECREF(hex);
+        Py_DECREF(body);
+        return;
+    }
+    char head[CACHE_HEAD + 1], tmp[NAME_MAX + 1];
+    snprintf(head, sizeof head, "%s%.64s\n", CACHE_MAGIC, h);
+    int fd = -1;
+    for (int tries = 0; fd < 0 && tries < 16; tries++) {
+        snprintf(tmp, sizeof tmp, "%.200s.%ld.%u.tmp", name, (long)getpid(), serial++);
+        fd = openat(cf->fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd < 0 && errno != EEXIST)
+            break;
+    }
+    int ok = fd >= 0 && write_all(fd, head, CACHE_HEAD) == 0 &&
+             write_all(fd, b, (size_t)PyBytes_GET_SIZE(body)) == 0;
+    int err = errno;
+    if (fd >= 0 && close(fd) != 0 && ok) {
+        ok = 0;
+        err = errno;
+    }
+    if (ok && renameat(cf->fd, tmp, cf->fd, name) != 0) {
+        ok = 0;
+        err = errno;
+    }
+    if (!ok) {
+        if (fd >= 0)
+            (void)unlinkat(cf->fd, tmp, 0);
+        warn_cache(st, WARN_WRITE,
+                   "l2prefetch: kernel cache file %s/%s cannot be written (%s); going on without "
+                   "it " SILENCE, cf->path, fd >= 0 ? name : tmp, strerror(err));
     }
     Py_DECREF(hex);
-    if (!ok || rename(tmp, path) != 0) {
-        warn_cache(st, "file cannot be written:", tmp);
-        (void)unlink(tmp);
-    }
+    Py_DECREF(body);
 }
 
 /* ---- compiling ---- */
@@ -386,7 +553,10 @@ PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx)
     if (!n)
         return NULL;
     l2p_nvrtc_incref(n);
-    PyObject *key = NULL, *opts = NULL, *image = NULL, *result = NULL;
+    PyObject *key = NULL, *opts = NULL, *image = NULL, *result = NULL, *keytext = NULL;
+    const char *kt = NULL;   /* keytext's text */
+    cache_folder cf;
+    cf.fd = -1;
     int ptx = 0;
     int arch = pick_arch(n, sm, &ptx);
     if (arch == 0)
@@ -406,30 +576,35 @@ PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx)
         goto done;
     if (!(opts = compile_options(v, arch, ptx)))
         goto done;
-    char dir[1024], path[1400];
-    int use_disk = cache_dir(dir, sizeof dir);
+    cache_open(st, &cf);
     double t0 = now_ms();
     const char *how = "disk";
-    if (use_disk) {
+    char name[NAME_MAX + 1];
+    if (cf.fd >= 0) {
+        /* The key: everything that changes the binary.  The file name ends in
+         * its hash and the file holds it (cache_read checks it). */
         PyObject *joined = PyUnicode_FromString(" ");
         PyObject *optstr = joined ? PyUnicode_Join(joined, opts) : NULL;
         Py_XDECREF(joined);
         PyObject *src = optstr ? sha256_hex(L2P_KERNEL_SOURCE, (Py_ssize_t)strlen(L2P_KERNEL_SOURCE)) : NULL;
-        PyObject *keytext = src ? PyUnicode_FromFormat("%U|nvrtc %d.%d|%U|format 1", src, n->major,
-                                                       n->minor, optstr)
-                                : NULL;
+        keytext = src ? PyUnicode_FromFormat("l2prefetch kernel cache 2|variant %s|%s_%d|nvrtc %d.%d|"
+                                             "source %U|options %U",
+                                             v->name, ptx ? "compute" : "sm", arch, n->major,
+                                             n->minor, src, optstr)
+                      : NULL;
         Py_XDECREF(optstr);
         Py_XDECREF(src);
-        const char *kt = keytext ? PyUnicode_AsUTF8(keytext) : NULL;
+        kt = keytext ? PyUnicode_AsUTF8(keytext) : NULL;
         PyObject *hex = kt ? sha256_hex(kt, (Py_ssize_t)strlen(kt)) : NULL;
-        Py_XDECREF(keytext);
-        if (!hex)
+        const char *h = hex ? PyUnicode_AsUTF8(hex) : NULL;
+        if (!h) {
+            Py_XDECREF(hex);
             goto done;
-        snprintf(path, sizeof path, "%s/prefetch-%s-%s_%d-nvrtc%d.%d-%.16s.%s", dir, v->name,
-                 ptx ? "compute" : "sm", arch, n->major, n->minor, PyUnicode_AsUTF8(hex),
-                 ptx ? "ptx" : "cubin");
+        }
+        snprintf(name, sizeof name, "prefetch-%s-%s_%d-nvrtc%d.%d-%.16s.%s", v->name,
+                 ptx ? "compute" : "sm", arch, n->major, n->minor, h, ptx ? "ptx" : "cubin");
         Py_DECREF(hex);
-        image = cache_read(path);
+        image = cache_read(st, &cf, name, kt);
     }
     if (!image) {
         how = "compiled";
@@ -448,10 +623,12 @@ PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx)
     if (PyDict_SetItem(st->cubins, key, image) < 0 ||
         record_info(st, key, v, arch, ptx, n, how, ms) < 0)
         goto done;
-    if (use_disk && how[0] == 'c')
-        cache_write(st, dir, path, image);
+    if (cf.fd >= 0 && how[0] == 'c')
+        cache_write(st, &cf, name, kt, image);
     result = Py_NewRef(image);
 done:
+    cache_close(&cf);
+    Py_XDECREF(keytext);
     Py_XDECREF(image);
     Py_XDECREF(opts);
     Py_XDECREF(key);

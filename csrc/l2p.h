@@ -27,7 +27,8 @@ typedef struct {
     l2p_nvrtc *nvrtc;            /* NULL until the first compile */
     PyObject *cubins;            /* {(arch, variant, nvrtc version): bytes}: compile once */
     PyObject *kernel_info;       /* same keys: {variant, arch, ptx, source, ms, nvrtc_version} */
-    int cache_warned;            /* the disk cache warned once already */
+    int cache_warned;            /* kernels.c's WARN_* bits: the kinds of disk-cache trouble
+                                    warned about already (once per process each) */
 } l2p_state;
 
 /* errors.c: status -> exception, in one place.  All return NULL / -1. */

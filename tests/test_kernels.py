@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import textwrap
@@ -25,7 +26,8 @@ from l2prefetch import _C
 VARIANTS = l2prefetch.kernel_variants()
 SMS = [80, 90, 100]
 ENTRIES = [f"l2p_prefetch_{cap}" for cap in (8, 32, 128)]
-MAGIC = b"L2PCACHE1\n"
+MAGIC = b"L2PCACHE2\n"
+HEAD = len(MAGIC) + 65  # the magic, the SHA-256 in hex, "\n"
 ELF = b"\x7fELF"
 EM_CUDA = 190
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(l2prefetch.__file__)))
@@ -204,19 +206,37 @@ def cache_files(folder):
     return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
 
 
-def parse_cache_file(path):
+def read_cache_file(path):
+    """(key, payload) of a cache file, its format checked: the magic, the SHA-256 (hex) of
+    everything after that line, then the key line and the payload."""
     with open(path, "rb") as f:
         data = f.read()
     assert data.startswith(MAGIC), data[:16]
-    digest, payload = data[len(MAGIC):len(MAGIC) + 64], data[len(MAGIC) + 65:]
-    assert data[len(MAGIC) + 64:len(MAGIC) + 65] == b"\n"
-    assert digest == hashlib.sha256(payload).hexdigest().encode()
-    return payload
+    digest, body = data[len(MAGIC):len(MAGIC) + 64], data[HEAD:]
+    assert data[HEAD - 1:HEAD] == b"\n"
+    assert digest == hashlib.sha256(body).hexdigest().encode()
+    key, newline, payload = body.partition(b"\n")
+    assert newline and payload
+    return key, payload
 
 
-def write_cache_file(path, payload):
+def parse_cache_file(path):
+    return read_cache_file(path)[1]
+
+
+def cache_file_bytes(key, payload):
+    body = key + b"\n" + payload
+    return MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+
+
+def write_cache_file(path, payload, key=None):
+    """A well-formed cache file around payload, for key (default: the key of the file
+    already at path)."""
+    if key is None:
+        key = read_cache_file(path)[0]
     with open(path, "wb") as f:
-        f.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+        f.write(cache_file_bytes(key, payload))
+    os.chmod(path, 0o600)   # as the cache makes them, whatever the umask
 
 
 @pytest.fixture
@@ -288,16 +308,16 @@ def _extra_byte(data):
     return data + b"\0"
 
 
-def _bad_magic(data):
-    return b"L2PCACHE2\n" + data[len(MAGIC):]
+def _bad_magic(data):  # the format before the key was inside
+    return b"L2PCACHE1\n" + data[len(MAGIC):]
 
 
 def _header_only(data):
-    return data[:len(MAGIC) + 65]
+    return data[:HEAD]
 
 
 def _no_newline(data):
-    return data[:len(MAGIC) + 64] + b" " + data[len(MAGIC) + 65:]
+    return data[:HEAD - 1] + b" " + data[HEAD:]
 
 
 CORRUPTIONS = {
@@ -311,7 +331,8 @@ CORRUPTIONS = {
     "no_newline": _no_newline,
     "garbage": lambda d: os.urandom(len(d)),
     "empty": lambda d: b"",
-    "raw_cubin": lambda d: d[len(MAGIC) + 65:],
+    "raw_cubin": lambda d: d[d.index(b"\n", HEAD) + 1:],
+    "key_only": lambda d: d[:d.index(b"\n", HEAD) + 1],
 }
 
 
@@ -461,6 +482,326 @@ def test_unwritable_cache_warns_once(tmp_path, where):
     assert category == "RuntimeWarning"
     assert "cache" in message and str(blocker if where != "read_only" else folder) in message
     assert blocker.read_text() == "a regular file"
+
+
+# ------------------------------------------------ disk cache: what it trusts (issue 21)
+
+SCENARIO_SCRIPT = """
+    import hashlib, json, sys, warnings
+    from l2prefetch import _C
+    cases = json.loads(sys.argv[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        images = [_C._kernel_image(variant, sm)[0] for variant, sm in cases]
+    print(json.dumps({
+        "sha": [hashlib.sha256(i).hexdigest() for i in images],
+        "source": [i["source"] for i in _C.kernel_cache_info()],
+        "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning],
+    }))
+"""
+
+
+def images_in_a_new_process(folder, cases=(("load", 90),), timeout=60):
+    """What a fresh process (no memory cache, no warning given yet) gets for cases with
+    L2PREFETCH_CACHE_DIR=folder: the images' SHA-256, how each was obtained, the
+    RuntimeWarnings.  The timeout catches a read that blocks (a FIFO)."""
+    env = dict(os.environ, L2PREFETCH_CACHE_DIR=str(folder),
+               PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("L2PREFETCH_NO_DISK_CACHE", None)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCENARIO_SCRIPT),
+                           json.dumps(cases)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def sha(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_of(folder, variant, sm):
+    (name,) = [f for f in cache_files(folder) if expected_name(variant, sm).fullmatch(f)]
+    return os.path.join(folder, name)
+
+
+def source_hash():
+    """The SHA-256 of the kernel source as setup.py embeds it (one line per line)."""
+    root = os.path.dirname(PYTHON_DIR)
+    with open(os.path.join(root, "kernels", "prefetch.cu"), encoding="utf-8") as f:
+        text = "".join(line + "\n" for line in f.read().splitlines())
+    return sha(text.encode())
+
+
+@pytest.mark.parametrize("variant, sm", CACHE_CASES)
+def test_the_key_in_the_file_is_the_one_its_name_stands_for(cache, variant, sm):
+    image, _ = _C._kernel_image(variant, sm)
+    path = file_of(cache, variant, sm)
+    key, payload = read_cache_file(path)
+    major, minor = _C.nvrtc_info()["version"]
+    options = " ".join(_C.compile(variant, sm)["options"])
+    assert key.decode() == (f"l2prefetch kernel cache 2|variant {variant}|sm_{sm}|"
+                            f"nvrtc {major}.{minor}|source {source_hash()}|options {options}")
+    assert path.endswith(f"-{sha(key)[:16]}.cubin")
+    assert payload == image
+
+
+def test_a_file_renamed_onto_another_variants_name_is_not_served(cache):
+    """issue 21: the ring cubin under load's name was served as load's ('disk')."""
+    _C._kernel_image("ring", 90)
+    load, _ = _C._kernel_image("load", 90)
+    load_path = file_of(cache, "load", 90)
+    os.replace(file_of(cache, "ring", 90), load_path)
+    out = images_in_a_new_process(cache)
+    assert out["sha"] == [sha(load)] and out["source"] == ["compiled"]
+    assert out["warnings"] == [f"l2prefetch: kernel cache file {load_path} was made for another "
+                               "kernel (its key is not this file name's); compiling the kernel "
+                               "and replacing it"]
+    key, payload = read_cache_file(load_path)
+    assert payload == load and b"|variant load|" in key
+
+
+@pytest.mark.parametrize("planted", ["old_format", "key_of_ring", "no_key"])
+def test_a_planted_file_carrying_its_own_hash_is_not_served(cache, planted):
+    """issue 21: L2PCACHE1 + sha256(payload) + payload was served as verified."""
+    _C._kernel_image("ring", 90)
+    load, _ = _C._kernel_image("load", 90)
+    path = file_of(cache, "load", 90)
+    payload = b"\x7fELF planted " * 64
+    if planted == "old_format":
+        data = b"L2PCACHE1\n" + sha(payload).encode() + b"\n" + payload
+    elif planted == "key_of_ring":
+        data = cache_file_bytes(read_cache_file(file_of(cache, "ring", 90))[0], payload)
+    else:
+        data = MAGIC + sha(payload).encode() + b"\n" + payload
+    with open(path, "wb") as f:
+        f.write(data)
+    out = images_in_a_new_process(cache)
+    assert out["sha"] == [sha(load)] and out["source"] == ["compiled"]
+    assert len(out["warnings"]) == 1 and path in out["warnings"][0]
+    assert parse_cache_file(path) == load
+
+
+def _fifo(path):
+    os.mkfifo(path)
+
+
+def _directory(path):
+    os.mkdir(path)
+
+
+def _link_to_a_good_copy(path):
+    copy = path + ".elsewhere"
+    os.rename(path, copy)
+    os.symlink(copy, path)
+
+
+def _dangling_link(path):
+    os.symlink(path + ".nowhere", path)
+
+
+def _oversized(path):
+    write_cache_file(path, b"\0" * (16 << 20))
+
+
+def _writable_by_others(path):
+    os.chmod(path, 0o666)
+
+
+def _writable_by_the_group(path):
+    os.chmod(path, 0o620)
+
+
+def _owned_by_another_user(path):
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a file away")
+    os.chown(path, 65534, 65534)
+
+
+NOT_OURS = {  # what is put at a cache file's name -> what the warning says
+    "fifo": (_fifo, "is not a regular file"),
+    "directory": (_directory, "is not a regular file"),
+    "link_to_a_good_copy": (_link_to_a_good_copy, "is a symbolic link"),
+    "dangling_link": (_dangling_link, "is a symbolic link"),
+    "oversized": (_oversized, "is larger than any kernel image (16 MiB)"),
+    "writable_by_others": (_writable_by_others, "is writable by its group or by others"),
+    "writable_by_the_group": (_writable_by_the_group, "is writable by its group or by others"),
+    "owned_by_another_user": (_owned_by_another_user, "is owned by another user"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_OURS))
+def test_only_a_regular_file_of_ours_is_read(cache, kind):
+    """issue 21: a FIFO at a cache file's name hung the read; a link was followed.  Each
+    of these is a miss with a warning naming the file, then replaced by a regular file
+    (a directory cannot be replaced: the write warns too)."""
+    image, _ = _C._kernel_image("load", 90)
+    line, _ = _C._kernel_image("line_prefetch", 90)
+    path = file_of(cache, "load", 90)
+    make, why = NOT_OURS[kind]
+    if kind not in ("fifo", "directory", "dangling_link"):
+        write_cache_file(path, b"planted payload")   # a valid file of the key, not ours
+    else:
+        os.unlink(path)
+    make(path)
+    # a second bad file: the warning about files is given once
+    write_cache_file(file_of(cache, "line_prefetch", 90), b"x", key=b"another key")
+    out = images_in_a_new_process(cache, [("load", 90), ("line_prefetch", 90)])
+    assert out["sha"] == [sha(image), sha(line)]
+    assert out["source"] == ["compiled", "compiled"]
+    expected = [f"l2prefetch: kernel cache file {path} {why}; compiling the kernel and "
+                "replacing it"]
+    if kind == "directory":
+        assert out["warnings"][0] == expected[0]
+        assert len(out["warnings"]) == 2 and f"{path} cannot be written" in out["warnings"][1]
+        assert os.path.isdir(path)
+        return
+    assert out["warnings"] == expected
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+    assert stat.S_IMODE(st.st_mode) & 0o077 == 0
+    assert parse_cache_file(path) == image
+    if kind == "link_to_a_good_copy":   # the link's target is left alone
+        assert parse_cache_file(path + ".elsewhere") == b"planted payload"
+
+
+def test_a_symlink_at_the_temporary_name_is_not_followed(cache, tmp_path):
+    """issue 21: the temporary file (then <name>.<pid>.tmp) was opened with fopen("wb"),
+    which wrote through a planted link into its target, and the link was renamed into
+    place."""
+    image, _ = _C._kernel_image("load", 90)
+    path = file_of(cache, "load", 90)
+    os.unlink(path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    os.symlink(victim, f"{path}.{os.getpid()}.tmp")
+    _C.clear_kernel_cache()
+    again, _ = _C._kernel_image("load", 90)
+    assert again == image
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.islink(path) and parse_cache_file(path) == image
+    assert not [f for f in cache_files(cache) if f.endswith(".tmp") and
+                not os.path.islink(os.path.join(cache, f))]
+
+
+def _plant_in(folder):
+    """A valid file of load's key around a payload of our choosing (the hit we must not
+    get from a folder the cache does not trust)."""
+    _C._kernel_image("load", 90)
+    path = file_of(folder, "load", 90)
+    write_cache_file(path, b"planted by someone else")
+    return path
+
+
+@pytest.mark.parametrize("mode, trusted", [
+    pytest.param(mode, trusted, id=oct(mode))
+    for mode, trusted in [(0o700, True), (0o755, True), (0o555, True), (0o777, False),
+                          (0o1777, False), (0o775, False), (0o1770, False), (0o757, False)]])
+def test_a_folder_others_can_write_is_not_used(cache, mode, trusted):
+    image, _ = _C._kernel_image("load", 90)
+    planted = _plant_in(cache)
+    os.chmod(cache, mode)
+    try:
+        out = images_in_a_new_process(cache)
+    finally:
+        os.chmod(cache, 0o755)
+    if trusted:
+        assert out["source"] == ["disk"] and out["sha"] == [sha(b"planted by someone else")]
+        assert out["warnings"] == []
+        return
+    assert out["sha"] == [sha(image)] and out["source"] == ["compiled"]
+    assert out["warnings"] == [
+        f"l2prefetch: kernel cache folder {cache} (from L2PREFETCH_CACHE_DIR) is writable by "
+        "its group or by others; going on without the disk cache (set L2PREFETCH_CACHE_DIR, "
+        "or L2PREFETCH_NO_DISK_CACHE=1 to silence)"]
+    assert cache_files(cache) == [os.path.basename(planted)]   # nothing written there
+    assert parse_cache_file(planted) == b"planted by someone else"
+
+
+def test_a_folder_of_another_user_is_not_used(cache):
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a folder away")
+    image, _ = _C._kernel_image("load", 90)
+    _plant_in(cache)
+    os.chown(cache, 65534, 65534)
+    out = images_in_a_new_process(cache)
+    assert out["sha"] == [sha(image)] and out["source"] == ["compiled"]
+    assert len(out["warnings"]) == 1
+    assert f"folder {cache} (from L2PREFETCH_CACHE_DIR) is owned by another user" in (
+        out["warnings"][0])
+
+
+def test_a_link_to_a_folder_of_ours_is_followed(cache, tmp_path):
+    """The folder's path may go through links (~/.cache on another disk): what is
+    checked is the folder it leads to."""
+    image, _ = _C._kernel_image("load", 90)
+    link = tmp_path / "link-to-kcache"
+    os.symlink(cache, link)
+    out = images_in_a_new_process(link)
+    assert out["source"] == ["disk"] and out["sha"] == [sha(image)] and out["warnings"] == []
+
+
+def long_folder(base, total):
+    """A folder path under base about total characters long (components of 200)."""
+    folder = str(base)
+    while len(folder) < total:
+        folder = os.path.join(folder, "d" * min(200, max(1, total - len(folder) - 1)))
+    return folder
+
+
+def test_a_long_cache_folder_is_used(tmp_path, monkeypatch):
+    """issue 21: a folder of more than 1023 characters turned the disk cache off
+    silently."""
+    folder = long_folder(tmp_path, 1500)
+    monkeypatch.setenv("L2PREFETCH_CACHE_DIR", folder)
+    monkeypatch.delenv("L2PREFETCH_NO_DISK_CACHE", raising=False)
+    _C.clear_kernel_cache()
+    try:
+        image, _ = _C._kernel_image("load", 90)
+    finally:
+        _C.clear_kernel_cache()
+    assert parse_cache_file(file_of(folder, "load", 90)) == image
+
+
+def test_a_cache_folder_longer_than_path_max_is_named(tmp_path):
+    folder = "/" + "x" * 5000
+    out = images_in_a_new_process(folder)
+    assert out["source"] == ["compiled"]
+    assert out["warnings"] == [
+        "l2prefetch: the kernel cache folder from L2PREFETCH_CACHE_DIR is 5001 bytes long, "
+        f"longer than any path this system opens (PATH_MAX {os.pathconf('/', 'PC_PATH_MAX')}); "
+        "going on without the disk cache (set L2PREFETCH_CACHE_DIR, or "
+        "L2PREFETCH_NO_DISK_CACHE=1 to silence)"]
+
+
+PREPARED_FIFO_SCRIPT = """
+    import os, sys, warnings
+    sys.path.insert(0, sys.argv[1])
+    from conftest import FakeArray, device_ptr
+    import l2prefetch
+    from l2prefetch import _C
+    _C._use_driver(sys.argv[2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = l2prefetch.PreparedWeightRanges([FakeArray(device_ptr(0), (64,))], kernel="load")
+    print(t.nbytes, [str(w.message) for w in caught])
+"""
+
+
+def test_prepared_table_with_a_fifo_in_the_cache(cache, fakecuda_path):
+    """issue 21: PreparedWeightRanges (and from_plan, from_profile, which make them) hung
+    on a FIFO at the kernel's cache file."""
+    _C._kernel_image("load", 90)             # the stand-in's GPU is sm_90
+    path = file_of(cache, "load", 90)
+    os.unlink(path)
+    os.mkfifo(path)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(PREPARED_FIFO_SCRIPT),
+                           os.path.dirname(os.path.abspath(__file__)), fakecuda_path],
+                          env=dict(os.environ, L2PREFETCH_CACHE_DIR=cache,
+                                   PYTHONPATH=PYTHON_DIR), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("128 ") and f"{path} is not a regular file" in proc.stdout
+    assert stat.S_ISREG(os.lstat(path).st_mode)
 
 
 CONCURRENT_SCRIPT = """
