@@ -474,7 +474,7 @@ class TraceResult:
             hi = max(r.kernel.end for r in fork.rows)
             shown = [k for k in self.kernels if k.end >= lo and k.start <= hi] or \
                 [r.kernel for r in fork.rows]
-            streams = sorted({str(k.stream) for k in shown})
+            streams = list(dict.fromkeys(str(k.stream) for k in shown))  # first seen on top
             window, consumer = {id(k) for k in fork.window}, {id(k) for k in fork.consumer}
             for k in shown:
                 color = ("tab:red" if k is fork.loader else "tab:orange" if k.loader else
@@ -485,6 +485,7 @@ class TraceResult:
             if fork.fork_us is not None:
                 ax.axvline(fork.fork_us, color="k", linestyle="--", linewidth=0.8)
             ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+            ax.invert_yaxis()
             ax.set_title(f"fork {fork.number}: {fork.label.replace('`', '')}"
                          f"{' (' + fork.mode + ')' if fork.mode else ''}: overlap "
                          f"{100 * fork.overlap:.0f}% (red: its loader, green: window, blue: "
