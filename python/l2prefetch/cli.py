@@ -6,8 +6,9 @@
   why (the whole reason: where it looked for the driver and what it found),
   then compiles the kernel for sm_90 with NVRTC and sizes the byte ranges of a
   synthetic weight set.
-* ``plan``: the Kimi K3 prefetch plan of a synthetic Kimi-sized model, which
-  lives on torch's ``meta`` device (shapes only: no memory, no GPU).
+* ``plan``: Kimi K3 only, the :mod:`~l2prefetch.kimi_k3` policy's plan of a
+  synthetic Kimi-sized model, which lives on torch's ``meta`` device (shapes
+  only: no memory, no GPU); ``tune`` finds the plan of another model.
 * ``tune``: from :mod:`l2prefetch.tuning.cli`, where that module exists.
 * ``trace``: from :mod:`l2prefetch.tuning.trace_cli`: where the loads ran in the graph.
 
@@ -571,11 +572,13 @@ def _mib_cap(text: str) -> int:
 
 def _add_plan(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "plan", help="print the Kimi K3 prefetch plan of a synthetic Kimi-sized model",
-        description="Print the Kimi K3 prefetch plan of a synthetic Kimi-sized model: which "
-                    "weights are prefetched at which point of which layer, their MiB, and "
-                    "their share of L2.  The model has shapes only (torch's meta device: no "
-                    "memory, no GPU).  Needs torch.")
+        "plan", help="Kimi K3 only: the kimi_k3 policy's plan of a synthetic Kimi-sized "
+                     "model (for your model: tune)",
+        description="Kimi K3 only: print the kimi_k3 policy's prefetch plan of a synthetic "
+                    "Kimi-sized model: which weights are prefetched at which point of which "
+                    "layer, their MiB, and their share of L2.  It reads no model of yours; "
+                    "'tune' finds the plan of yours.  The model has shapes only (torch's meta "
+                    "device: no memory, no GPU).  Needs torch.")
     parser.add_argument("--tp", type=int, default=8, choices=(1, 2, 4, 8),
                         help="tensor-parallel size: the model is one shard of this many "
                              "(default 8)")
