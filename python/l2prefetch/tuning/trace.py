@@ -1,4 +1,4 @@
-"""Where the prefetch loads ran inside a captured CUDA graph, per fork (``python -m l2prefetch trace``).
+"""Where the prefetch loads ran in a captured CUDA graph, per fork (``l2prefetch trace``).
 
 A loader is a kernel node of the captured decode step; whether its loads pay
 depends on what the GPU runs meanwhile (issue 24: an inline loader held the
@@ -723,8 +723,9 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
                 torch.cuda.synchronize()
             except Exception as exc:
                 raise StepError(f"step({batch}) failed: {type(exc).__name__}: {exc}") from exc
-            loads, control = forks.build(False), forks.build(True)
-            controllers += [loads, control]
+            controllers.append(forks.build(False))
+            controllers.append(forks.build(True))
+            loads, control = controllers
             markers = _Markers(torch, control, PreparedWeightRanges([], grid=1,
                                                                     device=device.index), marks)
             try:
