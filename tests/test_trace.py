@@ -88,6 +88,10 @@ def test_an_inline_loader_on_the_same_stream_holds_the_next_kernel():
     assert "window (kernels on other streams meanwhile): none" in fork.summary()
     add = next(row for row in fork.rows if row.kernel.name == "add")
     assert add.kernel.dur == pytest.approx(19.7, abs=1e-3) and add.control.dur == 2
+    assert add.role == "meanwhile, its stream"
+    text = tr.TraceResult("t", 1, forks).markdown()
+    assert "Meanwhile on the loader's stream: `add` ran 11.0-30.7 us (19.7 us; 2.0 us with " \
+        "empty tables): the loader held it." in text
     assert fork.consumer_us == fork.consumer_control_us == 12
 
 
@@ -233,38 +237,33 @@ def test_the_plot_without_matplotlib(monkeypatch):
         tr.TraceResult("t", 1, []).plot("x.png")
 
 
-DOT = """digraph dot {
-subgraph cluster_1 {
-label="graph_1" graph[style="dashed"];
-"graph_1_node_0"[style="solid" shape="rectangle" label="0
-KERNEL
-gemv_o_proj_kernel
-"];
+def dot_node(n, name):
+    """A kernel node as cuGraphDebugDotPrint writes it (verbose, CUDA 13)."""
+    return (f'"graph_1_node_{n}"[style="bold" shape="record" label="{{KERNEL\n'
+            f'| {{ID | {n} (topoId: {9 - n}) | {name}\\<\\<\\<32,32,131072\\>\\>\\>}}\n'
+            '| {{node handle | func handle} | {0x000000003AB630E8 | 0x000000003B0780B0}}\n'
+            '| {cooperative | 0}\n| {priority | 0}\n}"];\n\n')
 
-"graph_1_node_1"[style="solid" shape="rectangle" label="1
-KERNEL
-l2p_prefetch_32
-"];
 
-"graph_1_node_2"[style="solid" shape="rectangle" label="2
-KERNEL
-add_kernel
-"];
-
-"graph_1_node_0" -> "graph_1_node_1";
-"graph_1_node_0" -> "graph_1_node_2";
-}
-}
-"""
+def dot(*edges):
+    names = ["nvjet_sm90_tst_8x64_64x16_2x1_v_bz_TNN", "l2p_prefetch_8",
+             "_ZN2at6native29vectorized_elementwise_kernelILi8ENS0_15CUDAFunctor_addIN3c108"
+             "BFloat16EEESt5arrayIPcLm3EEEEviT0_T1_"]
+    return ('digraph dot {\nsubgraph cluster_1 {\nlabel="graph_1" graph[style="dashed"];\n'
+            + "".join(dot_node(n, name) for n, name in enumerate(names))
+            + "".join(f'"graph_1_node_{a}" -> "graph_1_node_{b}" [headlabel={h}];\n'
+                      for a, b, h in edges) + "}\n}\n")
 
 
 def test_the_loader_nodes_neighbours_in_the_graph():
-    lines = tr.dot_neighbours(DOT)
-    assert lines == ["node graph_1_node_1 (l2p_prefetch_32) depends on graph_1_node_0 "
-                     "(gemv_o_proj_kernel); nothing (a sink of the graph) depends on it."]
-    inline = DOT.replace('"graph_1_node_0" -> "graph_1_node_2"', '"graph_1_node_1" -> '
-                         '"graph_1_node_2"')
-    assert tr.dot_neighbours(inline)[0].endswith("graph_1_node_2 (add_kernel) depends on it.")
+    leaf = tr.dot_neighbours(dot((0, 1, 0), (0, 2, 0)))
+    assert leaf == ["node graph_1_node_1 (l2p_prefetch_8) depends on graph_1_node_0 "
+                    "(nvjet_sm90_tst_8x64_64x16_2x1_v_bz_TNN); nothing (a sink of the graph) "
+                    "depends on it."]
+    inline = tr.dot_neighbours(dot((0, 1, 0), (0, 2, 0), (1, 2, 1)))
+    assert inline[0].endswith("; graph_1_node_2 (at::native::vectorized_elementwise_kernel) "
+                              "depends on it.")
+    assert tr.dot_neighbours("digraph dot {\n}\n") == []
 
 
 # -- the command line (CPU) ------------------------------------------------------------------

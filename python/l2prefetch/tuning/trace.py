@@ -1,4 +1,4 @@
-"""Where the prefetch loads ran inside a captured CUDA graph, per fork (``python -m l2prefetch trace``).
+"""Where the prefetch loads ran in a captured CUDA graph, per fork (``l2prefetch trace``).
 
 A loader is a kernel node of the captured decode step; whether its loads pay
 depends on what the GPU runs meanwhile (issue 24: an inline loader held the
@@ -39,6 +39,7 @@ import os
 import re
 import statistics
 import tempfile
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
@@ -355,16 +356,20 @@ def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
         path = (consumers or {}).get(key) if key is not None else None
         c0, c1, found_by = _consumer(step, after, layout, path)
         # The window: the step's kernels on other streams that ran while the loader ran.
-        in_window = [j for j, k in enumerate(step) if k.stream != loader.stream
-                     and k.start < loader.end and k.end > loader.start]
-        window = [step[j] for j in in_window]
-        in_window_set = set(in_window)
+        in_window = {j for j, k in enumerate(step) if k.stream != loader.stream
+                     and k.start < loader.end and k.end > loader.start}
+        window = [step[j] for j in sorted(in_window)]
+        # On the loader's own stream a kernel can run meanwhile only when the loader
+        # holds it (an inline loader and the node after it).
+        beside = {j for j, k in enumerate(step) if k.stream == loader.stream
+                  and k.start < loader.end and k.end > loader.start}
         overlap = _covered(loader, window) / loader.dur if loader.dur > 0 else 0.0
         last = max([c1, *(j + 1 for j in in_window)])
         first = max(0, after - BEFORE)
         rows = []
         for j in range(first, last):
-            role = ", ".join(r for r, on in (("window", j in in_window_set),
+            role = ", ".join(r for r, on in (("window", j in in_window),
+                                             ("meanwhile, its stream", j in beside),
                                              ("consumer", c0 <= j < c1)) if on)
             rows.append(Row(j, step[j], base[j] if base is not None else None, role))
         lo = step[first].start if first < len(step) else loader.start
@@ -406,7 +411,6 @@ class TraceResult:
     control_step_us: Optional[float] = None
     notes: list[str] = dataclasses.field(default_factory=list)
     graph: list[str] = dataclasses.field(default_factory=list)
-    streams: list[Any] = dataclasses.field(default_factory=list)
     kernels: list[Kernel] = dataclasses.field(default_factory=list, repr=False)
 
     def markdown(self) -> str:
@@ -428,6 +432,13 @@ class TraceResult:
             lines += ["", f"## Fork {fork.number}: {fork.label}"
                       + (f" ({fork.mode})" if fork.mode else ""), ""]
             lines.append(fork.summary() + ".")
+            for row in fork.rows:
+                if "meanwhile, its stream" in row.role:
+                    k, c = row.kernel, row.control
+                    lines += ["", f"Meanwhile on the loader's stream: {_name(k.name, 60)} ran "
+                              f"{k.start:.1f}-{k.end:.1f} us ({k.dur:.1f} us"
+                              + (f"; {c.dur:.1f} us with empty tables" if c else "")
+                              + "): the loader held it."]
             how = {"module": f"the kernels of `{fork.consumer_path}`, placed by the layout graph",
                    "name": "the first GEMM/GEMV-named kernel after the fork",
                    "none": "none found"}[fork.found_by]
@@ -501,6 +512,20 @@ _DOT_NODE = re.compile(r'^\s*"?([\w.]+)"?\s*\[(.*?)\];?\s*$', re.S | re.M)
 _DOT_EDGE = re.compile(r'"?([\w.]+)"?\s*->\s*"?([\w.]+)"?')
 
 
+def _demangle(name: str) -> str:
+    """The qualified name of an Itanium-mangled function (``_ZN2at6native6kernelI...`` ->
+    ``at::native::kernel``), enough to tell kernels apart; other names as they are."""
+    m = re.match(r"_ZN?((?:\d+\w+?)+)", name)
+    if not m:
+        return name
+    parts, rest = [], name[2 + (name[2:3] == "N"):]
+    while (num := re.match(r"\d+", rest)) and int(num.group()) <= len(rest) - len(num.group()):
+        size = int(num.group())
+        parts.append(rest[len(num.group()):len(num.group()) + size])
+        rest = rest[len(num.group()) + size:]
+    return "::".join(parts) or name
+
+
 def dot_neighbours(text: str) -> list[str]:
     """Per loader node of a ``cuGraphDebugDotPrint`` graph, in node order, a line naming
     the nodes it depends on and those that depend on it."""
@@ -511,9 +536,9 @@ def dot_neighbours(text: str) -> list[str]:
     edges = [(a, b) for a, b in _DOT_EDGE.findall(text) if a in nodes and b in nodes]
 
     def short(node: str) -> str:
-        found = re.search(r"(l2p_prefetch_\d+|[A-Za-z_][\w:]*(?:gemm|gemv|kernel|Kernel)\w*)",
-                          nodes[node])
-        return f"{node} ({found.group(1)[:48]})" if found else node
+        # A kernel node's record label: {KERNEL | {ID | 53 (topoId: 4) | NAME\<\<\<grid...
+        found = re.search(r"\{ID\s*\|[^|]*\|\s*([^|{}<>\\\s]+)", nodes[node])
+        return f"{node} ({_demangle(found.group(1))[:60]})" if found else node
 
     def order(node: str) -> tuple:
         digits = re.findall(r"\d+", node)
@@ -622,8 +647,6 @@ def _capture(torch: Any, fn: Callable[[], Any], stream: Any, keep_graph: bool = 
 def _dump(graph: Any, path: str) -> list[str]:
     """Write ``graph`` (captured with ``keep_graph``) to ``path`` with cuGraphDebugDotPrint;
     return its loader nodes' neighbours (:func:`dot_neighbours`)."""
-    import warnings
-
     graph.instantiate()   # first: an older torch frees the graph once it has dumped it
     if os.path.lexists(path):
         os.unlink(path)
@@ -644,10 +667,12 @@ def _profile(torch: Any, graph: Any, replays: int) -> Any:
     for _ in range(WARM_REPLAYS):
         graph.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-            torch.cuda.synchronize()
+    with warnings.catch_warnings():  # torch 2.11: "Profiler clears events at the end of ..."
+        warnings.simplefilter("ignore", UserWarning)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+                torch.cuda.synchronize()
     with tempfile.TemporaryDirectory(prefix="l2prefetch-trace-") as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -698,8 +723,9 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
                 torch.cuda.synchronize()
             except Exception as exc:
                 raise StepError(f"step({batch}) failed: {type(exc).__name__}: {exc}") from exc
-            loads, control = forks.build(False), forks.build(True)
-            controllers += [loads, control]
+            controllers.append(forks.build(False))
+            controllers.append(forks.build(True))
+            loads, control = controllers
             markers = _Markers(torch, control, PreparedWeightRanges([], grid=1,
                                                                     device=device.index), marks)
             try:
