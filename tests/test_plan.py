@@ -197,7 +197,7 @@ def test_kernel_names_are_the_c_extensions():
 
     assert set(get_args(KernelName)) == set(_C.kernel_variants()), (
         "plan.KernelName must list exactly l2prefetch.kernel_variants(): update it")
-    assert GRAPH_FORKS == ("inline", "branch") == get_args(GraphFork)
+    assert GRAPH_FORKS == ("inline", "branch", "leaf") == get_args(GraphFork)
 
 
 def test_annotations_name_the_literal_types():
