@@ -29,6 +29,9 @@ Sections:
               slowdown of a concurrent copy.
   host        host cost of fork + join; controller construction time.
   graph       the cost of an empty fork inside a replayed graph.
+  planted     planted idle windows in HF Llama- and Qwen3-shaped models' captured
+              decode steps: every fork mode and cap against no forks, empty forks
+              (paired) and the consumers' cold-to-hot gap.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ SECTIONS = {
     "persist": ("persist", "run"), "layer": ("layer", "run"),
     "layer_glue": ("layer", "run_glue"), "caps": ("caps", "run"),
     "kernels": ("kernels", "run"), "host": ("host", "run"), "graph": ("graph", "run"),
+    "planted": ("planted", "run"),
 }
 
 

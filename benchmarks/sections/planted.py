@@ -1,0 +1,150 @@
+"""planted: planted idle windows in Hugging Face models' captured decode steps (issue 24).
+
+HF Llama- and Qwen3-shaped models (random bf16, 6 layers, ``hf.DecodeStep``), a one-thread
+spin of ``SPINS_US`` before every MLP (a forward pre-hook on ``post_attention_layernorm``)
+or, separately, before every attention (on ``input_layernorm``), and the same models with
+nothing planted.  For the role whose window it is (discovered by ``tuning.discover``: the
+gate_proj after o_proj, the next layer's q_proj after down_proj), per fork mode and cap, side
+by side in one run, through the tuner's own backend (``tuning.measure.GraphBackend``):
+
+* (a) no forks, (d) the same forks with empty tables, (b) the loads: a mode's (d) and (b)s
+  are switched states of shared graph instances (``tuning.rig.LoaderSwitch``), so (d) - (b)
+  is paired; (a) - (d), the forks' own cost, is compared across instances (Welch);
+* the prize: the consumers' cold-to-hot gap summed over the layers (``GraphBackend.probe``:
+  the consumer timed inside the graph cold, and after its weights were read right before it),
+  and the share of it the loads recover, (d) - (b) over the gap.
+
+    python -m benchmarks.report --sections planted [--quick]    (--quick: the 40 us windows only)
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from l2prefetch.tuning.report import table
+from l2prefetch.tuning.stats import diff_interval, paired_interval
+
+MIB = 1 << 20
+#: The planted windows (us) and where: before the MLP or before the attention.
+SPINS_US = (10, 20, 40)
+SITES = ("mlp", "attention")
+MODES = ("inline", "branch", "leaf")
+CAPS_MIB = (24, 48)
+BATCHES = (1, 8)
+INSTANCES = 4
+#: The models' shapes (transformers config fields; 6 layers, random bf16).
+MODELS = {
+    "llama": ("LlamaConfig", dict(hidden_size=3072, intermediate_size=8192,
+                                  num_attention_heads=24, num_key_value_heads=8)),
+    "qwen3": ("Qwen3Config", dict(hidden_size=2560, intermediate_size=9728,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128)),
+}
+#: The role that each site's window serves: (its fork site's suffix, its consumer's).
+ROLES = {"mlp": ("self_attn.o_proj", "mlp.gate_proj"),
+         "attention": ("mlp.down_proj", "self_attn.q_proj")}
+
+
+def _model(name):
+    import transformers as tf
+
+    cls, shape = MODELS[name]
+    config = getattr(tf, cls)(num_hidden_layers=6, vocab_size=32000,
+                              max_position_embeddings=256, **shape)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                   attn_implementation="sdpa").eval()
+
+
+def _role(model, step, site):
+    from l2prefetch.tuning import candidates, discover
+
+    fork_after, consumer = ROLES[site]
+    roles = candidates(model, discover(model, lambda: step(1)))
+    for role in roles:
+        if role.site.endswith(fork_after) and role.consumer.endswith(consumer):
+            return role
+    raise RuntimeError(f"no discovered role forks after {fork_after} for {consumer}: "
+                       f"{[r.name for r in roles]}")
+
+
+def _planted(rig, model, site, spin):
+    """Hooks that spin ``spin`` us before each layer's MLP or attention; returns them."""
+    norm = "post_attention_layernorm" if site == "mlp" else "input_layernorm"
+    return [getattr(layer, norm).register_forward_pre_hook(lambda m, a: rig.spin(spin))
+            for layer in model.model.layers]
+
+
+def _measure(backend, role, batch, modes, caps):
+    from l2prefetch.tuning.search import Setting, Variant
+
+    variants = {"a": Variant()}
+    for mode in modes:
+        base = Setting(byte_cap=caps[0] * MIB, graph_fork=mode)
+        variants[f"d:{mode}"] = Variant(((role.name, base),), empty=True)
+        for cap in caps:
+            variants[f"b:{mode}:{cap}"] = Variant(((role.name, Setting(cap * MIB, graph_fork=mode)),))
+    times, identical = backend.measure(batch, variants, INSTANCES)
+    paired = any({"d:" + m, "b:" + m + ":" + str(caps[0])} <= g for g in backend.pairs for m in modes)
+    return times, identical, paired
+
+
+def run(rig, quick):
+    from l2prefetch.tuning.hf import DecodeStep
+    from l2prefetch.tuning.measure import GraphBackend
+
+    spins = (40,) if quick else SPINS_US
+    sites = SITES
+    rows = []
+    for name in MODELS:
+        model = _model(name)
+        step = DecodeStep(model)
+        roles = {site: _role(model, step, site) for site in sites}
+        for site in sites:
+            role = roles[site]
+            for spin in (0,) + spins:
+                hooks = _planted(rig, model, site, spin) if spin else []
+                try:
+                    for batch in BATCHES:
+                        backend = GraphBackend(model, step, rounds=30)
+                        backend.use_roles([role], [c * MIB for c in CAPS_MIB])
+                        backend.prepare(batch)
+                        probe = (backend.probe(batch, [role]) or {}).get(role.name)
+                        gap = probe.gap_us if probe else None
+                        times, identical, paired = _measure(backend, role, batch, MODES, CAPS_MIB)
+                        a = times["a"]
+                        for mode in MODES:
+                            d = times[f"d:{mode}"]
+                            cost = diff_interval(d, a)
+                            for cap in CAPS_MIB:
+                                b = times[f"b:{mode}:{cap}"]
+                                vs_d = (paired_interval if paired else diff_interval)(d, b)
+                                vs_a = diff_interval(a, b)
+                                # the prize of the bytes loaded: the gap's share of them
+                                # (the loads start with the consumer's own weights)
+                                own = role.sites[0].nbytes[0]
+                                prize = gap * min(1.0, cap * MIB / own) if gap else None
+                                share = (f"{100 * vs_d.estimate / prize:.0f}%"
+                                         if prize and prize > 0 else "n/a")
+                                rows.append([name, site, f"{spin}" if spin else "none", batch, mode,
+                                             cap, f"{statistics.mean(a):.1f}", cost.format(1),
+                                             vs_d.format(1), vs_a.format(1),
+                                             f"{gap:.1f}" if gap is not None else "n/a", share,
+                                             "yes" if identical.get(f"b:{mode}:{cap}") else "NO"])
+                finally:
+                    for h in hooks:
+                        h.remove()
+        del model, step
+        torch.cuda.empty_cache()
+    head = ["model", "window before", "spin us", "batch", "mode", "cap MiB", "(a) us",
+            "(d) - (a) us", "(d) - (b) us, paired", "(a) - (b) us", "gap us", "recovered",
+            "bitwise"]
+    return ("### planted: planted idle windows in HF models' graphs\n\n"
+            f"6 layers, random bf16, {INSTANCES} graph instances per structure, 30 rounds; "
+            "the role is the window's (gate_proj after o_proj for the MLP, the next q_proj "
+            "after down_proj for the attention); 95% intervals; gap: the consumers' "
+            "cold-to-hot gap over all layers (the most all of their bytes can save); "
+            "recovered: (d) - (b) over the prize of the bytes loaded (the gap times the share "
+            "of the consumer's weights the cap covers).\n\n" + table(head, rows) + "\n")
