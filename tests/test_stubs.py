@@ -60,7 +60,7 @@ def test_graph_fork_literal_is_what_the_controller_takes(fake, stub):
             assert controller.graph_fork == mode
     with pytest.raises(ValueError, match=r"'inline'.*'branch'"):
         l2prefetch.PrefetchController(device=0, graph_fork="inlined")
-    assert sorted(modes) == ["branch", "inline"]
+    assert sorted(modes) == ["branch", "inline", "leaf"]
 
 
 def test_every_public_name_has_a_stub(stub):

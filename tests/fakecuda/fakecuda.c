@@ -124,7 +124,9 @@ static const struct { int code; const char *name, *desc; } errors[] = {
     X(cuStreamGetCaptureInfo, 12030, 1) X(cuEventCreate, 2000, 1)                        \
     X(cuEventDestroy, 4000, 1) X(cuEventRecord, 2000, 1) X(cuStreamWaitEvent, 3020, 1)   \
     X(cuStreamSynchronize, 2000, 1) X(cuPointerGetAttribute, 4000, 1)                  \
-    X(cuStreamUpdateCaptureDependencies, 12030, 1) X(cuGraphNodeGetType, 10000, 1)
+    X(cuStreamUpdateCaptureDependencies, 12030, 1) X(cuGraphNodeGetType, 10000, 1)      \
+    X(cuGraphGetNodes, 10000, 1) X(cuGraphKernelNodeGetParams, 12000, 1)                \
+    X(cuGraphNodeSetEnabled, 11060, 1) X(cuGraphExecKernelNodeSetParams, 12000, 1)
 
 #define X_ENUM(n, v, i) EP_##n,
 enum { ENTRY_POINTS(X_ENUM) EP_COUNT };
@@ -149,7 +151,19 @@ typedef struct {
     int node_type;                            /* graph nodes: CUgraphNodeType */
     size_t module;                            /* functions: index of their module */
     char *name;                               /* functions: kernel name */
+    void *func;                               /* kernel nodes: the function launched */
+    uint64_t table[2 + 2 * 8];                /* kernel nodes: their table's first bytes */
+    void *kernel_params[1];                   /* kernel nodes: -> table */
 } Obj;
+
+/* CUDA_KERNEL_NODE_PARAMS_v2 (x86-64 layout). */
+typedef struct {
+    void *func;
+    unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    void **kernelParams, **extra;
+    void *kern, *ctx;
+} KernelNodeParams;
+_Static_assert(sizeof(KernelNodeParams) == 72, "CUDA_KERNEL_NODE_PARAMS_v2 layout");
 
 typedef struct { Obj *v; size_t n, cap; long live; } Table; /* every object of one kind */
 
@@ -625,7 +639,15 @@ EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction fn, void 
     if (cfg->sharedMemBytes > (unsigned)(f->max_dyn_smem ? f->max_dyn_smem : 48 * 1024))
         return end(&c, E_INVALID_VALUE);
     if (!foreign && dev != f->device) return end(&c, E_INVALID_HANDLE);
-    if (S.capture_id && !capture_add_node(&c, 0)) return end(&c, E_OUT_OF_MEMORY);
+    if (S.capture_id) {
+        if (!capture_add_node(&c, 0)) return end(&c, E_OUT_OF_MEMORY);
+        Obj *node = find(K_NODE, S.dep_nodes[0]);
+        node->func = fn;
+        if (params && params[0]) memcpy(node->table, params[0], 16);
+        uint64_t count = node->table[0] > 8 ? 8 : node->table[0];
+        if (count) memcpy(node->table + 2, (const char *)params[0] + 16, 16 * count);
+        node->kernel_params[0] = node->table;
+    }
     return end(&c, OK);
 }
 
@@ -709,6 +731,50 @@ EXPORT CUresult cuGraphNodeGetType(void *node, int *type) {
     if (!o || !type) return end(&c, o ? E_INVALID_VALUE : E_INVALID_HANDLE);
     *type = o->node_type;
     addf(&c, " type=%d", *type);
+    return end(&c, OK);
+}
+
+/* Graphs: one graph holds every node made since the last reset (the log names nodes by index). */
+EXPORT CUresult cuGraphGetNodes(void *graph, void **nodes, size_t *n) {
+    BEGIN(cuGraphGetNodes, "graph=0x%llx", H(graph));
+    if (!n) return end(&c, E_INVALID_VALUE);
+    size_t total = S.objs[K_NODE].n;
+    if (nodes) {
+        size_t k = *n < total ? *n : total;
+        for (size_t i = 0; i < k; i++) nodes[i] = mkhandle(K_NODE, i);
+        *n = k;
+    } else {
+        *n = total;
+    }
+    addf(&c, " n=%zu", *n);
+    return end(&c, OK);
+}
+
+EXPORT CUresult cuGraphKernelNodeGetParams(void *node, KernelNodeParams *p) {
+    BEGIN(cuGraphKernelNodeGetParams, "node=%zu", node_index(node));
+    Obj *o = find(K_NODE, node);
+    if (!o) return end(&c, E_INVALID_HANDLE);
+    if (!p || o->node_type != 0) return end(&c, E_INVALID_VALUE);
+    memset(p, 0, sizeof *p);
+    p->func = o->func;
+    p->gridDimX = p->gridDimY = p->gridDimZ = p->blockDimX = p->blockDimY = p->blockDimZ = 1;
+    p->kernelParams = o->kernel_params;
+    return end(&c, OK);
+}
+
+EXPORT CUresult cuGraphNodeSetEnabled(void *exec, void *node, unsigned enabled) {
+    BEGIN(cuGraphNodeSetEnabled, "exec=0x%llx node=%zu enabled=%u", H(exec), node_index(node), enabled);
+    if (!find(K_NODE, node)) return end(&c, E_INVALID_HANDLE);
+    return end(&c, OK);
+}
+
+EXPORT CUresult cuGraphExecKernelNodeSetParams(void *exec, void *node, const KernelNodeParams *p) {
+    BEGIN(cuGraphExecKernelNodeSetParams, "exec=0x%llx node=%zu", H(exec), node_index(node));
+    if (!find(K_NODE, node)) return end(&c, E_INVALID_HANDLE);
+    if (!p || !p->kernelParams || !p->kernelParams[0]) return end(&c, E_INVALID_VALUE);
+    Obj *f = func_obj(p->func);
+    addf(&c, " func=%s grid=%u count=%llu", f ? f->name : "?", p->gridDimX,
+         (unsigned long long)((const uint64_t *)p->kernelParams[0])[0]);
     return end(&c, OK);
 }
 
