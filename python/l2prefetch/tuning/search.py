@@ -16,22 +16,45 @@ every group interleaving its variants; see :mod:`l2prefetch.tuning.rig`):
    differences are paired and the instances' spread cancels.
 4. **refine**: for roles whose best setting beat (a) and (d), one group with
    the other grids and kernels at that cap and mode, each with its own (d).
-5. **verify**: the chosen setting of each such role on fresh instances:
+5. **layers**: a role's setting covers every layer, so loads that pay in
+   some layers only (hybrid or mixed dense/MoE models) are averaged away by
+   the layers where they cost.  So, at the role's best setting, one group
+   measures each layer's loads alone (:attr:`Setting.layers`: forks at that
+   layer only) against its own empty fork (paired where the backend pairs);
+   the layers whose interval lies above zero, if not all or none, are then
+   measured as one setting beside every layer on fresh instances, and that
+   group of layers goes on where it gained more.  The promising roles get
+   this first, then those that lost the sweep (in decreasing order of what
+   their best loads saved against empty forks), while the budget lasts.
+6. **verify**: the chosen setting of each such role on fresh instances:
    kept only if the 95% interval of its gain over (a) lies above zero and
    its loads beat (d).  Choosing the best of several settings on one set of
    instances favours noise; verifying on fresh ones does not.
-6. **combine**: kept roles in decreasing gain; the plans made of the first
+7. **combine**: kept roles in decreasing gain; the plans made of the first
    1, 2, ... of them in one group; the best one goes on.
-7. **confirm**: that plan against (a) on fresh instances; if the interval of
+8. **confirm**: that plan against (a) on fresh instances; if the interval of
    its gain is not above zero, the weakest role is dropped and the rest is
    confirmed again.  **A plan is returned only if its confirmation is a
    gain**; otherwise the batch's plan is empty, which is a valid result.
 
+**Sequential sampling.**  The groups of steps 3 to 6 are measured on
+``instances`` instances per variant first.  A candidate is then decided
+when the 95% interval of its loads against (d) (in verify: also of its gain
+over (a)) lies above zero, or its upper end is below ``min_gain_us`` (a
+layer: its share of it; it cannot pay what is worth a fork).  The undecided
+ones, with their (d) and (a), get ``instances`` more fresh instances, again
+and again, until decided or at ``max_instances``, while the round fits the
+budget beside what the later steps need (in the sweep also the later roles'
+sweeps).  Each look can let noise clear zero, so looking again raises that
+chance somewhat; the confirmation, at a fixed count of fresh instances, is
+what a plan must pass.
+
 The budget is shared by the batches.  Before each group the tuner estimates
 its cost from the step's measured capture and replay times; the final
 confirmations are reserved first.  When the budget is short the search gets
-coarser (fewer caps, no refine) and roles that do not fit are reported as
-not measured; it never returns a plan that was not confirmed.
+coarser (fewer caps, no refine, no layers, no more instances) and roles that
+do not fit are reported as not measured; it never returns a plan that was
+not confirmed.
 """
 
 from __future__ import annotations
@@ -497,6 +520,8 @@ class _Batch:
                                  final_reserve + (len(promising) + 1) * self.cost(3))
             if better is not None:
                 promising.append((role, better))
+            elif any(t.stage == "layer" for t in rep.trials):
+                rep.reason += "; measured per layer, no group of its layers paid"
 
         kept: list[tuple[Role, Trial]] = []
         for k, (role, trial) in enumerate(promising):
