@@ -3,8 +3,10 @@
 :class:`PlantedBackend` answers :meth:`measure` the way a GPU would if each
 role had the effect it is given: every graph instance gets its own offset
 (instances differ by more than the effects, as on the H200), every variant
-with forks pays each role's fork cost, loads save the role's gain, and a
-pair of roles can interfere.  A seeded generator makes every run the same.
+with forks pays each role's fork cost, loads save the role's gain (a
+function of the setting, its layers included: :class:`PerLayer` plants a
+gain per layer), and a pair of roles can interfere.  A seeded generator
+makes every run the same.
 """
 
 from __future__ import annotations
@@ -29,6 +31,24 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+class PerLayer:
+    """A role's gain as the sum of its layers': ``gains[layer]`` us (or a function of
+    the setting) for each layer the setting forks at (all ``layers`` of the role when
+    its layers are None); a layer not in ``gains`` gains ``other``."""
+
+    def __init__(self, gains: Mapping[int, float | Callable[[Setting], float]], layers: int = 4,
+                 other: float | Callable[[Setting], float] = 0.0) -> None:
+        self.gains, self.layers, self.other = dict(gains), layers, other
+
+    def __call__(self, setting: Setting) -> float:
+        layers = range(self.layers) if setting.layers is None else setting.layers
+        total = 0.0
+        for layer in layers:
+            gain = self.gains.get(layer, self.other)
+            total += gain(setting) if callable(gain) else gain
+        return total
 
 
 class PlantedBackend:
@@ -86,8 +106,7 @@ class PlantedBackend:
         structures: dict[tuple, set[str]] = {}
         for name, v in variants.items():
             if v.roles:
-                structures.setdefault(tuple(sorted((r, s.graph_fork) for r, s in v.roles)),
-                                      set()).add(name)
+                structures.setdefault(v.structure(), set()).add(name)
         self.pairs = [g for g in structures.values() if len(g) > 1] if self.switches else []
         shared = {n: k for k, g in enumerate(self.pairs) for n in g}
         group_offsets = [[self.rng.gauss(0.0, self.sd) for _ in range(instances)]

@@ -10,7 +10,7 @@ from l2prefetch.plan import GRAPH_FORKS
 from l2prefetch.tuning import search as S
 from l2prefetch.tuning.stats import diff_interval, mean_interval, t_quantile
 
-from _tuning_fakes import Clock, PlantedBackend, role
+from _tuning_fakes import Clock, PerLayer, PlantedBackend, role
 
 MIB = 1 << 20
 
@@ -214,3 +214,97 @@ def test_paired_backend_narrows_the_interval_against_empty_forks():
         widths[paired] = max(t.vs_empty.half_width for t in sweep)
         assert bool(backend.pairs) == paired
     assert widths[True] < 0.5 < 2.0 < widths[False]
+
+
+# ------------------------------------------------------------------ layers
+
+@pytest.mark.parametrize("others, paired", [(-8.0, False), (-8.0, True), (-2.0, False)])
+def test_a_window_in_some_layers_is_planned_for_those_layers_only(others, paired):
+    """Loads pay in layers 1 and 3 of 4 and cost in the others: with -8 us the role loses
+    the sweep over every layer, with -2 us it pays there but less than in 1 and 3 alone."""
+    backend = PlantedBackend({"A": PerLayer({1: 6.0, 3: 6.0}, layers=4, other=others)},
+                             seed=12, paired=paired)
+    (report,), log = run(backend, [role("A", layers=4)])
+    rep = by_name(report)["A"]
+    (name, setting), = report.plan
+    assert name == "A" and setting.layers == (1, 3)
+    assert report.confirmed.gain.low > 0 and rep.kept and rep.chosen.setting.layers == (1, 3)
+    sweep = [t for t in rep.trials if t.stage == "sweep"]
+    assert sweep and all(t.setting.layers is None for t in sweep)
+    if others == -8.0:
+        assert max(t.gain.estimate for t in sweep) < 0   # every layer together loses
+    alone = {t.setting.layers: t for t in rep.trials if t.stage == "layer"}
+    assert set(alone) == {(0,), (1,), (2,), (3,)}
+    assert alone[(1,)].vs_empty.low > 0 and alone[(3,)].vs_empty.low > 0
+    assert alone[(0,)].vs_empty.high < 0 and alone[(2,)].vs_empty.high < 0
+    every, some = [t for t in rep.trials if t.stage == "layers"]
+    assert every.setting.layers is None and some.setting.layers == (1, 3)
+    assert some.gain.estimate > every.gain.estimate
+    # each layer alone is measured with its own forks only, (b) and (d) paired if the backend pairs
+    one = [g for g in backend.groups if any(v.roles and v.roles[0][1].layers == (0,)
+                                            for v in g.values())][0]
+    assert len(one) == 1 + 2 * 4
+    assert "layers 1, 3" in log
+
+
+def test_a_role_that_pays_in_every_layer_keeps_every_layer():
+    backend = PlantedBackend({"A": PerLayer({}, layers=4, other=3.0)}, seed=13, paired=True)
+    (report,), _ = run(backend, [role("A", layers=4)])
+    (_, setting), = report.plan
+    assert setting.layers is None
+    assert {t.setting.layers for t in by_name(report)["A"].trials if t.stage == "layer"} == \
+        {(0,), (1,), (2,), (3,)}
+    assert not any(t.stage == "layers" for t in by_name(report)["A"].trials)
+
+
+def test_role_restrict_and_setting_layers():
+    r = role("A", layers=4)
+    assert r.restrict([3, 1]).layers == (1, 3) and r.restrict((2,)).name == "A"
+    assert len(r.restrict([1, 3]).entries((1,), byte_cap=MIB)) == 2
+    with pytest.raises(ValueError, match="layers must name at least one of role 'A'.*\\[7\\]"):
+        r.restrict([1, 7])
+    with pytest.raises(ValueError, match="layers must name at least one"):
+        r.restrict([])
+    with pytest.raises(TypeError, match="layers must hold ints"):
+        r.restrict(["1"])
+    assert S.Setting(MIB, layers=[3, 1, 3]).layers == (1, 3)
+    assert "layers 1, 3" in S.Setting(MIB, layers=(1, 3)).label()
+    assert S.Setting(MIB, layers=(1, 3)).as_dict()["layers"] == [1, 3]
+    with pytest.raises(ValueError, match="layers must be None"):
+        S.Setting(MIB, layers=())
+    with pytest.raises(TypeError, match="layers must be None"):
+        S.Setting(MIB, layers=3)
+
+
+# ------------------------------------------------------------------ sequential sampling
+
+def test_sequential_sampling_spends_instances_where_the_decision_is_close():
+    """Against their empty forks, 'clear' saves 10 us and 'loses' costs 10: both are
+    decided on the first 5 instances; 'close' saves 0.3 us, which 5 instances cannot
+    tell from zero (paired noise 0.4 us): it gets more, until its interval lies above
+    zero (so it did on every seed of 30 tried)."""
+    gains = {"close": pays(0.3), "clear": pays(10.0), "loses": pays(-10.0)}
+    roles = [role(n, layers=1, mib=16) for n in gains]
+    kw = dict(graph_forks=("leaf",), caps_mib=(16,), min_gain_us=0.1)
+
+    def sweep(report, name):
+        (trial,) = [t for t in by_name(report)[name].trials if t.stage == "sweep"]
+        return trial
+
+    (report,), log = run(PlantedBackend(gains, seed=14, paired=True), roles, max_instances=30,
+                         **kw)
+    assert sweep(report, "clear").instances == S.MIN_INSTANCES
+    assert sweep(report, "loses").instances == S.MIN_INSTANCES
+    assert sweep(report, "clear").vs_empty.low > 0 and sweep(report, "loses").vs_empty.high < 0
+    close = sweep(report, "close")
+    assert S.MIN_INSTANCES < close.instances <= 30
+    assert close.vs_empty.low > 0                      # decided, and rightly: it pays
+    assert close.vs_empty.estimate == pytest.approx(0.3, abs=0.2)
+    assert "undecided, more instances" in log
+    verify = by_name(report)["clear"].chosen
+    assert verify.stage == "verify" and verify.instances == S.MIN_INSTANCES
+    # the same search without sequential sampling could not decide it
+    (fixed,), log = run(PlantedBackend(gains, seed=14, paired=True), roles, max_instances=5, **kw)
+    assert sweep(fixed, "close").instances == S.MIN_INSTANCES
+    assert sweep(fixed, "close").vs_empty.low <= 0 < sweep(fixed, "close").vs_empty.high
+    assert "undecided" not in log

@@ -13,7 +13,7 @@ from l2prefetch import PlanEntry, tuning
 from l2prefetch.tuning import profile as P
 
 import _tuning_fakes as fakes
-from _tuning_fakes import FAKE_DEVICE, DeviceBackend
+from _tuning_fakes import FAKE_DEVICE, DeviceBackend, PerLayer
 
 MIB = 1 << 20
 O_PROJ = "after self_attn.v_proj: self_attn.o_proj"
@@ -164,6 +164,10 @@ def test_save_needs_a_device_and_writes_atomically(tmp_path):
     (dict(budget_s=-1), ValueError, "budget_s must be a finite number >= 0"),
     (dict(budget_s="300"), TypeError, "budget_s must be a number"),
     (dict(instances=3), ValueError, "instances must be an int >= 5"),
+    (dict(max_instances=4), ValueError, "max_instances must be None or an int >= instances "
+                                        "\\(5\\)"),
+    (dict(instances=8, max_instances=6), ValueError, "max_instances .* >= instances \\(8\\)"),
+    (dict(max_instances="15"), TypeError, "max_instances must be None or an int"),
     (dict(candidates=["after nowhere: nothing"]), ValueError, "unknown role"),
     (dict(candidates=[O_PROJ, O_PROJ[:-1]]), ValueError, "closest"),
     (dict(candidates="roles"), TypeError, "candidates must be None"),
@@ -242,3 +246,51 @@ def test_the_plot_of_tune_plot(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     assert result.plot(tmp_path / "gains.png") is True
     assert (tmp_path / "gains.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tune_plans_only_the_layers_a_window_pays_in(tmp_path, monkeypatch):
+    """o_proj's loads pay in layers 1 and 3 of 4 and cost in 0 and 2 (together a loss):
+    the plan and the profile hold entries for layers 1 and 3 only, at both batches."""
+    model = fakes.llama(n_layers=4, h=1024, i=2048, kv=256)
+    x = {}
+
+    def step(batch):
+        return model(x.setdefault(batch, torch.zeros(batch, 1, 1024, dtype=torch.bfloat16)))
+    def window(s):  # best at 4 MiB, grid 32, as leaf forks: one setting at both batches
+        return (9.0 - 3.0 * (s.grid != 32) - 3.0 * abs(s.byte_cap / MIB - 4) / 4
+                if s.graph_fork == "leaf" else -2.0)
+    backend = DeviceBackend({O_PROJ: PerLayer({1: window, 3: window}, layers=4, other=-10.0)},
+                            seed=15, paired=True)
+    result = tuning.tune(model, step, [1, 8], backend=backend, progress=None,
+                         min_bytes=256 * 1024)
+    assert sorted((e.point, e.layer, e.batches) for e in result.plan) == \
+        [(O_PROJ, 1, (1, 8)), (O_PROJ, 3, (1, 8))]
+    assert result.sites == {O_PROJ: [(f"model.layers.{l}.self_attn.v_proj", l) for l in (1, 3)]}
+    assert all(rep.plan[0][1].layers == (1, 3) for rep in result.batches)
+    md = result.markdown()
+    assert "layers 1, 3" in md and "layers 1, 3" in result.summary()
+    assert "| a - b us | instances |" in md and "up to 15 for a candidate" in md
+    path = tmp_path / "p.json"
+    result.save(path, model)
+    monkeypatch.setattr(P, "device_fingerprint", lambda device=None: dict(FAKE_DEVICE))
+    profile = tuning.load_profile(path, model)
+    assert profile.plan == result.plan
+    assert profile.hook_points(model)[O_PROJ] == [(model.model.layers[l].self_attn.v_proj, l)
+                                                  for l in (1, 3)]
+
+
+def test_merge_plan_per_layer():
+    """Layers 1 and 3 kept at batches 1 and 8, the others at batch 8 only: one entry per
+    layer, holding the batches where its layer was confirmed."""
+    from l2prefetch.tuning.search import BatchReport, Setting
+    from l2prefetch.tuning.tuner import merge_plan
+
+    role = fakes.role("A", layers=4, mib=1)
+    s = Setting(MIB, graph_fork="leaf")
+    reports = [BatchReport(1, plan=(("A", Setting(MIB, graph_fork="leaf", layers=(1, 3))),)),
+               BatchReport(8, plan=(("A", s),))]
+    plan, sites = merge_plan([role], reports)
+    assert sorted((e.layer, e.batches) for e in plan) == [(0, (8,)), (1, (1, 8)), (2, (8,)),
+                                                          (3, (1, 8))]
+    assert all(e.graph_fork == "leaf" and e.byte_cap == MIB for e in plan)
+    assert [layer for _, layer in sites["A"]] == [0, 1, 2, 3]

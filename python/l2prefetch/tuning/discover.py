@@ -225,6 +225,24 @@ class Role:
     def default(self, key: str, fallback: Any) -> Any:
         return dict(self.defaults).get(key, fallback)
 
+    def restrict(self, layers: Iterable[int]) -> "Role":
+        """The same role forking at ``layers`` only (a subset of :attr:`layers`): the
+        tuner's per-layer measurements and its plans for a group of layers."""
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+            raise TypeError(f"layers must be an iterable of layer indices of role "
+                            f"{self.name!r}, got {type(layers).__name__}")
+        wanted = set()
+        for layer in layers:
+            if isinstance(layer, bool) or not isinstance(layer, int):
+                raise TypeError(f"layers must hold ints, got {type(layer).__name__} {layer!r}")
+            wanted.add(layer)
+        unknown = sorted(wanted - set(self.layers))
+        if not wanted or unknown:
+            raise ValueError(f"layers must name at least one of role {self.name!r}'s layers "
+                             f"{list(self.layers)}, got {sorted(wanted)}"
+                             + (f" ({unknown} not among them)" if unknown else ""))
+        return dataclasses.replace(self, sites=tuple(s for s in self.sites if s.layer in wanted))
+
     def entries(self, batches: Iterable[int], *, byte_cap: int, grid: int = 32,
                 kernel: Optional[str] = None, graph_fork: Optional[str] = None) -> list:
         """One :class:`~l2prefetch.plan.PlanEntry` per layer with these settings."""

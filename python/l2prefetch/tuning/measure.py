@@ -141,23 +141,30 @@ class GraphBackend:
 
         entries = []
         for name, setting in variant.roles:
-            entries += self._roles[name].entries(
+            entries += self._role(name, setting).entries(
                 (batch,), byte_cap=setting.byte_cap, grid=setting.grid, kernel=setting.kernel,
                 graph_fork=setting.graph_fork)
         return build_controller(entries, self.device.index, empty=variant.empty)
 
+    def _role(self, name: str, setting: Any) -> Role:
+        """The role a variant names, restricted to its setting's layers where it has them."""
+        role = self._roles[name]
+        return role if setting.layers is None else role.restrict(setting.layers)
+
     def _points(self, variant: Variant) -> dict[str, list]:
-        return {name: self._roles[name].hook_sites(self.model) for name, _ in variant.roles}
+        return {name: self._role(name, setting).hook_sites(self.model)
+                for name, setting in variant.roles}
 
     def measure(self, batch: int, variants: Mapping[str, Variant],
                 instances: int) -> tuple[dict[str, list[float]], dict[str, bool]]:
         """Per variant, the median us of each instance, and whether its outputs are
         bitwise the no-fork step's.
 
-        Variants whose forks have one structure (the same roles in the same fork
-        modes) share their graph instances: the instance is captured once with
-        the loads of the variant loading most, and every variant of the group is
-        its loader nodes switched in place (:class:`~l2prefetch.tuning.rig.LoaderSwitch`:
+        Variants whose forks have one structure (:meth:`Variant.structure`: the
+        same roles in the same fork modes at the same layers) share their graph
+        instances: the instance is captured once with the loads of the variant
+        loading most, and every variant of the group is its loader nodes switched
+        in place (:class:`~l2prefetch.tuning.rig.LoaderSwitch`:
         other tables, or the empty ones), so that their differences are paired
         (:attr:`pairs`).  The other variants are captured each on their own.  All
         graphs are replayed interleaved, round after round.
@@ -170,8 +177,7 @@ class GraphBackend:
         for name, variant in variants.items():
             if variant.roles:
                 controllers[name] = self._controller(variant, batch)
-                key = tuple(sorted((r, s.graph_fork) for r, s in variant.roles))
-                groups.setdefault(key, []).append(name)
+                groups.setdefault(variant.structure(), []).append(name)
         paired: list[tuple[str, list[str], dict[str, Any]]] = []
         for names in groups.values() if self.switches else ():
             loads = [n for n in names if not variants[n].empty]

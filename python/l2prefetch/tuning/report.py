@@ -4,8 +4,8 @@ Per batch: the verdict (the confirmed plan and its ratio, or why the plan
 is empty), the confirmations, and one row per role: the most its loads
 could gain (the cold-to-hot gap), the window from the fork to the consumer,
 the measured times (a) no forks, (b) the loads, (d) the same forks empty,
-each a mean over graph instances with its 95% interval, and whether it was
-kept or why not.
+each a mean over graph instances with its 95% interval, the instances of
+(b), and whether it was kept or why not.
 """
 
 from __future__ import annotations
@@ -56,9 +56,14 @@ def markdown(result: Any) -> str:
     versions = result.versions or {}
     head.append("Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".  ")
     s = result.settings
+    more = s.get("max_instances") or s.get("instances")
     head.append(f"Tuning took {result.elapsed_s:.0f} s of a {result.budget_s:.0f} s budget; "
                 f"{s.get('instances')} graph instances per variant, {s.get('rounds')} replays "
-                "each, interleaved.  Times are us per decode step: means of per-instance "
+                "each, interleaved"
+                + (f", up to {more} for a candidate whose interval was still undecided "
+                   "(column 'instances')" if more != s.get("instances") else "")
+                + ".  A setting that names layers forks at those only.  "
+                "Times are us per decode step: means of per-instance "
                 "medians +- half their 95% interval; a role is kept when the 95% interval of "
                 "(a) - (b) is above zero and (b) beats (d), and the plan only when its "
                 "confirmation on fresh instances is a gain.  The verdict's step us is the "
@@ -99,11 +104,13 @@ def markdown(result: Any) -> str:
                 "" if best is None else _t(best.a), "" if best is None else _t(best.b),
                 "" if best is None else _t(best.d),
                 "" if best is None else best.gain.format(2),
+                "" if best is None else best.instances,
                 "kept" if role.kept else role.reason])
         out.append("Roles (the best or verified setting of each):\n")
         out.append(table(["role", "layers", "max MiB", "gap us", "loads' gap us", "window us",
                           "setting",
-                          "a us", "b us", "d us", "a - b us", "kept / why not"], rows))
+                          "a us", "b us", "d us", "a - b us", "instances", "kept / why not"],
+                         rows))
     return "\n".join(out)
 
 

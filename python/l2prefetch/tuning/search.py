@@ -16,22 +16,45 @@ every group interleaving its variants; see :mod:`l2prefetch.tuning.rig`):
    differences are paired and the instances' spread cancels.
 4. **refine**: for roles whose best setting beat (a) and (d), one group with
    the other grids and kernels at that cap and mode, each with its own (d).
-5. **verify**: the chosen setting of each such role on fresh instances:
+5. **layers**: a role's setting covers every layer, so loads that pay in
+   some layers only (hybrid or mixed dense/MoE models) are averaged away by
+   the layers where they cost.  So, at the role's best setting, one group
+   measures each layer's loads alone (:attr:`Setting.layers`: forks at that
+   layer only) against its own empty fork (paired where the backend pairs);
+   the layers whose interval lies above zero, if not all or none, are then
+   measured as one setting beside every layer on fresh instances, and that
+   group of layers goes on where it gained more.  The promising roles get
+   this first, then those that lost the sweep (in decreasing order of what
+   their best loads saved against empty forks), while the budget lasts.
+6. **verify**: the chosen setting of each such role on fresh instances:
    kept only if the 95% interval of its gain over (a) lies above zero and
    its loads beat (d).  Choosing the best of several settings on one set of
    instances favours noise; verifying on fresh ones does not.
-6. **combine**: kept roles in decreasing gain; the plans made of the first
+7. **combine**: kept roles in decreasing gain; the plans made of the first
    1, 2, ... of them in one group; the best one goes on.
-7. **confirm**: that plan against (a) on fresh instances; if the interval of
+8. **confirm**: that plan against (a) on fresh instances; if the interval of
    its gain is not above zero, the weakest role is dropped and the rest is
    confirmed again.  **A plan is returned only if its confirmation is a
    gain**; otherwise the batch's plan is empty, which is a valid result.
 
+**Sequential sampling.**  The groups of steps 3 to 6 are measured on
+``instances`` instances per variant first.  A candidate is then decided
+when the 95% interval of its loads against (d) (in verify: also of its gain
+over (a)) lies above zero, or its upper end is below ``min_gain_us`` (a
+layer: its share of it; it cannot pay what is worth a fork).  The undecided
+ones, with their (d) and (a), get ``instances`` more fresh instances, again
+and again, until decided or at ``max_instances``, while the round fits the
+budget beside what the later steps need (in the sweep also the later roles'
+sweeps).  Each look can let noise clear zero, so looking again raises that
+chance somewhat; the confirmation, at a fixed count of fresh instances, is
+what a plan must pass.
+
 The budget is shared by the batches.  Before each group the tuner estimates
 its cost from the step's measured capture and replay times; the final
 confirmations are reserved first.  When the budget is short the search gets
-coarser (fewer caps, no refine) and roles that do not fit are reported as
-not measured; it never returns a plan that was not confirmed.
+coarser (fewer caps, no refine, no layers, no more instances) and roles that
+do not fit are reported as not measured; it never returns a plan that was
+not confirmed.
 """
 
 from __future__ import annotations
@@ -40,7 +63,7 @@ import dataclasses
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional, Protocol
 
 from .discover import MIB, Role, describe_bytes
@@ -57,6 +80,8 @@ DEFAULT_GRIDS = (16, 32, 64)
 DEFAULT_GRID = 32
 #: Graph instances per variant (the issue's floor: instances differ by more than the effects).
 MIN_INSTANCES = 5
+#: The most instances per variant a close decision gets (sequential sampling: three looks).
+MAX_INSTANCES = 15
 #: A role whose loads could gain less than this (us per step, summed over layers) is not measured.
 DEFAULT_MIN_GAIN_US = 1.0
 
@@ -68,23 +93,42 @@ class StepError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """How a role's forks load: byte cap, loader CTAs, kernel variant (None: the
-    device's default) and how a fork goes into a captured graph."""
+    device's default), how a fork goes into a captured graph, and the role's layers
+    it forks at (None: every layer; else a sorted tuple, a group of layers)."""
 
     byte_cap: int
     grid: int = DEFAULT_GRID
     kernel: Optional[str] = None
     graph_fork: str = "inline"
+    layers: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.layers is None:
+            return
+        if isinstance(self.layers, (str, bytes)) or not isinstance(self.layers, Iterable):
+            raise TypeError(f"layers must be None (every layer of the role) or a sequence of "
+                            f"layer indices, got {type(self.layers).__name__}")
+        values = tuple(self.layers)
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise ValueError(f"layers must be None (every layer of the role) or name at least "
+                             f"one layer by its int index, got {values!r}")
+        object.__setattr__(self, "layers", tuple(sorted(set(values))))
 
     def label(self) -> str:
         kernel = self.kernel or "default kernel"
-        return f"{describe_bytes(self.byte_cap)}, grid {self.grid}, {kernel}, {self.graph_fork}"
+        layers = "" if self.layers is None else \
+            f", layer{'s' if len(self.layers) > 1 else ''} {', '.join(map(str, self.layers))}"
+        return (f"{describe_bytes(self.byte_cap)}, grid {self.grid}, {kernel}, "
+                f"{self.graph_fork}{layers}")
 
     def launch_key(self) -> tuple:
         """What the empty-fork control must share with this setting."""
-        return (self.grid, self.kernel, self.graph_fork)
+        return (self.grid, self.kernel, self.graph_fork, self.layers)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["layers"] = None if self.layers is None else list(self.layers)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +138,11 @@ class Variant:
 
     roles: tuple[tuple[str, Setting], ...] = ()
     empty: bool = False
+
+    def structure(self) -> tuple:
+        """Its forks' structure (roles, fork modes, layers): variants with the same one
+        differ in their tables only, so a backend can switch one graph between them."""
+        return tuple(sorted((name, s.graph_fork, s.layers or ()) for name, s in self.roles))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,11 +200,12 @@ class Trial:
     d: Interval
     gain: Interval      # a - b: what the loads and forks save against no forks
     vs_empty: Interval  # d - b: what the loads save against the same forks empty
+    instances: int = 0  # graph instances of (b): more where the decision was close
 
     def as_dict(self) -> dict:
         return {"stage": self.stage, "setting": self.setting.as_dict(), "a": self.a.as_dict(),
                 "b": self.b.as_dict(), "d": self.d.as_dict(), "gain": self.gain.as_dict(),
-                "vs_empty": self.vs_empty.as_dict()}
+                "vs_empty": self.vs_empty.as_dict(), "instances": self.instances}
 
 
 @dataclasses.dataclass
@@ -262,11 +312,53 @@ class Progress:
 @dataclasses.dataclass
 class _Params:
     instances: int
+    max_instances: int
     caps: tuple[int, ...]
     grids: tuple[int, ...]
     kernels: tuple[Optional[str], ...]
     graph_forks: tuple[str, ...]
     min_gain_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Check:
+    """A comparison a sequential group decides: x - y (us) is decided when its
+    interval lies above zero, or its upper end is below ``floor`` (it cannot pay
+    what is worth a fork).  While undecided, x, y and ``also`` are measured again."""
+
+    x: str
+    y: str
+    floor: float
+    also: tuple[str, ...] = ()
+
+
+class _Measured:
+    """The rounds of one measured group: per round each measured variant's times
+    (one per graph instance) and the backend's pairs; outputs' bitwise checks
+    over all rounds."""
+
+    def __init__(self) -> None:
+        self.rounds: list[tuple[dict[str, list[float]], list[set]]] = []
+        self.identical: dict[str, bool] = {}
+
+    def add(self, times: Mapping[str, list[float]], identical: Mapping[str, bool],
+            pairs: Sequence[set]) -> None:
+        self.rounds.append((dict(times), [set(p) for p in pairs]))
+        for name, ok in identical.items():
+            self.identical[name] = self.identical.get(name, True) and ok
+
+    def values(self, name: str) -> list[float]:
+        return [t for times, _ in self.rounds for t in times.get(name, ())]
+
+    def diff(self, x: str, y: str) -> Interval:
+        """x - y: paired over the rounds that measured both, where each of them did so
+        in the same graph instances (then those rounds only), else Welch's interval
+        over all their instances."""
+        both = [(times, pairs) for times, pairs in self.rounds if x in times and y in times]
+        if both and all(any(x in g and y in g for g in pairs) for _, pairs in both):
+            return paired_interval([t for times, _ in both for t in times[x]],
+                                   [t for times, _ in both for t in times[y]])
+        return diff_interval(self.values(x), self.values(y))
 
 
 class _Batch:
@@ -280,15 +372,25 @@ class _Batch:
         self.prepared: Optional[Prepared] = None
 
     # ------------------------------------------------------------------ cost
-    def cost(self, variants: int, captures: Optional[int] = None) -> float:
+    def cost(self, variants: int, captures: Optional[int] = None,
+             instances: Optional[int] = None) -> float:
         """Estimated seconds of one group of ``variants`` variants, of which
-        ``captures`` (default: all) are captured (the others switched in place)."""
+        ``captures`` (default: all) are captured (the others switched in place),
+        on ``instances`` instances each (default: the first round's)."""
         p = self.prepared
         captures = variants if captures is None else captures
+        instances = self.p.instances if instances is None else instances
         if not p:
-            return variants * self.p.instances * 1.2 + 0.05
+            return variants * instances * 1.2 + 0.05
         replay = self.backend.rounds * p.step_us * 1e-6
-        return self.p.instances * (captures * p.capture_s + variants * replay) * 1.2 + 0.05
+        return instances * (captures * p.capture_s + variants * replay) * 1.2 + 0.05
+
+    def group_cost(self, variants: Mapping[str, Variant],
+                   instances: Optional[int] = None) -> float:
+        """cost() of these variants: a switching backend captures one graph per structure."""
+        captures = (len({v.structure() for v in variants.values()}) if self.backend.switches
+                    else None)
+        return self.cost(len(variants), captures, instances)
 
     def sweep_cost(self, caps: int) -> float:
         """Estimated seconds of a role's sweep: (a), and per mode (d) and the caps; a
@@ -302,12 +404,45 @@ class _Batch:
     def fits(self, variants: int, reserve: float = 0.0) -> bool:
         return self.cost(variants) + reserve <= self.left()
 
-    def group(self, label: str, variants: dict[str, Variant], eta: Optional[float] = None
-              ) -> tuple[dict[str, list[float]], dict[str, bool]]:
+    def group(self, label: str, variants: Mapping[str, Variant], eta: Optional[float] = None,
+              instances: Optional[int] = None, measured: Optional[_Measured] = None
+              ) -> _Measured:
+        """Measure ``variants`` on ``instances`` fresh instances each (one round, added
+        to ``measured`` when given)."""
+        n = self.p.instances if instances is None else instances
         self.progress.line(f"batch {self.batch}: {label} ({len(variants)} variants x "
-                           f"{self.p.instances} instances, ~{self.cost(len(variants)):.0f} s)",
-                           eta)
-        return self.backend.measure(self.batch, variants, self.p.instances)
+                           f"{n} instances, ~{self.group_cost(variants, n):.0f} s)", eta)
+        times, identical = self.backend.measure(self.batch, variants, n)
+        out = _Measured() if measured is None else measured
+        out.add(times, identical, self.backend.pairs)
+        return out
+
+    def sample(self, label: str, variants: Mapping[str, Variant],
+               checks: Mapping[str, _Check], reserve: float = 0.0,
+               eta: Optional[float] = None) -> _Measured:
+        """A group measured sequentially: first on ``instances`` instances per variant;
+        then, while a check is undecided (:class:`_Check`), its variants and (a) get
+        ``instances`` more fresh instances, until every check is decided or has
+        ``max_instances`` of its y, or the next round would not leave ``reserve``.
+        A decided check is not measured again."""
+        m = self.group(label, variants, eta)
+        undecided = dict(checks)
+        while True:
+            for key, check in list(undecided.items()):
+                iv = m.diff(check.x, check.y)
+                if (iv.low > 0 or iv.high < check.floor
+                        or len(m.values(check.y)) >= self.p.max_instances):
+                    del undecided[key]
+            if not undecided:
+                return m
+            done = max(len(m.values(c.y)) for c in undecided.values())
+            n = max(1, min(self.p.instances, self.p.max_instances - done))
+            needs = {"a"} | {name for c in undecided.values() for name in (c.x, c.y, *c.also)}
+            again = {name: v for name, v in variants.items() if name in needs}
+            if self.group_cost(again, n) + reserve > self.left():
+                return m
+            self.group(f"{label}: {len(undecided)} undecided, more instances", again,
+                       instances=n, measured=m)
 
     # ------------------------------------------------------------------ steps
     def run(self) -> BatchReport:
@@ -339,6 +474,7 @@ class _Batch:
 
         final_reserve = 3 * self.cost(2)
         promising: list[tuple[Role, Trial]] = []
+        lost: list[Role] = []
         for i, role in enumerate(order):
             rep = reports[role.name]
             verify_reserve = (len(promising) + 1) * self.cost(3)
@@ -348,8 +484,12 @@ class _Batch:
             if not caps:
                 rep.reason = "not measured: the budget ran out"
                 continue
-            trial = self.sweep(role, caps, rep, eta=self.eta(len(order) - i))
+            # the later roles' sweeps come before more instances for this one
+            later = sum(self.sweep_cost(len(self.caps_for(r))) for r in order[i + 1:])
+            trial = self.sweep(role, caps, rep, eta=self.eta(len(order) - i),
+                               reserve=final_reserve + verify_reserve + later)
             if trial is None:
+                lost.append(role)
                 continue
             promising.append((role, trial))
 
@@ -359,17 +499,38 @@ class _Batch:
             verify_reserve = len(promising) * self.cost(3)
             if alternatives and self.fits(2 * len(alternatives) + 3,
                                           final_reserve + verify_reserve):
-                better = self.refine(role, trial, alternatives, rep)
+                better = self.refine(role, trial, alternatives, rep,
+                                     final_reserve + verify_reserve)
                 if better is not None:
                     promising[promising.index((role, trial))] = (role, better)
 
+        # layers: the promising roles' first, then those that lost the sweep (a window in
+        # some layers only is averaged away by the layers where its loads cost)
+        for k, (role, trial) in enumerate(list(promising)):
+            better = self.layers(role, trial, reports[role.name],
+                                 final_reserve + len(promising) * self.cost(3))
+            if better is not None:
+                promising[k] = (role, better)
+        lost.sort(key=lambda r: -max(t.vs_empty.estimate for t in reports[r.name].trials))
+        for role in lost:
+            rep = reports[role.name]
+            seed = max((t for t in rep.trials if t.stage == "sweep"),
+                       key=lambda t: t.vs_empty.estimate)
+            better = self.layers(role, seed, rep,
+                                 final_reserve + (len(promising) + 1) * self.cost(3))
+            if better is not None:
+                promising.append((role, better))
+            elif any(t.stage == "layer" for t in rep.trials):
+                rep.reason += "; measured per layer, no group of its layers paid"
+
         kept: list[tuple[Role, Trial]] = []
-        for role, trial in promising:
+        for k, (role, trial) in enumerate(promising):
             rep = reports[role.name]
             if not self.fits(3, final_reserve):
                 rep.reason = "not verified: the budget ran out"
                 continue
-            verified = self.verify(role, trial.setting, rep)
+            later = (len(promising) - k - 1) * self.cost(3)
+            verified = self.verify(role, trial.setting, rep, final_reserve + later)
             if verified is not None:
                 kept.append((role, verified))
 
@@ -398,20 +559,18 @@ class _Batch:
         return Setting(byte_cap=cap, grid=role.default("grid", DEFAULT_GRID),
                        kernel=self.p.kernels[0], graph_fork=self.p.graph_forks[0])
 
-    def diff(self, times: dict[str, list[float]], x: str, y: str) -> Interval:
-        """times[x] - times[y]: paired where the backend measured both in the same
-        graph instances, else Welch's interval across instances."""
-        if any(x in group and y in group for group in self.backend.pairs):
-            return paired_interval(times[x], times[y])
-        return diff_interval(times[x], times[y])
+    def trial(self, stage: str, setting: Setting, m: _Measured, b: str, d: str) -> Trial:
+        return Trial(stage, setting, mean_interval(m.values("a")), mean_interval(m.values(b)),
+                     mean_interval(m.values(d)), m.diff("a", b), m.diff(d, b),
+                     len(m.values(b)))
 
-    def trial(self, stage: str, setting: Setting, times: dict[str, list[float]], b: str,
-              d: str) -> Trial:
-        a_t, b_t, d_t = times["a"], times[b], times[d]
-        return Trial(stage, setting, mean_interval(a_t), mean_interval(b_t), mean_interval(d_t),
-                     self.diff(times, "a", b), self.diff(times, d, b))
+    def vs_empty_checks(self, keys: Mapping[str, tuple[Setting, str]],
+                        floor: float) -> dict[str, _Check]:
+        """Sequential checks of each (b) against its (d) (see :meth:`sample`)."""
+        return {b: _Check(d, b, floor) for b, (_, d) in keys.items()}
 
-    def sweep(self, role: Role, caps: list[int], rep: RoleReport, eta: float) -> Optional[Trial]:
+    def sweep(self, role: Role, caps: list[int], rep: RoleReport, eta: float,
+              reserve: float) -> Optional[Trial]:
         base = self.default_setting(role, caps[0])
         variants = {"a": Variant()}
         settings = {}
@@ -422,9 +581,10 @@ class _Batch:
                 s = dataclasses.replace(m, byte_cap=cap)
                 settings[f"b:{mode}:{cap}"] = (s, f"d:{mode}")
                 variants[f"b:{mode}:{cap}"] = Variant(((role.name, s),))
-        times, _ = self.group(f"{role.name}: caps {', '.join(describe_bytes(c) for c in caps)}"
-                              f" x forks {', '.join(self.p.graph_forks)}", variants, eta)
-        trials = [self.trial("sweep", s, times, key, d) for key, (s, d) in settings.items()]
+        measured = self.sample(f"{role.name}: caps {', '.join(describe_bytes(c) for c in caps)}"
+                               f" x forks {', '.join(self.p.graph_forks)}", variants,
+                               self.vs_empty_checks(settings, self.p.min_gain_us), reserve, eta)
+        trials = [self.trial("sweep", s, measured, key, d) for key, (s, d) in settings.items()]
         rep.trials += trials
         best = max(trials, key=lambda t: t.gain.estimate)
         if best.gain.estimate <= 0 or best.vs_empty.estimate <= 0:
@@ -446,7 +606,7 @@ class _Batch:
         return out
 
     def refine(self, role: Role, best: Trial, alternatives: list[Setting],
-               rep: RoleReport) -> Optional[Trial]:
+               rep: RoleReport, reserve: float) -> Optional[Trial]:
         variants = {"a": Variant()}
         keys: dict[str, tuple[Setting, str]] = {}
         controls: dict[tuple, str] = {}
@@ -458,21 +618,73 @@ class _Batch:
                 variants[d] = Variant(((role.name, s),), empty=True)
             variants[f"b{i}"] = Variant(((role.name, s),))
             keys[f"b{i}"] = (s, d)
-        times, _ = self.group(f"{role.name}: grids and kernels at "
-                              f"{describe_bytes(best.setting.byte_cap)}", variants)
-        trials = [self.trial("refine", s, times, key, d) for key, (s, d) in keys.items()]
+        measured = self.sample(f"{role.name}: grids and kernels at "
+                               f"{describe_bytes(best.setting.byte_cap)}", variants,
+                               self.vs_empty_checks(keys, self.p.min_gain_us), reserve)
+        trials = [self.trial("refine", s, measured, key, d) for key, (s, d) in keys.items()]
         rep.trials += trials
         good = [t for t in trials if t.vs_empty.estimate > 0]
         return max(good, key=lambda t: t.gain.estimate) if good else None
 
-    def verify(self, role: Role, setting: Setting, rep: RoleReport) -> Optional[Trial]:
+    def layers(self, role: Role, base: Trial, rep: RoleReport,
+               reserve: float) -> Optional[Trial]:
+        """Each layer's loads alone against its own empty forks, at ``base``'s setting;
+        then the layers whose loads beat them (95% interval above zero), if not all or
+        none, beside every layer on fresh instances.  Returns that group of layers'
+        trial where it gained more than every layer (and than no forks), else None."""
+        if len(role.sites) < 2:
+            return None
+        every = dataclasses.replace(base.setting, layers=None)
+        variants = {"a": Variant()}
+        keys: dict[str, tuple[Setting, str]] = {}
+        for layer in role.layers:
+            one = dataclasses.replace(every, layers=(layer,))
+            variants[f"d{layer}"] = Variant(((role.name, one),), empty=True)
+            variants[f"b{layer}"] = Variant(((role.name, one),))
+            keys[f"b{layer}"] = (one, f"d{layer}")
+        compare = self.cost(5, 3 if self.backend.switches else None)
+        if self.group_cost(variants) + compare + reserve > self.left():
+            return None
+        # a layer's share of what is worth a fork
+        measured = self.sample(f"{role.name}: each of {len(role.sites)} layers alone at "
+                               f"{every.label()}", variants,
+                               self.vs_empty_checks(keys, self.p.min_gain_us / len(role.sites)),
+                               reserve + compare)
+        trials = [self.trial("layer", s, measured, key, d) for key, (s, d) in keys.items()]
+        rep.trials += trials
+        paying = tuple(t.setting.layers[0] for t in trials if t.vs_empty.low > 0)
+        if not paying or len(paying) == len(role.sites):
+            return None
+        some = dataclasses.replace(every, layers=paying)
+        variants = {"a": Variant(), "d": Variant(((role.name, every),), empty=True),
+                    "b": Variant(((role.name, every),)),
+                    "d:some": Variant(((role.name, some),), empty=True),
+                    "b:some": Variant(((role.name, some),))}
+        if self.group_cost(variants) + reserve > self.left():
+            return None
+        measured = self.group(f"{role.name}: layers {', '.join(map(str, paying))} against all "
+                              f"{len(role.sites)}", variants)
+        t_every = self.trial("layers", every, measured, "b", "d")
+        t_some = self.trial("layers", some, measured, "b:some", "d:some")
+        rep.trials += [t_every, t_some]
+        if t_some.gain.estimate > max(t_every.gain.estimate, 0.0) and t_some.vs_empty.estimate > 0:
+            rep.reason = (f"promising after the layers: {some.label()} saved "
+                          f"{t_some.gain.estimate:+.2f} us, every layer "
+                          f"{t_every.gain.estimate:+.2f} us")
+            return t_some
+        return None
+
+    def verify(self, role: Role, setting: Setting, rep: RoleReport,
+               reserve: float) -> Optional[Trial]:
         variants = {"a": Variant(), "d": Variant(((role.name, setting),), empty=True),
                     "b": Variant(((role.name, setting),))}
-        times, identical = self.group(f"{role.name}: verify {setting.label()}", variants)
-        trial = self.trial("verify", setting, times, "b", "d")
+        measured = self.sample(f"{role.name}: verify {setting.label()}", variants,
+                               {"gain": _Check("a", "b", self.p.min_gain_us, also=("d",)),
+                                "vs_empty": _Check("d", "b", 0.0)}, reserve)
+        trial = self.trial("verify", setting, measured, "b", "d")
         rep.trials.append(trial)
         rep.chosen = trial
-        if not identical.get("b", True):
+        if not measured.identical.get("b", True):
             rep.reason = "refused: outputs with its loads differ from the step's (a bug: report it)"
             return None
         if not trial.gain.excludes_zero_above():
@@ -497,8 +709,8 @@ class _Batch:
             variants = {"a": Variant()}
             for n in range(1, len(chosen) + 1):
                 variants[f"p{n}"] = Variant(tuple(chosen[:n]))
-            times, _ = self.group(f"combine {len(chosen)} kept roles", variants)
-            gains = {n: diff_interval(times["a"], times[f"p{n}"]).estimate
+            measured = self.group(f"combine {len(chosen)} kept roles", variants)
+            gains = {n: diff_interval(measured.values("a"), measured.values(f"p{n}")).estimate
                      for n in range(1, len(chosen) + 1)}
             best = max(gains, key=lambda n: (gains[n], -n))
             for name, _ in chosen[best:]:
@@ -514,11 +726,11 @@ class _Batch:
                     reports[name].reason += "; not confirmed (budget)"
                 return
             plan = tuple(chosen)
-            times, identical = self.group(f"confirm {len(plan)} role(s)",
-                                          {"a": Variant(), "plan": Variant(plan)})
-            conf = Confirmation(plan, mean_interval(times["a"]), mean_interval(times["plan"]),
-                                diff_interval(times["a"], times["plan"]),
-                                identical.get("plan", True))
+            measured = self.group(f"confirm {len(plan)} role(s)",
+                                  {"a": Variant(), "plan": Variant(plan)})
+            a, with_plan = measured.values("a"), measured.values("plan")
+            conf = Confirmation(plan, mean_interval(a), mean_interval(with_plan),
+                                diff_interval(a, with_plan), measured.identical.get("plan", True))
             self.report.confirmations.append(conf)
             if conf.identical and conf.gain.excludes_zero_above():
                 self.report.plan = plan
@@ -534,15 +746,20 @@ class _Batch:
 
 def search(backend: Backend, roles: Sequence[Role], batches: Sequence[int], *,
            budget_s: float, instances: int = MIN_INSTANCES,
+           max_instances: Optional[int] = None,
            caps_mib: Sequence[float] = DEFAULT_CAPS_MIB, grids: Sequence[int] = DEFAULT_GRIDS,
            kernels: Sequence[Optional[str]] = (None,),
            graph_forks: Sequence[str] = GRAPH_FORKS,
            min_gain_us: float = DEFAULT_MIN_GAIN_US, progress: Any = sys.stderr,
            clock: Callable[[], float] = time.monotonic) -> list[BatchReport]:
     """Run the search of the module's docstring for each batch; the budget is
-    split evenly over the batches still to do.  Arguments are checked by
-    :func:`l2prefetch.tuning.tune`."""
-    params = _Params(instances=instances, caps=tuple(int(c * MIB) for c in caps_mib),
+    split evenly over the batches still to do.  ``max_instances`` (None:
+    MAX_INSTANCES, or ``instances`` if more) bounds the sequential sampling.
+    Arguments are checked by :func:`l2prefetch.tuning.tune`."""
+    if max_instances is None:
+        max_instances = max(MAX_INSTANCES, instances)
+    params = _Params(instances=instances, max_instances=max(max_instances, instances),
+                     caps=tuple(int(c * MIB) for c in caps_mib),
                      grids=tuple(grids), kernels=tuple(kernels), graph_forks=tuple(graph_forks),
                      min_gain_us=min_gain_us)
     meter = Progress(progress, budget_s, clock)

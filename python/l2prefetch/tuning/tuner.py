@@ -23,8 +23,8 @@ from typing import Any, Optional, Union
 from ..plan import GRAPH_FORKS
 from .discover import Role, candidates as discover_candidates, describe_bytes, discover
 from .profile import PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, versions
-from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, MIN_INSTANCES,
-                     Backend, BatchReport, Setting, StepError, search)
+from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, MAX_INSTANCES,
+                     MIN_INSTANCES, Backend, BatchReport, Setting, StepError, search)
 
 __all__ = ["TuneResult", "tune"]
 
@@ -234,27 +234,39 @@ def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
 
 def merge_plan(roles: Sequence[Role], reports: Sequence[BatchReport]) -> tuple[list, dict]:
     """One plan for all batches: an entry per kept (role, setting) and layer, holding the
-    batches where that setting was confirmed; and each point's (site path, layer)."""
+    batches where that setting was confirmed at that layer (a setting for a group of
+    layers covers those only); and each point's (site path, layer), by layer."""
     by_name = {role.name: role for role in roles}
-    batches_of: dict[tuple[str, Setting], list[int]] = {}
+    batches_of: dict[tuple[str, Setting], dict[int, list[int]]] = {}
     for rep in reports:
         for name, setting in rep.plan:
-            batches_of.setdefault((name, setting), []).append(rep.batch)
+            layers = by_name[name].layers if setting.layers is None else setting.layers
+            per_layer = batches_of.setdefault((name, dataclasses.replace(setting, layers=None)),
+                                              {})
+            for layer in layers:
+                per_layer.setdefault(layer, []).append(rep.batch)
     plan, sites = [], {}
-    for (name, setting), batches in batches_of.items():
-        role = by_name[name]
-        plan += role.entries(sorted(batches), byte_cap=setting.byte_cap, grid=setting.grid,
-                             kernel=setting.kernel, graph_fork=setting.graph_fork)
-        point_sites = sites.setdefault(name, [])
-        for site in role.sites:
-            if (site.site, site.layer) not in point_sites:
-                point_sites.append((site.site, site.layer))
+    for (name, setting), per_layer in batches_of.items():
+        layers_of: dict[tuple[int, ...], list[int]] = {}
+        for layer, batches in per_layer.items():
+            layers_of.setdefault(tuple(sorted(batches)), []).append(layer)
+        for batches, layers in layers_of.items():
+            role = by_name[name].restrict(layers)
+            plan += role.entries(batches, byte_cap=setting.byte_cap, grid=setting.grid,
+                                 kernel=setting.kernel, graph_fork=setting.graph_fork)
+            point_sites = sites.setdefault(name, [])
+            for site in role.sites:
+                if (site.site, site.layer) not in point_sites:
+                    point_sites.append((site.site, site.layer))
+    for point_sites in sites.values():
+        point_sites.sort(key=lambda site: site[1])
     return plan, sites
 
 
 def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
          candidates: Optional[Sequence[Union[str, Role]]] = None, budget_s: float = 300,
-         instances: int = MIN_INSTANCES, rounds: int = DEFAULT_ROUNDS,
+         instances: int = MIN_INSTANCES, max_instances: Optional[int] = None,
+         rounds: int = DEFAULT_ROUNDS,
          caps_mib: Sequence[float] = DEFAULT_CAPS_MIB, grids: Sequence[int] = DEFAULT_GRIDS,
          kernels: Optional[Sequence[Optional[str]]] = None,
          graph_forks: Sequence[str] = GRAPH_FORKS,
@@ -274,9 +286,13 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
 
     ``budget_s`` bounds the measuring (seconds, all batches together);
     ``instances`` graph instances per variant (at least 5), ``rounds`` replays
-    of each per group.  The search covers ``caps_mib``, ``grids``, ``kernels``
-    (None: the device's default; names from :func:`l2prefetch.kernel_variants`)
-    and ``graph_forks``; the first of each list is the default setting.
+    of each per group; a candidate whose interval is still undecided gets
+    ``instances`` more at a time up to ``max_instances`` (None: 15, or
+    ``instances`` if more; equal to ``instances``: no sequential sampling).
+    The search covers ``caps_mib``, ``grids``, ``kernels`` (None: the device's
+    default; names from :func:`l2prefetch.kernel_variants`) and
+    ``graph_forks``; the first of each list is the default setting, and each
+    role's layers alone and in groups (:attr:`~l2prefetch.tuning.Setting.layers`).
     ``progress``: a text stream for one line per measured group (None: quiet).
 
     Raises TypeError/ValueError for bad arguments (naming them),
@@ -298,6 +314,15 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
         raise ValueError("budget_s must be > 0 seconds (the default is 300); a tuner with no "
                          "time can confirm nothing")
     _check_number("instances", instances, MIN_INSTANCES, integer=True)
+    if max_instances is None:
+        max_instances = max(MAX_INSTANCES, instances)
+    elif isinstance(max_instances, bool) or not isinstance(max_instances, numbers.Integral):
+        raise TypeError(f"max_instances must be None or an int >= instances ({instances}), "
+                        f"got {type(max_instances).__name__} {max_instances!r}")
+    elif max_instances < instances:
+        raise ValueError(f"max_instances must be None or an int >= instances ({instances}), "
+                         f"got {max_instances}; equal to instances turns sequential "
+                         "sampling off")
     _check_number("rounds", rounds, 1, integer=True)
     _check_number("min_gain_us", min_gain_us, 0)
     for name, values, kind in (("caps_mib", caps_mib, numbers.Real), ("grids", grids, int)):
@@ -345,14 +370,16 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
               f"budget {budget_s:.0f} s", file=progress, flush=True)
     remaining = budget_s - (time.monotonic() - t0)
     reports = search(backend, roles, batches, budget_s=max(remaining, 1e-3), instances=instances,
-                     caps_mib=caps_mib, grids=grids, kernels=kernels, graph_forks=graph_forks,
-                     min_gain_us=min_gain_us, progress=progress)
+                     max_instances=int(max_instances), caps_mib=caps_mib, grids=grids,
+                     kernels=kernels, graph_forks=graph_forks, min_gain_us=min_gain_us,
+                     progress=progress)
     plan, sites = merge_plan(roles, reports)
     fingerprint = getattr(backend, "device_fingerprint", None)
     result = TuneResult(
         batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
         elapsed_s=time.monotonic() - t0,
-        settings={"instances": instances, "rounds": getattr(backend, "rounds", rounds),
+        settings={"instances": instances, "max_instances": int(max_instances),
+                  "rounds": getattr(backend, "rounds", rounds),
                   "caps_mib": list(caps_mib), "grids": list(grids), "kernels": list(kernels),
                   "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
                   "min_bytes": min_bytes, "roles": len(roles)},
