@@ -462,13 +462,23 @@ def model_bytes(model_cls: type, config: Any, dtype: Any) -> tuple[int, int]:
     return count, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _amount(n: float, units: tuple[str, ...], step: float) -> str:
+    """``n`` in the largest of ``units`` it reaches ('1.23 G', '512.0 K')."""
+    unit = 0
+    while unit + 1 < len(units) and n >= step ** (unit + 1):
+        unit += 1
+    return f"{n / step ** unit:.{0 if unit == 0 else 2}f} {units[unit]}".rstrip()
+
+
 def _check_fits(what: str, count: int, nbytes: int, device: Any) -> None:
     free = available_bytes(device)
     if free is not None and nbytes > free:
-        raise ValueError(f"{what} is {count / 1e9:.2f} B parameters, {nbytes / 2**30:.1f} GiB, "
-                         f"more than the {free / 2**30:.1f} GiB free on {device}: make it "
-                         "smaller (e.g. --set num_hidden_layers=4; the tuner needs a few "
-                         "layers, not the whole model) or use a larger device")
+        raise ValueError(
+            f"{what} is {_amount(count, ('', 'K', 'M', 'B'), 1000)} parameters, "
+            f"{_amount(nbytes, ('bytes', 'KiB', 'MiB', 'GiB', 'TiB'), 1024)}, more than the "
+            f"{_amount(free, ('bytes', 'KiB', 'MiB', 'GiB', 'TiB'), 1024)} free on {device}: "
+            "make it smaller (e.g. --set num_hidden_layers=4; the tuner needs a few layers, "
+            "not the whole model) or use a larger device")
 
 
 def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,

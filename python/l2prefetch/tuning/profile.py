@@ -180,9 +180,14 @@ class Profile:
         return build_controller(self.plan, device, eager=eager)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 200   # module paths are long; whole values are not
+_REPR.maxlong = 40
+
+
 def _show(value: Any) -> str:
     """A value for a message: its repr, shortened (a field may hold megabytes)."""
-    return reprlib.repr(value)
+    return _REPR.repr(value)
 
 
 def _fail(where: str, what: str) -> ValueError:
