@@ -43,8 +43,8 @@ def test_only_regular_files_are_read(tmp_path):
 def test_reads_are_bounded_and_decoded(tmp_path):
     big = tmp_path / "big"
     big.write_bytes(b"x" * 3000)
-    with pytest.raises(ValueError, match=r"is 3000 bytes, more than the 0 MiB a profile can "
-                                         r"be"):
+    with pytest.raises(ValueError, match=r"is 3000 bytes, more than the 2048 bytes a profile "
+                                         r"can be: is it the right file\?"):
         _files.read_bytes(big, "profile", limit=2048)
     assert len(_files.read_bytes(big, "profile", limit=3000)) == 3000
     latin = tmp_path / "latin"

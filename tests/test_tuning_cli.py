@@ -219,8 +219,8 @@ def test_a_model_type_transformers_lacks_is_refused_without_running_its_code(tmp
      r"--set num_hidden_layers=Infinity: must be a finite number"),
     (["llama", *small(hidden_size="NaN")], r"--set hidden_size=NaN: must be a finite number"),
     (["llama", *small(num_attention_heads=3)],
-     r"the overrides do not make a valid LlamaConfig: ValueError: The hidden size \(64\) is "
-     r"not a multiple of the number of attention heads \(3\)"),
+     r"no valid LlamaConfig from the overrides: ValueError: The hidden size \(64\) is not a "
+     r"multiple of the number of attention heads \(3\)"),
     (["llama", *small(vocab_size=0)], r"vocab_size must be an int >= 1, got 0"),
     (["llama", *small(num_hidden_layers=-1)], r"num_hidden_layers must be an int >= 1, got -1"),
     (["llama", *small(num_hidden_layers=70000)], r"num_hidden_layers must be at most 65536"),

@@ -66,6 +66,10 @@ def _path(path: object, what: str) -> str:
     return text
 
 
+def _limit(limit: int) -> str:
+    return f"{limit >> 20} MiB" if limit >= 1 << 20 and not limit % (1 << 20) else f"{limit} bytes"
+
+
 def open_regular(path: PathLike, what: str) -> tuple[int, os.stat_result]:
     """``(fd, stat)`` of the regular file at ``path``, opened read-only; the caller
     closes ``fd``.  Anything else (a FIFO, a directory, a device) is a ValueError."""
@@ -90,7 +94,7 @@ def read_bytes(path: PathLike, what: str, *, limit: int = MAX_BYTES) -> bytes:
     try:
         if info.st_size > limit:
             raise ValueError(f"{what} {where} is {info.st_size} bytes, more than the "
-                             f"{limit >> 20} MiB a {what} can be: is it the right file?")
+                             f"{_limit(limit)} a {what} can be: is it the right file?")
         chunks, total = [], 0
         while True:
             chunk = os.read(fd, min(1 << 20, limit + 1 - total))
@@ -99,7 +103,7 @@ def read_bytes(path: PathLike, what: str, *, limit: int = MAX_BYTES) -> bytes:
             chunks.append(chunk)
             total += len(chunk)
             if total > limit:  # the file grew while being read
-                raise ValueError(f"{what} {where} is more than the {limit >> 20} MiB a "
+                raise ValueError(f"{what} {where} is more than the {_limit(limit)} a "
                                  f"{what} can be: is it the right file?")
         return b"".join(chunks)
     finally:

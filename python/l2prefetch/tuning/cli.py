@@ -7,8 +7,9 @@ MODEL is a local checkpoint directory, a config.json, a config class name
 (LlamaConfig) or a model type (llama); the last three get random weights.
 ``--list-roles`` only discovers the candidate roles (works on the CPU with
 ``--device cpu``).  Exit status: 0 when tuning finished (an empty plan is a
-result), 2 for a bad option or model or no GPU (one line on stderr), 1 when
-the step fails or cannot be captured.
+result), 2 for a bad option, ``--set``, model, checkpoint or output, or no GPU
+(one line on stderr, checked before anything is built or measured), 1 when
+the step fails or cannot be captured.  Options cannot be abbreviated.
 """
 
 from __future__ import annotations

@@ -9,6 +9,17 @@ does not depend on the values.  Fused expert modules are switched to
 ``grouped_mm`` where transformers offers it, since the default expert loop
 synchronises the host and cannot be captured.
 
+A checkpoint is untrusted input.  Its ``config.json`` is read here (a regular
+file, no key twice) and made into transformers' own config class of its
+``model_type``; ``auto_map`` is dropped, so no code of the checkpoint is ever
+imported.  Overrides must be fields of that class (or attributes its model
+reads off the config) with values of their types: they are never loader
+keyword arguments (``trust_remote_code`` is no field).  Weights are loaded only
+from safetensors files whose headers were checked against the file; a
+checkpoint with only pickled weights is refused.  Before anything is built
+the model is made on the meta device to count its bytes, and refused where
+they exceed the memory free on the device (:func:`available_bytes`).
+
 :class:`DecodeStep` is ``step(batch)`` for :func:`l2prefetch.tuning.tune`:
 per batch a ``StaticCache`` filled by a prompt of ``prompt_len`` random
 tokens, static ``input_ids`` and ``position_ids``; each call resets the
@@ -28,14 +39,15 @@ import json
 import math
 import os
 import re
+import reprlib
 import sys
 from collections.abc import Mapping
 from typing import Any, Optional
 
 from .._files import check_regular, loads_json, open_regular, read_text
 
-__all__ = ["DecodeStep", "OverrideError", "available_bytes", "config_fields", "device_of", "dtype_of",
-           "load_model", "model_bytes", "parse_overrides"]
+__all__ = ["DecodeStep", "OverrideError", "available_bytes", "config_fields", "device_of",
+           "dtype_of", "load_model", "model_bytes", "parse_overrides"]
 
 PROMPT_LEN = 8
 MAX_CACHE_LEN = 64
@@ -304,14 +316,15 @@ def _make_config(tf: Any, cls: type, data: Mapping[str, Any], overrides: Mapping
     overrides, each checked first."""
     _check_overrides(tf, cls, overrides)
     merged = {**data, **overrides}
-    source = (where or "") + (" with the overrides" if where and overrides else "") \
-        or ("the overrides" if overrides else f"{cls.__name__}'s defaults")
+    if where is None:
+        source = "the overrides" if overrides else f"{cls.__name__}'s defaults"
+    else:
+        source = f"{where} with the overrides" if overrides else where
     _check_sizes(cls, merged, source)
     try:
         config = cls(**merged)
     except Exception as exc:  # noqa: BLE001 - only transformers' config code ran: bad values
-        raise ValueError(f"{source} do{'es' if where else ''} not make a valid "
-                         f"{cls.__name__}: {_one_line(exc)}") from None
+        raise ValueError(f"no valid {cls.__name__} from {source}: {_one_line(exc)}") from None
     _check_sizes(cls, config, source)
     return config
 
@@ -373,14 +386,15 @@ def _check_safetensors(path: str) -> None:
         if ok and item is not None:
             ok = offsets[1] - offsets[0] == math.prod(shape) * item
         if not ok:
-            raise ValueError(f"{path} is corrupt: the header's entry for tensor {name!r} is "
-                             f"not a dtype, shape and data_offsets that agree: {described!r}"[:300])
+            raise ValueError(f"{path} is corrupt: the header's entry for tensor "
+                             f"{reprlib.repr(name)} is not a dtype, shape and data_offsets "
+                             f"that agree: {reprlib.repr(described)}")
         spans.append((offsets[0], offsets[1], name))
     end = 0
     for begin, stop, name in sorted(spans):
         if begin != end:
-            raise ValueError(f"{path} is corrupt: tensor {name!r} starts at byte {begin} of "
-                             f"the data, where the tensors before it end at {end}")
+            raise ValueError(f"{path} is corrupt: tensor {reprlib.repr(name)} starts at byte "
+                             f"{begin} of the data, where the tensors before it end at {end}")
         end = stop
     if end != data_bytes:
         raise ValueError(f"{path} is corrupt or truncated: its tensors need {end} bytes of data "
@@ -463,7 +477,7 @@ def model_bytes(model_cls: type, config: Any, dtype: Any) -> tuple[int, int]:
 
 
 def _amount(n: float, units: tuple[str, ...], step: float) -> str:
-    """``n`` in the largest of ``units`` it reaches ('1.23 G', '512.0 K')."""
+    """``n`` in the largest of ``units`` it reaches ('12.05 B', '22.44 GiB')."""
     unit = 0
     while unit + 1 < len(units) and n >= step ** (unit + 1):
         unit += 1
