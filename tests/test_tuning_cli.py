@@ -227,6 +227,11 @@ def test_a_model_type_transformers_lacks_is_refused_without_running_its_code(tmp
     (["llama", *small(rope_parameters='{"rope_type": "default", "rope_type": "linear"}')],
      r"gives the key 'rope_type' more than once"),
     (["llama", *SMALL, "--caps-mib", "1e-9"], r"--caps-mib must be numbers >= 1.53e-05"),
+    # a batch the controller cannot key (it allocated a 33 GiB prompt first), a seed torch
+    # cannot take (it said "Overflow when unpacking long long"), a grid no launch takes
+    (["llama", *SMALL, "--batches", "1,70000"], r"--batches must be integers <= 65535"),
+    (["llama", *SMALL, "--seed", str(2**70)], r"--seed must be in 0..4294967295"),
+    (["llama", *SMALL, "--grids", "70000"], r"--grids must be integers <= 65535"),
 ])
 def test_bad_tune_input_is_one_line_and_exit_2(argv, words, capsys):
     pytest.importorskip("transformers")

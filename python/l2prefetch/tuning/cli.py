@@ -19,16 +19,18 @@ import os
 import sys
 from typing import Any, Optional
 
-from ..plan import MIN_BYTE_CAP
+from ..plan import MAX_BATCH, MIN_BYTE_CAP
+from .hf import MAX_SEED
 
 __all__ = ["add_parser", "main", "run"]
 
 HELP = "measure which prefetches pay for a Hugging Face model on this GPU; write a profile"
 
 
-def _list(text: str, what: str, kind: type = int, low: float = 0) -> list:
-    """A comma-separated list of ``kind`` values > ``low`` (and below 2**40), or an
-    argparse error naming ``what``."""
+def _list(text: str, what: str, kind: type = int, low: float = 0,
+          high: float = 2**40) -> list:
+    """A comma-separated list of ``kind`` values > 0, at least ``low`` and at most
+    ``high``, or an argparse error naming ``what``."""
     noun = "integers" if kind is int else "numbers"
     try:
         values = [kind(x) for x in text.split(",") if x.strip()]
@@ -39,6 +41,8 @@ def _list(text: str, what: str, kind: type = int, low: float = 0) -> list:
         raise argparse.ArgumentTypeError(f"{what} must be {noun} > 0, got {text!r}")
     if low and not all(v >= low for v in values):
         raise argparse.ArgumentTypeError(f"{what} must be {noun} >= {low:.3g}, got {text!r}")
+    if not all(v <= high for v in values):
+        raise argparse.ArgumentTypeError(f"{what} must be {noun} <= {high:g}, got {text!r}")
     return values
 
 
@@ -49,7 +53,8 @@ def _positive(kind: type, what: str, low: float = 0.0, high: float = 1e9) -> Any
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
         if not low < value <= high:
-            raise argparse.ArgumentTypeError(f"{what} must be in ({low}, {high:g}], got {text}")
+            bounds = f"{int(low) + 1}..{int(high)}" if kind is int else f"({low}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{what} must be in {bounds}, got {text}")
         return value
     return parse
 
@@ -60,7 +65,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="a config field, e.g. num_hidden_layers=8 "
                         "(repeatable; values are read as JSON where they parse)")
-    parser.add_argument("--batches", type=lambda t: _list(t, "--batches"), default=[1, 8],
+    parser.add_argument("--batches", type=lambda t: _list(t, "--batches", high=MAX_BATCH),
+                        default=[1, 8],
                         help="decode batches to tune, comma-separated (default 1,8)")
     parser.add_argument("--budget", type=_positive(float, "--budget", 0, 86400), default=300.0,
                         help="seconds of measuring, all batches together (default 300)")
@@ -73,7 +79,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="where to build the model (default cuda)")
     parser.add_argument("--dtype", default="bfloat16", help="weight dtype for random weights "
                         "(default bfloat16)")
-    parser.add_argument("--seed", type=int, default=0, help="random-weight seed (default 0)")
+    parser.add_argument("--seed", type=_positive(int, "--seed", -1, MAX_SEED), default=0,
+                        help="random-weight seed (default 0)")
     parser.add_argument("--roles", action="append", default=None, metavar="NAME",
                         help="measure only this role (repeatable; see --list-roles)")
     parser.add_argument("--list-roles", action="store_true",
@@ -86,7 +93,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                            MIN_BYTE_CAP / (1 << 20)),
                         default=[4, 8, 16, 24, 32, 48],
                         help="byte caps to try, in MiB (each at least 16 bytes)")
-    parser.add_argument("--grids", type=lambda t: _list(t, "--grids"), default=[16, 32, 64],
+    parser.add_argument("--grids", type=lambda t: _list(t, "--grids", high=65535),
+                        default=[16, 32, 64],
                         help="loader CTA counts to try (default 16,32,64)")
     parser.add_argument("--kernels", default=None,
                         help="kernel variants to try, comma-separated; 'default' is the "

@@ -59,6 +59,9 @@ SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_att
                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
 #: At most this many decoder layers: a controller's layers are 0..65535.
 MAX_LAYERS = 65536
+#: The largest seed: DecodeStep seeds each batch's prompt with seed * 1000 + batch,
+#: which torch's generator takes up to 2**64 - 1.
+MAX_SEED = 2**32 - 1
 #: safetensors' own limit on its JSON header, and the bytes of each of its dtypes.
 SAFETENSORS_HEADER_MAX = 100_000_000
 SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
@@ -495,6 +498,11 @@ def _check_fits(what: str, count: int, nbytes: int, device: Any) -> None:
             "not the whole model) or use a larger device")
 
 
+def _check_seed(seed: Any) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an int in 0..{MAX_SEED}, got {seed!r}")
+
+
 def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
                device: Any = "cuda", dtype: Any = "bfloat16", seed: int = 0) -> Any:
     """A causal LM in eval mode on ``device`` (see the module's docstring).
@@ -510,6 +518,7 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
     tf = _transformers()
     if not isinstance(source, str) or not source:
         raise TypeError(f"source must be a path or a config name, got {source!r}")
+    _check_seed(seed)
     torch_dtype = dtype_of(dtype)
     where = device_of(device)
     if overrides is not None and not isinstance(overrides, Mapping):
@@ -589,6 +598,7 @@ class DecodeStep:
         for name, value in (("prompt_len", prompt_len), ("max_cache_len", max_cache_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        _check_seed(seed)
         if max_cache_len <= prompt_len:
             raise ValueError(f"max_cache_len ({max_cache_len}) must exceed prompt_len "
                              f"({prompt_len}) to leave room for the decoded token")
