@@ -41,10 +41,11 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import l2prefetch  # noqa: E402
-from l2prefetch import PlanEntry, _C, deepseek_v3, hooks, kimi_k3  # noqa: E402
+from l2prefetch import PlanEntry, _C, deepseek_v3, hooks, kimi_k3, tuning  # noqa: E402
 from l2prefetch.__main__ import main  # noqa: E402
 from l2prefetch.cli import build_synthetic_kimi, plan_main  # noqa: E402
 from l2prefetch.plan import gate, plan_from_json  # noqa: E402
+from l2prefetch.tuning import load_profile  # noqa: E402
 from conftest import FakeArray, Raising, cuda_tensor, device_ptr  # noqa: E402
 
 compute_ranges = l2prefetch.compute_ranges
@@ -288,6 +289,10 @@ class Env:
     def model(self):        # a one-layer CPU model for hooks and plan JSON
         return nn.Sequential(nn.Linear(4, 4))
 
+    @functools.cached_property
+    def twin(self):         # another model of self.model's shapes
+        return nn.Sequential(nn.Linear(4, 4))
+
     def attach(self, controller, points=...):
         """hooks.attach on self.model; by default a fork of ("attn", 0) after its Linear."""
         return hooks.attach(self.model, controller,
@@ -301,6 +306,34 @@ class Env:
         path = self.tmp_path / "shapes.json"
         path.write_text(json.dumps(dims))
         return plan_main(["--shapes", str(path)])
+
+    def profile(self, change=None, text=None):
+        """The path of a profile of self.model (one entry: "attn" at layer 0, batch 1),
+        after ``change(data)``, or of ``text`` itself."""
+        data = {"format": "l2prefetch-profile", "version": 1,
+                "device": {"name": "NVIDIA H200", "sm": 90, "sm_count": 132,
+                           "l2_bytes": 60 << 20, "driver_version": 13000},
+                "model": {"class": "Sequential", "layers": 1,
+                          "weights": {"0.weight": [[4, 4], "float32"]}},
+                "batches": [1],
+                "plan": [{"point": "attn", "layer": 0, "batches": [1], "weights": ["0.weight"],
+                          "site": "0"}]}
+        if change is not None:
+            change(data)
+        path = self.tmp_path / "p.json"
+        path.write_text(json.dumps(data) if text is None else text)
+        return path
+
+    def fifo(self, name="fifo.json"):
+        path = self.tmp_path / name
+        os.mkfifo(path)
+        return str(path)
+
+    def tune_status(self, *argv):
+        """l2prefetch tune ARGV (in this process), argparse's exits included."""
+        from l2prefetch.tuning import cli as tuning_cli
+
+        return exit_status(tuning_cli.main, list(argv))
 
     @functools.cached_property
     def fakenvrtc(self):    # the NVRTC stand-in, built once per session
@@ -920,6 +953,9 @@ ROWS = [
         Raises(TypeError, r"PlanEntry.carveout must be an int in -1\.\.100, got float 50.0")),
     row("PlanEntry", "byte_cap negative", lambda e: PlanEntry("p", 0, [1], (cpu(4),), byte_cap=-16),
         Raises(ValueError, r"PlanEntry.byte_cap must be an int >= 0, got -16")),
+    row("PlanEntry", "byte_cap 15 (a table that loads nothing)",
+        lambda e: PlanEntry("p", 0, [1], (cpu(4),), byte_cap=15),
+        Raises(ValueError, r"PlanEntry.byte_cap must be 0 \(no cap\) or at least 16 bytes .*got 15")),
     row("PlanEntry", "byte_cap beyond 63 bits", lambda e: PlanEntry("p", 0, [1], (cpu(4),), byte_cap=2**64),
         Raises(ValueError, r"PlanEntry.byte_cap must be an int >= 0 below 2\*\*63, got 18446744073709551616")),
     row("PlanEntry", "priority an int", lambda e: PlanEntry("p", 0, [1], (cpu(4),), priority=1),
@@ -1163,6 +1199,72 @@ ROWS = [
         lambda e: [(x.kernel, x.graph_fork) for x in plan_from_json(plan_json(), e.model)],
         Returns([(None, None)])),
 
+    row("plan_from_json", "a key given twice (json keeps the last)",
+        lambda e: plan_from_json(plan_json(2, byte_cap=4096)[:-3] + ', "byte_cap": 0}]}', e.model),
+        Raises(ValueError, r"plan JSON: entries\[0\] gives the key 'byte_cap' more than once")),
+    row("plan_from_json", "two entries for one point, layer and batch",
+        lambda e: plan_from_json(json.dumps({"version": 2, "entries": [json.loads(plan_json())["entries"][0]] * 2}),
+                                 e.model),
+        Raises(ValueError, r"plan JSON entries 0 and 1 both prefetch at point 'attn', layer 0, batch 1")),
+    row("plan_from_json", "a weight named twice in an entry",
+        lambda e: plan_from_json(plan_json(weights=["0.weight", "0.weight"]), e.model),
+        Raises(ValueError, r"plan JSON entry 0: 'weights' lists \['0.weight'\] more than once")),
+    row("plan_from_json", "a 5000-digit layer", lambda e: plan_from_json(plan_json().replace('"layer": 0', '"layer": ' + "9" * 5000), e.model),
+        Raises(ValueError, r"plan JSON: entries\[0\].layer is a 5000-digit number")),
+    row("plan_from_json", "byte_cap 8", lambda e: plan_from_json(plan_json(byte_cap=8), e.model),
+        Raises(ValueError, r"plan JSON entry 0: PlanEntry.byte_cap must be 0 \(no cap\) or at least 16 bytes")),
+
+    # ---- tuning.load_profile(path, model, *, device=None, check_device=True) -----------------------------
+    row("load_profile", "a valid profile (check_device=False)",
+        lambda e: len(load_profile(e.profile(), e.model, check_device=False).plan), Returns(1)),
+    row("load_profile", "a FIFO (no hang)", lambda e: load_profile(e.fifo(), e.model, check_device=False),
+        Raises(ValueError, r"profile .*fifo.json is a FIFO, not a regular file")),
+    row("load_profile", "a directory", lambda e: load_profile(e.tmp_path, e.model, check_device=False),
+        Raises(ValueError, r"profile .* is a directory, not a regular file")),
+    row("load_profile", "\"plan\" given twice", lambda e: load_profile(
+            e.profile(text=e.profile().read_text()[:-1] + ', "plan": []}'), e.model, check_device=False),
+        Raises(ValueError, r"profile .*p.json: the top level gives the key 'plan' more than once")),
+    row("load_profile", "two entries for one key",
+        lambda e: load_profile(e.profile(lambda d: d["plan"].append(dict(d["plan"][0]))), e.model,
+                               check_device=False),
+        Raises(ValueError, r"profile .*p.json: plan\[0\] and plan\[1\] both prefetch at point 'attn', layer 0")),
+    row("load_profile", "an entry for a batch not in 'batches'",
+        lambda e: load_profile(e.profile(lambda d: d["plan"][0].update(batches=[2])), e.model,
+                               check_device=False),
+        Raises(ValueError, r"plan\[0\].batches holds 2, which is not one of the profile's batches \[1\]")),
+    row("load_profile", "a layer-0 entry whose site is in layer 1",
+        lambda e: load_profile(e.profile(lambda d: d["plan"][0].update(site="layers.1.mlp")), e.model,
+                               check_device=False),
+        Raises(ValueError, r"plan\[0\].site 'layers.1.mlp' is in layer 1, but the entry is for layer 0")),
+    row("load_profile", "one weight listed three times",
+        lambda e: load_profile(e.profile(lambda d: d["plan"][0].update(weights=["0.weight"] * 3)),
+                               e.model, check_device=False),
+        Raises(ValueError, r"plan\[0\].weights lists \['0.weight'\] more than once")),
+    row("load_profile", "batches [10**30]",
+        lambda e: load_profile(e.profile(lambda d: d.update(batches=[10**30])), e.model, check_device=False),
+        Raises(ValueError, r"'batches' must be a non-empty list of ints in 1..65535")),
+    row("load_profile", "a fingerprint weight of 5",
+        lambda e: load_profile(e.profile(lambda d: d["model"]["weights"].update({"0.weight": 5})),
+                               e.model, check_device=False),
+        Raises(ValueError, r"profile .*p.json: 'model.weights'\['0.weight'\] must be \[shape, dtype\]")),
+    row("load_profile", "versions a str",
+        lambda e: load_profile(e.profile(lambda d: d.update(versions="x")), e.model, check_device=False),
+        Raises(ValueError, r"profile .*p.json: 'versions' must be an object, got 'x'")),
+    row("load_profile", "a 5000-digit number",
+        lambda e: load_profile(e.profile(text=json.dumps({"format": "l2prefetch-profile", "version": 1,
+                                                          "batches": [1]}).replace("[1]", "[1" + "0" * 5000 + "]")),
+                               e.model, check_device=False),
+        Raises(ValueError, r"profile .*p.json: batches\[0\] is a 5001-digit number")),
+    row("load_profile", "device='cpu'", lambda e: load_profile(e.profile(), e.model, device="cpu"),
+        Raises(ValueError, r"device must be a CUDA device \('cuda' or 'cuda:N'\), got 'cpu'")),
+    row("load_profile", "a torch that sees no GPU", lambda e: load_profile(e.profile(), e.model),
+        Raises(l2prefetch.CudaUnavailableError, r"torch .* sees no CUDA device .*check_device=False")),
+    row("from_profile", "a profile loaded for another model of the same shapes",
+        lambda e: PC.from_profile(load_profile(e.profile(), e.twin, check_device=False), e.model),
+        Raises(tuning.ProfileMismatchError, r"was loaded for another Sequential object, not this Sequential")),
+    row("from_profile", "device='cpu'", lambda e: PC.from_profile(e.profile(), e.model, device="cpu"),
+        Raises(ValueError, r"device must be a CUDA device")),
+
     # ---- plan.gate(plan, windows_us, *, bytes_per_us=3.2e6, min_bytes=0) --------------------------------
     row("plan.gate", "plan None", lambda e: gate(None, {}),
         Raises(TypeError, r"'NoneType' object is not iterable")),
@@ -1226,6 +1328,20 @@ ROWS = [
         Exits(2, r"dtype 'int8' is not a floating-point dtype")),
     row("cli plan", "--shapes with an unknown dimension", lambda e: e.shapes_status({"heads": 3}),
         Exits(2, r"unknown dimensions \['heads'\]")),
+    row("cli plan", "--shapes a FIFO (no hang)", lambda e: plan_main(["--shapes", e.fifo()]),
+        Exits(2, r"l2prefetch plan: --shapes file .*fifo.json is a FIFO, not a regular file")),
+    row("cli plan", "--shapes with a key twice", lambda e: plan_main(["--shapes", str(e.profile(text='{"layers": 2, "layers": 3}'))]),
+        Exits(2, r"the top level gives the key 'layers' more than once")),
+    row("cli plan", "--all-p (an abbreviation)", lambda e: plan_main(["--all-p"]),
+        Exits(2, r"unrecognized arguments: --all-p")),
+    row("cli tune", "--dtype bf16", lambda e: e.tune_status("llama", "--dtype", "bf16", "--list-roles"),
+        Exits(2, r"l2prefetch tune: --dtype: dtype must name a floating-point torch dtype")),
+    row("cli tune", "--device gpu", lambda e: e.tune_status("llama", "--device", "gpu", "--list-roles"),
+        Exits(2, r"l2prefetch tune: --device: device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'")),
+    row("cli tune", "--caps-mib 1e-9", lambda e: e.tune_status("llama", "--caps-mib", "1e-9"),
+        Exits(2, r"argument --caps-mib: --caps-mib must be numbers >= 1.53e-05")),
+    row("cli tune", "--list-role (an abbreviation)", lambda e: e.tune_status("llama", "--list-role"),
+        Exits(2, r"unrecognized arguments: --list-role")),
     row("python -m l2prefetch plan", "--tp 3 (the real command)", lambda e: subprocess_status("plan", "--tp", "3"),
         Exits(2, r"argument --tp: invalid choice: 3")),
     row("python -m l2prefetch", "--bogus", lambda e: exit_status(main, ["--bogus"]),

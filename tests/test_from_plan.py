@@ -317,3 +317,18 @@ def test_loggers_are_children_of_the_package_logger():
     assert controller_module.logger.name == "l2prefetch.controller"
     assert hooks.logger.name == "l2prefetch.hooks"
     assert controller_module.logger.parent is package and hooks.logger.parent is package
+
+
+def test_two_entries_for_one_point_layer_and_batch_are_refused(fake):
+    # Issue 21 (8): add() replaces what a key holds, so the first entry's batch 2 was lost.
+    a = PlanEntry("p", 0, [1, 2], (cuda_tensor(0),))
+    b = PlanEntry("p", 0, [2, 3], (cuda_tensor(4096),), grid=8)
+    with pytest.raises(ValueError, match=r"^plan\[0\] and plan\[1\] both prefetch at point 'p', "
+                                         r"layer 0, batch 2: give each \(point, layer, batch\) "
+                                         r"one entry$"):
+        PC.from_plan([a, b], 0)
+    assert fake.log("cuStreamCreateWithPriority") == []    # refused before anything was made
+    other_layer = PlanEntry("p", 1, [2], (cuda_tensor(4096),))
+    with PC.from_plan([a, other_layer], 0) as controller:
+        assert controller.get("p", 0, 2).nbytes == 2048
+    assert_nothing_alive(fake)

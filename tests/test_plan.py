@@ -539,6 +539,40 @@ def test_json_field_errors_come_from_plan_entry(model):
     assert plan_from_json(json.dumps({"version": 1, "entries": []}), model) == []
 
 
+def plan_entry_json(**fields):
+    entry = {"point": "p", "layer": 0, "batches": [1], "weights": ["layers.0.front"], **fields}
+    return entry
+
+
+@pytest.mark.parametrize("text, error, words", [
+    # a key twice: json keeps the last, which made a capped entry uncapped
+    ('{"version": 2, "entries": [{"point": "p", "layer": 0, "batches": [1], '
+     '"weights": ["layers.0.front"], "byte_cap": 4096, "byte_cap": 0}]}', ValueError,
+     "plan JSON: entries[0] gives the key 'byte_cap' more than once (JSON would keep only "
+     "the last); keep one"),
+    ('{"version": 2, "entries": [], "entries": []}', ValueError,
+     "plan JSON: the top level gives the key 'entries' more than once"),
+    # two entries for one (point, layer, batch): the controller keeps the last
+    (json.dumps({"version": 2, "entries": [plan_entry_json(batches=[1, 2]),
+                                           plan_entry_json(batches=[2, 3], grid=8)]}),
+     ValueError, "plan JSON entries 0 and 1 both prefetch at point 'p', layer 0, batch 2"),
+    (json.dumps({"version": 2, "entries": [plan_entry_json(
+        weights=["layers.0.front", "layers.1.front", "layers.0.front"])]}), ValueError,
+     "plan JSON entry 0: 'weights' lists ['layers.0.front'] more than once"),
+    ('{"version": 2, "entries": [{"point": "p", "layer": ' + "9" * 5000 + ', "batches": [1], '
+     '"weights": ["layers.0.front"]}]}', ValueError,
+     "plan JSON: entries[0].layer is a 5000-digit number"),
+    (json.dumps({"version": 2, "entries": [plan_entry_json(byte_cap=8)]}), ValueError,
+     "plan JSON entry 0: PlanEntry.byte_cap must be 0 (no cap) or at least 16 bytes"),
+    (json.dumps({"version": 2, "entries": [plan_entry_json(layer="0")]}), TypeError,
+     "plan JSON entry 0: PlanEntry.layer must be an int >= 0, got str '0'"),
+])
+def test_json_that_contradicts_itself_is_refused(model, text, error, words):
+    with pytest.raises(error) as info:
+        plan_from_json(text, model)
+    assert type(info.value) is error and words in str(info.value), info.value
+
+
 def test_gate_keeps_entries_whose_window_loads_their_bytes():
     pytest.importorskip("l2prefetch._C")
     from l2prefetch.plan import GATE_BYTES_PER_US, GATE_MIN_BYTES, gate

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import sys
 
 import pytest
@@ -171,3 +174,265 @@ def test_a_directory_without_config(tmp_path, capsys):
     pytest.importorskip("transformers")
     code, _, err = run([str(tmp_path), "--device", "cpu", "--list-roles"], capsys)
     assert code == 2 and "without config.json" in err
+
+
+# -- issue 21: bad input is one line and exit status 2, before anything is built ---------------
+
+LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128)
+SMALL = [arg for key, value in LLAMA.items() for arg in ("--set", f"{key}={value}")]
+
+
+def small(**changed):
+    """--set options of a tiny Llama, with ``changed`` fields (None: left out)."""
+    fields = {**LLAMA, **changed}
+    return [a for k, v in fields.items() if v is not None for a in ("--set", f"{k}={v}")]
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A tiny Llama checkpoint directory (config.json, generation_config.json, safetensors)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**LLAMA)
+    path = tmp_path / "ckpt"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def status(argv, capsys):
+    """(exit status, stdout, stderr) of ``l2prefetch tune ARGV``, argparse's exits included."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line(err):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_trust_remote_code_is_refused_before_any_code_of_the_checkpoint_runs(checkpoint, capsys):
+    # The checkpoint names its own configuration code; --set was forwarded to
+    # AutoConfig.from_pretrained, so trust_remote_code=true imported and ran it.
+    marker = checkpoint / "ran"
+    (checkpoint / "configuration_planted.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaConfig\n\n\nclass PlantedConfig(LlamaConfig):\n    pass\n")
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_planted.PlantedConfig",
+                          "AutoModelForCausalLM": "configuration_planted.PlantedConfig"}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    code, _, err = status([str(checkpoint), "--set", "trust_remote_code=true", "--list-roles",
+                        "--device", "cpu"], capsys)
+    assert code == 2 and not marker.exists()
+    assert re.search(r"--set trust_remote_code=true: LlamaConfig has no field "
+                     r"'trust_remote_code'", one_line(err))
+    # auto_map alone runs nothing either: transformers' own Llama is built
+    code, out, err = status([str(checkpoint), "--list-roles", "--device", "cpu", "--dtype",
+                          "float32", "--min-bytes-mib", "0.001"], capsys)
+    assert code == 0 and "| after" in out and not marker.exists(), err
+
+
+def test_a_model_type_transformers_lacks_is_refused_without_running_its_code(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    marker = tmp_path / "ran"
+    (tmp_path / "configuration_x.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "planted_model", "auto_map": {"AutoConfig": "configuration_x.XConfig"}}))
+    code, _, err = status([str(tmp_path), "--list-roles", "--device", "cpu"], capsys)
+    assert code == 2 and not marker.exists()
+    assert "model_type 'planted_model' is not one transformers" in one_line(err)
+
+
+@pytest.mark.parametrize("argv, words", [
+    # a misspelt field: transformers keeps it as an attribute nothing reads, and built the
+    # whole default model (32 layers for qwen3: the OOM killer ended the process)
+    (["llama", *small(num_hidden_layers=None), "--set", "num_hiden_layers=2"],
+     r"--set num_hiden_layers=2: LlamaConfig has no field 'num_hiden_layers' \(closest: "
+     r"num_hidden_layers"),
+    (["llama", *SMALL, "--list-role"], r"unrecognized arguments: --list-role$"),
+    (["llama", *SMALL, "--dtype", "bf16"], r"--dtype: dtype must name a floating-point torch "
+                                           r"dtype \(bfloat16, float16 or float32\), got 'bf16'"),
+    (["llama", *SMALL, "--dtype", "int8"], r"--dtype: .*got 'int8'"),
+    (["llama", *SMALL, "--device", "gpu"], r"--device: device must be 'cpu', 'cuda' or "
+                                           r"'cuda:N', got 'gpu'"),
+    (["llama", *SMALL, "--device", "nonsense"], r"--device: .*got 'nonsense'"),
+    (["llama", *SMALL, "--device", "cuda:3"], r"--device: device 'cuda:3': torch .* sees no "
+                                              r"CUDA GPU here"),
+    (["llama", *small(num_hidden_layers="two")],
+     r"--set num_hidden_layers=two: LlamaConfig.num_hidden_layers takes an int"),
+    (["llama", *small(num_hidden_layers="1e400")],
+     r"--set num_hidden_layers=Infinity: must be a finite number"),
+    (["llama", *small(hidden_size="NaN")], r"--set hidden_size=NaN: must be a finite number"),
+    (["llama", *small(num_attention_heads=3)],
+     r"no valid LlamaConfig from the overrides: ValueError: The hidden size \(64\) is not a "
+     r"multiple of the number of attention heads \(3\)"),
+    (["llama", *small(vocab_size=0)], r"vocab_size must be an int >= 1, got 0"),
+    (["llama", *small(num_hidden_layers=-1)], r"num_hidden_layers must be an int >= 1, got -1"),
+    (["llama", *small(num_hidden_layers=70000)], r"num_hidden_layers must be at most 65536"),
+    (["llama", *small(rope_parameters='{"rope_type": "default", "rope_type": "linear"}')],
+     r"gives the key 'rope_type' more than once"),
+    (["llama", *SMALL, "--caps-mib", "1e-9"], r"--caps-mib must be numbers >= 1.53e-05"),
+    # a batch the controller cannot key (it allocated a 33 GiB prompt first), a seed torch
+    # cannot take (it said "Overflow when unpacking long long"), a grid no launch takes
+    (["llama", *SMALL, "--batches", "1,70000"], r"--batches must be integers <= 65535"),
+    (["llama", *SMALL, "--seed", str(2**70)], r"--seed must be in 0..4294967295"),
+    (["llama", *SMALL, "--grids", "70000"], r"--grids must be integers <= 65535"),
+])
+def test_bad_tune_input_is_one_line_and_exit_2(argv, words, capsys):
+    pytest.importorskip("transformers")
+    code, out, err = status([*argv, "--list-roles", "--device", "cpu"] if "--device" not in argv
+                         else [*argv, "--list-roles"], capsys)
+    assert code == 2 and out == "", err
+    assert re.search(words, one_line(err)), err
+
+
+def test_cuda_devices_are_checked_against_the_gpus_torch_sees(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert hf.device_of("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"device 'cuda:3': there is no cuda:3, torch sees 2 "
+                                         r"GPUs \(cuda:0\.\.1\)"):
+        hf.device_of("cuda:3")
+
+
+def test_a_model_too_large_for_the_device_is_refused_before_it_is_built(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(hf, "available_bytes", lambda device: 100 << 10)
+    code, _, err = status(["llama", *SMALL, "--dtype", "float32", "--list-roles", "--device",
+                           "cpu"], capsys)
+    assert code == 2
+    assert re.search(r"LlamaForCausalLM with 2 layers in float32 is \d+\.\d\d K parameters, "
+                     r"\d+\.\d\d KiB, more than the 100\.00 KiB free on cpu: make it smaller "
+                     r"\(e\.g\. --set num_hidden_layers=4", one_line(err)), err
+    # the size is the model's own: parameters times the dtype's bytes, from the config
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.LlamaConfig(**LLAMA)
+    count, nbytes = hf.model_bytes(transformers.LlamaForCausalLM, config, torch.bfloat16)
+    built = transformers.LlamaForCausalLM(config)
+    assert count == sum(p.numel() for p in built.parameters()) + sum(
+        b.numel() for b in built.buffers())
+    assert nbytes == 2 * sum(p.numel() for p in built.parameters()) + sum(
+        b.numel() * b.element_size() for b in built.buffers())
+
+
+def test_the_memory_available_is_read_here():
+    import torch
+
+    free = hf.available_bytes(torch.device("cpu"))
+    assert free is not None and 0 < free <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("corrupt", r"model.safetensors is not a safetensors file \(its header is not JSON"),
+    ("truncated", r"model.safetensors is corrupt or truncated: its tensors need \d+ bytes of "
+                  r"data and the file holds \d+"),
+    ("header", r"model.safetensors is not a safetensors file \(its header length \d+ does not "
+               r"fit its \d+ bytes\)"),
+    ("offsets", r"model.safetensors is corrupt: the header's entry for tensor "),
+    ("pickle", r"holds its weights only as pickles \(pytorch_model.bin\), which l2prefetch "
+               r"never loads"),
+    ("fifo", r"generation_config.json is a FIFO, not a regular file"),
+    ("config fifo", r"config.json is a FIFO, not a regular file"),
+])
+def test_bad_checkpoints_are_one_line_and_exit_2(checkpoint, damage, words, capsys):
+    weights = checkpoint / "model.safetensors"
+    data = weights.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    if damage == "corrupt":
+        weights.write_bytes(data[:8] + b"#" * 16 + data[24:])
+    elif damage == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+    elif damage == "header":
+        weights.write_bytes((len(data) * 2).to_bytes(8, "little") + data[8:])
+    elif damage == "offsets":
+        header = json.loads(data[8:8 + size])
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["data_offsets"][1] += 2
+        text = json.dumps(header).encode()
+        weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + size:])
+    elif damage == "pickle":
+        import torch
+
+        torch.save({"x": torch.zeros(2)}, checkpoint / "pytorch_model.bin")
+        weights.unlink()
+    elif damage == "fifo":
+        (checkpoint / "generation_config.json").unlink()
+        os.mkfifo(checkpoint / "generation_config.json")
+    else:
+        text = (checkpoint / "config.json").read_text()
+        (checkpoint / "config.json").unlink()
+        os.mkfifo(checkpoint / "config.json")
+        del text
+    code, out, err = status([str(checkpoint), "--list-roles", "--device", "cpu"], capsys)
+    assert code == 2 and out == "", err
+    assert re.search(words, one_line(err)), err
+
+
+def test_a_config_json_fifo_does_not_hang(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    os.mkfifo(path)
+    code, _, err = status([str(path), "--list-roles", "--device", "cpu"], capsys)
+    assert code == 2 and "is a FIFO, not a regular file" in one_line(err)
+
+
+@pytest.mark.parametrize("option, make, words", [
+    ("--out", lambda p: p.mkdir(), r"--out .*/x is a directory: name a file to write"),
+    ("--out", None, r"--out .*/missing/x cannot be written: .*/missing is not a directory"),
+    ("--report", lambda p: os.mkfifo(p), r"--report .*/x is a FIFO: name a file to write"),
+    ("--plot", lambda p: p.mkdir(), r"--plot .*/x is a directory"),
+])
+def test_outputs_are_checked_before_the_model_is_built(tmp_path, monkeypatch, capsys, option,
+                                                       make, words):
+    import torch
+
+    target = tmp_path / "x" if make is not None else tmp_path / "missing" / "x"
+    if make is not None:
+        make(target)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hf, "device_of", lambda device: torch.device("cuda", 0))
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before the outputs were checked")
+    monkeypatch.setattr(hf, "load_model", built)
+    argv = ["llama", option, str(target)]
+    if option != "--out":
+        argv += ["--out", str(tmp_path / "p.json")]
+    code, _, err = status(argv, capsys)
+    assert code == 2 and re.search(words, one_line(err)), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["x"] if make else [])
+
+
+def test_outputs_that_name_one_file_are_refused(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hf, "device_of", lambda device: torch.device("cuda", 0))
+    code, _, err = status(["llama", "--out", str(tmp_path / "p.md")], capsys)
+    assert code == 2 and "is the file --out names too" in one_line(err)
+
+
+def test_every_parser_refuses_abbreviations(capsys):
+    from l2prefetch.__main__ import main as top
+    from l2prefetch.cli import plan_main
+
+    for call, argv, words in ((top, ["--verb"], "unrecognized arguments: --verb"),
+                              (top, ["info", "--verb"], "unrecognized arguments: --verb"),
+                              (plan_main, ["--all-p"], "unrecognized arguments: --all-p"),
+                              (cli.main, ["llama", "--list-role"],
+                               "unrecognized arguments: --list-role")):
+        try:
+            code = call(argv)
+        except SystemExit as exc:
+            code = exc.code
+        assert code == 2, argv
+        assert words in one_line(capsys.readouterr().err)

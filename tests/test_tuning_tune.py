@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import re
 
 import pytest
 import torch
@@ -294,3 +295,247 @@ def test_merge_plan_per_layer():
                                                           (3, (1, 8))]
     assert all(e.graph_fork == "leaf" and e.byte_cap == MIB for e in plan)
     assert [layer for _, layer in sites["A"]] == [0, 1, 2, 3]
+# -- issue 21: a profile must agree with itself, and is bound to the model it was loaded for ---
+
+def saved(tmp_path):
+    model, result = tuned()
+    path = tmp_path / "p.json"
+    result.save(path, model)
+    return model, path, json.loads(path.read_text())
+
+
+def duplicate_plan_key(text):
+    """The file with a second, empty "plan" after the real one (json keeps the last)."""
+    return text.rstrip().rstrip("}") + ', "plan": []}'
+
+
+def entry0(data):
+    return data["plan"][0]
+
+
+@pytest.mark.parametrize("change, field", [
+    # two entries for one (point, layer, batch): the last would win
+    (lambda d: d["plan"].append(dict(entry0(d))), r"plan\[0\] and plan\[\d+\] both prefetch at "
+                                                  r"point '.*', layer 0, batch 1"),
+    # an entry for a batch the profile was not tuned at
+    (lambda d: entry0(d).update(batches=[1, 4]), r"plan\[0\].batches holds 4, which is not one "
+                                                 r"of the profile's batches \[1, 8\]"),
+    # a layer-0 entry forking in layer 1
+    (lambda d: entry0(d).update(site=entry0(d)["site"].replace("layers.0.", "layers.1.")),
+     r"plan\[0\].site 'model.layers.1.self_attn.v_proj' is in layer 1, but the entry is for "
+     r"layer 0"),
+    # one weight three times
+    (lambda d: entry0(d).update(weights=entry0(d)["weights"][:1] * 3 + entry0(d)["weights"]),
+     r"plan\[0\].weights lists \['model.layers.0.self_attn.o_proj.weight'\] more than once"),
+    (lambda d: d.update(batches=[10**30]), r"'batches' must be a non-empty list of ints in "
+                                           r"1..65535, got \[1000000000000000000000000000000\]"),
+    (lambda d: d.update(batches=[1, 8, 1]), r"'batches' names a batch more than once"),
+    (lambda d: entry0(d).update(layer=2**40), r"plan\[0\].layer must be an int in 0..65535"),
+    (lambda d: entry0(d).update(point=""), r"plan\[0\].point must be a non-empty str"),
+    (lambda d: entry0(d).update(byte_cap=8), r"plan\[0\] is not a valid plan entry: "
+                                             r"PlanEntry.byte_cap must be 0 \(no cap\) or at "
+                                             r"least 16 bytes"),
+    # corrupt fields of the model's fingerprint and the versions
+    *[(lambda d, v=v: d["model"]["weights"].update(
+        {"model.layers.0.self_attn.o_proj.weight": v}),
+       r"'model.weights'\['model.layers.0.self_attn.o_proj.weight'\] must be \[shape, dtype\]")
+      for v in (5, [], None, {}, [[1024, -1], "bfloat16"], [[1024], 7])],
+    (lambda d: d.update(versions=[1, 2]), r"'versions' must be an object, got \[1, 2\]"),
+    (lambda d: d.update(versions="x"), r"'versions' must be an object, got 'x'"),
+    (lambda d: d.update(versions={"torch": 2}), r"'versions'\['torch'\] must be a version "
+                                                r"string or null, got 2"),
+    (lambda d: d["device"].update(sm_count=-1), r"'device.sm_count' must be an int >= 0"),
+    (lambda d: d["device"].update(driver_version="13"), r"'device.driver_version' must be an "
+                                                        r"int or null"),
+    (lambda d: d["model"].update(layers=True), r"'model.layers' must be an int, got True"),
+])
+def test_a_profile_that_contradicts_itself_is_refused_naming_the_file_and_field(
+        tmp_path, change, field):
+    model, path, data = saved(tmp_path)
+    change(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as info:
+        tuning.load_profile(path, model, check_device=False)
+    assert type(info.value) is ValueError
+    assert str(info.value).startswith(f"profile {path}: "), info.value
+    assert re.search(field, str(info.value)), info.value
+
+
+@pytest.mark.parametrize("edit, field", [
+    (duplicate_plan_key, r"the top level gives the key 'plan' more than once"),
+    (lambda t: t.replace('"byte_cap": ', '"byte_cap": 4096, "byte_cap": ', 1),
+     r"plan\[0\] gives the key 'byte_cap' more than once"),
+    (lambda t: t.replace('"sm_count": 132', '"sm_count": ' + "7" * 5000),
+     r"device.sm_count is a 5000-digit number"),
+    (lambda t: t.replace('"budget_s": ', '"budget_s": ' + "7" * 5000 + ", \"x\": ", 1),
+     r"tuning.budget_s is a 5000-digit number"),
+])
+def test_the_json_of_a_profile_is_checked_naming_the_file_and_field(tmp_path, edit, field):
+    model, path, _ = saved(tmp_path)
+    text = edit(path.read_text())
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        tuning.load_profile(path, model, check_device=False)
+    assert type(info.value) is ValueError
+    assert str(info.value).startswith(f"profile {path}: "), info.value
+    assert re.search(field, str(info.value)), info.value
+
+
+def finishes(call, fifo):
+    """call() in a thread: whether it returned within 5 s; if not, a writer opens the FIFO
+    so that the blocked open returns (the test fails rather than hangs)."""
+    import threading
+
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(_raised(call)), daemon=True)
+    thread.start()
+    thread.join(5)
+    if thread.is_alive():
+        with open(fifo, "w"):
+            pass
+        thread.join(5)
+        return False, outcome
+    return True, outcome
+
+
+def _raised(call):
+    try:
+        return call()
+    except BaseException as exc:  # noqa: BLE001 - the test looks at it
+        return exc
+
+
+def test_a_fifo_is_no_profile_and_does_not_hang(tmp_path):
+    import os
+
+    model, _ = model_and_step()
+    fifo = tmp_path / "p.json"
+    os.mkfifo(fifo)
+    done, outcome = finishes(lambda: tuning.load_profile(fifo, model, check_device=False), fifo)
+    assert done, "load_profile blocked on a FIFO"
+    assert type(outcome[0]) is ValueError
+    assert str(outcome[0]) == (f"profile {fifo} is a FIFO, not a regular file: pass the path "
+                               "of the profile itself")
+    directory = tmp_path / "d"
+    directory.mkdir()
+    with pytest.raises(ValueError, match=r"profile .*/d is a directory, not a regular file"):
+        tuning.load_profile(directory, model, check_device=False)
+
+
+def test_the_plan_shapes_file_may_not_be_a_fifo(tmp_path, capsys):
+    import os
+
+    from l2prefetch.cli import plan_main
+
+    fifo = tmp_path / "shapes.json"
+    os.mkfifo(fifo)
+    done, outcome = finishes(lambda: plan_main(["--shapes", str(fifo)]), fifo)
+    assert done, "plan --shapes blocked on a FIFO"
+    assert outcome == [2]
+    assert capsys.readouterr().err == (f"l2prefetch plan: --shapes file {fifo} is a FIFO, not "
+                                       "a regular file: pass the path of the --shapes file "
+                                       "itself\n")
+
+
+def test_a_profile_is_bound_to_the_model_it_was_loaded_for(tmp_path, monkeypatch, fake):
+    from l2prefetch import PrefetchController
+    from l2prefetch.tuning import rig
+
+    model, path, _ = saved(tmp_path)
+    twin = fakes.llama(n_layers=3, h=1024, i=2048, kv=256)   # the same shapes
+    profile = tuning.load_profile(path, model, check_device=False)
+    built = []
+    made = PrefetchController(device=0)
+    monkeypatch.setattr(rig, "build_controller",
+                        lambda plan, device=None, eager=False: built.append(plan) or made)
+    with pytest.raises(tuning.ProfileMismatchError, match=rf"profile {path} was loaded for "
+                       r"another CausalLM object, not this CausalLM: its plan holds that "
+                       r"model's weights"):
+        PrefetchController.from_profile(profile, twin)
+    with pytest.raises(tuning.ProfileMismatchError, match="was loaded for another CausalLM"):
+        profile.hook_points(twin)
+    assert built == []
+    # its own model: the plan goes to the controller, the hooks go on that model's modules
+    assert PrefetchController.from_profile(profile, model) is made
+    assert built == [profile.plan]
+    assert profile.hook_points(model)[O_PROJ][0][0] is model.model.layers[0].self_attn.v_proj
+    # a profile made by hand: the plan's weights decide
+    by_hand = P.Profile(data=profile.data, plan=profile.plan, sites=profile.sites)
+    by_hand.check_model(model)
+    with pytest.raises(tuning.ProfileMismatchError, match=r"plan\[0\] .* holds weights that "
+                       r"are not this CausalLM's"):
+        by_hand.check_model(twin)
+    del model
+    import gc
+
+    gc.collect()
+    with pytest.raises(tuning.ProfileMismatchError, match="loaded for a model that no longer "
+                                                          "exists"):
+        profile.hook_points(twin)
+
+
+def test_without_a_gpu_loading_a_profile_says_so(tmp_path, fake):
+    import l2prefetch
+
+    model, path, _ = saved(tmp_path)
+    # the driver is there (the stand-in), torch sees no GPU: the name cannot be read
+    with pytest.raises(l2prefetch.CudaUnavailableError, match=r"torch .* sees no CUDA device "
+                       r"\(a CPU-only build\?\), so the name of cuda:0, which a profile is "
+                       r"checked against, cannot be read"):
+        tuning.load_profile(path, model)
+    with pytest.raises(l2prefetch.CudaUnavailableError, match="sees no CUDA device"):
+        l2prefetch.PrefetchController.from_profile(path, model)
+    # a device that is not CUDA is a bad argument, as the controller says
+    for device in ("cpu", torch.device("cpu")):
+        with pytest.raises(ValueError, match=r"device must be a CUDA device"):
+            tuning.load_profile(path, model, device=device)
+        with pytest.raises(ValueError, match=r"device must be a CUDA device"):
+            l2prefetch.PrefetchController.from_profile(path, model, device=device)
+    with pytest.raises(ValueError, match=r"cuda:5 does not exist"):
+        tuning.load_profile(path, model, device=5)
+
+
+def test_without_a_driver_loading_a_profile_says_where_it_looked(tmp_path):
+    import l2prefetch
+    from l2prefetch import _C
+
+    model, path, _ = saved(tmp_path)
+    try:
+        _C.driver_info()
+    except l2prefetch.CudaUnavailableError as exc:
+        reason = str(exc).splitlines()[0]
+    else:
+        pytest.skip("this machine has a CUDA driver")
+    with pytest.raises(l2prefetch.CudaUnavailableError) as info:
+        tuning.load_profile(path, model)
+    assert str(info.value).splitlines()[0] == reason
+
+
+def test_tune_refuses_caps_under_16_bytes():
+    model, step = model_and_step()
+    for caps in ([1e-9], [4, 1e-5], [15 / MIB]):
+        with pytest.raises(ValueError, match=r"caps_mib must each be at least 16 bytes "
+                                             r"\(1.53e-05 MiB\), got"):
+            tuning.tune(model, step, [1], backend=DeviceBackend({}), progress=None,
+                        caps_mib=caps)
+    result = tuning.tune(model, step, [1], backend=DeviceBackend({}), progress=None,
+                         caps_mib=[16 / MIB], min_bytes=256 * 1024)
+    assert result.settings["caps_mib"] == [16 / MIB]
+
+
+def test_save_never_writes_through_a_planted_link(tmp_path):
+    import os
+
+    model, result = tuned()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    target = tmp_path / "p.json"
+    os.symlink(victim, tmp_path / f".p.json.{os.getpid()}.tmp")
+    with pytest.raises(ValueError, match=r"is in the way \(a link or a file left behind"):
+        result.save(target, model)
+    assert victim.read_text() == "keep" and not target.exists()
+    os.unlink(tmp_path / f".p.json.{os.getpid()}.tmp")
+    os.symlink(victim, target)      # a link at the target itself is replaced, not followed
+    result.save(target, model)
+    assert victim.read_text() == "keep" and not target.is_symlink()
+    assert json.loads(target.read_text())["format"] == P.PROFILE_FORMAT

@@ -32,7 +32,8 @@ import os
 import stat
 from typing import Any, Union
 
-__all__ = ["check_output", "loads_json", "read_bytes", "read_text", "write_atomic"]
+__all__ = ["check_output", "check_regular", "loads_json", "open_regular", "read_bytes", "read_text",
+           "write_atomic"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -65,9 +66,13 @@ def _path(path: object, what: str) -> str:
     return text
 
 
-def read_bytes(path: PathLike, what: str, *, limit: int = MAX_BYTES) -> bytes:
-    """The bytes of the regular file at ``path`` (at most ``limit``); ``what`` names it
-    in errors ("profile", "shapes file")."""
+def _limit(limit: int) -> str:
+    return f"{limit >> 20} MiB" if limit >= 1 << 20 and not limit % (1 << 20) else f"{limit} bytes"
+
+
+def open_regular(path: PathLike, what: str) -> tuple[int, os.stat_result]:
+    """``(fd, stat)`` of the regular file at ``path``, opened read-only; the caller
+    closes ``fd``.  Anything else (a FIFO, a directory, a device) is a ValueError."""
     where = _path(path, what)
     fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
@@ -75,9 +80,21 @@ def read_bytes(path: PathLike, what: str, *, limit: int = MAX_BYTES) -> bytes:
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{what} {where} is {_kind(info.st_mode)}, not a regular file: "
                              f"pass the path of the {what} itself")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def read_bytes(path: PathLike, what: str, *, limit: int = MAX_BYTES) -> bytes:
+    """The bytes of the regular file at ``path`` (at most ``limit``); ``what`` names it
+    in errors ("profile", "shapes file")."""
+    where = _path(path, what)
+    fd, info = open_regular(where, what)
+    try:
         if info.st_size > limit:
             raise ValueError(f"{what} {where} is {info.st_size} bytes, more than the "
-                             f"{limit >> 20} MiB a {what} can be: is it the right file?")
+                             f"{_limit(limit)} a {what} can be: is it the right file?")
         chunks, total = [], 0
         while True:
             chunk = os.read(fd, min(1 << 20, limit + 1 - total))
@@ -86,7 +103,7 @@ def read_bytes(path: PathLike, what: str, *, limit: int = MAX_BYTES) -> bytes:
             chunks.append(chunk)
             total += len(chunk)
             if total > limit:  # the file grew while being read
-                raise ValueError(f"{what} {where} is more than the {limit >> 20} MiB a "
+                raise ValueError(f"{what} {where} is more than the {_limit(limit)} a "
                                  f"{what} can be: is it the right file?")
         return b"".join(chunks)
     finally:
@@ -105,14 +122,7 @@ def read_text(path: PathLike, what: str, *, limit: int = MAX_BYTES) -> str:
 
 def check_regular(path: PathLike, what: str) -> None:
     """Raise unless ``path`` opens as a regular file (without reading it)."""
-    where = _path(path, what)
-    fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        mode = os.fstat(fd).st_mode
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{what} {where} is {_kind(mode)}, not a regular file")
+    os.close(open_regular(path, what)[0])
 
 
 def _temporary(target: str) -> str:

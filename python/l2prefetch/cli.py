@@ -139,7 +139,7 @@ def _commands() -> list[Any]:
 
 def _parser() -> _Parser:
     parser = _Parser(
-        prog=_program(),
+        prog=_program(), allow_abbrev=False,
         description="L2 weight prefetch for LLM decode on a side CUDA stream.  With no "
                     "command, runs 'info'.",
         epilog="Exit status: 0 done; 1 CUDA or NVRTC failed while running; 2 a bad option "
@@ -216,7 +216,7 @@ def plan_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _add_info(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "info", help="what l2prefetch does on this machine (the default)",
+        "info", help="what l2prefetch does on this machine (the default)", allow_abbrev=False,
         description="On a GPU: prepare ~32 MiB of weights, launch the prefetch, and time a "
                     "GEMV over them cold, after the prefetch, and hot.  Without one: say why, "
                     "compile the kernel for sm_90 and size a synthetic weight set's ranges.")
@@ -574,6 +574,7 @@ def _add_plan(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plan", help="Kimi K3 only: the kimi_k3 policy's plan of a synthetic Kimi-sized "
                      "model (for your model: tune)",
+        allow_abbrev=False,
         description="Kimi K3 only: print the kimi_k3 policy's prefetch plan of a synthetic "
                     "Kimi-sized model: which weights are prefetched at which point of which "
                     "layer, their MiB, and their share of L2.  It reads no model of yours; "
@@ -607,13 +608,16 @@ def _add_plan(subparsers: Any) -> None:
 
 
 def _load_shapes(path: str) -> dict[str, Any]:
+    from ._files import loads_json, read_text
+
     try:
-        with open(path, encoding="utf-8") as f:
-            loaded = json.load(f)
+        loaded = loads_json(read_text(path, "--shapes file"), f"--shapes {path}")
     except RecursionError:
         raise UsageError(f"{path}: JSON nested too deeply for a dimensions object") from None
-    except (OSError, ValueError) as exc:  # ValueError: bad JSON, not UTF-8
-        raise UsageError(str(exc) if isinstance(exc, OSError) else f"{path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}: {exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: not a regular file, not UTF-8, a key twice
+        raise UsageError(str(exc)) from None
     if not isinstance(loaded, dict):
         raise UsageError(f"{path} must hold a JSON object of dimensions, "
                          f"not a {type(loaded).__name__}")

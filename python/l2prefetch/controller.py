@@ -234,13 +234,24 @@ class PrefetchController(_C.PrefetchController):
 
         Entries with the same weights (by identity) and the same byte_cap,
         grid, carveout, priority and kernel share one PreparedWeightRanges.
+        Two entries for one (point, layer, batch) are a ValueError (the
+        controller would keep only the last).
         With L2PREFETCH_DISABLE set, nothing is prepared (no compile, no GPU
         work) and the controller's forks return False.
         """
         entries = list(plan)
+        owner: dict[tuple, int] = {}   # (point, layer, batch) -> the entry that plans it
         for i, entry in enumerate(entries):
             if not isinstance(entry, PlanEntry):
                 raise TypeError(f"plan[{i}] must be a PlanEntry, not {type(entry).__name__}")
+            for batch in entry.batches:
+                key = (entry.point, entry.layer, batch)
+                if key in owner:
+                    # add() replaces what a key holds: the earlier entry would be lost
+                    raise ValueError(f"plan[{owner[key]}] and plan[{i}] both prefetch at point "
+                                     f"{entry.point!r}, layer {entry.layer}, batch {batch}: "
+                                     "give each (point, layer, batch) one entry")
+                owner[key] = i
         controller = cls(device, graph_fork=graph_fork, eager=eager)
         if not controller.enabled:
             logger.info("L2PREFETCH_DISABLE is set: %d plan entries not prepared", len(entries))

@@ -7,8 +7,9 @@ MODEL is a local checkpoint directory, a config.json, a config class name
 (LlamaConfig) or a model type (llama); the last three get random weights.
 ``--list-roles`` only discovers the candidate roles (works on the CPU with
 ``--device cpu``).  Exit status: 0 when tuning finished (an empty plan is a
-result), 2 for a bad option or model or no GPU (one line on stderr), 1 when
-the step fails or cannot be captured.
+result), 2 for a bad option, ``--set``, model, checkpoint or output, or no GPU
+(one line on stderr, checked before anything is built or measured), 1 when
+the step fails or cannot be captured.  Options cannot be abbreviated.
 """
 
 from __future__ import annotations
@@ -18,13 +19,18 @@ import os
 import sys
 from typing import Any, Optional
 
+from ..plan import MAX_BATCH, MIN_BYTE_CAP
+from .hf import MAX_SEED
+
 __all__ = ["add_parser", "main", "run"]
 
 HELP = "measure which prefetches pay for a Hugging Face model on this GPU; write a profile"
 
 
-def _list(text: str, what: str, kind: type = int) -> list:
-    """A comma-separated list of ``kind`` values > 0, or an argparse error naming ``what``."""
+def _list(text: str, what: str, kind: type = int, low: float = 0,
+          high: float = 2**40) -> list:
+    """A comma-separated list of ``kind`` values > 0, at least ``low`` and at most
+    ``high``, or an argparse error naming ``what``."""
     noun = "integers" if kind is int else "numbers"
     try:
         values = [kind(x) for x in text.split(",") if x.strip()]
@@ -33,6 +39,10 @@ def _list(text: str, what: str, kind: type = int) -> list:
                                          f"{text!r}") from None
     if not values or not all(0 < v < 2**40 for v in values):
         raise argparse.ArgumentTypeError(f"{what} must be {noun} > 0, got {text!r}")
+    if low and not all(v >= low for v in values):
+        raise argparse.ArgumentTypeError(f"{what} must be {noun} >= {low:.3g}, got {text!r}")
+    if not all(v <= high for v in values):
+        raise argparse.ArgumentTypeError(f"{what} must be {noun} <= {high:g}, got {text!r}")
     return values
 
 
@@ -43,7 +53,8 @@ def _positive(kind: type, what: str, low: float = 0.0, high: float = 1e9) -> Any
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
         if not low < value <= high:
-            raise argparse.ArgumentTypeError(f"{what} must be in ({low}, {high:g}], got {text}")
+            bounds = f"{int(low) + 1}..{int(high)}" if kind is int else f"({low}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{what} must be in {bounds}, got {text}")
         return value
     return parse
 
@@ -54,7 +65,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="a config field, e.g. num_hidden_layers=8 "
                         "(repeatable; values are read as JSON where they parse)")
-    parser.add_argument("--batches", type=lambda t: _list(t, "--batches"), default=[1, 8],
+    parser.add_argument("--batches", type=lambda t: _list(t, "--batches", high=MAX_BATCH),
+                        default=[1, 8],
                         help="decode batches to tune, comma-separated (default 1,8)")
     parser.add_argument("--budget", type=_positive(float, "--budget", 0, 86400), default=300.0,
                         help="seconds of measuring, all batches together (default 300)")
@@ -67,7 +79,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="where to build the model (default cuda)")
     parser.add_argument("--dtype", default="bfloat16", help="weight dtype for random weights "
                         "(default bfloat16)")
-    parser.add_argument("--seed", type=int, default=0, help="random-weight seed (default 0)")
+    parser.add_argument("--seed", type=_positive(int, "--seed", -1, MAX_SEED), default=0,
+                        help="random-weight seed (default 0)")
     parser.add_argument("--roles", action="append", default=None, metavar="NAME",
                         help="measure only this role (repeatable; see --list-roles)")
     parser.add_argument("--list-roles", action="store_true",
@@ -76,9 +89,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="graph instances per variant (>= 5, default 5)")
     parser.add_argument("--rounds", type=_positive(int, "--rounds", 0, 100000), default=60,
                         help="replays of each graph instance per measuring group (default 60)")
-    parser.add_argument("--caps-mib", type=lambda t: _list(t, "--caps-mib", float),
-                        default=[4, 8, 16, 24, 32, 48], help="byte caps to try, in MiB")
-    parser.add_argument("--grids", type=lambda t: _list(t, "--grids"), default=[16, 32, 64],
+    parser.add_argument("--caps-mib", type=lambda t: _list(t, "--caps-mib", float,
+                                                           MIN_BYTE_CAP / (1 << 20)),
+                        default=[4, 8, 16, 24, 32, 48],
+                        help="byte caps to try, in MiB (each at least 16 bytes)")
+    parser.add_argument("--grids", type=lambda t: _list(t, "--grids", high=65535),
+                        default=[16, 32, 64],
                         help="loader CTA counts to try (default 16,32,64)")
     parser.add_argument("--kernels", default=None,
                         help="kernel variants to try, comma-separated; 'default' is the "
@@ -98,7 +114,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``tune`` to an argparse subparsers object; its func is :func:`run`."""
-    parser = subparsers.add_parser("tune", help=HELP, description=__doc__.split("\n\n")[0])
+    parser = subparsers.add_parser("tune", help=HELP, description=__doc__.split("\n\n")[0],
+                                   allow_abbrev=False)
     configure(parser)
     parser.set_defaults(func=run)
     return parser
@@ -115,18 +132,51 @@ def _kernels(text: Optional[str]) -> Optional[list[Optional[str]]]:
     return [None if k.strip() in ("default", "") else k.strip() for k in text.split(",")]
 
 
+def _outputs(args: argparse.Namespace) -> Optional[str]:
+    """Check, before anything is built or measured, that the profile, the report and the
+    plot can be written (and are three files); the message of the first that cannot."""
+    from .._files import check_output
+
+    report = args.report or os.path.splitext(args.out)[0] + ".md"
+    named = [("--out", args.out), ("--report" if args.report else "the report (--report)",
+                                   report)]
+    if args.plot:
+        named.append(("--plot", args.plot))
+    seen: dict[str, str] = {}
+    for option, path in named:
+        try:
+            check_output(path, option)
+        except (OSError, ValueError) as exc:
+            return str(exc)
+        real = os.path.realpath(path)
+        if real in seen:
+            return (f"{option} {path} is the file {seen[real]} names too: give each output "
+                    "its own file")
+        seen[real] = option
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``tune`` with parsed arguments; returns the exit status."""
     try:
         import torch
     except ImportError:
         return _fail("needs torch (pip install 'l2prefetch[torch]')")
+    from .. import _files
     from . import hf
     from .discover import candidates, discover
     from .search import StepError
     from .tuner import describe_roles, tune
 
-    if not args.list_roles and not str(args.device).startswith("cuda"):
+    try:
+        hf.dtype_of(args.dtype)
+    except ValueError as exc:
+        return _fail(f"--dtype: {exc}")
+    try:
+        device = hf._parse_device(args.device)
+    except ValueError as exc:
+        return _fail(f"--device: {exc}")
+    if not args.list_roles and device.type != "cuda":
         return _fail(f"tuning measures CUDA graphs: --device must be a CUDA device, got "
                      f"{args.device!r} (--list-roles works on the CPU)")
     if not args.list_roles and not torch.cuda.is_available():
@@ -134,22 +184,46 @@ def run(args: argparse.Namespace) -> int:
                      "(--list-roles --device cpu discovers roles without one)")
     progress = None if args.quiet else sys.stderr
     try:
+        device = hf.device_of(args.device)
+    except ValueError as exc:
+        return _fail(f"--device: {exc}")
+    if not args.list_roles:
+        problem = _outputs(args)
+        if problem is not None:
+            return _fail(problem)
+    try:
         overrides = hf.parse_overrides(args.overrides)
-        model = hf.load_model(args.model, overrides=overrides, device=args.device,
+        model = hf.load_model(args.model, overrides=overrides, device=device,
                               dtype=args.dtype, seed=args.seed, progress=progress)
         step = hf.DecodeStep(model, prompt_len=args.prompt_len, max_cache_len=args.max_cache_len,
                              seed=args.seed)
     except ImportError as exc:
         return _fail(str(exc))
+    except hf.OverrideError as exc:
+        return _fail(exc.option)
     except (ValueError, TypeError, OSError) as exc:
         return _fail(f"cannot build {args.model!r}: {exc}")
+    except torch.OutOfMemoryError as exc:
+        print(f"l2prefetch tune: building {args.model!r} ran out of memory: "
+              f"{hf._one_line(exc)}", file=sys.stderr)
+        return 1
     min_bytes = max(1, int(args.min_bytes_mib * (1 << 20)))
     if args.list_roles:
         if progress is not None:
             print(f"[l2prefetch tune] discovering the roles: the prompt, then one decode step "
                   f"at batch {args.batches[0]}", file=progress, flush=True)
+
+        def first_step() -> Any:
+            try:
+                return step(args.batches[0])
+            except Exception as exc:
+                raise StepError(f"step({args.batches[0]}) failed while discovering the weights "
+                                f"it reads: {hf._one_line(exc)}") from exc
         try:
-            reads = discover(model, lambda: step(args.batches[0]), min_bytes=min_bytes)
+            reads = discover(model, first_step, min_bytes=min_bytes)
+        except StepError as exc:
+            print(f"l2prefetch tune: {exc}", file=sys.stderr)
+            return 1
         except ValueError as exc:
             return _fail(str(exc))
         print(describe_roles(candidates(model, reads)), end="")
@@ -167,13 +241,18 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except (ValueError, TypeError) as exc:
         return _fail(str(exc))
-    result.save(args.out, model)
     report = args.report or os.path.splitext(args.out)[0] + ".md"
-    with open(report, "w", encoding="utf-8") as f:
-        f.write(result.markdown())
+    try:
+        result.save(args.out, model)
+        _files.write_atomic(report, result.markdown(), "the report")
+        drawn = result.plot(args.plot) if args.plot else None
+    except (OSError, ValueError) as exc:  # checked before measuring; changed since
+        print(f"l2prefetch tune: tuned, but the outputs could not be written: {exc}",
+              file=sys.stderr)
+        return 1
     lines = [result.summary(), f"profile: {args.out}", f"report: {report}"]
     if args.plot:
-        lines.append(f"plot: {args.plot}" if result.plot(args.plot)
+        lines.append(f"plot: {args.plot}" if drawn
                      else "plot: not drawn (matplotlib is not installed)")
     print("\n".join(lines))
     return 0
@@ -181,7 +260,10 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m l2prefetch.tuning.cli``: the same as ``python -m l2prefetch tune``."""
-    parser = argparse.ArgumentParser(prog="l2prefetch tune", description=__doc__.split("\n\n")[0])
+    from ..cli import _Parser  # usage errors as one line, exit status 2
+
+    parser = _Parser(prog="l2prefetch tune", description=__doc__.split("\n\n")[0],
+                     allow_abbrev=False)
     configure(parser)
     return run(parser.parse_args(argv))
 

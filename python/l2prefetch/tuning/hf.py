@@ -9,6 +9,17 @@ does not depend on the values.  Fused expert modules are switched to
 ``grouped_mm`` where transformers offers it, since the default expert loop
 synchronises the host and cannot be captured.
 
+A checkpoint is untrusted input.  Its ``config.json`` is read here (a regular
+file, no key twice) and made into transformers' own config class of its
+``model_type``; ``auto_map`` is dropped, so no code of the checkpoint is ever
+imported.  Overrides must be fields of that class (or attributes its model
+reads off the config) with values of their types: they are never loader
+keyword arguments (``trust_remote_code`` is no field).  Weights are loaded only
+from safetensors files whose headers were checked against the file; a
+checkpoint with only pickled weights is refused.  Before anything is built
+the model is made on the meta device to count its bytes, and refused where
+they exceed the memory free on the device (:func:`available_bytes`).
+
 :class:`DecodeStep` is ``step(batch)`` for :func:`l2prefetch.tuning.tune`:
 per batch a ``StaticCache`` filled by a prompt of ``prompt_len`` random
 tokens, static ``input_ids`` and ``position_ids``; each call resets the
@@ -23,18 +34,43 @@ Needs ``transformers`` (tested with 5.17 and 5.24: the ``tune`` extra's bounds).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import inspect
+import itertools
 import json
+import math
 import os
+import re
+import reprlib
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
-__all__ = ["DecodeStep", "load_model", "parse_overrides"]
+from .._files import check_regular, loads_json, open_regular, read_text
+
+__all__ = ["DecodeStep", "OverrideError", "available_bytes", "config_fields", "device_of",
+           "dtype_of", "load_model", "model_bytes", "parse_overrides"]
 
 PROMPT_LEN = 8
 MAX_CACHE_LEN = 64
-WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+#: Weight files that are pickles: never loaded (unpickling runs code the file chooses).
+PICKLE_FILES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+#: Config fields that size the model, each an int >= 1 where the config has it (a
+#: negative or zero one builds an empty or broken model instead of failing).
+SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+#: At most this many decoder layers: a controller's layers are 0..65535.
+MAX_LAYERS = 65536
+#: The largest seed: DecodeStep seeds each batch's prompt with seed * 1000 + batch,
+#: which torch's generator takes up to 2**64 - 1.
+MAX_SEED = 2**32 - 1
+#: safetensors' own limit on its JSON header, and the bytes of each of its dtypes.
+SAFETENSORS_HEADER_MAX = 100_000_000
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+                      "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+                      "I64": 8, "U64": 8, "F64": 8}
 
 
 def _transformers() -> Any:
@@ -56,9 +92,20 @@ def cache_keyword(model: Any) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line.  transformers' validation errors span several, the
+    last of which is the cause ("ValueError: The hidden size (64) is not a multiple ...")."""
+    lines = [part.strip() for part in str(exc).splitlines() if part.strip()]
+    if type(exc).__name__.startswith("StrictDataclass") and lines:
+        return lines[-1]
+    return f"{type(exc).__name__}: {' '.join(lines)}" if lines else type(exc).__name__
+
+
 def parse_overrides(items: Any) -> dict:
     """``["num_hidden_layers=8", "rope_theta=1e6", "name=x"]`` -> a dict; each value is
-    read as JSON where it parses (numbers, booleans, lists), else kept as a string."""
+    read as JSON where it parses (numbers, booleans, lists), else kept as a string; the
+    last of a key given twice counts, as with any option.  A JSON object value that gives
+    a key twice is a ValueError."""
     out = {}
     for item in items or ():
         if not isinstance(item, str) or "=" not in item:
@@ -68,65 +115,406 @@ def parse_overrides(items: Any) -> dict:
         if not key.isidentifier():
             raise ValueError(f"a config override's key must be a config field name, got {key!r}")
         try:
-            out[key] = json.loads(text)
+            out[key] = loads_json(text, f"the config override {key}")
         except (json.JSONDecodeError, RecursionError):
             out[key] = text
     return out
 
 
+def dtype_of(dtype: Any) -> Any:
+    """The torch dtype ``dtype`` names: a floating-point ``torch.dtype`` or the name of one
+    ('bfloat16', 'float16', 'float32'); anything else is a ValueError naming the choices."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        found = dtype
+    elif isinstance(dtype, str) and dtype.isidentifier() and not dtype.startswith("_"):
+        found = getattr(torch, dtype, None)
+    else:
+        found = None
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise ValueError(f"dtype must name a floating-point torch dtype (bfloat16, float16 or "
+                         f"float32), got {dtype!r}")
+    return found
+
+
+def _parse_device(device: Any) -> Any:
+    """``device`` as a torch.device of the CPU or CUDA (not checked against the GPUs)."""
+    import torch
+
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        found = None
+    if found is None or found.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return found
+
+
+def device_of(device: Any) -> Any:
+    """The ``torch.device`` to build on: 'cpu', or a CUDA device torch sees ('cuda',
+    'cuda:N', an index); anything else is a ValueError saying what there is."""
+    import torch
+
+    found = _parse_device(device)
+    if found.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {device!r}: torch {torch.__version__} sees no CUDA GPU "
+                             "here (use 'cpu')")
+        if found.index is not None and found.index >= count:
+            raise ValueError(f"device {device!r}: there is no cuda:{found.index}, torch sees "
+                             f"{count} GPU{'' if count == 1 else 's'} (cuda:0..{count - 1})")
+    return found
+
+
+def available_bytes(device: Any) -> Optional[int]:
+    """The bytes a model can take on ``device`` (a torch.device): a CUDA device's free
+    memory, the CPU's available memory (MemAvailable, and the cgroup's limit where it is
+    lower); None where this cannot be read."""
+    import torch
+
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.mem_get_info(index)[0])
+    found = []
+    try:
+        for line in read_text("/proc/meminfo", "memory table").splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            most = read_text(limit, "cgroup limit").strip()
+            used = read_text(usage, "cgroup usage").strip()
+        except (OSError, ValueError):
+            continue
+        if most.isdigit() and used.isdigit():
+            found.append(max(0, int(most) - int(used)))
+    return min(found) if found else None
+
+
+def _config_class(tf: Any, model_type: Any, where: str) -> type:
+    """transformers' own config class of ``model_type``; never a checkpoint's code."""
+    if not isinstance(model_type, str) or model_type not in tf.CONFIG_MAPPING:
+        raise ValueError(f"{where}: model_type {model_type!r} is not one transformers "
+                         f"{tf.__version__} has; l2prefetch builds only transformers' own "
+                         "models and never runs a checkpoint's code (auto_map, "
+                         "trust_remote_code)")
+    return tf.CONFIG_MAPPING[model_type]
+
+
+def _config_class_named(tf: Any, name: str) -> Optional[type]:
+    """The config class called ``name`` (LlamaConfig), found by transformers' table of
+    names rather than by an attribute lookup of whatever was typed."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    for model_type, class_name in CONFIG_MAPPING_NAMES.items():
+        if class_name == name:
+            return tf.CONFIG_MAPPING[model_type]
+    return None
+
+
+def config_fields(cls: type, model_cls: Optional[type] = None) -> set[str]:
+    """The fields a config class takes: its dataclass fields (transformers 5), the named
+    parameters of its ``__init__``, its ``attribute_map`` aliases and, with
+    ``model_cls``, the attributes that model's module reads off its config
+    (``config.head_dim`` or ``getattr(config, "head_dim", ...)``: Qwen3-MoE reads
+    ``head_dim`` though its config class has no such field)."""
+    names = set()
+    if model_cls is not None:
+        try:
+            source = inspect.getsource(sys.modules[model_cls.__module__])
+        except (KeyError, OSError, TypeError):
+            source = ""
+        names.update(re.findall(r"\bconfig\.([A-Za-z_]\w*)", source))
+        names.update(re.findall(r"getattr\(\s*(?:self\.)?config\s*,\s*[\"'](\w+)[\"']", source))
+    if dataclasses.is_dataclass(cls):
+        names.update(f.name for f in dataclasses.fields(cls))
+    try:
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        parameters = ()
+    names.update(p.name for p in parameters
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self")
+    names.update(getattr(cls, "attribute_map", None) or {})
+    return {n for n in names if not n.startswith("_")}
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
+
+
+class OverrideError(ValueError):
+    """A config override that is not a field of the config or not of its type.
+    ``option`` says it as the command line's ``--set KEY=VALUE: ...``."""
+
+    def __init__(self, shown: str, problem: str) -> None:
+        super().__init__(f"override {shown}: {problem}")
+        self.option = f"--set {shown}: {problem}"
+
+
+# The value types an override may have, by the type of the field's default (a float
+# field takes an int too), with the words for a message; other defaults (None, lists,
+# objects) are left to transformers' own validation.
+_ACCEPTED: dict = {bool: ((bool,), "a bool"), int: ((int,), "an int"),
+                   float: ((int, float), "a number"), str: ((str,), "a str")}
+
+
+def _check_overrides(tf: Any, cls: type, overrides: Mapping[str, Any]) -> None:
+    """Each override names a field of ``cls`` (or an attribute its model reads) and has
+    the type of its default; numbers are finite.  (transformers accepts any key, keeping
+    a misspelt one as a new attribute that nothing reads.)"""
+    if not overrides:
+        return
+    try:
+        model_cls = tf.MODEL_FOR_CAUSAL_LM_MAPPING[cls]
+    except KeyError:
+        model_cls = None   # refused later, naming the class
+    known = config_fields(cls, model_cls)
+    try:
+        defaults = cls()
+    except Exception:  # noqa: BLE001 - a config without defaults: no types to compare
+        defaults = None
+    for key, value in overrides.items():
+        shown = f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f" (closest: {', '.join(close)})" if close else ""
+            raise OverrideError(shown, f"{cls.__name__} has no field {key!r}{hint}; an "
+                                "override sets a config field, nothing else")
+        if not _finite(value):
+            raise OverrideError(shown, "must be a finite number")
+        default = getattr(defaults, key, None)
+        types, words = _ACCEPTED.get(type(default), (None, ""))
+        if types is not None and type(value) not in types:
+            raise OverrideError(shown, f"{cls.__name__}.{key} takes {words} (its default is "
+                                f"{default!r}), got {type(value).__name__}")
+
+
+def _size_error(key: str, value: Any, where: str) -> Optional[str]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"{key} must be an int >= 1, got {value!r} ({where})"
+    if key == "num_hidden_layers" and value > MAX_LAYERS:
+        return (f"num_hidden_layers must be at most {MAX_LAYERS} (a controller's layers are "
+                f"0..{MAX_LAYERS - 1}), got {value} ({where})")
+    return None
+
+
+def _check_sizes(cls: type, values: Any, where: str) -> None:
+    """The SIZE_FIELDS of a config (an object) or of the values that will make one (a
+    mapping, before transformers sees them: it warns about some on stderr)."""
+    aliases = getattr(cls, "attribute_map", None) or {}
+    for key in SIZE_FIELDS:
+        if isinstance(values, Mapping):
+            found = [values[k] for k in (key, aliases.get(key)) if k in values]
+            value = found[-1] if found else None
+        else:
+            value = getattr(values, key, None)
+        problem = _size_error(key, value, where)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+def _make_config(tf: Any, cls: type, data: Mapping[str, Any], overrides: Mapping[str, Any],
+                 where: str) -> Any:
+    """``cls`` from a config file's ``data`` (``where`` names the file, or is None) and the
+    overrides, each checked first."""
+    _check_overrides(tf, cls, overrides)
+    merged = {**data, **overrides}
+    if where is None:
+        source = "the overrides" if overrides else f"{cls.__name__}'s defaults"
+    else:
+        source = f"{where} with the overrides" if overrides else where
+    _check_sizes(cls, merged, source)
+    try:
+        config = cls(**merged)
+    except Exception as exc:  # noqa: BLE001 - only transformers' config code ran: bad values
+        raise ValueError(f"no valid {cls.__name__} from {source}: {_one_line(exc)}") from None
+    _check_sizes(cls, config, source)
+    return config
+
+
+def _read_config(path: str) -> dict:
+    text = read_text(path, "config")
+    try:
+        data = loads_json(text, f"config {path}")
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"config {path} is not valid JSON: {_one_line(exc)}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"{path} has no \"model_type\": it is not a transformers config")
+    return data
+
+
+def _check_safetensors(path: str) -> None:
+    """Read a safetensors file's header and check it describes the file: a JSON object of
+    tensors whose dtypes, shapes and offsets tile the data exactly (what the loader would
+    otherwise fail on, or not)."""
+    fd, info = open_regular(path, "weight file")
+    try:
+        head = os.read(fd, 8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= size <= min(SAFETENSORS_HEADER_MAX, info.st_size - 8):
+            raise ValueError(f"{path} is not a safetensors file (its header length "
+                             f"{size} does not fit its {info.st_size} bytes): it is corrupt "
+                             "or truncated")
+        chunks, got = [], 0
+        while got < size:
+            chunk = os.read(fd, size - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    finally:
+        os.close(fd)
+    where = f"safetensors header of {path}"
+    try:
+        header = loads_json(b"".join(chunks), where)
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a safetensors file (its header is not JSON: "
+                         f"{_one_line(exc)}): it is corrupt or truncated") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file (its header is not an object)")
+    data_bytes = info.st_size - 8 - size
+    spans = []
+    for name, described in header.items():
+        if name == "__metadata__":
+            continue
+        ok = isinstance(described, dict)
+        dtype = described.get("dtype") if ok else None
+        shape = described.get("shape") if ok else None
+        offsets = described.get("data_offsets") if ok else None
+        ok = (ok and isinstance(dtype, str) and isinstance(shape, list)
+              and all(type(n) is int and n >= 0 for n in shape)
+              and isinstance(offsets, list) and len(offsets) == 2
+              and all(type(n) is int for n in offsets) and 0 <= offsets[0] <= offsets[1])
+        item = SAFETENSORS_DTYPES.get(dtype) if ok else None
+        if ok and item is not None:
+            ok = offsets[1] - offsets[0] == math.prod(shape) * item
+        if not ok:
+            raise ValueError(f"{path} is corrupt: the header's entry for tensor "
+                             f"{reprlib.repr(name)} is not a dtype, shape and data_offsets "
+                             f"that agree: {reprlib.repr(described)}")
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise ValueError(f"{path} is corrupt: tensor {reprlib.repr(name)} starts at byte "
+                             f"{begin} of the data, where the tensors before it end at {end}")
+        end = stop
+    if end != data_bytes:
+        raise ValueError(f"{path} is corrupt or truncated: its tensors need {end} bytes of data "
+                         f"and the file holds {data_bytes}")
+
+
+def _checkpoint_files(directory: str) -> list[str]:
+    """The safetensors files of a checkpoint directory, after checking that every config
+    and weight file in it is a regular file (transformers opens them itself, so a FIFO
+    there would hang it) and refusing one with only pickled weights."""
+    entries = sorted(os.listdir(directory))
+    weights = []
+    for name in entries:
+        path = os.path.join(directory, name)
+        if name.endswith((".json", ".safetensors")):
+            check_regular(path, "checkpoint file")
+        if name.endswith(".safetensors"):
+            weights.append(path)
+    pickles = [name for name in entries if name.endswith(PICKLE_FILES)]
+    if not weights and pickles:
+        raise ValueError(f"{directory} holds its weights only as pickles ({', '.join(pickles)}), "
+                         "which l2prefetch never loads (unpickling runs code from the file): "
+                         "convert them to safetensors, or pass its config.json to tune with "
+                         "random weights (timing does not depend on the values)")
+    for path in weights:
+        _check_safetensors(path)
+    return weights
+
+
 def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[str]]:
     """(config, checkpoint directory or None)."""
     tf = _transformers()
+    checkpoint = None
     if os.path.isdir(source):
         config_path = os.path.join(source, "config.json")
-        if not os.path.isfile(config_path):
+        if not os.path.lexists(config_path):
             raise ValueError(f"{source} is a directory without config.json: pass a checkpoint "
                              "directory, a config.json path, or a config class name")
-        has_weights = any(name.endswith(WEIGHT_FILES) for name in os.listdir(source))
-        if has_weights:
-            config = tf.AutoConfig.from_pretrained(source, local_files_only=True, **overrides)
-            return config, source
+        if _checkpoint_files(source):
+            checkpoint = source
         source = config_path
-    if os.path.isfile(source):
-        try:
-            with open(source, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{source} is not a readable config.json: {exc}") from exc
-        if not isinstance(data, dict) or "model_type" not in data:
-            raise ValueError(f"{source} has no \"model_type\": it is not a transformers config")
-        model_type = data.pop("model_type")
-        data.update(overrides)
-        return tf.AutoConfig.for_model(model_type, **data), None
-    cls = getattr(tf, source, None)
-    if isinstance(cls, type) and issubclass(cls, tf.PretrainedConfig):
-        return cls(**overrides), None
-    try:
-        return tf.AutoConfig.for_model(source, **overrides), None
-    except ValueError:
+    if os.path.lexists(source):
+        data = _read_config(source)
+        data.pop("auto_map", None)   # a checkpoint's own code: never imported
+        cls = _config_class(tf, data.pop("model_type"), source)
+        return _make_config(tf, cls, data, overrides, source), checkpoint
+    cls = _config_class_named(tf, source)
+    if cls is None and source in tf.CONFIG_MAPPING:
+        cls = tf.CONFIG_MAPPING[source]
+    if cls is None:
         raise ValueError(f"{source!r} is neither a checkpoint directory, a config.json path, a "
                          "transformers config class (e.g. LlamaConfig) nor a model type (e.g. "
-                         "llama)") from None
+                         "llama)")
+    return _make_config(tf, cls, {}, overrides, None), None
 
 
-def _size(tf: Any, config: Any, dtype: Any) -> str:
-    """'LlamaForCausalLM, 2 layers, 666.9 M parameters (1.24 GiB of bfloat16)', from the
-    model built on the meta device (shapes only, no memory: 0.3 s on 2 cores for the
-    671 B-parameter DeepSeek-V3 config).  Only words for a progress line, so a model that
-    cannot be built on meta is just named."""
+def _causal_lm_class(tf: Any, config: Any) -> type:
+    try:
+        return tf.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ValueError(f"transformers has no causal LM for {type(config).__name__} "
+                         f"({config.model_type}): the tuner decodes with a causal LM") from None
+
+
+def model_bytes(model_cls: type, config: Any, dtype: Any) -> tuple[int, int]:
+    """(parameters, bytes) of the model ``config`` makes, built on the meta device (shapes
+    only: no memory, a fraction of a second even for the 671 B-parameter DeepSeek-V3).
+    Raises ValueError where the config does not build (only config code ran)."""
     import torch
 
-    layers = f"{getattr(config, 'num_hidden_layers', '?')} layers"
     try:
         with torch.device("meta"):
-            model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except Exception:  # noqa: BLE001 (only the size is lost; the real build reports)
-        return f"{type(config).__name__}, {layers}"
-    count = sum(p.numel() for p in model.parameters())
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    number = f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.1f} M"
-    return (f"{type(model).__name__}, {layers}, {number} parameters "
-            f"({nbytes / 2**30:.2f} GiB of {str(dtype).removeprefix('torch.')})")
+            model = model_cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    except Exception as exc:  # noqa: BLE001 - on meta nothing but the config can fail
+        raise ValueError(f"the {type(config).__name__} does not build a model: "
+                         f"{_one_line(exc)}") from None
+    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    count = sum(t.numel() for t in tensors.values())
+    return count, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _amount(n: float, units: tuple[str, ...], step: float) -> str:
+    """``n`` in the largest of ``units`` it reaches ('12.05 B', '22.44 GiB')."""
+    unit = 0
+    while unit + 1 < len(units) and n >= step ** (unit + 1):
+        unit += 1
+    return f"{n / step ** unit:.{0 if unit == 0 else 2}f} {units[unit]}".rstrip()
+
+
+def _check_fits(what: str, count: int, nbytes: int, device: Any) -> None:
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
+        raise ValueError(
+            f"{what} is {_amount(count, ('', 'K', 'M', 'B'), 1000)} parameters, "
+            f"{_amount(nbytes, ('bytes', 'KiB', 'MiB', 'GiB', 'TiB'), 1024)}, more than the "
+            f"{_amount(free, ('bytes', 'KiB', 'MiB', 'GiB', 'TiB'), 1024)} free on {device}: "
+            "make it smaller (e.g. --set num_hidden_layers=4; the tuner needs a few layers, "
+            "not the whole model) or use a larger device")
+
+
+def _check_seed(seed: Any) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an int in 0..{MAX_SEED}, got {seed!r}")
 
 
 def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
@@ -134,32 +522,57 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
                progress: Any = None) -> Any:
     """A causal LM in eval mode on ``device`` (see the module's docstring).
 
+    Before anything is built: ``overrides`` must name fields of the config class (with
+    values of their types), ``device`` must be the CPU or a CUDA device torch sees,
+    ``dtype`` a floating-point dtype, and the model must fit in the memory free on
+    ``device`` (and on the CPU, where a checkpoint is read first); each is a ValueError
+    that names it, as is a checkpoint whose weights are pickles or corrupt.
     ``progress``: a text stream (stderr) for a line before the build, naming the model
-    and its size, and one after it with the time it took; None: quiet."""
+    and its size, and one after it with the time it took; None: quiet.
+    """
     import torch
 
     tf = _transformers()
     if not isinstance(source, str) or not source:
         raise TypeError(f"source must be a path or a config name, got {source!r}")
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch dtype name such as bfloat16, got {dtype!r}")
+    _check_seed(seed)
+    torch_dtype = dtype_of(dtype)
+    where = device_of(device)
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(f"overrides must be a mapping of config fields, got "
+                        f"{type(overrides).__name__}")
     config, checkpoint = _config(source, dict(overrides or {}))
+    model_cls = _causal_lm_class(tf, config)
+    count, nbytes = model_bytes(model_cls, config, torch_dtype)
+    layers = getattr(config, "num_hidden_layers", None)
+    what = (f"{model_cls.__name__}" + (f" with {layers} layers" if isinstance(layers, int) else "")
+            + f" in {str(torch_dtype).removeprefix('torch.')}")
+    _check_fits(what, count, nbytes, where)
     t0 = time.monotonic()
     if progress is not None:
         how = (f"loading {checkpoint}" if checkpoint is not None
                else "building it with random weights")
-        print(f"[l2prefetch tune] {_size(tf, config, torch_dtype)}: {how} on {device}",
-              file=progress, flush=True)
+        number = f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.1f} M"
+        print(f"[l2prefetch tune] {model_cls.__name__}, {layers} layers, {number} parameters "
+              f"({nbytes / 2**30:.2f} GiB of {str(torch_dtype).removeprefix('torch.')}): "
+              f"{how} on {device}", file=progress, flush=True)
     if checkpoint is not None:
-        model = tf.AutoModelForCausalLM.from_pretrained(
-            checkpoint, config=config, dtype=torch_dtype, attn_implementation="sdpa",
-            local_files_only=True).to(device)
+        if where.type != "cpu":
+            _check_fits(what, count, nbytes, torch.device("cpu"))  # read into the CPU first
+        try:
+            model = model_cls.from_pretrained(
+                checkpoint, config=config, dtype=torch_dtype, attn_implementation="sdpa",
+                local_files_only=True, use_safetensors=True)
+        except (torch.OutOfMemoryError, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - transformers reading checked files
+            raise ValueError(f"cannot load the weights of {checkpoint}: "
+                             f"{_one_line(exc)}") from None
+        model = model.to(where)
     else:
         torch.manual_seed(seed)
-        with torch.device(device):
-            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch_dtype,
-                                                        attn_implementation="sdpa")
+        with torch.device(where):
+            model = model_cls._from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
     setter = getattr(model, "set_experts_implementation", None)
     if callable(setter):
         try:
@@ -213,6 +626,7 @@ class DecodeStep:
         for name, value in (("prompt_len", prompt_len), ("max_cache_len", max_cache_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        _check_seed(seed)
         if max_cache_len <= prompt_len:
             raise ValueError(f"max_cache_len ({max_cache_len}) must exceed prompt_len "
                              f"({prompt_len}) to leave room for the decoded token")

@@ -180,9 +180,14 @@ class Profile:
         return build_controller(self.plan, device, eager=eager)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 200   # module paths are long; whole values are not
+_REPR.maxlong = 40
+
+
 def _show(value: Any) -> str:
     """A value for a message: its repr, shortened (a field may hold megabytes)."""
-    return reprlib.repr(value)
+    return _REPR.repr(value)
 
 
 def _fail(where: str, what: str) -> ValueError:
@@ -326,14 +331,14 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
     return data
 
 
-def _check_device(data: dict, device: Any) -> None:
+def _check_device(data: dict, device: Any, where: str) -> None:
     here = device_fingerprint(device)
     theirs = data["device"]
     diffs = [f"{key}: profile {theirs[key]!r}, this device {here[key]!r}"
              for key in DEVICE_KEYS if theirs[key] != here[key]]
     if diffs:
         raise ProfileMismatchError(
-            "this profile was tuned on another GPU (" + "; ".join(diffs) + "): what pays "
+            f"profile {where} was tuned on another GPU (" + "; ".join(diffs) + "): what pays "
             "depends on the chip, so tune again on this one (python -m l2prefetch tune)")
     if theirs.get("driver_version") != here["driver_version"]:
         logger.warning("profile tuned with driver %s, this driver is %s: the plan applies; "
@@ -341,7 +346,7 @@ def _check_device(data: dict, device: Any) -> None:
                        here["driver_version"])
 
 
-def _check_model(data: dict, model: Any) -> None:
+def _check_model(data: dict, model: Any, where: str) -> None:
     from ..plan import _named_tensors
 
     fp = data["model"]
@@ -363,7 +368,8 @@ def _check_model(data: dict, model: Any) -> None:
             diffs.append("...")
             break
     if diffs:
-        raise ProfileMismatchError("this profile was tuned on another model (" + "; ".join(diffs)
+        raise ProfileMismatchError(f"profile {where} was tuned on another model ("
+                                   + "; ".join(diffs)
                                    + "): tune this model (python -m l2prefetch tune)")
 
 
@@ -386,8 +392,8 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     where = os.fspath(source)
     data = parse_profile(read_text(where, "profile"), where)
     if check_device:
-        _check_device(data, device)
-    _check_model(data, model)
+        _check_device(data, device, where)
+    _check_model(data, model, where)
     tensors = _named_tensors(model)
     modules = dict(model.named_modules())
     plan, sites = [], {}

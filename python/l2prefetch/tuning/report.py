@@ -10,9 +10,11 @@ each a mean over graph instances with its 95% interval, the instances of
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from .._files import write_atomic
 from .stats import Interval
 
 __all__ = ["markdown", "plot", "table"]
@@ -148,6 +150,8 @@ def plot(result: Any, path: str) -> bool:
     if not reps:
         axes[0][0].text(0.5, 0.5, "nothing was measured", ha="center")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()   # written by l2prefetch, not matplotlib: a regular file, atomically
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
+    write_atomic(path, image.getvalue(), "plot")
     return True

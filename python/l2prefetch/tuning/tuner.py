@@ -139,11 +139,9 @@ class TuneResult:
             raise ValueError("this result has no device fingerprint (it was not measured on a "
                              "GPU), so it cannot be saved as a profile")
         text = _compact_json(self.to_profile(model))
-        target = os.fspath(path)
-        tmp = f"{target}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        os.replace(tmp, target)
+        from .._files import write_atomic  # a new file (no planted link followed), renamed
+
+        write_atomic(path, text + "\n", "profile")
 
     # ---------------------------------------------------------------- report
     def markdown(self) -> str:
@@ -335,6 +333,10 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
         raise ValueError(f"grids must hold loader CTA counts in 1..65535, got {list(grids)}")
     if any(c * (1 << 20) >= 2**63 for c in caps_mib):
         raise ValueError(f"caps_mib must be below 2**43 MiB, got {list(caps_mib)}")
+    if any(int(c * (1 << 20)) < 16 for c in caps_mib):
+        # A cap is whole bytes; under 16 it would be 0 (no cap) or load nothing.
+        raise ValueError(f"caps_mib must each be at least 16 bytes ({16 / (1 << 20):.3g} MiB), "
+                         f"got {list(caps_mib)}")
     if isinstance(graph_forks, str) or not graph_forks or any(
             g not in GRAPH_FORKS for g in graph_forks):
         raise ValueError(f"graph_forks must be a non-empty sequence of {', '.join(GRAPH_FORKS)}, "
