@@ -380,7 +380,7 @@ def test_roles_and_profiles_are_checked_against_the_model(tmp_path, monkeypatch)
     with pytest.raises(trace_cli._Bad, match="--profile: profile .*is not an l2prefetch profile"):
         trace_cli._forks(namespace(profile=str(bad)), model, step, tr)
 
-    from l2prefetch.tuning import profile as profile_module
+    from l2prefetch import profile as profile_module
 
     loaded = profile_module.Profile(data={"batches": [8], "plan": []}, plan=[], sites={})
     monkeypatch.setattr(profile_module, "load_profile", lambda path, model: loaded)

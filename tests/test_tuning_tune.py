@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from l2prefetch import PlanEntry, tuning
-from l2prefetch.tuning import profile as P
+from l2prefetch import profile as P
 
 import _tuning_fakes as fakes
 from _tuning_fakes import FAKE_DEVICE, DeviceBackend, PerLayer

@@ -11,9 +11,10 @@ a summary of each plan prepared.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 from . import _C
@@ -22,7 +23,7 @@ from .plan import GraphFork, KernelName, PlanEntry, _per_batch, compact_batches
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["DeviceLike", "PrefetchController"]
+__all__ = ["DeviceLike", "PrefetchController", "build_controller", "empty_controller"]
 
 logger = logging.getLogger(__name__)
 
@@ -296,8 +297,7 @@ class PrefetchController(_C.PrefetchController):
         steps.  Attach the forks with ``hooks.attach(model, controller,
         profile.hook_points)``.
         """
-        from .tuning.profile import Profile, load_profile
-        from .tuning.rig import build_controller
+        from .profile import Profile, load_profile
 
         if isinstance(profile, Profile):
             # The plan holds the tensors of the model it was loaded for, and the hooks
@@ -310,3 +310,48 @@ class PrefetchController(_C.PrefetchController):
             controller.close()
             raise TypeError(f"from_profile builds a PrefetchController, not a {cls.__name__}")
         return controller
+
+
+def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optional[str] = None,
+                     graph_fork: str = "inline", eager: bool = True) -> Any:
+    """The control: ``plan``'s points, layers and batches with empty tables.
+
+    Each entry keeps its grid, carveout, priority, kernel and graph_fork, so
+    every fork launches the same (empty) kernel node as the plan's own.
+    """
+    controller = PrefetchController(device, graph_fork=graph_fork, eager=eager)
+    tables: dict[tuple, Any] = {}
+    for entry in plan:
+        entry_kernel = getattr(entry, "kernel", None) or kernel
+        key = (entry.grid, entry.carveout, entry.priority, entry_kernel)
+        if key not in tables:
+            tables[key] = _C.PreparedWeightRanges(
+                [], grid=entry.grid, carveout=entry.carveout, priority=entry.priority,
+                device=controller.device, kernel=entry_kernel)
+        mode = getattr(entry, "graph_fork", None)
+        if mode is None:
+            controller.add(entry.point, entry.layer, entry.batches, tables[key])
+        else:
+            controller.add(entry.point, entry.layer, entry.batches, tables[key], graph_fork=mode)
+    return controller
+
+
+def build_controller(plan: Sequence[Any], device: Any = None, *, empty: bool = False,
+                     eager: bool = False) -> Any:
+    """A controller for ``plan`` (``empty``: the control, same forks with empty tables).
+
+    When every entry forks the same way into a captured graph, that mode is
+    the controller's and the entries carry none (so this works with any C
+    build); a plan that mixes 'inline' and 'branch' sets the mode per entry.
+    ``eager=False`` by default: a tuned plan is measured and deployed in
+    captured decode steps.
+    """
+    modes = {getattr(entry, "graph_fork", None) or "inline" for entry in plan}
+    mode = "inline"
+    if len(modes) == 1:
+        mode = modes.pop()
+        plan = [dataclasses.replace(entry, graph_fork=None)
+                if getattr(entry, "graph_fork", None) is not None else entry for entry in plan]
+    if empty:
+        return empty_controller(plan, device, graph_fork=mode, eager=eager)
+    return PrefetchController.from_plan(plan, device, graph_fork=mode, eager=eager)

@@ -434,6 +434,19 @@ def format_plan(plan: Iterable[PlanEntry], l2_bytes: int | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _layer_of(path: str) -> tuple[Optional[int], str]:
+    """(decoder layer index, path below the layer) of a module path.
+
+    The layer is the first all-digit component (``model.layers.3.mlp`` -> 3,
+    ``mlp``); a path with none has no layer and keeps its whole path.
+    """
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return int(part), ".".join(parts[i + 1:])
+    return None, path
+
+
 def _named_tensors(model: Any) -> dict[str, Any]:
     """Every tensor reachable from model by name, in a stable order.
 

@@ -16,7 +16,7 @@ no GPU; measuring needs torch with CUDA.
 """
 
 from .discover import Read, Reads, Role, Site, candidates, discover, roles_from_plan
-from .profile import Profile, ProfileMismatchError, load_profile
+from ..profile import Profile, ProfileMismatchError, load_profile
 from .search import Setting, StepError
 from .tuner import TuneResult, tune
 

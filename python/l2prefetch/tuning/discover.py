@@ -29,24 +29,13 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
+from ..plan import _layer_of  # the runtime's too (profiles name sites by layer)
+
 __all__ = ["Read", "Reads", "Role", "Site", "candidates", "discover", "roles_from_plan"]
 
 MIB = 1 << 20
 #: The largest load a candidate is built for (the tuner's largest cap).
 DEFAULT_MAX_BYTES = 48 * MIB
-
-
-def _layer_of(path: str) -> tuple[Optional[int], str]:
-    """(decoder layer index, path below the layer) of a module path.
-
-    The layer is the first all-digit component (``model.layers.3.mlp`` -> 3,
-    ``mlp``); a path with none has no layer and keeps its whole path.
-    """
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return int(part), ".".join(parts[i + 1:])
-    return None, path
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -402,7 +402,7 @@ class GraphBackend:
         return out
 
     def device_fingerprint(self) -> dict:
-        from .profile import device_fingerprint
+        from ..profile import device_fingerprint
 
         return device_fingerprint(self.device)
 

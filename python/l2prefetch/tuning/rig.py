@@ -31,6 +31,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
+# The runtime builds a plan's controller and its empty-fork control; the rig re-exports them.
+from ..controller import build_controller, empty_controller
+
 __all__ = ["LoaderSwitch", "Measurement", "Rig", "build_controller", "empty_controller",
            "spin_cycles_per_us"]
 
@@ -50,55 +53,6 @@ def spin_cycles_per_us(device: Any = None) -> float:
         end.record()
         torch.cuda.synchronize()
         return cycles / (start.elapsed_time(end) * 1e3)
-
-
-def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optional[str] = None,
-                     graph_fork: str = "inline", eager: bool = True) -> Any:
-    """The control: ``plan``'s points, layers and batches with empty tables.
-
-    Each entry keeps its grid, carveout, priority, kernel and graph_fork, so
-    every fork launches the same (empty) kernel node as the plan's own.
-    """
-    from .. import PrefetchController, PreparedWeightRanges
-
-    controller = PrefetchController(device, graph_fork=graph_fork, eager=eager)
-    tables: dict[tuple, Any] = {}
-    for entry in plan:
-        entry_kernel = getattr(entry, "kernel", None) or kernel
-        key = (entry.grid, entry.carveout, entry.priority, entry_kernel)
-        if key not in tables:
-            tables[key] = PreparedWeightRanges(
-                [], grid=entry.grid, carveout=entry.carveout, priority=entry.priority,
-                device=controller.device, kernel=entry_kernel)
-        mode = getattr(entry, "graph_fork", None)
-        if mode is None:
-            controller.add(entry.point, entry.layer, entry.batches, tables[key])
-        else:
-            controller.add(entry.point, entry.layer, entry.batches, tables[key], graph_fork=mode)
-    return controller
-
-
-def build_controller(plan: Sequence[Any], device: Any = None, *, empty: bool = False,
-                     eager: bool = False) -> Any:
-    """A controller for ``plan`` (``empty``: the control, same forks with empty tables).
-
-    When every entry forks the same way into a captured graph, that mode is
-    the controller's and the entries carry none (so this works with any C
-    build); a plan that mixes 'inline' and 'branch' sets the mode per entry.
-    ``eager=False`` by default: a tuned plan is measured and deployed in
-    captured decode steps.
-    """
-    from .. import PrefetchController
-
-    modes = {getattr(entry, "graph_fork", None) or "inline" for entry in plan}
-    mode = "inline"
-    if len(modes) == 1:
-        mode = modes.pop()
-        plan = [dataclasses.replace(entry, graph_fork=None)
-                if getattr(entry, "graph_fork", None) is not None else entry for entry in plan]
-    if empty:
-        return empty_controller(plan, device, graph_fork=mode, eager=eager)
-    return PrefetchController.from_plan(plan, device, graph_fork=mode, eager=eager)
 
 
 @dataclasses.dataclass

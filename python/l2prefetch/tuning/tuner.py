@@ -2,7 +2,7 @@
 
 See :mod:`l2prefetch.tuning.search` for the procedure and its acceptance
 rule, :mod:`l2prefetch.tuning.rig` for how steps are measured, and
-:mod:`l2prefetch.tuning.profile` for the file a server loads.
+:mod:`l2prefetch.profile` for the file a server loads.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any, Optional, Union
 
 from ..plan import GRAPH_FORKS
 from .discover import Role, candidates as discover_candidates, describe_bytes, discover
-from .profile import PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, versions
+from ..profile import (PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, save_profile,
+                       versions)
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, MAX_INSTANCES,
                      MIN_INSTANCES, Backend, BatchReport, Setting, StepError, search)
 
@@ -37,24 +38,6 @@ MAX_BATCH = 65535
 ALTERNATIVE_KERNELS = ("load", "bulk_prefetch")
 #: Replays per graph instance in a measuring group.
 DEFAULT_ROUNDS = 60
-
-
-def _compact_json(value: Any, indent: str = "") -> str:
-    """JSON with a member per line, but a list or object of scalars on one line: the
-    profile's thousands of numbers take a line per interval or setting, not per number
-    (run 11's profiles: 3.6x fewer lines).  Any JSON reader reads it, as the profile's
-    reader reads the ``json.dumps(indent=1)`` files written before."""
-    members = value.values() if isinstance(value, dict) else value
-    if not isinstance(value, (dict, list)) or not any(isinstance(m, (dict, list))
-                                                        for m in members):
-        return json.dumps(value)
-    inner = indent + " "
-    if isinstance(value, dict):
-        # a key as json.dumps writes it: a string, other scalars as their JSON text
-        items = [f"{inner}{json.dumps(k if isinstance(k, str) else json.dumps(k))}: "
-                 f"{_compact_json(v, inner)}" for k, v in value.items()]
-        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
-    return "[\n" + ",\n".join(inner + _compact_json(v, inner) for v in value) + f"\n{indent}]"
 
 
 @dataclasses.dataclass
@@ -97,7 +80,7 @@ class TuneResult:
 
     # ---------------------------------------------------------------- profile
     def to_profile(self, model: Any) -> dict:
-        """The profile's JSON object for ``model`` (see :mod:`l2prefetch.tuning.profile`)."""
+        """The profile's JSON object for ``model`` (see :mod:`l2prefetch.profile`)."""
         from ..plan import _named_tensors
 
         names = {}
@@ -138,10 +121,7 @@ class TuneResult:
         if self.device is None:
             raise ValueError("this result has no device fingerprint (it was not measured on a "
                              "GPU), so it cannot be saved as a profile")
-        text = _compact_json(self.to_profile(model))
-        from .._files import write_atomic  # a new file (no planted link followed), renamed
-
-        write_atomic(path, text + "\n", "profile")
+        save_profile(path, self.to_profile(model))
 
     # ---------------------------------------------------------------- report
     def markdown(self) -> str:
