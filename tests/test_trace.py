@@ -348,7 +348,8 @@ def test_a_missing_model_exits_2(capsys, monkeypatch):
     pytest.importorskip("transformers")
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # get past the GPU check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # get past the GPU checks
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     one_line_error(capsys, ["trace", "no-such-model-type", "--role", ROLE],
                    "cannot build 'no-such-model-type': 'no-such-model-type' is neither a "
                    "checkpoint directory")

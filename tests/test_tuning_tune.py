@@ -439,7 +439,7 @@ def test_the_plan_shapes_file_may_not_be_a_fifo(tmp_path, capsys):
 
 def test_a_profile_is_bound_to_the_model_it_was_loaded_for(tmp_path, monkeypatch, fake):
     from l2prefetch import PrefetchController
-    from l2prefetch.tuning import rig
+    from l2prefetch import controller as rig   # from_profile's builder (the runtime's)
 
     model, path, _ = saved(tmp_path)
     twin = fakes.llama(n_layers=3, h=1024, i=2048, kv=256)   # the same shapes

@@ -60,6 +60,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from . import _C, _torch, __version__
+from ._parser import Parser as _Parser
 
 __all__ = ["DEFAULT_DIMS", "UsageError", "build_synthetic_kimi", "main", "plan_main"]
 
@@ -97,16 +98,6 @@ MAX_TENSOR_BYTES = 2**63 - 1
 
 class UsageError(Exception):
     """A bad option or input, raised by a command's run(): one line on stderr, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors as one line on stderr (exit status 2)."""
-
-    #: The top-level parser's commands, name -> parser (set by _parser()).
-    commands: dict[str, argparse.ArgumentParser]
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 # -- the command line ------------------------------------------------------------------------

@@ -176,13 +176,6 @@ class Profile:
         return {point: [(model.get_submodule(path) if path else model, layer)
                         for path, layer in sites] for point, sites in self.sites.items()}
 
-    def controller(self, device: Any = None, *, eager: bool = False) -> Any:
-        """A :class:`~l2prefetch.PrefetchController` with the profile's plan
-        (``eager=False`` unless given: the tuner measured captured steps)."""
-        from .controller import build_controller
-
-        return build_controller(self.plan, device, eager=eager)
-
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 200   # module paths are long; whole values are not

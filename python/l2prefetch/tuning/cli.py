@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m l2prefetch.tuning.cli``: the same as ``python -m l2prefetch tune``."""
-    from ..cli import _Parser  # usage errors as one line, exit status 2
+    from .._parser import Parser as _Parser  # usage errors as one line, exit status 2
 
     parser = _Parser(prog="l2prefetch tune", description=__doc__.split("\n\n")[0],
                      allow_abbrev=False)
