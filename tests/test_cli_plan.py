@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from l2prefetch import kimi_k3
-from l2prefetch.cli import DEFAULT_DIMS, build_synthetic_kimi, plan_main
+from l2prefetch.cli import plan_main
+from l2prefetch.kimi_k3 import DEFAULT_DIMS, synthetic_model as build_synthetic_kimi
 from l2prefetch.plan import PLAN_JSON_VERSION, plan_from_json
 
 MIB = 2**20

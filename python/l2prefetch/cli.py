@@ -61,39 +61,11 @@ from typing import Any, Optional
 
 from . import _C, _torch, __version__
 from ._parser import Parser as _Parser
+from .kimi_k3 import DEFAULT_DIMS, MAX_TENSOR_BYTES, synthetic_model as build_synthetic_kimi
 
-__all__ = ["DEFAULT_DIMS", "UsageError", "build_synthetic_kimi", "main", "plan_main"]
+__all__ = ["UsageError", "main", "plan_main"]
 
 MIB = 2**20
-
-#: Full (TP 1) dimensions of the synthetic model: Kimi K2's where it has them
-#: (hidden 7168, 61 layers, 384 experts, MLA with 64 heads, q-LoRA 1536, KV-LoRA
-#: 512, expert width 2048); KDA sized like a 64-head MLA; the MoE latent width
-#: (hidden / 4) is a guess.
-DEFAULT_DIMS: dict[str, Any] = {
-    "hidden": 7168,
-    "layers": 61,
-    "first_dense": 1,          # layers before the first MoE layer
-    "mla_every": 4,            # every 4th layer is MLA (KDA:MLA 3:1)
-    "experts": 384,            # router rows
-    "moe_latent": 1792,        # latent-down rows of the MoE front
-    "shared_intermediate": 2048,
-    "kda_heads": 64,
-    "kda_head_dim": 128,
-    "kda_rank": 128,           # low-rank forget-gate and output-gate width
-    "mla_heads": 64,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "dtype": "bfloat16",
-}
-
-#: At most this many layers: a controller's layer indices are 0..65535.
-MAX_LAYERS = 65536
-#: torch's limit on one tensor's bytes (and compute_ranges' on one span).
-MAX_TENSOR_BYTES = 2**63 - 1
 
 
 class UsageError(Exception):
@@ -426,115 +398,6 @@ def _info_gpu(verbose: bool) -> int:
 
 
 # -- plan ------------------------------------------------------------------------------------
-
-def _shard(dims: Mapping[str, Any], key: str, tp: int) -> int:
-    value = dims[key]
-    if value % tp:
-        raise ValueError(f"{key}={value} does not split over tp={tp}")
-    return value // tp
-
-
-def _check_dims(d: Mapping[str, Any]) -> None:
-    unknown = sorted(set(d) - set(DEFAULT_DIMS))
-    if unknown:
-        raise ValueError(f"unknown dimensions {unknown}; known: {sorted(DEFAULT_DIMS)}")
-    for key, value in d.items():
-        if key == "dtype":
-            continue
-        low = 0 if key == "first_dense" else 1
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"dimension {key} must be an int >= {low}, "
-                            f"got {type(value).__name__} {value!r}")
-        if value < low:
-            raise ValueError(f"dimension {key} must be an int >= {low}, got {value}")
-    if d["layers"] > MAX_LAYERS:
-        raise ValueError(f"dimension layers must be at most {MAX_LAYERS} (a controller's "
-                         f"layers are 0..{MAX_LAYERS - 1}), got {d['layers']}")
-
-
-def build_synthetic_kimi(dims: Optional[Mapping[str, Any]] = None, tp: int = 8,
-                         device: str = "meta") -> tuple[Any, list[Any], dict[int, Any]]:
-    """A Kimi-shaped model of one TP shard: ``(model, layers, packed)`` for ``kimi_k3.plan``.
-
-    ``model`` is an ``nn.Module`` whose ``layers`` hold the duck-typed layers
-    (``layer_idx``, ``is_moe_layer``, ``self_attn``, ``mlp``); ``packed[i]`` is
-    layer i's front tensor, also the buffer ``layers.i.mlp.front_packed`` so
-    plans can be stored as JSON.  Bad dimensions raise ValueError or TypeError
-    naming the dimension, a tensor they would make too large ValueError.
-    """
-    torch = _torch.require("build_synthetic_kimi")
-    from torch import nn
-
-    d = {**DEFAULT_DIMS, **(dims or {})}
-    _check_dims(d)
-    dtype = getattr(torch, str(d["dtype"]), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype {d['dtype']!r} is not a torch dtype name")
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype {d['dtype']!r} is not a floating-point dtype (the model's "
-                         "nn.Linear layers need one)")
-    item = torch.empty((), dtype=dtype, device="meta").element_size()
-    hidden = d["hidden"]
-    factory = {"device": device, "dtype": dtype}
-
-    def fits(what: str, *shape: int) -> tuple[int, ...]:
-        if math.prod(shape) * item > MAX_TENSOR_BYTES:
-            raise ValueError(f"dimensions too large: {what} would be "
-                             f"{' x '.join(map(str, shape))} {d['dtype']}, over 2**63 bytes")
-        return shape
-
-    def empty(what: str, *shape: int) -> Any:
-        return torch.empty(fits(what, *shape), **factory)
-
-    def linear(what: str, rows: int, columns: int) -> nn.Module:
-        fits(what, rows, columns)
-        return nn.Linear(columns, rows, bias=False, **factory)
-
-    def kda() -> nn.Module:
-        width = _shard(d, "kda_heads", tp) * d["kda_head_dim"]
-        attention = nn.Module()
-        attention.in_proj_qkvgfab = linear(
-            "in_proj_qkvgfab", 3 * width + 2 * d["kda_rank"] + _shard(d, "kda_heads", tp), hidden)
-        attention.f_b_proj = linear("f_b_proj", width, d["kda_rank"])
-        attention.g_proj = linear("g_proj", width, d["kda_rank"])
-        attention.o_proj = linear("o_proj", hidden, width)
-        return attention
-
-    def mla() -> nn.Module:
-        heads = _shard(d, "mla_heads", tp)
-        attention = nn.Module()
-        attention.fused_qkv_a_proj = linear(
-            "fused_qkv_a_proj", d["q_lora_rank"] + d["kv_lora_rank"] + d["qk_rope_head_dim"],
-            hidden)
-        attention.q_b_proj = linear(
-            "q_b_proj", heads * (d["qk_nope_head_dim"] + d["qk_rope_head_dim"]), d["q_lora_rank"])
-        # Plain tensor attributes, as vLLM's MLA keeps its absorbed kv_b halves.
-        attention.W_UK_T = empty("W_UK_T", heads, d["qk_nope_head_dim"], d["kv_lora_rank"])
-        attention.W_UV = empty("W_UV", heads, d["kv_lora_rank"], d["v_head_dim"])
-        attention.o_proj = linear("o_proj", hidden, heads * d["v_head_dim"])
-        return attention
-
-    model = nn.Module()
-    model.layers = nn.ModuleList()
-    packed: dict[int, Any] = {}
-    for index in range(d["layers"]):
-        layer = nn.Module()
-        layer.layer_idx = index
-        layer.is_moe_layer = index >= d["first_dense"]
-        layer.self_attn = mla() if (index + 1) % d["mla_every"] == 0 else kda()
-        layer.mlp = nn.Module()
-        if layer.is_moe_layer:
-            front = empty("the MoE front", _shard(d, "experts", tp) + _shard(d, "moe_latent", tp),
-                          hidden)
-            layer.mlp.register_buffer("front_packed", front, persistent=False)
-            packed[index] = front
-            shared = layer.mlp.shared_experts = nn.Module()
-            width = _shard(d, "shared_intermediate", tp)
-            shared.gate_up_proj = linear("gate_up_proj", 2 * width, hidden)
-            shared.down_proj = linear("down_proj", hidden, width)
-        model.layers.append(layer)
-    return model, list(model.layers), packed
-
 
 def _l2_mib(text: str) -> float:
     try:
