@@ -23,7 +23,8 @@ and ``--help``, do not import torch.
 
 The synthetic model of ``plan``: its dimensions are Kimi-K2-like guesses (the
 reference design does not give Kimi K3's shapes); override them with options
-or ``--shapes FILE.json`` (a JSON object of the keys of :data:`DEFAULT_DIMS`).
+or ``--shapes FILE.json`` (a JSON object of the keys of
+:data:`l2prefetch.kimi_k3.DEFAULT_DIMS`).
 Per TP shard, in bf16 by default (``rows x columns``; ``/tp``: sharded):
 
 * KDA attention (3 of every 4 layers): ``in_proj_qkvgfab`` [3 x kda_heads x
