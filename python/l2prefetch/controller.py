@@ -227,8 +227,9 @@ class PrefetchController(_C.PrefetchController):
         every entry's weights must be on it).  ``kernel``: the loader variant
         for entries whose ``kernel`` is None (None: the device's default).
         ``graph_fork`` and ``eager`` are the constructor's: how forks go into a
-        CUDA graph being captured ('inline', the default, or 'branch'; an
-        entry's own ``graph_fork`` overrides it for that entry), and whether
+        CUDA graph being captured (:mod:`l2prefetch.mechanisms`: 'inline', the
+        default, 'branch' or 'leaf'; an entry's own ``graph_fork`` overrides it for
+        that entry), and whether
         forks outside a capture launch (False: they return False; a host-bound
         eager decode step only pays their host time).
 

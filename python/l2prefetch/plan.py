@@ -33,7 +33,10 @@ import sys
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union, get_args
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+# How a fork goes into a CUDA graph being captured: the modes are named in mechanisms.py.
+from .mechanisms import GRAPH_FORKS, GraphFork, graph_fork_choices
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -77,10 +80,6 @@ MIN_BYTE_CAP = 16
 #: A per-batch cap of a capped point: the cap in MiB, or (cap in MiB, carveout).
 CapSpec = Union[int, tuple[int, Optional[int]]]
 
-#: How a fork goes into a CUDA graph being captured: on the captured stream
-#: ('inline') or as a side branch ('branch'); see PrefetchController.
-GraphFork = Literal["inline", "branch", "leaf"]
-GRAPH_FORKS: tuple[str, ...] = get_args(GraphFork)
 
 #: The loader kernel variants, as ``l2prefetch.kernel_variants()`` names them
 #: (tests/test_plan.py checks that the two lists agree).
@@ -180,7 +179,7 @@ def _check_kernel(value: object) -> None:
 
 
 def _check_graph_fork(value: object) -> None:
-    known = ", ".join(repr(mode) for mode in GRAPH_FORKS[:-1]) + f" or {GRAPH_FORKS[-1]!r}"
+    known = graph_fork_choices()
     if not isinstance(value, str):
         raise TypeError(f"PlanEntry.graph_fork must be {known}, or None (the controller's "
                         f"mode), got {type(value).__name__} {value!r}")
@@ -204,8 +203,9 @@ class PlanEntry:
     variant (one of ``l2prefetch.kernel_variants()``; None: the device's
     default, or ``from_plan(kernel=...)``).  ``graph_fork`` says how this
     entry's forks go into a CUDA graph being captured (one of :data:`GRAPH_FORKS`,
-    'inline', 'branch' or 'leaf'; None: the controller's ``graph_fork``).  Wrong types raise TypeError, bad
-    values ValueError, both naming the field.
+    the modes of :mod:`l2prefetch.mechanisms`; None: the controller's
+    ``graph_fork``).  Wrong types raise TypeError, bad values ValueError, both
+    naming the field.
 
     Entries compare and hash by value, with weights by identity (two entries
     are equal when they would prefetch the same tensor objects the same way).

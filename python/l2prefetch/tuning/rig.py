@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
+from ..mechanisms import DEFAULT_GRAPH_FORK
+
 __all__ = ["LoaderSwitch", "Measurement", "Rig", "build_controller", "empty_controller",
            "spin_cycles_per_us"]
 
@@ -53,7 +55,7 @@ def spin_cycles_per_us(device: Any = None) -> float:
 
 
 def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optional[str] = None,
-                     graph_fork: str = "inline", eager: bool = True) -> Any:
+                     graph_fork: str = DEFAULT_GRAPH_FORK, eager: bool = True) -> Any:
     """The control: ``plan``'s points, layers and batches with empty tables.
 
     Each entry keeps its grid, carveout, priority, kernel and graph_fork, so
@@ -84,14 +86,14 @@ def build_controller(plan: Sequence[Any], device: Any = None, *, empty: bool = F
 
     When every entry forks the same way into a captured graph, that mode is
     the controller's and the entries carry none (so this works with any C
-    build); a plan that mixes 'inline' and 'branch' sets the mode per entry.
+    build); a plan that mixes modes sets the mode per entry.
     ``eager=False`` by default: a tuned plan is measured and deployed in
     captured decode steps.
     """
     from .. import PrefetchController
 
-    modes = {getattr(entry, "graph_fork", None) or "inline" for entry in plan}
-    mode = "inline"
+    modes = {getattr(entry, "graph_fork", None) or DEFAULT_GRAPH_FORK for entry in plan}
+    mode = DEFAULT_GRAPH_FORK
     if len(modes) == 1:
         mode = modes.pop()
         plan = [dataclasses.replace(entry, graph_fork=None)
