@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
-from ..plan import GRAPH_FORKS
+from ..mechanisms import GRAPH_FORKS, graph_fork_choices
 from .discover import Role, candidates as discover_candidates, describe_bytes, discover
 from .profile import PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, versions
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, MAX_INSTANCES,
@@ -294,6 +294,9 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     ``graph_forks``; the first of each list is the default setting, and each
     role's layers alone and in groups (:attr:`~l2prefetch.tuning.Setting.layers`).
     ``progress``: a text stream for one line per measured group (None: quiet).
+    ``backend``: None to measure the step on the GPU
+    (:class:`~l2prefetch.tuning.measure.GraphBackend`), or any
+    :class:`~l2prefetch.tuning.search.Backend` (the tests' fake one plants effects).
 
     Raises TypeError/ValueError for bad arguments (naming them),
     :class:`~l2prefetch.tuning.StepError` when the step fails or cannot be
@@ -337,8 +340,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
         raise ValueError(f"caps_mib must be below 2**43 MiB, got {list(caps_mib)}")
     if isinstance(graph_forks, str) or not graph_forks or any(
             g not in GRAPH_FORKS for g in graph_forks):
-        raise ValueError(f"graph_forks must be a non-empty sequence of {', '.join(GRAPH_FORKS)}, "
-                         f"got {graph_forks!r}")
+        raise ValueError(f"graph_forks must be a non-empty sequence of {graph_fork_choices()} "
+                         f"(l2prefetch.mechanisms), got {graph_forks!r}")
     from .. import _C
 
     known = _C.kernel_variants()
@@ -351,6 +354,10 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
             raise ValueError(f"unknown kernel(s) {bad}; kernels are {sorted(known)} (None: the "
                              "device's default)")
 
+    if backend is not None and not isinstance(backend, Backend):
+        raise TypeError(f"backend must be None (measure on the GPU) or a "
+                        f"l2prefetch.tuning.search.Backend (derive from it), got "
+                        f"{type(backend).__name__}")
     t0 = time.monotonic()
     if backend is None:
         from .measure import GraphBackend
@@ -363,8 +370,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     if kernels is None:
         kernels = (None,)
     roles = _resolve_candidates(model, step, batches[0], candidates, min_bytes)
-    if hasattr(backend, "use_roles"):
-        backend.use_roles(roles, [int(c * (1 << 20)) for c in caps_mib])
+    backend.use_roles(roles, [int(c * (1 << 20)) for c in caps_mib])
     if progress is not None:
         print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
               f"budget {budget_s:.0f} s", file=progress, flush=True)
@@ -374,16 +380,15 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                      kernels=kernels, graph_forks=graph_forks, min_gain_us=min_gain_us,
                      progress=progress)
     plan, sites = merge_plan(roles, reports)
-    fingerprint = getattr(backend, "device_fingerprint", None)
     result = TuneResult(
         batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
         elapsed_s=time.monotonic() - t0,
         settings={"instances": instances, "max_instances": int(max_instances),
-                  "rounds": getattr(backend, "rounds", rounds),
+                  "rounds": backend.rounds,
                   "caps_mib": list(caps_mib), "grids": list(grids), "kernels": list(kernels),
                   "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
                   "min_bytes": min_bytes, "roles": len(roles)},
-        device=fingerprint() if fingerprint is not None else None,
+        device=backend.device_fingerprint(),
         versions=versions())
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
                 result.elapsed_s, "empty plan" if result.empty else
