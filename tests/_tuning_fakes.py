@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from l2prefetch.tuning.discover import Role, Site
+from l2prefetch.tuning.discover import Role, RoleSite
 from l2prefetch.tuning.search import (Arm, Backend, Prepared, Probe, Setting, StepError,
                                       parse_arm_key)
 
@@ -133,7 +133,7 @@ def role(name: str, layers: int = 4, mib: float = 32, site: str = "x") -> Role:
     sites = []
     for layer in range(layers):
         t = torch.empty(int(mib * MIB) // 2, dtype=torch.bfloat16)
-        sites.append(Site(layer=layer, site=f"layers.{layer}.{site}",
+        sites.append(RoleSite(layer=layer, site=f"layers.{layer}.{site}",
                               reads=(f"{name}.{layer}",), weights=(t,), nbytes=(t.numel() * 2,)))
     return Role(name=name, consumer=name, site=site, kind="module", next_layer=False,
                 sites=tuple(sites))
