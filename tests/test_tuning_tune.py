@@ -254,11 +254,12 @@ def test_a_backend_that_is_not_one_is_refused():
 
 
 @pytest.mark.parametrize("batches, error, message", [
-    ([], ValueError, "at least one decode batch"),
-    ([0], ValueError, "between 1 and 65535"),
-    ([1, 1], ValueError, "each batch once"),
-    ("1,8", TypeError, "batches must be a sequence"),
-    ([1.5], TypeError, "batches must hold ints"),
+    ([], ValueError, "^batches must name at least one batch"),
+    ([0], ValueError, "^batches must hold ints >= 1, got 0"),
+    ([65536], ValueError, "^batches must hold batches of at most 65535"),
+    ([1, 1], ValueError, "^batches must name each batch once"),
+    ("1,8", TypeError, "^batches must be an iterable of decode batches"),
+    ([1.5], TypeError, "^batches must hold ints"),
 ])
 def test_bad_batches(batches, error, message):
     model, step = model_and_step()

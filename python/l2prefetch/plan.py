@@ -109,27 +109,33 @@ def _check_int(field: str, value: object, low: int, high: int | None = None) -> 
     return value
 
 
-def _check_batches(value: object) -> tuple[int, ...]:
+def _check_batches(value: object, name: str = "PlanEntry.batches", *,
+                   allow_empty: bool = False) -> tuple[int, ...]:
+    """``value`` as decode batches, in the order given: an iterable (not a str) of
+    distinct ints (not bools) in 1..MAX_BATCH, at least one unless ``allow_empty``;
+    messages call it ``name``.  The one check of a list of batches: PlanEntry's, the
+    policies' and tune()'s."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError("PlanEntry.batches must be an iterable of ints >= 1 (e.g. range(3, 9)), "
-                        f"got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an iterable of decode batches (ints >= 1), e.g. "
+                        f"range(1, 9), got {type(value).__name__} {value!r}")
     batches = tuple(value)
-    if not batches:
-        raise ValueError("PlanEntry.batches must name at least one batch, got none")
+    if not batches and not allow_empty:
+        raise ValueError(f"{name} must name at least one batch, got none")
     for batch in batches:
-        if isinstance(batch, bool) or not isinstance(batch, int):
-            raise TypeError("PlanEntry.batches must hold ints >= 1, "
-                            f"got {type(batch).__name__} {batch!r} in {batches!r}")
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral):
+            raise TypeError(f"{name} must hold ints >= 1, got {type(batch).__name__} "
+                            f"{batch!r} in {batches!r}")
         if batch < 1:
-            raise ValueError(f"PlanEntry.batches must hold ints >= 1, got {batch} in {batches!r}")
+            raise ValueError(f"{name} must hold ints >= 1, got {batch} in {batches!r}")
         if batch > MAX_BATCH:
-            raise ValueError(f"PlanEntry.batches must hold batches of at most {MAX_BATCH} (the "
+            raise ValueError(f"{name} must hold batches of at most {MAX_BATCH} (the "
                              f"controller's limit), got {batch}")
+    batches = tuple(int(batch) for batch in batches)
     if len(set(batches)) != len(batches):
         repeated = sorted({b for b in batches if batches.count(b) > 1})
-        raise ValueError(f"PlanEntry.batches must name each batch once, {repeated} repeat "
+        raise ValueError(f"{name} must name each batch once, {repeated} repeat "
                          f"in {batches!r}")
-    return tuple(sorted(batches))
+    return batches
 
 
 def _describe(tensor: Any) -> str:
@@ -232,7 +238,7 @@ class PlanEntry:
         if self.layer > MAX_LAYER:
             raise ValueError(f"PlanEntry.layer must be at most {MAX_LAYER} (the controller's "
                              f"limit), got {self.layer}")
-        object.__setattr__(self, "batches", _check_batches(self.batches))
+        object.__setattr__(self, "batches", tuple(sorted(_check_batches(self.batches))))
         object.__setattr__(self, "weights", _check_weights(self.weights))
         _check_int("byte_cap", self.byte_cap, 0)
         if self.byte_cap >= 2**63:  # what PreparedWeightRanges can take

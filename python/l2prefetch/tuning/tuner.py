@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from ..mechanisms import GRAPH_FORKS, graph_fork_choices
+from ..plan import _check_batches
 from .discover import Role, candidates as discover_candidates, describe_bytes, discover
 from .profile import PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, versions
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, MAX_INSTANCES,
@@ -30,7 +31,6 @@ __all__ = ["TuneResult", "tune"]
 
 logger = logging.getLogger(__name__)
 
-MAX_BATCH = 65535
 #: Loaders the refine step tries besides the device's default (where the device has them):
 #: 16-byte loads and the bulk L2 prefetch (benchmarks/RESULTS.md, "glue": the loaders differ
 #: most beside small kernels).
@@ -158,24 +158,6 @@ class TuneResult:
         from .report import plot
 
         return plot(self, os.fspath(path))
-
-
-def _check_batches(batches: object) -> tuple[int, ...]:
-    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence):
-        raise TypeError(f"batches must be a sequence of ints (e.g. [1, 8]), got "
-                        f"{type(batches).__name__}")
-    out = []
-    for b in batches:
-        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
-            raise TypeError(f"batches must hold ints, got {type(b).__name__} {b!r}")
-        if not 1 <= b <= MAX_BATCH:
-            raise ValueError(f"batches must be between 1 and {MAX_BATCH}, got {b}")
-        out.append(int(b))
-    if not out:
-        raise ValueError("batches must name at least one decode batch, e.g. [1, 8]")
-    if len(set(out)) != len(out):
-        raise ValueError(f"batches must name each batch once, got {out}")
-    return tuple(out)
 
 
 def _check_number(name: str, value: object, low: float, integer: bool = False) -> float:
@@ -311,7 +293,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     if not callable(step):
         raise TypeError(f"step must be a callable step(batch) -> output, got "
                         f"{type(step).__name__}")
-    batches = _check_batches(batches)
+    batches = _check_batches(batches, "batches")
     _check_number("budget_s", budget_s, 0)
     if budget_s == 0:
         raise ValueError("budget_s must be > 0 seconds (the default is 300); a tuner with no "
