@@ -208,7 +208,7 @@ def test_per_batch_results_and_budget_split():
 def test_a_small_budget_gets_coarser_and_never_returns_an_unconfirmed_plan():
     roles = [role(n) for n in "ABCDEFGH"]
     gains = {n: pays(10.0) for n in "ABCDEFGH"}
-    # Each group costs ~ variants x 5 x (0.02 + 10 x 2 ms) = 0.2 s per variant.
+    # Each group costs ~ arms x 5 x (0.02 + 10 x 2 ms) = 0.2 s per arm.
     (report,), _ = run(PlantedBackend(gains, seed=10), roles, budget_s=6.0)
     measured = [r for r in report.roles if r.trials]
     assert measured and len(measured) < len(roles)

@@ -267,7 +267,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     (e.g. from :func:`~l2prefetch.tuning.roles_from_plan`).
 
     ``budget_s`` bounds the measuring (seconds, all batches together);
-    ``instances`` graph instances per variant (at least 5), ``rounds`` replays
+    ``instances`` graph instances per measurement arm (at least 5), ``rounds`` replays
     of each per group; a candidate whose interval is still undecided gets
     ``instances`` more at a time up to ``max_instances`` (None: 15, or
     ``instances`` if more; equal to ``instances``: no sequential sampling).
