@@ -22,7 +22,7 @@ from .plan import GraphFork, KernelName, PlanEntry, _per_batch, compact_batches
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["DeviceLike", "PrefetchController"]
+__all__ = ["DeviceLike", "PrefetchController", "disabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,13 @@ _kernels_logged: set = set()
 
 # The C type's own __init__, if it has one (today it builds everything in __new__).
 _BASE_INIT = _C.PrefetchController.__init__
+
+
+def disabled() -> bool:
+    """Whether L2PREFETCH_DISABLE asks for no prefetching (1, true, yes, on; any case,
+    blanks around it ignored): the C controller's rule, read by the C parser.  Also
+    ``l2prefetch.disabled`` and ``hooks.disabled``."""
+    return _C.env_flag("L2PREFETCH_DISABLE")
 
 
 def _first_line(exc: BaseException) -> str:

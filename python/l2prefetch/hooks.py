@@ -33,9 +33,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from . import _torch
-# The package's one disabled() (l2prefetch/__init__.py, which never imports this module),
-# also public here since attach() is what it turns off.
-from . import disabled
+# The package's one disabled(), also public here: attach() is what it turns off.
+from .controller import disabled
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
