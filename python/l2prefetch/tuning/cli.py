@@ -18,6 +18,8 @@ import os
 import sys
 from typing import Any, Optional
 
+from ..mechanisms import GRAPH_FORKS
+
 __all__ = ["add_parser", "main", "run"]
 
 HELP = "measure which prefetches pay for a Hugging Face model on this GPU; write a profile"
@@ -83,8 +85,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default=None,
                         help="kernel variants to try, comma-separated; 'default' is the "
                         "device's (default: the device's, then the other loaders it supports)")
-    parser.add_argument("--graph-forks", default="inline,branch",
-                        help="how forks go into the graph: inline, branch or both (default both)")
+    parser.add_argument("--graph-forks", default=",".join(GRAPH_FORKS),
+                        help=f"how forks go into the graph, comma-separated: any of "
+                        f"{', '.join(GRAPH_FORKS)} (default: every one)")
     parser.add_argument("--min-gain-us", type=_positive(float, "--min-gain-us", -1, 1e6),
                         default=1.0, help="skip roles whose loads could gain less (us per step)")
     parser.add_argument("--min-bytes-mib", type=_positive(float, "--min-bytes-mib", 0, 2**20),
