@@ -11,11 +11,12 @@ every group interleaving its measurement arms, :class:`Arm`: :data:`NO_FORKS`
 2. **screen**: a role whose gap (the most its loads could gain) is under
    ``min_gain_us`` is not measured; the rest are measured in decreasing gap.
 3. **sweep**: per role, one group of (a) no forks and, in every fork mode
-   (``graph_forks``: inline, branch, leaf), (d) the role's forks with empty
-   tables and (b) its loads at each cap, with the default kernel and grid.
-   A backend that switches loader nodes in place (:attr:`Backend.pairs`)
-   measures a mode's (d) and (b)s inside the same graph instances, so their
-   differences are paired and the instances' spread cancels.
+   (``graph_forks``, by default every one of :mod:`l2prefetch.mechanisms`),
+   (d) the role's forks with empty tables and (b) its loads at each cap, with
+   the default kernel and grid.  A backend that switches loader nodes in place
+   (:attr:`Backend.pairs`) measures a mode's (d) and (b)s inside the same graph
+   instances where the mode is switchable, so their differences are paired and
+   the instances' spread cancels.
 4. **refine**: for roles whose best setting beat (a) and (d), one group with
    the other grids and kernels at that cap and mode, each with its own (d).
 5. **layers**: a role's setting covers every layer, so loads that pay in
