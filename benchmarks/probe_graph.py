@@ -26,12 +26,13 @@ import traceback
 import torch
 
 from l2prefetch import PrefetchController, PreparedWeightRanges
+from l2prefetch.mechanisms import GRAPH_FORKS
 from l2prefetch.tuning.rig import Rig
 
 MIB = 1 << 20
 dev = torch.device("cuda", 0)
 rig = Rig(dev)
-MODES = ("inline", "branch", "leaf")
+MODES = GRAPH_FORKS
 
 
 def ms(vals):

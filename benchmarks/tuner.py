@@ -8,7 +8,7 @@ Linear, a ~25 us window in which one CTA spins, a Linear; 4096 x 4096 bf16,
 
   time    ``tune`` at 2, 4 and 8 layers, batches [1] and [1, 8], each with the
           same budget (--budget): wall time, the tuner's own elapsed time,
-          groups measured (one interleaved set of variants over graph
+          groups measured (one interleaved set of arms over graph
           instances), graphs captured, roles discovered / measured / kept.
   load    a server start: ``PrefetchController.from_profile(path, model)``
           for the profile of the 4-layer [1, 8] run, with a warm kernel cache
@@ -45,9 +45,9 @@ SMALL_BUDGETS_S = (5, 15, 60)
 LOADS = 20
 #: The goal for a load at server start with a warm kernel cache (issue 15).
 LOAD_GOAL_MS = 50
-#: A progress line of one measured group (tuning.search's Progress): "(N variants x M
+#: A progress line of one measured group (tuning.search's Progress): "(N arms x M
 #: instances, ~S s)".
-GROUP_LINE = re.compile(r"\((\d+) variants x (\d+) instances")
+GROUP_LINE = re.compile(r"\((\d+) arms x (\d+) instances")
 
 
 class Progress(io.TextIOBase):
@@ -135,7 +135,7 @@ def part_time(budget_s, keep):
             "`tuning.synthetic.IdleWindowModel(layers)` (per layer Linear a, a ~25 us one-CTA "
             "spin, Linear b; 32 MiB weights).  roles: discovered / measured (at least one "
             "trial) / kept (in the returned plan at some batch); groups = interleaved sets "
-            "of variants measured, graphs = graph instances captured for them; wall = the "
+            "of arms measured, graphs = graph instances captured for them; wall = the "
             "call's wall time, tuner = its own elapsed_s, per batch = each batch's "
             "elapsed_s.\n\n"
             + table(["layers", "batches", "roles", "measured", "kept", "groups", "graphs",

@@ -52,7 +52,9 @@
 #include "structmember.h"
 
 /* While capturing: the prefetch node on the captured stream itself with
- * launch-order edges (capture.c, NOTE [inline graph fork]), or the side stream. */
+ * launch-order edges (capture.c, NOTE [inline graph fork]), the side stream, or a
+ * sink of the graph (NOTE [leaf graph fork]).  python/l2prefetch/mechanisms.py names
+ * the same modes in the same order (tests/test_mechanisms.py). */
 enum { GRAPH_FORK_DEFAULT = -1, GRAPH_FORK_INLINE = 0, GRAPH_FORK_BRANCH = 1, GRAPH_FORK_LEAF = 2,
        GRAPH_FORK_COUNT = 3 };
 static const char *const graph_fork_names[] = {"inline", "branch", "leaf"};
@@ -247,7 +249,9 @@ static int as_index(PyObject *o, const char *what, long *out)
     return 0;
 }
 
-/* 'inline' / 'branch' (and None with allow_none: the controller's). */
+/* 'inline' / 'branch' / 'leaf' (and None with allow_none: the controller's).  The names
+ * are python/l2prefetch/mechanisms.py's registry: tests/test_mechanisms.py checks that
+ * this accepts exactly those and that both messages list them. */
 static int parse_graph_fork(PyObject *obj, int allow_none, int *out)
 {
     if (allow_none && obj == Py_None) {
@@ -450,7 +454,7 @@ PyDoc_STRVAR(add_doc,
 "add($self, point, layer, batches, ranges, /, *, graph_fork=None)\n--\n\n"
 "Register ranges (a PreparedWeightRanges of this device) for (point, layer, b)\n"
 "for each b in batches (an int or an iterable of ints), replacing what was\n"
-"there.  graph_fork ('inline' or 'branch') overrides the controller's for\n"
+"there.  graph_fork ('inline', 'branch' or 'leaf') overrides the controller's for\n"
 "these keys: how their forks go into a CUDA graph being captured (eager forks\n"
 "are the same either way); None keeps the controller's.  The (point, layer)\n"
 "event is created and recorded once here, before any capture can begin.");
@@ -724,9 +728,10 @@ PyDoc_STRVAR(fork_doc,
 "fork($self, point, layer, batch, /, stream=None)\n--\n\n"
 "Launch the table registered for (point, layer, batch) on the side stream,\n"
 "after the work already queued on stream (default: torch's current stream).\n"
-"While stream is being captured (graph_fork 'inline', the controller's or the\n"
-"key's), the launch goes on stream itself with launch-order edges, overlapping\n"
-"what follows.  Returns False, doing nothing, when nothing is registered\n"
+"While stream is being captured (graph_fork 'inline' or 'leaf', the controller's\n"
+"or the key's), the launch goes on stream itself: with launch-order edges,\n"
+"overlapping what follows ('inline'), or as a sink of the graph ('leaf').\n"
+"Returns False, doing nothing, when nothing is registered\n"
 "there, and with eager=False when stream is not being captured.");
 
 static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssize_t nargs,
@@ -1050,7 +1055,8 @@ static PyGetSetDef controller_getset[] = {
     {"closed", (getter)get_closed, NULL, "Whether close() was called.", NULL},
     {"graph_fork", (getter)get_graph_fork, NULL,
      "How a fork goes into a CUDA graph being captured: 'inline' (the prefetch node on the\n"
-     "captured stream with launch-order edges; the default) or 'branch' (the side stream).\n"
+     "captured stream with launch-order edges; the default), 'branch' (the side stream)\n"
+     "or 'leaf' (a sink of the graph after the fork's node).\n"
      "add(..., graph_fork=) overrides it per key; get_mode() says what a key uses.",
      NULL},
     {"points", (getter)get_points, NULL, "Point names in registration order.", NULL},
@@ -1067,8 +1073,8 @@ static PyMethodDef controller_methods[] = {
      "get($self, point, layer, batch, /)\n--\n\nThe PreparedWeightRanges registered there, or None."},
     {"get_mode", (PyCFunction)(void (*)(void))controller_get_mode, METH_FASTCALL,
      "get_mode($self, point, layer, batch, /)\n--\n\n"
-     "How a fork of that key goes into a CUDA graph being captured: 'inline' or\n"
-     "'branch' (its add()'s graph_fork, else the controller's), or None where\n"
+     "How a fork of that key goes into a CUDA graph being captured: 'inline',\n"
+     "'branch' or 'leaf' (its add()'s graph_fork, else the controller's), or None where\n"
      "nothing is registered."},
     {"keys", (PyCFunction)controller_keys, METH_NOARGS,
      "keys($self, /)\n--\n\nRegistered (point, layer, batch) keys: points in registration order,\n"
@@ -1105,7 +1111,9 @@ PyDoc_STRVAR(controller_doc,
 "device (default: torch's current device).  graph_fork says how a fork goes\n"
 "into a CUDA graph being captured: 'inline' puts the prefetch node on the\n"
 "captured stream with launch-order edges (no side branch; driver 12.3+,\n"
-"older drivers fall back), 'branch' forks to the side stream as in eager mode;\n"
+"older drivers fall back), 'branch' forks to the side stream as in eager mode,\n"
+"'leaf' puts it on the captured stream as a sink of the graph (nothing waits\n"
+"for it; the modes are python/l2prefetch/mechanisms.py's registry);\n"
 "add(..., graph_fork=) overrides it for some keys.\n"
 "eager=False makes fork() outside a capture return False without launching:\n"
 "a host-bound eager decode step pays a fork's host time and cannot gain.\n"

@@ -2,7 +2,7 @@
 
 :class:`PlantedBackend` answers :meth:`measure` the way a GPU would if each
 role had the effect it is given: every graph instance gets its own offset
-(instances differ by more than the effects, as on the H200), every variant
+(instances differ by more than the effects, as on the H200), every arm
 with forks pays each role's fork cost, loads save the role's gain (a
 function of the setting, its layers included: :class:`PerLayer` plants a
 gain per layer), and a pair of roles can interfere.  A seeded generator
@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from l2prefetch.tuning.discover import Role, Site
-from l2prefetch.tuning.search import Prepared, Probe, Setting, StepError, Variant
+from l2prefetch.tuning.discover import Role, RoleSite
+from l2prefetch.tuning.search import (Arm, Backend, Prepared, Probe, Setting, StepError,
+                                      parse_arm_key)
 
 MIB = 1 << 20
 
@@ -51,10 +52,11 @@ class PerLayer:
         return total
 
 
-class PlantedBackend:
-    """Planted gains; instance i of every variant shares offset i.  With ``paired``,
-    variants of one fork structure (same roles and modes) are measured as switched
-    states of one instance (their own noise 0.2 us) and reported in ``pairs``."""
+class PlantedBackend(Backend):
+    """Planted gains; instance i of every arm shares offset i.  With ``paired``,
+    arms of one fork structure (same roles and modes) are measured as switched
+    states of one instance (their own noise 0.2 us) and reported in ``pairs``.
+    Every arm key must be one :func:`~l2prefetch.tuning.search.arm_key` makes."""
 
     rounds = 10
 
@@ -73,7 +75,7 @@ class PlantedBackend:
         self.capture_s = capture_s
         self.fail = dict(fail)
         self.differs = differs
-        self.groups: list[dict[str, Variant]] = []
+        self.groups: list[dict[str, Arm]] = []
         self.prepared: list[int] = []
         self.switches = paired
         self.pairs: list[set[str]] = []
@@ -87,12 +89,12 @@ class PlantedBackend:
     def probe(self, batch, roles):
         return {name: Probe(window_us=10.0, gap_us=gap) for name, gap in self.gaps.items()}
 
-    def time(self, variant: Variant, offset: float) -> float:
+    def time(self, arm: Arm, offset: float) -> float:
         t = self.step_us + offset + self.rng.gauss(0.0, 0.2)
         names = set()
-        for name, setting in variant.roles:
+        for name, setting in arm.roles:
             t += self.fork_cost_us * 1  # one fork node per role (the layers are folded in)
-            if not variant.empty:
+            if not arm.empty:
                 t -= self.gains.get(name, lambda s: 0.0)(setting)
                 names.add(name)
         for pair, penalty in self.interference.items():
@@ -100,27 +102,29 @@ class PlantedBackend:
                 t += penalty
         return t
 
-    def measure(self, batch, variants, instances):
-        self.groups.append(dict(variants))
+    def measure(self, batch, arms, instances):
+        for key in arms:
+            parse_arm_key(key)
+        self.groups.append(dict(arms))
         offsets = [self.rng.gauss(0.0, self.sd) for _ in range(instances)]
         structures: dict[tuple, set[str]] = {}
-        for name, v in variants.items():
+        for name, v in arms.items():
             if v.roles:
                 structures.setdefault(v.structure(), set()).add(name)
         self.pairs = [g for g in structures.values() if len(g) > 1] if self.switches else []
         shared = {n: k for k, g in enumerate(self.pairs) for n in g}
         group_offsets = [[self.rng.gauss(0.0, self.sd) for _ in range(instances)]
                          for _ in self.pairs]
-        own = {name: (0.2 if name in shared else self.sd) for name in variants}
+        own = {name: (0.2 if name in shared else self.sd) for name in arms}
         times = {name: [self.time(v, offsets[i] + (group_offsets[shared[name]][i]
                                                     if name in shared else 0.0)
                                   + self.rng.gauss(0.0, own[name]))
-                        for i in range(instances)] for name, v in variants.items()}
+                        for i in range(instances)] for name, v in arms.items()}
         if self.clock is not None:
-            self.clock.t += len(variants) * instances * (
+            self.clock.t += len(arms) * instances * (
                 self.capture_s + self.rounds * self.step_us * 1e-6)
         identical = {name: not (set(n for n, _ in v.roles) & self.differs) or v.empty
-                     for name, v in variants.items()}
+                     for name, v in arms.items()}
         return times, identical
 
 
@@ -129,8 +133,8 @@ def role(name: str, layers: int = 4, mib: float = 32, site: str = "x") -> Role:
     sites = []
     for layer in range(layers):
         t = torch.empty(int(mib * MIB) // 2, dtype=torch.bfloat16)
-        sites.append(Site(layer=layer, site=f"layers.{layer}.{site}", reads=(f"{name}.{layer}",),
-                          weights=(t,), nbytes=(t.numel() * 2,)))
+        sites.append(RoleSite(layer=layer, site=f"layers.{layer}.{site}",
+                              reads=(f"{name}.{layer}",), weights=(t,), nbytes=(t.numel() * 2,)))
     return Role(name=name, consumer=name, site=site, kind="module", next_layer=False,
                 sites=tuple(sites))
 

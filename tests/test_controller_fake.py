@@ -20,6 +20,7 @@ import pytest
 
 import l2prefetch
 from l2prefetch import _C
+from l2prefetch.mechanisms import GRAPH_FORK_MODES
 from conftest import FakeArray, cuda_tensor, device_ptr
 
 PWR = l2prefetch.PreparedWeightRanges
@@ -1180,7 +1181,7 @@ def test_failed_capture_state_query_is_a_cuda_error(fake, table, mode, eager):
     inline fork take the side stream."""
     ctl = _populated(fake, table, graph_fork=mode, eager=eager)
     fake.set_capture(7)
-    if mode == "branch":
+    if GRAPH_FORK_MODES[mode].needs_join:
         assert ctl.fork("attn", 0, 1, stream=STREAM) and ctl.pending
     fake.clear_log()
     fake.fail("cuStreamGetCaptureInfo", code="CUDA_ERROR_INVALID_VALUE")
@@ -1188,7 +1189,7 @@ def test_failed_capture_state_query_is_a_cuda_error(fake, table, mode, eager):
         ctl.fork("attn", 1, 1, stream=STREAM)
     assert info.value.operation == "cuStreamGetCaptureInfo"
     assert info.value.name == "CUDA_ERROR_INVALID_VALUE"
-    assert fake.log("cuLaunchKernelEx") == [] and ctl.pending == (mode == "branch")
+    assert fake.log("cuLaunchKernelEx") == [] and ctl.pending == GRAPH_FORK_MODES[mode].needs_join
     assert ctl.fork("attn", 1, 1, stream=STREAM)          # the next query works
     ctl.join(stream=STREAM)
     assert not ctl.pending

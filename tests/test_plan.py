@@ -197,7 +197,9 @@ def test_kernel_names_are_the_c_extensions():
 
     assert set(get_args(KernelName)) == set(_C.kernel_variants()), (
         "plan.KernelName must list exactly l2prefetch.kernel_variants(): update it")
-    assert GRAPH_FORKS == ("inline", "branch", "leaf") == get_args(GraphFork)
+    from l2prefetch.mechanisms import GRAPH_FORK_MODES
+
+    assert GRAPH_FORKS == tuple(GRAPH_FORK_MODES) == get_args(GraphFork)
 
 
 def test_annotations_name_the_literal_types():

@@ -14,6 +14,7 @@ import pytest
 
 import l2prefetch
 from l2prefetch import _C
+from l2prefetch.mechanisms import GRAPH_FORKS
 
 STUB = os.path.join(os.path.dirname(os.path.abspath(l2prefetch.__file__)), "_C.pyi")
 
@@ -53,14 +54,10 @@ def test_kernel_literal_is_the_variant_table(stub):
     assert set(kernels) == set(_C.kernel_variants()), "update _Kernel in _C.pyi"
 
 
-def test_graph_fork_literal_is_what_the_controller_takes(fake, stub):
-    modes = literal(stub, "_GraphFork")
-    for mode in modes:
-        with l2prefetch.PrefetchController(device=0, graph_fork=mode) as controller:
-            assert controller.graph_fork == mode
-    with pytest.raises(ValueError, match=r"'inline'.*'branch'"):
-        l2prefetch.PrefetchController(device=0, graph_fork="inlined")
-    assert sorted(modes) == ["branch", "inline", "leaf"]
+def test_graph_fork_literal_is_the_registry(stub):
+    """The registry (l2prefetch.mechanisms) is what the controller takes:
+    tests/test_mechanisms.py."""
+    assert tuple(literal(stub, "_GraphFork")) == GRAPH_FORKS, "update _GraphFork in _C.pyi"
 
 
 def test_every_public_name_has_a_stub(stub):

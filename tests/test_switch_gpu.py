@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from l2prefetch import PrefetchController, PreparedWeightRanges, _C  # noqa: E402
+from l2prefetch.mechanisms import GRAPH_FORK_MODES  # noqa: E402
 from l2prefetch.tuning.rig import LoaderSwitch, Rig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +28,7 @@ def setup():
     return dev, w1, w2, x
 
 
-@pytest.mark.parametrize("mode", ["leaf", "branch", "inline"])
+@pytest.mark.parametrize("mode", [name for name, m in GRAPH_FORK_MODES.items() if m.switchable])
 def test_switched_states_replay_bitwise(setup, mode):
     dev, w1, w2, x = setup
     rig = Rig(dev)

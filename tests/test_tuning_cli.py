@@ -146,6 +146,17 @@ def test_bad_options_exit_2_with_one_line(argv, message, capsys):
     assert message in err
 
 
+def test_tune_sweeps_every_graph_fork_mode_by_default():
+    """As tune() does (and the README says): every mode of l2prefetch.mechanisms."""
+    import argparse
+
+    from l2prefetch.mechanisms import GRAPH_FORKS
+
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    assert parser.parse_args(["llama"]).graph_forks.split(",") == list(GRAPH_FORKS)
+
+
 def test_errors_before_measuring_exit_2(capsys, monkeypatch):
     import torch
 

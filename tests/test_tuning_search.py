@@ -83,8 +83,48 @@ def test_keeps_exactly_the_paying_role():
     assert conf is not None and conf.gain.low > 0 and conf.ratio > 1
     assert conf.roles == report.plan
     # every measuring group holds the no-fork step, and every group interleaves its variants
-    assert all("a" in g for g in backend.groups)
+    assert all(S.NO_FORKS in g for g in backend.groups)
     assert "batch 1" in log and "ETA" in log
+
+
+def test_every_group_pairs_each_loads_arm_with_its_own_empty_forks():
+    """Every group holds (a); in every group but combine and confirm each (b) has a (d)
+    of the same fork structure (same roles, modes and layers), which the search compares
+    it with; every key is one arm_key() makes (PlantedBackend parses them)."""
+    backend = PlantedBackend({"A": PerLayer({1: 6.0}, layers=2, other=-3.0), "B": pays(8.0)},
+                             seed=21, paired=True)
+    (report,), _ = run(backend, [role("A", layers=2), role("B")])
+    assert report.plan
+    kinds = set()
+    for group in backend.groups:
+        assert group[S.NO_FORKS] == S.Arm()
+        by_kind = {}
+        for key, arm in group.items():
+            by_kind.setdefault(S.parse_arm_key(key)[0], []).append(arm)
+        kinds |= set(by_kind)
+        if S.PLAN in by_kind:
+            assert set(by_kind) == {S.NO_FORKS, S.PLAN}
+            continue
+        controls = {arm.structure() for arm in by_kind[S.EMPTY]}
+        assert all(arm.empty for arm in by_kind[S.EMPTY])
+        assert by_kind[S.LOADS] and all(not arm.empty and arm.structure() in controls
+                                        for arm in by_kind[S.LOADS])
+    assert kinds == set(S.ARM_KINDS)
+
+
+def test_arm_keys():
+    assert S.arm_key(S.NO_FORKS) == "a" and S.arm_key(S.PLAN) == "plan"
+    assert S.arm_key(S.LOADS, "leaf", 4 * MIB) == "b:leaf:4194304"
+    assert S.parse_arm_key("b:leaf:4194304") == (S.LOADS, ("leaf", "4194304"))
+    assert S.parse_arm_key(S.arm_key(S.EMPTY, 3)) == (S.EMPTY, ("3",))
+    assert S.parse_arm_key("a") == (S.NO_FORKS, ())
+    with pytest.raises(ValueError, match="arm kind must be one of"):
+        S.arm_key("c")
+    with pytest.raises(ValueError, match="hold no ':'"):
+        S.arm_key(S.LOADS, "a:b")
+    for bad in ("c", "b:", "", "b::1", None):
+        with pytest.raises(ValueError, match="not an arm key"):
+            S.parse_arm_key(bad)
 
 
 def test_empty_plan_when_nothing_pays():
@@ -168,7 +208,7 @@ def test_per_batch_results_and_budget_split():
 def test_a_small_budget_gets_coarser_and_never_returns_an_unconfirmed_plan():
     roles = [role(n) for n in "ABCDEFGH"]
     gains = {n: pays(10.0) for n in "ABCDEFGH"}
-    # Each group costs ~ variants x 5 x (0.02 + 10 x 2 ms) = 0.2 s per variant.
+    # Each group costs ~ arms x 5 x (0.02 + 10 x 2 ms) = 0.2 s per arm.
     (report,), _ = run(PlantedBackend(gains, seed=10), roles, budget_s=6.0)
     measured = [r for r in report.roles if r.trials]
     assert measured and len(measured) < len(roles)

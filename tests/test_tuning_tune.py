@@ -12,6 +12,7 @@ import torch
 
 from l2prefetch import PlanEntry, tuning
 from l2prefetch import profile as P
+from l2prefetch.tuning.search import Backend
 
 import _tuning_fakes as fakes
 from _tuning_fakes import FAKE_DEVICE, DeviceBackend, PerLayer
@@ -80,6 +81,10 @@ def test_profile_round_trip(tmp_path, monkeypatch):
     assert weights["model.layers.0.self_attn.o_proj.weight"] == [[1024, 1024], "bfloat16"]
     assert {tuple(e["batches"]) for e in data["plan"]} == {(1, 8)}
     assert data["results"][0]["roles"] and data["results"][0]["confirmed"]["gain"]["low"] > 0
+    # the arms keep their letters in the profile: (a) no forks, (b) loads, (d) empty forks
+    trial = data["results"][0]["roles"][0]["trials"][0]
+    assert {"a", "b", "d", "gain", "vs_empty"} <= set(trial)
+    assert {"a", "plan", "gain"} <= set(data["results"][0]["confirmed"])
 
     monkeypatch.setattr(P, "device_fingerprint", lambda device=None: dict(FAKE_DEVICE))
     profile = tuning.load_profile(path, model)
@@ -186,12 +191,76 @@ def test_bad_arguments(kwargs, error, message):
                     **kwargs)
 
 
+# ------------------------------------------------------------------ the backend's contract
+
+class Minimal(Backend):
+    """Only what a backend must define: rounds, prepare, probe, measure (no device, no
+    pairing, no roles needed: Backend's defaults)."""
+
+    rounds = 7
+
+    def __init__(self, planted):
+        self.planted = planted
+
+    def prepare(self, batch):
+        return self.planted.prepare(batch)
+
+    def probe(self, batch, roles):
+        return None
+
+    def measure(self, batch, arms, instances):
+        return self.planted.measure(batch, arms, instances)
+
+
+def test_a_backend_needs_only_its_own_members():
+    model, step = model_and_step()
+    backend = Minimal(DeviceBackend({O_PROJ: lambda s: 6.0}, seed=3))
+    result = tuning.tune(model, step, [1], candidates=[O_PROJ], backend=backend, progress=None,
+                         min_bytes=256 * 1024, rounds=60)
+    assert not result.empty
+    assert result.device is None                       # Backend.device_fingerprint's default
+    assert result.settings["rounds"] == 7              # the backend's, not tune's argument
+    assert backend.pairs == () and backend.switches is False
+
+
+def test_tune_hands_the_backend_its_roles_and_caps():
+    class Recording(DeviceBackend):
+        def use_roles(self, roles, caps_bytes):
+            self.used = ([r.name for r in roles], list(caps_bytes))
+
+    model, step = model_and_step()
+    backend = Recording({}, seed=0)
+    result = tuning.tune(model, step, [1], candidates=[O_PROJ, GATE], backend=backend,
+                         progress=None, min_bytes=256 * 1024, caps_mib=[4, 8.5])
+    assert backend.used == ([O_PROJ, GATE], [4 * MIB, int(8.5 * MIB)])
+    assert result.device == FAKE_DEVICE
+
+
+def test_a_backend_that_is_not_one_is_refused():
+    model, step = model_and_step()
+    with pytest.raises(TypeError, match="backend must be None .* or a "
+                       "l2prefetch.tuning.search.Backend .*got object"):
+        tuning.tune(model, step, [1], backend=object(), progress=None)
+
+    class NoMeasure(Backend):
+        rounds = 1
+
+        def prepare(self, batch):
+            raise AssertionError
+
+        def probe(self, batch, roles):
+            return None
+    with pytest.raises(TypeError, match="abstract method.*measure"):
+        NoMeasure()
+
+
 @pytest.mark.parametrize("batches, error, message", [
-    ([], ValueError, "at least one decode batch"),
-    ([0], ValueError, "between 1 and 65535"),
-    ([1, 1], ValueError, "each batch once"),
-    ("1,8", TypeError, "batches must be a sequence"),
-    ([1.5], TypeError, "batches must hold ints"),
+    ([], ValueError, "^batches must name at least one batch"),
+    ([0], ValueError, "^batches must hold ints >= 1, got 0"),
+    ([65536], ValueError, "^batches must hold batches of at most 65535"),
+    ([1, 1], ValueError, "^batches must name each batch once"),
+    ("1,8", TypeError, "^batches must be an iterable of decode batches"),
+    ([1.5], TypeError, "^batches must hold ints"),
 ])
 def test_bad_batches(batches, error, message):
     model, step = model_and_step()

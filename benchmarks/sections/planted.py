@@ -23,14 +23,16 @@ import statistics
 
 import torch
 
+from l2prefetch.mechanisms import GRAPH_FORKS
 from l2prefetch.tuning.report import table
+from l2prefetch.tuning.search import EMPTY, LOADS, NO_FORKS, arm_key
 from l2prefetch.tuning.stats import diff_interval, paired_interval
 
 MIB = 1 << 20
 #: The planted windows (us) and where: before the MLP or before the attention.
 SPINS_US = (10, 20, 40)
 SITES = ("mlp", "attention")
-MODES = ("inline", "branch", "leaf")
+MODES = GRAPH_FORKS
 CAPS_MIB = (24, 48)
 BATCHES = (1, 8)
 INSTANCES = 4
@@ -78,16 +80,17 @@ def _planted(rig, model, site, spin):
 
 
 def _measure(backend, role, batch, modes, caps):
-    from l2prefetch.tuning.search import Setting, Variant
+    from l2prefetch.tuning.search import Arm, Setting
 
-    variants = {"a": Variant()}
+    arms = {NO_FORKS: Arm()}
     for mode in modes:
         base = Setting(byte_cap=caps[0] * MIB, graph_fork=mode)
-        variants[f"d:{mode}"] = Variant(((role.name, base),), empty=True)
+        arms[arm_key(EMPTY, mode)] = Arm(((role.name, base),), empty=True)
         for cap in caps:
-            variants[f"b:{mode}:{cap}"] = Variant(((role.name, Setting(cap * MIB, graph_fork=mode)),))
-    times, identical = backend.measure(batch, variants, INSTANCES)
-    paired = any({"d:" + m, "b:" + m + ":" + str(caps[0])} <= g for g in backend.pairs for m in modes)
+            arms[arm_key(LOADS, mode, cap)] = Arm(((role.name, Setting(cap * MIB, graph_fork=mode)),))
+    times, identical = backend.measure(batch, arms, INSTANCES)
+    paired = any({arm_key(EMPTY, m), arm_key(LOADS, m, caps[0])} <= g
+                 for g in backend.pairs for m in modes)
     return times, identical, paired
 
 
@@ -114,12 +117,12 @@ def run(rig, quick):
                         probe = (backend.probe(batch, [role]) or {}).get(role.name)
                         gap = probe.gap_us if probe else None
                         times, identical, paired = _measure(backend, role, batch, MODES, CAPS_MIB)
-                        a = times["a"]
+                        a = times[NO_FORKS]
                         for mode in MODES:
-                            d = times[f"d:{mode}"]
+                            d = times[arm_key(EMPTY, mode)]
                             cost = diff_interval(d, a)
                             for cap in CAPS_MIB:
-                                b = times[f"b:{mode}:{cap}"]
+                                b = times[arm_key(LOADS, mode, cap)]
                                 vs_d = (paired_interval if paired else diff_interval)(d, b)
                                 vs_a = diff_interval(a, b)
                                 # the prize of the bytes loaded: the gap's share of them
@@ -132,7 +135,8 @@ def run(rig, quick):
                                              cap, f"{statistics.mean(a):.1f}", cost.format(1),
                                              vs_d.format(1), vs_a.format(1),
                                              f"{gap:.1f}" if gap is not None else "n/a", share,
-                                             "yes" if identical.get(f"b:{mode}:{cap}") else "NO"])
+                                             "yes" if identical.get(arm_key(LOADS, mode, cap))
+                                             else "NO"])
                 finally:
                     for h in hooks:
                         h.remove()

@@ -24,6 +24,7 @@ class CudaUnavailableError(ImportError):
 
 _Stream = Union[None, int, Any]  # None (torch's current), a CUstream handle, a torch.cuda.Stream
 _Device = Union[None, int, str, Any]
+# l2prefetch.mechanisms.GRAPH_FORKS (tests/test_stubs.py checks them).
 _GraphFork = Literal["inline", "branch", "leaf"]
 # The names of csrc/kernels.c's variant table (tests/test_stubs.py checks them).
 _Kernel = Literal["ring", "bulk_prefetch", "line_prefetch", "load"]
@@ -106,9 +107,9 @@ class PrefetchController:
                  eager: bool = True) -> None: ...
     def add(self, point: str, layer: int, batches: Union[int, Iterable[int]],
             ranges: PreparedWeightRanges, /, *, graph_fork: Optional[_GraphFork] = None) -> None:
-        """Register ranges for (point, layer, b), b in batches.  ``graph_fork`` ('inline'
-        or 'branch') overrides the controller's for these keys while capturing; None
-        keeps the controller's."""
+        """Register ranges for (point, layer, b), b in batches.  ``graph_fork`` ('inline',
+        'branch' or 'leaf': l2prefetch.mechanisms) overrides the controller's for these
+        keys while capturing; None keeps the controller's."""
     def get_mode(self, point: str, layer: int, batch: int, /) -> Optional[_GraphFork]:
         """'inline', 'branch' or 'leaf': how a fork of that key goes into a captured graph (its
         add()'s graph_fork, else the controller's); None where nothing is registered."""

@@ -24,7 +24,7 @@ from ._C import (
     compute_ranges,
     kernel_variants,
 )
-from .controller import PrefetchController
+from .controller import PrefetchController, disabled
 from .plan import PlanEntry
 
 # Modules log to child loggers (l2prefetch.controller, l2prefetch.hooks); the
@@ -45,10 +45,4 @@ __all__ = [
     "disabled",
     "kernel_variants",
 ]
-
-
-def disabled() -> bool:
-    """Whether L2PREFETCH_DISABLE asks for no prefetching (1, true, yes, on; any case,
-    blanks around it ignored): the C controller's rule, read by the C parser."""
-    return _C.env_flag("L2PREFETCH_DISABLE")
 

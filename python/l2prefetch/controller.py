@@ -18,12 +18,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 from . import _C
+from .mechanisms import DEFAULT_GRAPH_FORK
 from .plan import GraphFork, KernelName, PlanEntry, _per_batch, compact_batches
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["DeviceLike", "PrefetchController", "build_controller", "empty_controller"]
+__all__ = ["DeviceLike", "PrefetchController", "build_controller", "disabled", "empty_controller"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,13 @@ _kernels_logged: set = set()
 
 # The C type's own __init__, if it has one (today it builds everything in __new__).
 _BASE_INIT = _C.PrefetchController.__init__
+
+
+def disabled() -> bool:
+    """Whether L2PREFETCH_DISABLE asks for no prefetching (1, true, yes, on; any case,
+    blanks around it ignored): the C controller's rule, read by the C parser.  Also
+    ``l2prefetch.disabled`` and ``hooks.disabled``."""
+    return _C.env_flag("L2PREFETCH_DISABLE")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -228,8 +236,9 @@ class PrefetchController(_C.PrefetchController):
         every entry's weights must be on it).  ``kernel``: the loader variant
         for entries whose ``kernel`` is None (None: the device's default).
         ``graph_fork`` and ``eager`` are the constructor's: how forks go into a
-        CUDA graph being captured ('inline', the default, or 'branch'; an
-        entry's own ``graph_fork`` overrides it for that entry), and whether
+        CUDA graph being captured (:mod:`l2prefetch.mechanisms`: 'inline', the
+        default, 'branch' or 'leaf'; an entry's own ``graph_fork`` overrides it for
+        that entry), and whether
         forks outside a capture launch (False: they return False; a host-bound
         eager decode step only pays their host time).
 
@@ -313,7 +322,7 @@ class PrefetchController(_C.PrefetchController):
 
 
 def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optional[str] = None,
-                     graph_fork: str = "inline", eager: bool = True) -> Any:
+                     graph_fork: str = DEFAULT_GRAPH_FORK, eager: bool = True) -> Any:
     """The control: ``plan``'s points, layers and batches with empty tables.
 
     Each entry keeps its grid, carveout, priority, kernel and graph_fork, so
@@ -342,12 +351,12 @@ def build_controller(plan: Sequence[Any], device: Any = None, *, empty: bool = F
 
     When every entry forks the same way into a captured graph, that mode is
     the controller's and the entries carry none (so this works with any C
-    build); a plan that mixes 'inline' and 'branch' sets the mode per entry.
+    build); a plan that mixes modes sets the mode per entry.
     ``eager=False`` by default: a tuned plan is measured and deployed in
     captured decode steps.
     """
-    modes = {getattr(entry, "graph_fork", None) or "inline" for entry in plan}
-    mode = "inline"
+    modes = {getattr(entry, "graph_fork", None) or DEFAULT_GRAPH_FORK for entry in plan}
+    mode = DEFAULT_GRAPH_FORK
     if len(modes) == 1:
         mode = modes.pop()
         plan = [dataclasses.replace(entry, graph_fork=None)

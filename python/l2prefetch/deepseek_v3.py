@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from .plan import CapSpec, PlanEntry, cap_groups, select_points
+from .plan import CapSpec, PlanEntry, _check_batches, cap_groups, select_points
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -126,20 +126,6 @@ def _front_weights(mlp: Any, include_shared_experts: bool) -> tuple[Any, ...]:
     return tuple(weights)
 
 
-def _check_batches(batches: object) -> tuple[int, ...]:
-    if isinstance(batches, (str, bytes)) or not isinstance(batches, Iterable):
-        raise TypeError("batches must be an iterable of decode batches (ints >= 1), e.g. "
-                        f"range(1, 9), got {type(batches).__name__} {batches!r}")
-    batches = tuple(batches)
-    for batch in batches:
-        if isinstance(batch, bool) or not isinstance(batch, int):
-            raise TypeError(f"batches must hold ints >= 1, got {type(batch).__name__} "
-                            f"{batch!r}")
-        if batch < 1:
-            raise ValueError(f"batches must hold ints >= 1, got {batch}")
-    return batches
-
-
 def plan(model: Any, batches: Iterable[int] = range(1, 9),
          next_attention_mib: Union[int, Mapping[int, CapSpec]] = NEXT_ATTENTION_MIB, *,
          include_shared_experts: bool = False,
@@ -159,12 +145,12 @@ def plan(model: Any, batches: Iterable[int] = range(1, 9),
     among the points.  Raises TypeError for ``batches`` that are not an
     iterable of ints, a ``next_attention_mib`` that is neither an int nor a
     mapping, a non-bool ``include_shared_experts`` or a ``points`` that is a
-    str or not a collection; ValueError for a batch < 1, a negative cap or an
-    unknown point.
+    str or not a collection; ValueError for a batch outside 1..65535 or named
+    twice, a negative cap or an unknown point.
     """
     wanted = _points(points)
     # The arguments are checked whatever the points.
-    batches = _check_batches(batches)
+    batches = _check_batches(batches, "batches", allow_empty=True)
     if not isinstance(include_shared_experts, bool):
         raise TypeError("include_shared_experts must be a bool, got "
                         f"{type(include_shared_experts).__name__} {include_shared_experts!r}")

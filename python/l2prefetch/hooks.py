@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from . import _torch
+# The package's one disabled(), also public here: attach() is what it turns off.
+from .controller import disabled
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -57,14 +59,6 @@ Site = tuple["torch.nn.Module", int]
 BatchFn = Callable[["torch.nn.Module", tuple, dict], Optional[int]]
 
 _disabled_logged = False
-
-
-def disabled() -> bool:
-    """True when ``L2PREFETCH_DISABLE`` holds a true value (1, true, yes, on; any case,
-    blanks around it ignored): the rule the C controller uses, read by its parser."""
-    from . import _C
-
-    return _C.env_flag("L2PREFETCH_DISABLE")
 
 
 class Attachment:

@@ -1,25 +1,18 @@
 """``l2prefetch::fork`` and ``l2prefetch::join``: the controller as PyTorch custom ops.
 
-Code that :func:`torch.compile` traces cannot call a controller's C methods:
-Dynamo does not trace into them, so each call would break the graph (or fail
-under ``fullgraph=True``).  This module registers two operators that Dynamo
-records in the graph instead::
+Code that :func:`torch.compile` traces cannot call a controller's C methods
+(each call would break the graph), so these two operators stand in for them::
 
     l2prefetch::fork(int handle, str point, int layer, SymInt batch, Tensor? after=None) -> ()
     l2prefetch::join(int handle, Tensor? after=None) -> ()
 
-A graph cannot hold a Python object, so the ops name their controller by an
-int *handle*: :func:`register` puts a weak reference to a controller in a
-module-level registry and returns a new handle, :func:`unregister` takes it
-out.  The registry never keeps a controller alive.  When the op runs, the
-handle is looked up; a handle whose controller was garbage-collected,
-unregistered or never registered raises :class:`LookupError` naming it.
-Anything with ``fork(point, layer, batch)`` and ``join()`` that supports weak
-references serves as a controller.  The op calls ``fork``/``join`` with
-their default stream, torch's current one, and drops fork's answer.
-
-:func:`l2prefetch.hooks.attach` registers its controller and switches to the
-ops by itself while the model is being compiled.  Hand-written layer code::
+They name their controller by the int handle :func:`register` returns (a weak
+reference: a handle whose controller was collected, unregistered or never
+registered raises :class:`LookupError`).  Anything with ``fork(point, layer,
+batch)`` and ``join()`` that supports weak references serves as a controller;
+the ops call them with torch's current stream and drop fork's answer.
+:func:`l2prefetch.hooks.attach` switches to the ops by itself while the model
+is being compiled.  Hand-written layer code::
 
     handle = l2prefetch.ops.register(controller)       # once
     ...
@@ -28,50 +21,12 @@ ops by itself while the model is being compiled.  Hand-written layer code::
     ...
     l2prefetch.ops.join(handle, after=logits)           # once, at the end of the step
 
-(``torch.ops.l2prefetch.fork`` / ``join`` are the same ops.)
-
-How they stay in place
-----------------------
-The ops are :func:`torch.library.custom_op` operators (``mutates_args=()``,
-fake implementations that do nothing, so tracing needs no GPU and no live
-controller) marked *effectful* with ``EffectType.ORDERED``
-(``CustomOpDef.register_effect``; older spellings are tried where that is
-missing).  That is how torch itself keeps ``aten::_print`` and torchbind
-calls; PyTorch 2.11-2.13 have no ``Tag.side_effect``.  It gives:
-
-* Dynamo records each call as a graph node in program order, without a
-  graph break, and its dead-code elimination keeps them (``Node.is_impure``).
-* AOTAutograd threads an effect token through them (``with_effects``), so
-  functionalization, partitioning and DCE keep them and keep their order
-  among themselves: every fork stays before the join after it.
-* Inductor lowers them to ``EffectfulKernel`` calls, which it never removes
-  and never reorders against one another.
-
-A token orders the ops only among themselves, not against the compute
-around them.  With no tensor argument at all, Inductor's post-grad pass
-``reorder_for_locality`` sinks the compute towards its consumers and every
-fork and the join end up at the top of the generated code, before the kernels
-they should follow (seen on torch 2.13): the prefetch would then compete
-with the work before it and the join would wait for it at once.  Hence
-``after``: a tensor argument the op ignores, which makes it depend on the
-tensor's producer, so it cannot run before it.  Pass the output of the work the fork follows
-(the hooks pass the hooked module's output) and, to ``join``, the step's
-final output.  Nothing pins the op before later work: Inductor may fuse a
-later pointwise op into the kernel before a fork, which only shifts when the
-prefetch starts; numerics never depend on it.  The alternatives pin harder
-but cost kernels: declaring ``after`` mutated (``Tensor(a!)``) orders the op
-before every later reader, but splits the fusions around it (an extra kernel
-per fork in a CPU experiment on torch 2.13) and makes functionalization copy
-the tensor wherever it cannot reinplace; a token tensor returned and threaded
-through the model changes every call site.  ``backend="eager"`` and
-``"aot_eager"`` keep program order exactly, ``after`` or not.
-
-The ops are not tagged ``cudagraph_unsafe``: under ``mode="reduce-overhead"``
-the forks are meant to be captured into the CUDA graph, as eager forks are
-under ``torch.cuda.graph`` (tests/test_compile_gpu.py checks it on a GPU).
-A capture must then hold a step's forks and its join: compile a step function,
-or set ``torch._dynamo.config.wrap_top_frame`` so that ``torch.compile(model)``
-traces the root's join hook in forward's graph.
+(``torch.ops.l2prefetch.fork`` / ``join`` are the same ops.)  Pass as
+``after`` the output of the work the fork follows, and to ``join`` the step's
+final output: it keeps Inductor from moving the op before that work.  How the
+ops stay in place under Dynamo, AOTAutograd and Inductor, and why ``after``
+rather than a mutated argument: python/l2prefetch/DESIGN.md, "How the custom
+ops stay in place".
 
 Importing this module imports torch and registers the ops; ``import
 l2prefetch`` does not import it (``hooks.attach`` does, lazily).

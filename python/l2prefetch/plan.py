@@ -33,7 +33,10 @@ import sys
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union, get_args
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+# How a fork goes into a CUDA graph being captured: the modes are named in mechanisms.py.
+from .mechanisms import GRAPH_FORKS, GraphFork, graph_fork_choices
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -77,10 +80,6 @@ MIN_BYTE_CAP = 16
 #: A per-batch cap of a capped point: the cap in MiB, or (cap in MiB, carveout).
 CapSpec = Union[int, tuple[int, Optional[int]]]
 
-#: How a fork goes into a CUDA graph being captured: on the captured stream
-#: ('inline') or as a side branch ('branch'); see PrefetchController.
-GraphFork = Literal["inline", "branch", "leaf"]
-GRAPH_FORKS: tuple[str, ...] = get_args(GraphFork)
 
 #: The loader kernel variants, as ``l2prefetch.kernel_variants()`` names them
 #: (tests/test_plan.py checks that the two lists agree).
@@ -110,27 +109,33 @@ def _check_int(field: str, value: object, low: int, high: int | None = None) -> 
     return value
 
 
-def _check_batches(value: object) -> tuple[int, ...]:
+def _check_batches(value: object, name: str = "PlanEntry.batches", *,
+                   allow_empty: bool = False) -> tuple[int, ...]:
+    """``value`` as decode batches, in the order given: an iterable (not a str) of
+    distinct ints (not bools) in 1..MAX_BATCH, at least one unless ``allow_empty``;
+    messages call it ``name``.  The one check of a list of batches: PlanEntry's, the
+    policies' and tune()'s."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError("PlanEntry.batches must be an iterable of ints >= 1 (e.g. range(3, 9)), "
-                        f"got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an iterable of decode batches (ints >= 1), e.g. "
+                        f"range(1, 9), got {type(value).__name__} {value!r}")
     batches = tuple(value)
-    if not batches:
-        raise ValueError("PlanEntry.batches must name at least one batch, got none")
+    if not batches and not allow_empty:
+        raise ValueError(f"{name} must name at least one batch, got none")
     for batch in batches:
-        if isinstance(batch, bool) or not isinstance(batch, int):
-            raise TypeError("PlanEntry.batches must hold ints >= 1, "
-                            f"got {type(batch).__name__} {batch!r} in {batches!r}")
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral):
+            raise TypeError(f"{name} must hold ints >= 1, got {type(batch).__name__} "
+                            f"{batch!r} in {batches!r}")
         if batch < 1:
-            raise ValueError(f"PlanEntry.batches must hold ints >= 1, got {batch} in {batches!r}")
+            raise ValueError(f"{name} must hold ints >= 1, got {batch} in {batches!r}")
         if batch > MAX_BATCH:
-            raise ValueError(f"PlanEntry.batches must hold batches of at most {MAX_BATCH} (the "
+            raise ValueError(f"{name} must hold batches of at most {MAX_BATCH} (the "
                              f"controller's limit), got {batch}")
+    batches = tuple(int(batch) for batch in batches)
     if len(set(batches)) != len(batches):
         repeated = sorted({b for b in batches if batches.count(b) > 1})
-        raise ValueError(f"PlanEntry.batches must name each batch once, {repeated} repeat "
+        raise ValueError(f"{name} must name each batch once, {repeated} repeat "
                          f"in {batches!r}")
-    return tuple(sorted(batches))
+    return batches
 
 
 def _describe(tensor: Any) -> str:
@@ -180,7 +185,7 @@ def _check_kernel(value: object) -> None:
 
 
 def _check_graph_fork(value: object) -> None:
-    known = ", ".join(repr(mode) for mode in GRAPH_FORKS[:-1]) + f" or {GRAPH_FORKS[-1]!r}"
+    known = graph_fork_choices()
     if not isinstance(value, str):
         raise TypeError(f"PlanEntry.graph_fork must be {known}, or None (the controller's "
                         f"mode), got {type(value).__name__} {value!r}")
@@ -204,8 +209,9 @@ class PlanEntry:
     variant (one of ``l2prefetch.kernel_variants()``; None: the device's
     default, or ``from_plan(kernel=...)``).  ``graph_fork`` says how this
     entry's forks go into a CUDA graph being captured (one of :data:`GRAPH_FORKS`,
-    'inline', 'branch' or 'leaf'; None: the controller's ``graph_fork``).  Wrong types raise TypeError, bad
-    values ValueError, both naming the field.
+    the modes of :mod:`l2prefetch.mechanisms`; None: the controller's
+    ``graph_fork``).  Wrong types raise TypeError, bad values ValueError, both
+    naming the field.
 
     Entries compare and hash by value, with weights by identity (two entries
     are equal when they would prefetch the same tensor objects the same way).
@@ -232,7 +238,7 @@ class PlanEntry:
         if self.layer > MAX_LAYER:
             raise ValueError(f"PlanEntry.layer must be at most {MAX_LAYER} (the controller's "
                              f"limit), got {self.layer}")
-        object.__setattr__(self, "batches", _check_batches(self.batches))
+        object.__setattr__(self, "batches", tuple(sorted(_check_batches(self.batches))))
         object.__setattr__(self, "weights", _check_weights(self.weights))
         _check_int("byte_cap", self.byte_cap, 0)
         if self.byte_cap >= 2**63:  # what PreparedWeightRanges can take

@@ -59,7 +59,8 @@ def device_fingerprint(device: Any = None) -> dict:
     """
     import torch
 
-    from . import _C, CudaUnavailableError
+    from . import _C
+    from ._C import CudaUnavailableError
 
     # The driver's view first: it checks the argument as the controller does.
     info = _C.device_info(device)
@@ -99,7 +100,8 @@ def model_fingerprint(model: Any, weights: Any = ()) -> dict:
 
 def versions() -> dict:
     """l2prefetch, torch and NVRTC versions (NVRTC where it can be loaded)."""
-    from . import __version__, _C
+    from . import _C
+    from ._version import __version__
 
     out = {"l2prefetch": __version__}
     try:

@@ -15,7 +15,7 @@ model (:mod:`l2prefetch.tuning.hf`).  Discovery and the search logic need
 no GPU; measuring needs torch with CUDA.
 """
 
-from .discover import Read, Reads, Role, Site, candidates, discover, roles_from_plan
+from .discover import Read, Reads, Role, RoleSite, candidates, discover, roles_from_plan
 from ..profile import Profile, ProfileMismatchError, load_profile
 from .search import Setting, StepError
 from .tuner import TuneResult, tune
@@ -26,8 +26,8 @@ __all__ = [
     "Read",
     "Reads",
     "Role",
+    "RoleSite",
     "Setting",
-    "Site",
     "StepError",
     "TuneResult",
     "candidates",

@@ -19,7 +19,8 @@ import os
 import sys
 from typing import Any, Optional
 
-from ..plan import GRAPH_FORKS, MAX_BATCH, MIN_BYTE_CAP
+from ..mechanisms import GRAPH_FORKS
+from ..plan import MAX_BATCH, MIN_BYTE_CAP
 from .hf import MAX_SEED
 
 __all__ = ["add_parser", "main", "run"]
@@ -100,8 +101,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="kernel variants to try, comma-separated; 'default' is the "
                         "device's (default: the device's, then the other loaders it supports)")
     parser.add_argument("--graph-forks", default=",".join(GRAPH_FORKS),
-                        help="how forks go into the graph, comma-separated: "
-                             f"{', '.join(GRAPH_FORKS)} (default: all)")
+                        help=f"how forks go into the graph, comma-separated: any of "
+                        f"{', '.join(GRAPH_FORKS)} (default: every one)")
     parser.add_argument("--min-gain-us", type=_positive(float, "--min-gain-us", -1, 1e6),
                         default=1.0, help="skip roles whose loads could gain less (us per step)")
     parser.add_argument("--min-bytes-mib", type=_positive(float, "--min-bytes-mib", 0, 2**20),

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from ..plan import _layer_of  # the runtime's too (profiles name sites by layer)
 
-__all__ = ["Read", "Reads", "Role", "Site", "candidates", "discover", "roles_from_plan"]
+__all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "discover", "roles_from_plan"]
 
 MIB = 1 << 20
 #: The largest load a candidate is built for (the tuner's largest cap).
@@ -160,7 +160,7 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
 # ------------------------------------------------------------------------- candidates
 
 @dataclasses.dataclass(frozen=True)
-class Site:
+class RoleSite:
     """One layer's instance of a role: fork when ``site`` returns, at ``layer``
     (the layer the fork carries), loading ``weights`` in order; ``reads`` are
     the reads those weights belong to (consumer first)."""
@@ -199,7 +199,7 @@ class Role:
     site: str
     kind: str
     next_layer: bool
-    sites: tuple[Site, ...]
+    sites: tuple[RoleSite, ...]
     defaults: tuple[tuple[str, Any], ...] = ()
 
     @property
@@ -315,7 +315,7 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
         raise ValueError(f"kinds must be a non-empty sequence of 'module' and 'block', "
                          f"got {kinds!r}")
 
-    grouped: dict[tuple, list[Site]] = {}
+    grouped: dict[tuple, list[RoleSite]] = {}
     order: list[tuple] = []
     for k in range(1, len(reads)):
         consumer, previous = reads[k], reads[k - 1]
@@ -341,9 +341,9 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
             if key not in grouped:
                 grouped[key] = []
                 order.append(key)
-            grouped[key].append(Site(layer=layer, site=site,
-                                     reads=tuple(r.path for r in chain), weights=weights,
-                                     nbytes=nbytes))
+            grouped[key].append(RoleSite(layer=layer, site=site,
+                                         reads=tuple(r.path for r in chain), weights=weights,
+                                         nbytes=nbytes))
     roles = []
     for key in order:
         kind, site_rel, consumer_rel, next_layer = key
@@ -407,8 +407,8 @@ def roles_from_plan(model: Any, plan: Iterable[Any], hook_points: Any) -> list[R
                                  "points= as its plan")
             nbytes = tuple(t.numel() * t.element_size() for t in entry.weights)
             reads = tuple(param_names.get(id(t), "?") for t in entry.weights)
-            sites.append(Site(layer=layer, site=site, reads=reads, weights=entry.weights,
-                              nbytes=nbytes))
+            sites.append(RoleSite(layer=layer, site=site, reads=reads, weights=entry.weights,
+                                  nbytes=nbytes))
         first = next(iter(layers.values()))
         defaults = (("byte_cap", first.byte_cap), ("grid", first.grid),
                     ("carveout", first.carveout), ("priority", first.priority))

@@ -1,10 +1,10 @@
 """The tuner's measurement backend on a GPU: the real step, captured as deployed.
 
-Each variant of :class:`~l2prefetch.tuning.search.Variant` becomes a
+Each measurement arm (:class:`~l2prefetch.tuning.search.Arm`) becomes a
 controller (:func:`~l2prefetch.tuning.rig.build_controller`: the plan's loads,
 or empty tables for the control) made with ``eager=False`` and attached with
 :func:`l2prefetch.hooks.attach`, the way a server deploys it; the step is captured with its hooks in place, several
-instances per variant, and replayed interleaved (:class:`~l2prefetch.tuning.rig.Rig`).
+instances per arm, and replayed interleaved (:class:`~l2prefetch.tuning.rig.Rig`).
 
 The probe captures two extra graphs with timing events recorded inside
 them (``torch.cuda.Event(external=True)``): in the first, events at each
@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
+from ..mechanisms import GRAPH_FORK_MODES
 from .discover import Role
 from .rig import Rig
-from .search import Prepared, Probe, StepError, Variant
+from .search import NO_FORKS, Arm, Backend, Prepared, Probe, StepError
 
 __all__ = ["GraphBackend"]
 
@@ -65,8 +66,8 @@ class _Switched:
         self.switch.graph.replay()
 
 
-class GraphBackend:
-    """Measures variants of ``step(batch)`` in CUDA graphs on one device.
+class GraphBackend(Backend):
+    """Measures arms of ``step(batch)`` in CUDA graphs on one device.
 
     ``model`` is the module whose hooks fork; ``step(batch)`` one capturable
     decode step at that batch (static buffers, same work every replay),
@@ -91,14 +92,14 @@ class GraphBackend:
         self._roles: dict[str, Role] = {}
         #: The caps the search tries (bytes): the probe counts reads up to the largest.
         self.caps_bytes: tuple[int, ...] = ()
-        #: Variants of one fork structure share graph instances (tuning.rig.LoaderSwitch);
+        #: Arms of one fork structure share graph instances (tuning.rig.LoaderSwitch);
         #: needs torch's raw graph handles (CUDAGraph.raw_cuda_graph_exec).
         self.switches = hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec")
         self.pairs: list[set[str]] = []
 
     # ------------------------------------------------------------------ setup
     def use_roles(self, roles: Sequence[Role], caps_bytes: Sequence[int] = ()) -> None:
-        """The roles variants name, and the caps the search will try."""
+        """The roles arms name, and the caps the search will try."""
         self._roles = {role.name: role for role in roles}
         self.caps_bytes = tuple(caps_bytes)
 
@@ -133,54 +134,58 @@ class GraphBackend:
                 return step(batch)
         return fn
 
-    # ------------------------------------------------------------------ variants
-    def _controller(self, variant: Variant, batch: int) -> Any:
-        """A controller for ``variant`` at ``batch`` (:func:`~l2prefetch.tuning.rig.build_controller`:
+    # ------------------------------------------------------------------ arms
+    def _controller(self, arm: Arm, batch: int) -> Any:
+        """A controller for ``arm`` at ``batch`` (:func:`~l2prefetch.tuning.rig.build_controller`:
         ``eager=False``, as deployed; empty tables for the control)."""
         from .rig import build_controller
 
         entries = []
-        for name, setting in variant.roles:
+        for name, setting in arm.roles:
             entries += self._role(name, setting).entries(
                 (batch,), byte_cap=setting.byte_cap, grid=setting.grid, kernel=setting.kernel,
                 graph_fork=setting.graph_fork)
-        return build_controller(entries, self.device.index, empty=variant.empty)
+        return build_controller(entries, self.device.index, empty=arm.empty)
 
     def _role(self, name: str, setting: Any) -> Role:
-        """The role a variant names, restricted to its setting's layers where it has them."""
+        """The role an arm names, restricted to its setting's layers where it has them."""
         role = self._roles[name]
         return role if setting.layers is None else role.restrict(setting.layers)
 
-    def _points(self, variant: Variant) -> dict[str, list]:
+    def _points(self, arm: Arm) -> dict[str, list]:
         return {name: self._role(name, setting).hook_sites(self.model)
-                for name, setting in variant.roles}
+                for name, setting in arm.roles}
 
-    def measure(self, batch: int, variants: Mapping[str, Variant],
+    def measure(self, batch: int, arms: Mapping[str, Arm],
                 instances: int) -> tuple[dict[str, list[float]], dict[str, bool]]:
-        """Per variant, the median us of each instance, and whether its outputs are
-        bitwise the no-fork step's.
+        """Per arm, the median us of each instance, and whether its outputs are
+        bitwise the no-fork step's (the arm keyed :data:`~l2prefetch.tuning.search.NO_FORKS`).
 
-        Variants whose forks have one structure (:meth:`Variant.structure`: the
+        Arms whose forks have one structure (:meth:`Arm.structure`: the
         same roles in the same fork modes at the same layers) share their graph
-        instances: the instance is captured once with the loads of the variant
-        loading most, and every variant of the group is its loader nodes switched
-        in place (:class:`~l2prefetch.tuning.rig.LoaderSwitch`:
-        other tables, or the empty ones), so that their differences are paired
-        (:attr:`pairs`).  The other variants are captured each on their own.  All
-        graphs are replayed interleaved, round after round.
+        instances where every one of those modes is switchable
+        (:attr:`l2prefetch.mechanisms.GraphForkMode.switchable`): the instance is
+        captured once with the loads of the arm loading most, and every arm of the
+        group is its loader nodes switched in place
+        (:class:`~l2prefetch.tuning.rig.LoaderSwitch`: other tables, or the empty
+        ones), so that their differences are paired (:attr:`pairs`).  The other arms
+        are captured each on their own.  All graphs are replayed interleaved, round
+        after round.
         """
         from .rig import LoaderSwitch
 
         torch = self.torch
         controllers: dict[str, Any] = {}
         groups: dict[tuple, list[str]] = {}
-        for name, variant in variants.items():
-            if variant.roles:
-                controllers[name] = self._controller(variant, batch)
-                groups.setdefault(variant.structure(), []).append(name)
+        for name, arm in arms.items():
+            if arm.roles:
+                controllers[name] = self._controller(arm, batch)
+                groups.setdefault(arm.structure(), []).append(name)
         paired: list[tuple[str, list[str], dict[str, Any]]] = []
-        for names in groups.values() if self.switches else ():
-            loads = [n for n in names if not variants[n].empty]
+        for structure, names in groups.items() if self.switches else ():
+            if not all(GRAPH_FORK_MODES[mode].switchable for _, mode, _ in structure):
+                continue
+            loads = [n for n in names if not arms[n].empty]
             states = self._states(names, loads, controllers) if len(names) > 1 and loads else None
             if states is not None:
                 head = max(loads, key=lambda n: sum(l2p.nbytes for l2p in
@@ -189,18 +194,18 @@ class GraphBackend:
         in_pairs = {n for _, names, _ in paired for n in names}
         fn = self._fn(batch)
         graphs: dict[tuple[str, int], Any] = {}
-        outputs: dict[str, list[Any]] = {name: [] for name in variants}
+        outputs: dict[str, list[Any]] = {name: [] for name in arms}
         switched: list[tuple[Any, list[str], dict[str, Any], Any]] = []
         try:
             for i in range(instances):
-                for name, variant in variants.items():
+                for name, arm in arms.items():
                     if name in in_pairs:
                         continue
-                    graph, out = self._capture(name, variant, controllers, fn, warmup=i == 0)
+                    graph, out = self._capture(name, arm, controllers, fn, warmup=i == 0)
                     graphs[(name, i)] = graph
                     outputs[name].append(out)
                 for head, names, states in paired:
-                    graph, out = self._capture(head, variants[head], controllers, fn,
+                    graph, out = self._capture(head, arms[head], controllers, fn,
                                                warmup=i == 0, keep_graph=True)
                     switch = LoaderSwitch(graph)
                     for name in names:
@@ -208,8 +213,8 @@ class GraphBackend:
                     switched.append((switch, names, states, out))
             us = self.rig.replays(graphs, self.rounds)
             medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
-                       for name in variants}
-            reference = outputs["a"][0] if outputs.get("a") else None
+                       for name in arms}
+            reference = outputs[NO_FORKS][0] if outputs.get(NO_FORKS) else None
             identical = {}
             for name, outs in outputs.items():
                 if name in in_pairs:
@@ -229,13 +234,13 @@ class GraphBackend:
         self.pairs = [set(names) for _, names, _ in paired]
         return medians, identical
 
-    def _capture(self, name: str, variant: Variant, controllers: Mapping[str, Any],
+    def _capture(self, name: str, arm: Arm, controllers: Mapping[str, Any],
                  fn: Callable[[], Any], *, warmup: bool, keep_graph: bool = False) -> tuple:
         from .. import hooks
 
-        if not variant.roles:
+        if not arm.roles:
             return self.rig.capture(fn, warmup=1 if warmup else 0, keep_graph=keep_graph)
-        with hooks.attach(self.model, controllers[name], self._points(variant)):
+        with hooks.attach(self.model, controllers[name], self._points(arm)):
             return self.rig.capture(fn, warmup=1 if warmup else 0, keep_graph=keep_graph)
 
     @staticmethod
@@ -244,9 +249,9 @@ class GraphBackend:
 
     def _states(self, names: list[str], loads: list[str],
                 controllers: Mapping[str, Any]) -> Optional[dict[str, Any]]:
-        """Per variant of one structure, what LoaderSwitch.set takes: a mapping from
-        each captured table's ranges (any loads variant may be the captured one) to
-        that variant's table for the same key; None when the keys differ or two keys
+        """Per arm of one structure, what LoaderSwitch.set takes: a mapping from
+        each captured table's ranges (any loads arm may be the captured one) to
+        that arm's table for the same key; None when the keys differ or two keys
         load the same ranges differently (then the group is captured unpaired)."""
         keys = None
         for name in names:
@@ -272,7 +277,7 @@ class GraphBackend:
         flags = [_bitwise_equal(reference, out) for out in outs]
         if not all(flags):
             diffs = [_max_diff(reference, out) for out in outs]
-            logger.warning("batch %d, variant %s: outputs of instances %s differ from the "
+            logger.warning("batch %d, arm %s: outputs of instances %s differ from the "
                            "no-fork step's first instance (max abs diff %s)", batch, name,
                            [i for i, f in enumerate(flags) if not f], diffs)
         return all(flags)

@@ -3,9 +3,10 @@
 Per batch: the verdict (the confirmed plan and its ratio, or why the plan
 is empty), the confirmations, and one row per role: the most its loads
 could gain (the cold-to-hot gap), the window from the fork to the consumer,
-the measured times (a) no forks, (b) the loads, (d) the same forks empty,
-each a mean over graph instances with its 95% interval, the instances of
-(b), and whether it was kept or why not.
+the measured times of the arms (:class:`~l2prefetch.tuning.search.Arm`):
+(a) no forks, (b) the loads, (d) the same forks empty, each a mean over
+graph instances with its 95% interval, the instances of (b), and whether it
+was kept or why not.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def markdown(result: Any) -> str:
     s = result.settings
     more = s.get("max_instances") or s.get("instances")
     head.append(f"Tuning took {result.elapsed_s:.0f} s of a {result.budget_s:.0f} s budget; "
-                f"{s.get('instances')} graph instances per variant, {s.get('rounds')} replays "
+                f"{s.get('instances')} graph instances per arm, {s.get('rounds')} replays "
                 "each, interleaved"
                 + (f", up to {more} for a candidate whose interval was still undecided "
                    "(column 'instances')" if more != s.get("instances") else "")

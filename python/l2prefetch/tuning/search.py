@@ -1,7 +1,9 @@
 """The tuner's search and acceptance, against any measurement backend.
 
 Per batch, in this order (each step measured on fresh graph instances,
-every group interleaving its variants; see :mod:`l2prefetch.tuning.rig`):
+every group interleaving its measurement arms, :class:`Arm`: :data:`NO_FORKS`
+(a), :data:`LOADS` (b), :data:`EMPTY` (d), :data:`PLAN`; see
+:mod:`l2prefetch.tuning.rig`):
 
 1. **prepare**: run and capture the step once (a step that fails or cannot
    be captured is a :class:`StepError`), time it, probe the windows and the
@@ -9,11 +11,12 @@ every group interleaving its variants; see :mod:`l2prefetch.tuning.rig`):
 2. **screen**: a role whose gap (the most its loads could gain) is under
    ``min_gain_us`` is not measured; the rest are measured in decreasing gap.
 3. **sweep**: per role, one group of (a) no forks and, in every fork mode
-   (``graph_forks``: inline, branch, leaf), (d) the role's forks with empty
-   tables and (b) its loads at each cap, with the default kernel and grid.
-   A backend that switches loader nodes in place (:attr:`Backend.pairs`)
-   measures a mode's (d) and (b)s inside the same graph instances, so their
-   differences are paired and the instances' spread cancels.
+   (``graph_forks``, by default every one of :mod:`l2prefetch.mechanisms`),
+   (d) the role's forks with empty tables and (b) its loads at each cap, with
+   the default kernel and grid.  A backend that switches loader nodes in place
+   (:attr:`Backend.pairs`) measures a mode's (d) and (b)s inside the same graph
+   instances where the mode is switchable, so their differences are paired and
+   the instances' spread cancels.
 4. **refine**: for roles whose best setting beat (a) and (d), one group with
    the other grids and kernels at that cap and mode, each with its own (d).
 5. **layers**: a role's setting covers every layer, so loads that pay in
@@ -38,7 +41,7 @@ every group interleaving its variants; see :mod:`l2prefetch.tuning.rig`):
    gain**; otherwise the batch's plan is empty, which is a valid result.
 
 **Sequential sampling.**  The groups of steps 3 to 6 are measured on
-``instances`` instances per variant first.  A candidate is then decided
+``instances`` instances per arm first.  A candidate is then decided
 when the 95% interval of its loads against (d) (in verify: also of its gain
 over (a)) lies above zero, or its upper end is below ``min_gain_us`` (a
 layer: its share of it; it cannot pay what is worth a fork).  The undecided
@@ -59,28 +62,31 @@ not confirmed.
 
 from __future__ import annotations
 
+import abc
+import collections
 import dataclasses
 import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 from .discover import MIB, Role, describe_bytes
-from ..plan import GRAPH_FORKS
+from ..mechanisms import DEFAULT_GRAPH_FORK, GRAPH_FORK_MODES, GRAPH_FORKS
 from .stats import Interval, diff_interval, mean_interval, paired_interval
 
-__all__ = ["Backend", "BatchReport", "Probe", "RoleReport", "Setting", "StepError", "Trial",
-           "Variant", "search"]
+__all__ = ["ARM_KINDS", "Arm", "Backend", "BatchReport", "EMPTY", "LOADS", "NO_FORKS", "PLAN",
+           "Probe", "RoleReport", "Setting", "StepError", "Trial", "arm_key", "parse_arm_key",
+           "search"]
 
 #: Caps tried per role, in MiB (limited to what a role can load).
 DEFAULT_CAPS_MIB = (4, 8, 16, 24, 32, 48)
 #: Loader CTAs tried in the refine step besides the default.
 DEFAULT_GRIDS = (16, 32, 64)
 DEFAULT_GRID = 32
-#: Graph instances per variant (the issue's floor: instances differ by more than the effects).
+#: Graph instances per arm (the issue's floor: instances differ by more than the effects).
 MIN_INSTANCES = 5
-#: The most instances per variant a close decision gets (sequential sampling: three looks).
+#: The most instances per arm a close decision gets (sequential sampling: three looks).
 MAX_INSTANCES = 15
 #: A role whose loads could gain less than this (us per step, summed over layers) is not measured.
 DEFAULT_MIN_GAIN_US = 1.0
@@ -99,7 +105,7 @@ class Setting:
     byte_cap: int
     grid: int = DEFAULT_GRID
     kernel: Optional[str] = None
-    graph_fork: str = "inline"
+    graph_fork: str = DEFAULT_GRAPH_FORK
     layers: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
@@ -131,16 +137,53 @@ class Setting:
         return out
 
 
+# The measurement arms.  A measured group maps a key per arm to an :class:`Arm`; the
+# key's kind says what the arm is, its tags tell arms of one kind apart.  The letters are
+# the report's, and the profile's field names (Trial.as_dict, Confirmation.as_dict: changing
+# one changes the profile's format); (c), the benchmarks' computed limit, is not measured here.
+#: (a) the step as it is, no forks: every group holds it, the reference of the bitwise check.
+NO_FORKS = "a"
+#: (b) a role's forks with their loads.
+LOADS = "b"
+#: (d) the same forks with empty tables: what the forks cost, the control of (b).
+EMPTY = "d"
+#: Several kept roles' loads together (combine: ``plan:1``, ``plan:2``...; confirm: ``plan``).
+PLAN = "plan"
+ARM_KINDS = (NO_FORKS, LOADS, EMPTY, PLAN)
+
+
+def arm_key(kind: str, *tags: object) -> str:
+    """The key of an arm in a group: its kind, then the tags that tell arms of one kind
+    apart, joined by ':' (``arm_key(LOADS, "leaf", 4194304)`` is ``'b:leaf:4194304'``,
+    ``arm_key(NO_FORKS)`` is ``'a'``)."""
+    if kind not in ARM_KINDS:
+        raise ValueError(f"arm kind must be one of {ARM_KINDS}, got {kind!r}")
+    parts = [str(tag) for tag in tags]
+    if any(not part or ":" in part for part in parts):
+        raise ValueError(f"arm tags must be non-empty and hold no ':', got {tags!r}")
+    return ":".join((kind, *parts))
+
+
+def parse_arm_key(key: str) -> tuple[str, tuple[str, ...]]:
+    """``(kind, tags)`` of a key made by :func:`arm_key`; ValueError for any other."""
+    kind, *tags = key.split(":") if isinstance(key, str) else [None]
+    if kind not in ARM_KINDS or not all(tags):
+        raise ValueError(f"not an arm key (kind {'/'.join(ARM_KINDS)}, then ':'-separated "
+                         f"tags): {key!r}")
+    return kind, tuple(tags)
+
+
 @dataclasses.dataclass(frozen=True)
-class Variant:
-    """A step variant: the roles that fork and their settings; ``empty``: the same
-    forks with empty tables (the control).  No roles: the step as it is."""
+class Arm:
+    """A measurement arm, one way to run the step: the roles that fork and their
+    settings; ``empty``: the same forks with empty tables (the control).  No roles:
+    the step as it is."""
 
     roles: tuple[tuple[str, Setting], ...] = ()
     empty: bool = False
 
     def structure(self) -> tuple:
-        """Its forks' structure (roles, fork modes, layers): variants with the same one
+        """Its forks' structure (roles, fork modes, layers): arms with the same one
         differ in their tables only, so a backend can switch one graph between them."""
         return tuple(sorted((name, s.graph_fork, s.layers or ()) for name, s in self.roles))
 
@@ -165,27 +208,50 @@ class Prepared:
     capture_s: float
 
 
-class Backend(Protocol):
-    """Measures step variants.  :class:`l2prefetch.tuning.measure.GraphBackend`
-    captures the real step; tests plant effects in a fake."""
+class Backend(abc.ABC):
+    """What the search (and :func:`~l2prefetch.tuning.tune`) needs of a measurement
+    backend.  :class:`l2prefetch.tuning.measure.GraphBackend` captures the real step;
+    tests plant effects in a fake (tests/_tuning_fakes.py).  A backend derives from
+    this class: :meth:`prepare`, :meth:`probe`, :meth:`measure` and :attr:`rounds` are
+    its own; :attr:`pairs`, :attr:`switches`, :meth:`use_roles` and
+    :meth:`device_fingerprint` have the defaults below (no pairing, no switching,
+    roles not needed, no device).  Every member is read directly: nothing is probed
+    with ``hasattr``."""
 
+    #: Replays per graph instance in a group (the budget's estimate counts them).
     rounds: int
-    #: After each measure(): the sets of variant names measured in the same graph
-    #: instances (instance i of each), whose differences are paired; [] if none.
-    pairs: list
+    #: After each measure(): the sets of arm keys measured in the same graph
+    #: instances (instance i of each), whose differences are paired; none by default.
+    pairs: Sequence[set] = ()
     #: Whether measure() captures each fork structure once per instance and switches
-    #: its tables in place (what the budget estimate assumes).
-    switches: bool
+    #: its tables in place (what the budget estimate assumes); False by default.
+    switches: bool = False
 
-    def prepare(self, batch: int) -> Prepared: ...
+    def use_roles(self, roles: Sequence[Role], caps_bytes: Sequence[int]) -> None:
+        """Called by :func:`~l2prefetch.tuning.tune` once, before the search: the roles
+        the arms will name and the caps (bytes) the search tries.  Default: nothing."""
 
-    def probe(self, batch: int, roles: Sequence[Role]) -> Optional[dict[str, Probe]]: ...
+    def device_fingerprint(self) -> Optional[dict]:
+        """The device measured on (:func:`l2prefetch.tuning.profile.device_fingerprint`),
+        stored in the result; None (the default) for a backend that measures no GPU:
+        such a result cannot be saved as a profile."""
+        return None
 
-    def measure(self, batch: int, variants: Mapping[str, Variant],
+    @abc.abstractmethod
+    def prepare(self, batch: int) -> Prepared:
+        """Run and capture the step once at ``batch``, time it (:class:`StepError` if
+        it fails or cannot be captured)."""
+
+    @abc.abstractmethod
+    def probe(self, batch: int, roles: Sequence[Role]) -> Optional[dict[str, Probe]]:
+        """Each role's window and cold-to-hot gaps at ``batch``, by role name; None
+        where the backend cannot probe (then every role is measured)."""
+
+    @abc.abstractmethod
+    def measure(self, batch: int, arms: Mapping[str, Arm],
                 instances: int) -> tuple[dict[str, list[float]], dict[str, bool]]:
-        """Per variant, one time (us) per instance, and whether its outputs are
-        bitwise those of the variant named 'a'."""
-        ...
+        """Per arm key, one time (us) per instance, and whether its outputs are
+        bitwise those of the arm keyed :data:`NO_FORKS` (every group holds it)."""
 
 
 @dataclasses.dataclass
@@ -203,8 +269,9 @@ class Trial:
     instances: int = 0  # graph instances of (b): more where the decision was close
 
     def as_dict(self) -> dict:
-        return {"stage": self.stage, "setting": self.setting.as_dict(), "a": self.a.as_dict(),
-                "b": self.b.as_dict(), "d": self.d.as_dict(), "gain": self.gain.as_dict(),
+        return {"stage": self.stage, "setting": self.setting.as_dict(),
+                NO_FORKS: self.a.as_dict(), LOADS: self.b.as_dict(), EMPTY: self.d.as_dict(),
+                "gain": self.gain.as_dict(),
                 "vs_empty": self.vs_empty.as_dict(), "instances": self.instances}
 
 
@@ -252,8 +319,8 @@ class Confirmation:
 
     def as_dict(self) -> dict:
         low, high = self.ratio_interval
-        return {"roles": [[name, s.as_dict()] for name, s in self.roles], "a": self.a.as_dict(),
-                "plan": self.plan.as_dict(), "gain": self.gain.as_dict(),
+        return {"roles": [[name, s.as_dict()] for name, s in self.roles],
+                NO_FORKS: self.a.as_dict(), PLAN: self.plan.as_dict(), "gain": self.gain.as_dict(),
                 "ratio": self.ratio, "ratio_low": low, "ratio_high": high,
                 "identical": self.identical}
 
@@ -333,7 +400,7 @@ class _Check:
 
 
 class _Measured:
-    """The rounds of one measured group: per round each measured variant's times
+    """The rounds of one measured group: per round each measured arm's times
     (one per graph instance) and the backend's pairs; outputs' bitwise checks
     over all rounds."""
 
@@ -372,60 +439,70 @@ class _Batch:
         self.prepared: Optional[Prepared] = None
 
     # ------------------------------------------------------------------ cost
-    def cost(self, variants: int, captures: Optional[int] = None,
+    def cost(self, arms: int, captures: Optional[int] = None,
              instances: Optional[int] = None) -> float:
-        """Estimated seconds of one group of ``variants`` variants, of which
+        """Estimated seconds of one group of ``arms`` arms, of which
         ``captures`` (default: all) are captured (the others switched in place),
         on ``instances`` instances each (default: the first round's)."""
         p = self.prepared
-        captures = variants if captures is None else captures
+        captures = arms if captures is None else captures
         instances = self.p.instances if instances is None else instances
         if not p:
-            return variants * instances * 1.2 + 0.05
+            return arms * instances * 1.2 + 0.05
         replay = self.backend.rounds * p.step_us * 1e-6
-        return instances * (captures * p.capture_s + variants * replay) * 1.2 + 0.05
+        return instances * (captures * p.capture_s + arms * replay) * 1.2 + 0.05
 
-    def group_cost(self, variants: Mapping[str, Variant],
+    def switched(self, mode: str) -> bool:
+        """Whether the backend measures a fork mode's arms as switched states of one
+        graph per instance (it switches, and the mode's loader nodes are switchable)."""
+        return self.backend.switches and GRAPH_FORK_MODES[mode].switchable
+
+    def group_cost(self, arms: Mapping[str, Arm],
                    instances: Optional[int] = None) -> float:
-        """cost() of these variants: a switching backend captures one graph per structure."""
-        captures = (len({v.structure() for v in variants.values()}) if self.backend.switches
-                    else None)
-        return self.cost(len(variants), captures, instances)
+        """cost() of these arms: a switching backend captures one graph per structure
+        (of switchable fork modes; the others, one per arm)."""
+        if not self.backend.switches:
+            return self.cost(len(arms), None, instances)
+        per_structure = collections.Counter(arm.structure() for arm in arms.values())
+        captures = sum(1 if all(self.switched(mode) for _, mode, _ in structure) else n
+                       for structure, n in per_structure.items())
+        return self.cost(len(arms), captures, instances)
 
     def sweep_cost(self, caps: int) -> float:
         """Estimated seconds of a role's sweep: (a), and per mode (d) and the caps; a
-        pairing backend captures each mode once per instance."""
-        modes = len(self.p.graph_forks)
-        return self.cost(1 + modes * (caps + 1), 1 + modes if self.backend.switches else None)
+        pairing backend captures each (switchable) mode once per instance."""
+        modes = self.p.graph_forks
+        captures = 1 + sum(1 if self.switched(mode) else caps + 1 for mode in modes)
+        return self.cost(1 + len(modes) * (caps + 1), captures)
 
     def left(self) -> float:
         return self.deadline - self.clock()
 
-    def fits(self, variants: int, reserve: float = 0.0) -> bool:
-        return self.cost(variants) + reserve <= self.left()
+    def fits(self, arms: int, reserve: float = 0.0) -> bool:
+        return self.cost(arms) + reserve <= self.left()
 
-    def group(self, label: str, variants: Mapping[str, Variant], eta: Optional[float] = None,
+    def group(self, label: str, arms: Mapping[str, Arm], eta: Optional[float] = None,
               instances: Optional[int] = None, measured: Optional[_Measured] = None
               ) -> _Measured:
-        """Measure ``variants`` on ``instances`` fresh instances each (one round, added
+        """Measure ``arms`` on ``instances`` fresh instances each (one round, added
         to ``measured`` when given)."""
         n = self.p.instances if instances is None else instances
-        self.progress.line(f"batch {self.batch}: {label} ({len(variants)} variants x "
-                           f"{n} instances, ~{self.group_cost(variants, n):.0f} s)", eta)
-        times, identical = self.backend.measure(self.batch, variants, n)
+        self.progress.line(f"batch {self.batch}: {label} ({len(arms)} arms x "
+                           f"{n} instances, ~{self.group_cost(arms, n):.0f} s)", eta)
+        times, identical = self.backend.measure(self.batch, arms, n)
         out = _Measured() if measured is None else measured
         out.add(times, identical, self.backend.pairs)
         return out
 
-    def sample(self, label: str, variants: Mapping[str, Variant],
+    def sample(self, label: str, arms: Mapping[str, Arm],
                checks: Mapping[str, _Check], reserve: float = 0.0,
                eta: Optional[float] = None) -> _Measured:
-        """A group measured sequentially: first on ``instances`` instances per variant;
-        then, while a check is undecided (:class:`_Check`), its variants and (a) get
+        """A group measured sequentially: first on ``instances`` instances per arm;
+        then, while a check is undecided (:class:`_Check`), its arms and (a) get
         ``instances`` more fresh instances, until every check is decided or has
         ``max_instances`` of its y, or the next round would not leave ``reserve``.
         A decided check is not measured again."""
-        m = self.group(label, variants, eta)
+        m = self.group(label, arms, eta)
         undecided = dict(checks)
         while True:
             for key, check in list(undecided.items()):
@@ -437,8 +514,8 @@ class _Batch:
                 return m
             done = max(len(m.values(c.y)) for c in undecided.values())
             n = max(1, min(self.p.instances, self.p.max_instances - done))
-            needs = {"a"} | {name for c in undecided.values() for name in (c.x, c.y, *c.also)}
-            again = {name: v for name, v in variants.items() if name in needs}
+            needs = {NO_FORKS} | {key for c in undecided.values() for key in (c.x, c.y, *c.also)}
+            again = {key: arm for key, arm in arms.items() if key in needs}
             if self.group_cost(again, n) + reserve > self.left():
                 return m
             self.group(f"{label}: {len(undecided)} undecided, more instances", again,
@@ -560,8 +637,9 @@ class _Batch:
                        kernel=self.p.kernels[0], graph_fork=self.p.graph_forks[0])
 
     def trial(self, stage: str, setting: Setting, m: _Measured, b: str, d: str) -> Trial:
-        return Trial(stage, setting, mean_interval(m.values("a")), mean_interval(m.values(b)),
-                     mean_interval(m.values(d)), m.diff("a", b), m.diff(d, b),
+        return Trial(stage, setting, mean_interval(m.values(NO_FORKS)),
+                     mean_interval(m.values(b)), mean_interval(m.values(d)),
+                     m.diff(NO_FORKS, b), m.diff(d, b),
                      len(m.values(b)))
 
     def vs_empty_checks(self, keys: Mapping[str, tuple[Setting, str]],
@@ -572,17 +650,19 @@ class _Batch:
     def sweep(self, role: Role, caps: list[int], rep: RoleReport, eta: float,
               reserve: float) -> Optional[Trial]:
         base = self.default_setting(role, caps[0])
-        variants = {"a": Variant()}
+        arms = {NO_FORKS: Arm()}
         settings = {}
         for mode in self.p.graph_forks:
             m = dataclasses.replace(base, graph_fork=mode)
-            variants[f"d:{mode}"] = Variant(((role.name, m),), empty=True)
+            d = arm_key(EMPTY, mode)
+            arms[d] = Arm(((role.name, m),), empty=True)
             for cap in caps:
                 s = dataclasses.replace(m, byte_cap=cap)
-                settings[f"b:{mode}:{cap}"] = (s, f"d:{mode}")
-                variants[f"b:{mode}:{cap}"] = Variant(((role.name, s),))
+                b = arm_key(LOADS, mode, cap)
+                settings[b] = (s, d)
+                arms[b] = Arm(((role.name, s),))
         measured = self.sample(f"{role.name}: caps {', '.join(describe_bytes(c) for c in caps)}"
-                               f" x forks {', '.join(self.p.graph_forks)}", variants,
+                               f" x forks {', '.join(self.p.graph_forks)}", arms,
                                self.vs_empty_checks(settings, self.p.min_gain_us), reserve, eta)
         trials = [self.trial("sweep", s, measured, key, d) for key, (s, d) in settings.items()]
         rep.trials += trials
@@ -607,19 +687,19 @@ class _Batch:
 
     def refine(self, role: Role, best: Trial, alternatives: list[Setting],
                rep: RoleReport, reserve: float) -> Optional[Trial]:
-        variants = {"a": Variant()}
+        arms = {NO_FORKS: Arm()}
         keys: dict[str, tuple[Setting, str]] = {}
         controls: dict[tuple, str] = {}
         for i, s in enumerate([best.setting] + alternatives):
             d = controls.get(s.launch_key())
             if d is None:
-                d = f"d{len(controls)}"
+                d = arm_key(EMPTY, len(controls))
                 controls[s.launch_key()] = d
-                variants[d] = Variant(((role.name, s),), empty=True)
-            variants[f"b{i}"] = Variant(((role.name, s),))
-            keys[f"b{i}"] = (s, d)
+                arms[d] = Arm(((role.name, s),), empty=True)
+            arms[arm_key(LOADS, i)] = Arm(((role.name, s),))
+            keys[arm_key(LOADS, i)] = (s, d)
         measured = self.sample(f"{role.name}: grids and kernels at "
-                               f"{describe_bytes(best.setting.byte_cap)}", variants,
+                               f"{describe_bytes(best.setting.byte_cap)}", arms,
                                self.vs_empty_checks(keys, self.p.min_gain_us), reserve)
         trials = [self.trial("refine", s, measured, key, d) for key, (s, d) in keys.items()]
         rep.trials += trials
@@ -635,19 +715,19 @@ class _Batch:
         if len(role.sites) < 2:
             return None
         every = dataclasses.replace(base.setting, layers=None)
-        variants = {"a": Variant()}
+        arms = {NO_FORKS: Arm()}
         keys: dict[str, tuple[Setting, str]] = {}
         for layer in role.layers:
             one = dataclasses.replace(every, layers=(layer,))
-            variants[f"d{layer}"] = Variant(((role.name, one),), empty=True)
-            variants[f"b{layer}"] = Variant(((role.name, one),))
-            keys[f"b{layer}"] = (one, f"d{layer}")
-        compare = self.cost(5, 3 if self.backend.switches else None)
-        if self.group_cost(variants) + compare + reserve > self.left():
+            arms[arm_key(EMPTY, layer)] = Arm(((role.name, one),), empty=True)
+            arms[arm_key(LOADS, layer)] = Arm(((role.name, one),))
+            keys[arm_key(LOADS, layer)] = (one, arm_key(EMPTY, layer))
+        compare = self.cost(5, 3 if self.switched(every.graph_fork) else None)
+        if self.group_cost(arms) + compare + reserve > self.left():
             return None
         # a layer's share of what is worth a fork
         measured = self.sample(f"{role.name}: each of {len(role.sites)} layers alone at "
-                               f"{every.label()}", variants,
+                               f"{every.label()}", arms,
                                self.vs_empty_checks(keys, self.p.min_gain_us / len(role.sites)),
                                reserve + compare)
         trials = [self.trial("layer", s, measured, key, d) for key, (s, d) in keys.items()]
@@ -656,16 +736,17 @@ class _Batch:
         if not paying or len(paying) == len(role.sites):
             return None
         some = dataclasses.replace(every, layers=paying)
-        variants = {"a": Variant(), "d": Variant(((role.name, every),), empty=True),
-                    "b": Variant(((role.name, every),)),
-                    "d:some": Variant(((role.name, some),), empty=True),
-                    "b:some": Variant(((role.name, some),))}
-        if self.group_cost(variants) + reserve > self.left():
+        d_some, b_some = arm_key(EMPTY, "some"), arm_key(LOADS, "some")
+        arms = {NO_FORKS: Arm(), EMPTY: Arm(((role.name, every),), empty=True),
+                LOADS: Arm(((role.name, every),)),
+                d_some: Arm(((role.name, some),), empty=True),
+                b_some: Arm(((role.name, some),))}
+        if self.group_cost(arms) + reserve > self.left():
             return None
         measured = self.group(f"{role.name}: layers {', '.join(map(str, paying))} against all "
-                              f"{len(role.sites)}", variants)
-        t_every = self.trial("layers", every, measured, "b", "d")
-        t_some = self.trial("layers", some, measured, "b:some", "d:some")
+                              f"{len(role.sites)}", arms)
+        t_every = self.trial("layers", every, measured, LOADS, EMPTY)
+        t_some = self.trial("layers", some, measured, b_some, d_some)
         rep.trials += [t_every, t_some]
         if t_some.gain.estimate > max(t_every.gain.estimate, 0.0) and t_some.vs_empty.estimate > 0:
             rep.reason = (f"promising after the layers: {some.label()} saved "
@@ -676,15 +757,16 @@ class _Batch:
 
     def verify(self, role: Role, setting: Setting, rep: RoleReport,
                reserve: float) -> Optional[Trial]:
-        variants = {"a": Variant(), "d": Variant(((role.name, setting),), empty=True),
-                    "b": Variant(((role.name, setting),))}
-        measured = self.sample(f"{role.name}: verify {setting.label()}", variants,
-                               {"gain": _Check("a", "b", self.p.min_gain_us, also=("d",)),
-                                "vs_empty": _Check("d", "b", 0.0)}, reserve)
-        trial = self.trial("verify", setting, measured, "b", "d")
+        arms = {NO_FORKS: Arm(), EMPTY: Arm(((role.name, setting),), empty=True),
+                LOADS: Arm(((role.name, setting),))}
+        measured = self.sample(f"{role.name}: verify {setting.label()}", arms,
+                               {"gain": _Check(NO_FORKS, LOADS, self.p.min_gain_us,
+                                               also=(EMPTY,)),
+                                "vs_empty": _Check(EMPTY, LOADS, 0.0)}, reserve)
+        trial = self.trial("verify", setting, measured, LOADS, EMPTY)
         rep.trials.append(trial)
         rep.chosen = trial
-        if not measured.identical.get("b", True):
+        if not measured.identical.get(LOADS, True):
             rep.reason = "refused: outputs with its loads differ from the step's (a bug: report it)"
             return None
         if not trial.gain.excludes_zero_above():
@@ -706,11 +788,12 @@ class _Batch:
             self.report.reason = "no role paid at this batch"
             return
         if len(chosen) > 1 and self.fits(len(chosen) + 1, 3 * self.cost(2)):
-            variants = {"a": Variant()}
+            arms = {NO_FORKS: Arm()}
             for n in range(1, len(chosen) + 1):
-                variants[f"p{n}"] = Variant(tuple(chosen[:n]))
-            measured = self.group(f"combine {len(chosen)} kept roles", variants)
-            gains = {n: diff_interval(measured.values("a"), measured.values(f"p{n}")).estimate
+                arms[arm_key(PLAN, n)] = Arm(tuple(chosen[:n]))
+            measured = self.group(f"combine {len(chosen)} kept roles", arms)
+            gains = {n: diff_interval(measured.values(NO_FORKS),
+                                      measured.values(arm_key(PLAN, n))).estimate
                      for n in range(1, len(chosen) + 1)}
             best = max(gains, key=lambda n: (gains[n], -n))
             for name, _ in chosen[best:]:
@@ -727,10 +810,10 @@ class _Batch:
                 return
             plan = tuple(chosen)
             measured = self.group(f"confirm {len(plan)} role(s)",
-                                  {"a": Variant(), "plan": Variant(plan)})
-            a, with_plan = measured.values("a"), measured.values("plan")
+                                  {NO_FORKS: Arm(), PLAN: Arm(plan)})
+            a, with_plan = measured.values(NO_FORKS), measured.values(PLAN)
             conf = Confirmation(plan, mean_interval(a), mean_interval(with_plan),
-                                diff_interval(a, with_plan), measured.identical.get("plan", True))
+                                diff_interval(a, with_plan), measured.identical.get(PLAN, True))
             self.report.confirmations.append(conf)
             if conf.identical and conf.gain.excludes_zero_above():
                 self.report.plan = plan

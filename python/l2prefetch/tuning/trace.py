@@ -44,6 +44,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
+from ..mechanisms import DEFAULT_GRAPH_FORK
+
 __all__ = ["Forks", "ForkTrace", "Kernel", "Layout", "TraceError", "TraceResult", "analyze",
            "forks_of_profile", "forks_of_role", "kernel_events", "layout_of", "median_timeline",
            "split_replays", "timeline", "trace"]
@@ -569,10 +571,11 @@ class Forks:
 
 
 def forks_of_role(model: Any, role: Any, batch: int, *, byte_cap: int, grid: int = 32,
-                  kernel: Optional[str] = None, mode: str = "inline",
+                  kernel: Optional[str] = None, mode: str = DEFAULT_GRAPH_FORK,
                   device: Any = None) -> Forks:
     """The forks of a :class:`~l2prefetch.tuning.Role` at ``batch``, every one in ``mode``
-    ('inline', 'branch' or 'leaf': the controller's, so any mode its C build takes)."""
+    (one of :data:`l2prefetch.mechanisms.GRAPH_FORKS`: the controller's, so any mode its C
+    build takes)."""
     from .. import PrefetchController
     from .rig import empty_controller
 

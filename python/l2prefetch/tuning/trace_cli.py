@@ -23,11 +23,12 @@ import os
 import sys
 from typing import Any
 
+from ..mechanisms import DEFAULT_GRAPH_FORK, GRAPH_FORKS
+
 __all__ = ["add_parser", "run"]
 
 HELP = "show where the prefetch loads ran inside the captured decode step (a Markdown timeline)"
 MIB = 1 << 20
-MODES = ("inline", "branch", "leaf")
 
 
 def _int(what: str, low: int, high: int) -> Any:
@@ -77,8 +78,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="trace one role of the model (`tune MODEL --list-roles` lists them)")
     parser.add_argument("--cap-mib", type=_mib("--cap-mib"), default=None,
                         help="with --role: MiB each fork loads (default 24; 0: all it reads)")
-    parser.add_argument("--mode", choices=MODES, default=None,
-                        help="with --role: how forks go into the graph (default inline)")
+    parser.add_argument("--mode", choices=GRAPH_FORKS, default=None,
+                        help=f"with --role: how forks go into the graph (default "
+                        f"{DEFAULT_GRAPH_FORK})")
     parser.add_argument("--grid", type=_int("--grid", 1, 65535), default=None,
                         help="with --role: loader CTAs (default 32)")
     parser.add_argument("--kernel", default=None,
@@ -172,7 +174,7 @@ def _forks(args: argparse.Namespace, model: Any, step: Any, trace: Any) -> tuple
     if role is None:
         raise _Bad(f"--role {args.role!r} is not a role of this model; its roles: "
                    + "; ".join(repr(name) for name in roles))
-    mode = args.mode or "inline"
+    mode = args.mode or DEFAULT_GRAPH_FORK
     cap = 24.0 if args.cap_mib is None else args.cap_mib
     try:
         forks = trace.forks_of_role(model, role, batch, byte_cap=int(cap * MIB),

@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
-from ..plan import GRAPH_FORKS
+from ..mechanisms import GRAPH_FORKS, graph_fork_choices
+from ..plan import _check_batches
 from .discover import Role, candidates as discover_candidates, describe_bytes, discover
 from ..profile import (PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, save_profile,
                        versions)
@@ -31,7 +32,6 @@ __all__ = ["TuneResult", "tune"]
 
 logger = logging.getLogger(__name__)
 
-MAX_BATCH = 65535
 #: Loaders the refine step tries besides the device's default (where the device has them):
 #: 16-byte loads and the bulk L2 prefetch (benchmarks/RESULTS.md, "glue": the loaders differ
 #: most beside small kernels).
@@ -136,24 +136,6 @@ class TuneResult:
         from .report import plot
 
         return plot(self, os.fspath(path))
-
-
-def _check_batches(batches: object) -> tuple[int, ...]:
-    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence):
-        raise TypeError(f"batches must be a sequence of ints (e.g. [1, 8]), got "
-                        f"{type(batches).__name__}")
-    out = []
-    for b in batches:
-        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
-            raise TypeError(f"batches must hold ints, got {type(b).__name__} {b!r}")
-        if not 1 <= b <= MAX_BATCH:
-            raise ValueError(f"batches must be between 1 and {MAX_BATCH}, got {b}")
-        out.append(int(b))
-    if not out:
-        raise ValueError("batches must name at least one decode batch, e.g. [1, 8]")
-    if len(set(out)) != len(out):
-        raise ValueError(f"batches must name each batch once, got {out}")
-    return tuple(out)
 
 
 def _check_number(name: str, value: object, low: float, integer: bool = False) -> float:
@@ -263,7 +245,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     (e.g. from :func:`~l2prefetch.tuning.roles_from_plan`).
 
     ``budget_s`` bounds the measuring (seconds, all batches together);
-    ``instances`` graph instances per variant (at least 5), ``rounds`` replays
+    ``instances`` graph instances per measurement arm (at least 5), ``rounds`` replays
     of each per group; a candidate whose interval is still undecided gets
     ``instances`` more at a time up to ``max_instances`` (None: 15, or
     ``instances`` if more; equal to ``instances``: no sequential sampling).
@@ -272,6 +254,9 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     ``graph_forks``; the first of each list is the default setting, and each
     role's layers alone and in groups (:attr:`~l2prefetch.tuning.Setting.layers`).
     ``progress``: a text stream for one line per measured group (None: quiet).
+    ``backend``: None to measure the step on the GPU
+    (:class:`~l2prefetch.tuning.measure.GraphBackend`), or any
+    :class:`~l2prefetch.tuning.search.Backend` (the tests' fake one plants effects).
 
     Raises TypeError/ValueError for bad arguments (naming them),
     :class:`~l2prefetch.tuning.StepError` when the step fails or cannot be
@@ -286,7 +271,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     if not callable(step):
         raise TypeError(f"step must be a callable step(batch) -> output, got "
                         f"{type(step).__name__}")
-    batches = _check_batches(batches)
+    batches = _check_batches(batches, "batches")
     _check_number("budget_s", budget_s, 0)
     if budget_s == 0:
         raise ValueError("budget_s must be > 0 seconds (the default is 300); a tuner with no "
@@ -319,8 +304,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                          f"got {list(caps_mib)}")
     if isinstance(graph_forks, str) or not graph_forks or any(
             g not in GRAPH_FORKS for g in graph_forks):
-        raise ValueError(f"graph_forks must be a non-empty sequence of {', '.join(GRAPH_FORKS)}, "
-                         f"got {graph_forks!r}")
+        raise ValueError(f"graph_forks must be a non-empty sequence of {graph_fork_choices()} "
+                         f"(l2prefetch.mechanisms), got {graph_forks!r}")
     from .. import _C
 
     known = _C.kernel_variants()
@@ -333,6 +318,10 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
             raise ValueError(f"unknown kernel(s) {bad}; kernels are {sorted(known)} (None: the "
                              "device's default)")
 
+    if backend is not None and not isinstance(backend, Backend):
+        raise TypeError(f"backend must be None (measure on the GPU) or a "
+                        f"l2prefetch.tuning.search.Backend (derive from it), got "
+                        f"{type(backend).__name__}")
     t0 = time.monotonic()
     if backend is None:
         from .measure import GraphBackend
@@ -345,8 +334,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     if kernels is None:
         kernels = (None,)
     roles = _resolve_candidates(model, step, batches[0], candidates, min_bytes)
-    if hasattr(backend, "use_roles"):
-        backend.use_roles(roles, [int(c * (1 << 20)) for c in caps_mib])
+    backend.use_roles(roles, [int(c * (1 << 20)) for c in caps_mib])
     if progress is not None:
         print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
               f"budget {budget_s:.0f} s", file=progress, flush=True)
@@ -356,16 +344,15 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                      kernels=kernels, graph_forks=graph_forks, min_gain_us=min_gain_us,
                      progress=progress)
     plan, sites = merge_plan(roles, reports)
-    fingerprint = getattr(backend, "device_fingerprint", None)
     result = TuneResult(
         batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
         elapsed_s=time.monotonic() - t0,
         settings={"instances": instances, "max_instances": int(max_instances),
-                  "rounds": getattr(backend, "rounds", rounds),
+                  "rounds": backend.rounds,
                   "caps_mib": list(caps_mib), "grids": list(grids), "kernels": list(kernels),
                   "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
                   "min_bytes": min_bytes, "roles": len(roles)},
-        device=fingerprint() if fingerprint is not None else None,
+        device=backend.device_fingerprint(),
         versions=versions())
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
                 result.elapsed_s, "empty plan" if result.empty else

@@ -1,0 +1,73 @@
+"""The ways a fork goes into a CUDA graph being captured, named once.
+
+A controller's ``graph_fork`` (and a plan entry's, and the tuner's
+``graph_forks``) is one of these modes.  The C controller implements them
+(csrc/controller.c ``graph_fork_names``, csrc/capture.c); everything in Python
+that lists, checks, describes or defaults a mode takes it from here:
+:mod:`l2prefetch.plan` (``GRAPH_FORKS``, ``PlanEntry.graph_fork``), the tuner's
+sweep and its measurement backend, ``trace --mode``, the benchmarks.
+tests/test_mechanisms.py checks that the C controller accepts exactly these
+names, that an unknown one's error lists them, and that each mode's
+``needs_join`` and ``switchable`` are what the C side does.
+
+Adding a mode is its entry here (and its name in ``GraphFork``), its C side
+(controller.c's enum and ``graph_fork_names``, the fork in capture.c) and its
+case in tests/test_mechanisms.py; the tuner then sweeps it.  See
+python/l2prefetch/DESIGN.md.
+
+Importing this module imports nothing else (neither torch nor the C extension).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Literal
+
+__all__ = ["DEFAULT_GRAPH_FORK", "GRAPH_FORKS", "GRAPH_FORK_MODES", "GraphFork",
+           "GraphForkMode", "graph_fork_choices"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphForkMode:
+    """One way a fork goes into a captured graph.
+
+    ``needs_join``: a fork in this mode leaves the side stream forked into the
+    capture, so ``join()`` must be captured before the capture ends (the
+    controller raises at the next fork otherwise).  ``switchable``: its loader
+    nodes are kernel nodes of the captured graph that csrc/graph.c can switch in
+    place (on, empty, off, other tables), so the tuner measures its loads and its
+    empty forks paired, inside the same graph instances.
+    """
+
+    name: str
+    description: str
+    needs_join: bool
+    switchable: bool
+
+
+#: GraphForkMode by name, in the C controller's order (csrc/controller.c).
+GRAPH_FORK_MODES: Mapping[str, GraphForkMode] = types.MappingProxyType({mode.name: mode for mode in (
+    GraphForkMode("inline", "the loader on the captured stream with launch-order edges: the "
+                  "next node waits for its launch, not its end (NOTE [inline graph fork])",
+                  needs_join=False, switchable=True),
+    GraphForkMode("branch", "the loader on the side stream, as in eager mode: a side branch "
+                  "of the graph, joined where join() is captured",
+                  needs_join=True, switchable=True),
+    GraphForkMode("leaf", "the loader a sink of the graph after the fork's node, chained to "
+                  "the capture's previous leaf: nothing waits for it (NOTE [leaf graph fork])",
+                  needs_join=False, switchable=True),
+)})
+#: The mode names, for type checkers (tests/test_mechanisms.py: the same as the registry's).
+GraphFork = Literal["inline", "branch", "leaf"]
+#: The mode names, in order.
+GRAPH_FORKS: tuple[str, ...] = tuple(GRAPH_FORK_MODES)
+#: The controller's default mode (``PrefetchController(graph_fork=...)``).
+DEFAULT_GRAPH_FORK = "inline"
+
+
+def graph_fork_choices() -> str:
+    """The mode names as a message lists them: ``'inline', 'branch' or 'leaf'``."""
+    names = [repr(name) for name in GRAPH_FORKS]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" or {names[-1]}"
