@@ -199,7 +199,6 @@ def part_c():
         return g, out
 
     with torch.no_grad():
-        ref = None
         for spin in (40.0, 0.0):
             spin_us["v"] = spin
             for mode in MODES:
@@ -219,7 +218,6 @@ def part_c():
                 if spin == 40.0 and mode in ("inline", "leaf"):
                     rows = kernel_timeline(graphs[("f", 0)])
                     print_timeline(f"HF {mode} 48MiB layer timeline", rows, span=10)
-                    gate = [r for r in rows if "gemv" in r[0].lower() or "gemm" in r[0].lower()]
                     if mode == "leaf":
                         rows0 = kernel_timeline(graphs[("none", 0)])
                         print("B kernel durations none vs 48MiB leaf (the 10 longest GEMV/GEMM "
@@ -233,7 +231,6 @@ def part_c():
                                 print(f"   {n:60} none {x:7.2f} leaf {y:7.2f} ({d:+.2f})")
                         else:
                             print(f"   kernel counts differ: {len(a)} vs {len(b)}")
-                    del gate
                 del graphs, outs
                 torch.cuda.empty_cache()
         spin_us["v"] = 40.0

@@ -14,9 +14,9 @@ import tempfile
 
 import torch
 
+from benchmarks.sections.planted import _model, _planted
 from l2prefetch import PrefetchController, PreparedWeightRanges
 from l2prefetch.tuning.rig import Rig
-from benchmarks.probe_graph import kernel_timeline  # noqa: F401
 
 dev = torch.device("cuda", 0)
 rig = Rig(dev)
@@ -63,19 +63,12 @@ def summary(runs):
 
 
 def main():
-    import transformers as tf
     from l2prefetch.tuning.hf import DecodeStep
 
-    cfg = tf.LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=6,
-                         num_attention_heads=24, num_key_value_heads=8, vocab_size=32000,
-                         max_position_embeddings=256)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = _model("llama")   # benchmarks/sections/planted.py's Llama shape, random bf16
     step = DecodeStep(model)
     layers = model.model.layers
-    for layer in layers:
-        layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a: rig.spin(40))
+    _planted(rig, model, "mlp", 40)
     empty = PreparedWeightRanges([], grid=32, device=0)
     full = [PreparedWeightRanges([l.mlp.gate_proj.weight], grid=32, device=0) for l in layers]
 

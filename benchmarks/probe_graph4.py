@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from benchmarks.sections.planted import _model, _planted
 from l2prefetch import PrefetchController, PreparedWeightRanges
 from l2prefetch.tuning.rig import LoaderSwitch, Rig
 
@@ -37,19 +38,12 @@ def welch(a, b):
 
 
 def main(batch, spin, modes):
-    import transformers as tf
     from l2prefetch.tuning.hf import DecodeStep
 
-    cfg = tf.LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=6,
-                         num_attention_heads=24, num_key_value_heads=8, vocab_size=32000,
-                         max_position_embeddings=256)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = _model("llama")   # benchmarks/sections/planted.py's Llama shape, random bf16
     step = DecodeStep(model)
     layers = model.model.layers
-    for layer in layers:
-        layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a: rig.spin(spin))
+    _planted(rig, model, "mlp", spin)
     empty = PreparedWeightRanges([], grid=32, device=0)
     full = [PreparedWeightRanges([l.mlp.gate_proj.weight], grid=32, device=0) for l in layers]
     caps = {c: {full[i].ranges: PreparedWeightRanges([l.mlp.gate_proj.weight], byte_cap=c * MIB,

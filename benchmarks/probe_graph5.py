@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from benchmarks.sections.planted import _model, _planted
 from l2prefetch import PrefetchController, PreparedWeightRanges
 from l2prefetch.tuning.rig import Rig
 
@@ -28,19 +29,12 @@ def welch(a, b):
 
 
 def main(batch):
-    import transformers as tf
     from l2prefetch.tuning.hf import DecodeStep
 
-    cfg = tf.LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=6,
-                         num_attention_heads=24, num_key_value_heads=8, vocab_size=32000,
-                         max_position_embeddings=256)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = _model("llama")   # benchmarks/sections/planted.py's Llama shape, random bf16
     step = DecodeStep(model)
     layers = model.model.layers
-    for layer in layers:
-        layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a: rig.spin(40))
+    _planted(rig, model, "mlp", 40)
     tables = {"ring32": PreparedWeightRanges([], grid=32, device=0),
               "ring1": PreparedWeightRanges([], grid=1, device=0),
               "line32": PreparedWeightRanges([], grid=32, kernel="line_prefetch", device=0)}
