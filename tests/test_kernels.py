@@ -528,7 +528,7 @@ def file_of(folder, variant, sm):
 
 def source_hash():
     """The SHA-256 of the kernel source as setup.py embeds it (one line per line)."""
-    root = os.path.dirname(PYTHON_DIR)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the checkout
     with open(os.path.join(root, "kernels", "prefetch.cu"), encoding="utf-8") as f:
         text = "".join(line + "\n" for line in f.read().splitlines())
     return sha(text.encode())

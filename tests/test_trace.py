@@ -16,7 +16,6 @@ from l2prefetch import cli
 from l2prefetch.tuning import trace as tr
 from l2prefetch.tuning import trace_cli
 
-PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
 T0 = 1.7e12      # CUPTI's clock: absolute microseconds
 KEY = ("after self_attn.o_proj: mlp.gate_proj", 0, 1)
 CONSUMER = "model.layers.0.mlp.gate_proj"
@@ -289,7 +288,8 @@ def test_help_works_without_torch_and_the_runtime_never_imports_trace():
             "except SystemExit as exc:\n    assert not exc.code, exc.code\n"
             "import l2prefetch, l2prefetch.controller, l2prefetch.hooks, l2prefetch.plan\n"
             "print(sorted(m for m in sys.modules if m.endswith(('.trace', 'trace_cli'))))\n")
-    env = {**os.environ, "PYTHONPATH": PYTHON_DIR}
+    # the l2prefetch this suite imports (installed, or the tree's with its built _C)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
