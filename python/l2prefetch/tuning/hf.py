@@ -142,10 +142,15 @@ def _parse_device(device: Any) -> Any:
     """``device`` as a torch.device of the CPU or CUDA (not checked against the GPUs)."""
     import torch
 
-    try:
-        found = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
+    # A string is checked here first: torch.device throws a C++ exception for a bad one,
+    # which aborts a process with ASan preloaded (the CI's sanitizer pass).
+    if isinstance(device, str) and not re.fullmatch(r"(cpu|cuda)(:\d{1,9})?", device.strip()):
         found = None
+    else:
+        try:
+            found = torch.device(device.strip() if isinstance(device, str) else device)
+        except (RuntimeError, TypeError, ValueError):
+            found = None
     if found is None or found.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     return found
