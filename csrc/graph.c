@@ -99,13 +99,20 @@ PyObject *l2p_py_graph_loader_nodes(PyObject *module, PyObject *const *args, Py_
     l2p_driver *d = l2p_use_driver(st);
     if (!d || graph_api(st, d) < 0)
         return NULL;
+    /* The list's allocations can run the GC, whose finalizers could swap the driver. */
+    l2p_driver_incref(d);
     size_t n = 0;
     CUresult r = d->fn.cuGraphGetNodes((CUgraph)g, NULL, &n);
-    if (r != CUDA_SUCCESS)
-        return l2p_raise_cuda(st, d, "cuGraphGetNodes", r);
+    if (r != CUDA_SUCCESS) {
+        l2p_raise_cuda(st, d, "cuGraphGetNodes", r);
+        l2p_driver_decref(d);
+        return NULL;
+    }
     CUgraphNode *nodes = PyMem_Calloc(n ? n : 1, sizeof(CUgraphNode));
-    if (!nodes)
+    if (!nodes) {
+        l2p_driver_decref(d);
         return PyErr_NoMemory();
+    }
     PyObject *out = NULL, *list = NULL;
     if ((r = d->fn.cuGraphGetNodes((CUgraph)g, nodes, &n)) != CUDA_SUCCESS) {
         l2p_raise_cuda(st, d, "cuGraphGetNodes", r);
@@ -142,6 +149,7 @@ PyObject *l2p_py_graph_loader_nodes(PyObject *module, PyObject *const *args, Py_
 done:
     Py_XDECREF(list);
     PyMem_Free(nodes);
+    l2p_driver_decref(d);
     return out;
 }
 
