@@ -101,8 +101,13 @@ sanitized_suite() {
     # faults too, where with plain malloc it read stale bytes unnoticed
     # (tests/test_reentrancy.py).  ASan's report goes to $dir/asan.* and is
     # printed on failure (pytest's capture would swallow it).
+    # libstdc++ is preloaded after the runtime: ASan binds its __cxa_throw
+    # interceptor when it starts, and with no libstdc++ loaded yet the first C++
+    # throw of any extension (matplotlib's ft2font, torch.device) aborts the run.
     local asan
     asan=$(gcc -print-file-name=libasan.so)
+    local cxx
+    cxx=$(gcc -print-file-name=libstdc++.so.6)
     if [[ ! -e "$asan" || "${L2PREFETCH_SKIP_SANITIZERS:-0}" == 1 ]]; then
         echo "dev.sh: sanitizer pass skipped (no libasan, or L2PREFETCH_SKIP_SANITIZERS=1)"
         return 0
@@ -114,7 +119,7 @@ sanitized_suite() {
         --build-temp "$dir/build-asan" >/dev/null 2>&1) || { echo "dev.sh: sanitizer build failed"; return 1; }
     echo "dev.sh: CPU suite under ASan/UBSan"
     local rc=0
-    (cd "$dir" && env LD_PRELOAD="$asan" PYTHONMALLOC=malloc_debug \
+    (cd "$dir" && env LD_PRELOAD="$asan $cxx" PYTHONMALLOC=malloc_debug \
         ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1:log_path="$dir/asan" \
         UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path="$dir/ubsan" PYTHONPATH="$dir/python" \
         "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests) || rc=$?
