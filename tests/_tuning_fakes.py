@@ -11,6 +11,7 @@ makes every run the same.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Mapping
 
@@ -95,7 +96,10 @@ class PlantedBackend(Backend):
         for name, setting in arm.roles:
             t += self.fork_cost_us * 1  # one fork node per role (the layers are folded in)
             if not arm.empty:
-                t -= self.gains.get(name, lambda s: 0.0)(setting)
+                # loads at some layers only: the gain of those layers (PerLayer sums them)
+                loaded = setting if arm.loads_at is None else \
+                    dataclasses.replace(setting, layers=arm.loads_at)
+                t -= self.gains.get(name, lambda s: 0.0)(loaded)
                 names.add(name)
         for pair, penalty in self.interference.items():
             if pair <= names:

@@ -332,3 +332,59 @@ def test_two_entries_for_one_point_layer_and_batch_are_refused(fake):
     with PC.from_plan([a, other_layer], 0) as controller:
         assert controller.get("p", 0, 2).nbytes == 2048
     assert_nothing_alive(fake)
+
+
+# -- build_controller: the tuner's arms --------------------------------------------------------
+
+def test_build_controller_empties_the_entries_a_function_names(fake):
+    """empty=f: the entries f picks launch an empty table of their own launch settings,
+    the others load; every entry keeps its key (one fork structure for the tuner's
+    per-layer arms)."""
+    w = [cuda_tensor(i * 65536, 1024) for i in range(3)]
+    plan = [PlanEntry("mlp", layer, [1, 8], (w[layer],), grid=16, graph_fork="leaf")
+            for layer in range(3)]
+    c = controller_module.build_controller(plan, 0, empty=lambda e: e.layer != 1)
+    assert sorted(c.keys()) == sorted((e.point, e.layer, b) for e in plan for b in (1, 8))
+    loaded = c.get("mlp", 1, 1)
+    assert loaded.nbytes == w[1].numel() * 2 and loaded is c.get("mlp", 1, 8)
+    for layer in (0, 2):
+        table = c.get("mlp", layer, 8)
+        assert table.nbytes == 0 and table.grid == 16
+    assert c.get("mlp", 0, 1) is c.get("mlp", 2, 8)   # one empty table per launch setting
+    assert c.graph_fork == "leaf"
+    every = controller_module.build_controller(plan, 0, empty=True)
+    assert sorted(every.keys()) == sorted(c.keys()) and every.get("mlp", 1, 1).nbytes == 0
+    none = controller_module.build_controller(plan, 0, empty=lambda e: False)
+    assert all(none.get("mlp", e.layer, 1).nbytes > 0 for e in plan)
+    for ctl in (c, every, none):
+        ctl.close()
+    with pytest.raises(TypeError, match="empty must be a bool or a function of a plan entry"):
+        controller_module.build_controller(plan, 0, empty="yes")
+    assert_nothing_alive(fake)
+
+
+def test_the_tuners_per_layer_arms_switch_from_the_every_layer_capture(fake):
+    """GraphBackend pairs arms of one structure by switching the captured (head) graph's
+    tables: from the capture that loads at every layer, each layer's loads alone and the
+    empty forks are mappings of its ranges; from a capture that loads at one layer only
+    they are not (its empty forks' ranges are one key for several tables)."""
+    from l2prefetch.tuning.measure import GraphBackend
+
+    w = [cuda_tensor(i * 65536, 1024) for i in range(3)]
+    plan = [PlanEntry("mlp", layer, [1], (w[layer],)) for layer in range(3)]
+    build = controller_module.build_controller
+    ctl = {"b": build(plan, 0), "d": build(plan, 0, empty=True),
+           **{f"b:{k}": build(plan, 0, empty=lambda e, k=k: e.layer != k) for k in range(3)}}
+    names = list(ctl)
+    states = GraphBackend._states(None, names, "b", ctl)
+    captured = {layer: ctl["b"].get("mlp", layer, 1).ranges for layer in range(3)}
+    assert len(set(captured.values())) == 3
+    for k in range(3):
+        for layer in range(3):
+            table = states[f"b:{k}"][captured[layer]]
+            assert table is ctl[f"b:{k}"].get("mlp", layer, 1)
+            assert (table.nbytes > 0) == (layer == k)
+    assert all(states["d"][r].nbytes == 0 for r in captured.values())
+    assert GraphBackend._states(None, names, "b:0", ctl) is None
+    for c in ctl.values():
+        c.close()

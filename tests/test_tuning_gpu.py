@@ -133,3 +133,30 @@ def test_a_step_that_cannot_be_captured():
                           timeout=300)
     assert "StepError: step(1) cannot be captured into a CUDA graph" in proc.stdout, (
         proc.stdout + proc.stderr)
+
+
+def test_each_layers_loads_alone_are_switched_states_of_one_capture():
+    """The search's layers step: forks at every layer, loads at one (Arm.loads_at). The
+    GraphBackend captures the every-layer loads once per instance and switches the rest
+    (one pair set of all fork arms); every arm's logits stay bitwise the step's."""
+    from l2prefetch.tuning import discover, synthetic
+    from l2prefetch.tuning.measure import GraphBackend
+    from l2prefetch.tuning.search import EMPTY, LOADS, NO_FORKS, Arm, Setting, arm_key
+
+    model = synthetic.IdleWindowModel(layers=3, hidden=2048, window_us=10)
+    step = synthetic.idle_window_step(model)
+    with torch.no_grad():
+        reads = discover.discover(model, lambda: step(1))
+    role = {r.name: r for r in discover.candidates(model, reads)}["after a: b"]
+    backend = GraphBackend(model, step, rounds=4)
+    backend.use_roles([role], [8 << 20])
+    every = Setting(byte_cap=8 << 20, graph_fork="leaf")
+    arms = {NO_FORKS: Arm(), EMPTY: Arm(((role.name, every),), empty=True),
+            LOADS: Arm(((role.name, every),))}
+    for layer in role.layers:
+        arms[arm_key(LOADS, layer)] = Arm(((role.name, every),), loads_at=(layer,))
+    times, identical = backend.measure(1, arms, 2)
+    assert backend.switches
+    assert backend.pairs == [set(arms) - {NO_FORKS}]
+    assert all(identical.values()), identical
+    assert {k: len(v) for k, v in times.items()} == {k: 2 for k in arms}

@@ -161,7 +161,7 @@ def test_refine_picks_branch_or_grid_when_it_pays_more():
 
 def test_a_loss_beside_its_empty_forks_is_not_kept():
     """Loads that beat (a) but not their own empty forks do not pay for themselves."""
-    backend = PlantedBackend({"A": pays(-0.2)}, fork_cost_us=-5.0, seed=5)
+    backend = PlantedBackend({"A": pays(-1.0)}, fork_cost_us=-5.0, seed=5)
     (report,), _ = run(backend, [role("A")])
     assert report.plan == ()
     assert "empty forks" in by_name(report)["A"].reason
@@ -280,11 +280,44 @@ def test_a_window_in_some_layers_is_planned_for_those_layers_only(others, paired
     every, some = [t for t in rep.trials if t.stage == "layers"]
     assert every.setting.layers is None and some.setting.layers == (1, 3)
     assert some.gain.estimate > every.gain.estimate
-    # each layer alone is measured with its own forks only, (b) and (d) paired if the backend pairs
-    one = [g for g in backend.groups if any(v.roles and v.roles[0][1].layers == (0,)
-                                            for v in g.values())][0]
-    assert len(one) == 1 + 2 * 4
+    # each layer's loads alone: forks at every layer, the others' tables empty, so the
+    # group is one fork structure ((a), (d), (b) every layer, 4 layers alone); a switching
+    # backend measures it in one graph per instance, paired
+    one = [g for g in backend.groups if any(v.loads_at == (0,) for v in g.values())][0]
+    assert len(one) == 3 + 4
+    assert sorted(v.loads_at for v in one.values() if v.loads_at) == [(0,), (1,), (2,), (3,)]
+    assert len({v.structure() for v in one.values() if v.roles}) == 1
+    assert all(v.roles[0][1].layers is None for v in one.values() if v.roles)
     assert "layers 1, 3" in log
+
+
+def test_per_layer_loads_narrow_their_interval_when_paired():
+    """The layers step measures each layer in one structure: with a switching backend the
+    instance spread (3 us here) cancels from each layer's loads against the empty forks."""
+    widths = {}
+    for paired in (False, True):
+        backend = PlantedBackend({"A": PerLayer({1: 6.0}, layers=4, other=-8.0)},
+                                 instance_sd_us=3.0, seed=5, paired=paired)
+        (report,), _ = run(backend, [role("A", layers=4)], graph_forks=("leaf",))
+        alone = [t for t in by_name(report)["A"].trials if t.stage == "layer"]
+        assert len(alone) == 4
+        widths[paired] = max(t.vs_empty.half_width for t in alone)
+    assert widths[True] < 1.2 < 3.0 < widths[False]
+
+
+def test_arm_loads_at():
+    s = S.Setting(MIB)
+    assert S.Arm((("A", s),), loads_at=[3, 1, 3]).loads_at == (1, 3)
+    arm = S.Arm((("A", s),), loads_at=(1,))
+    assert arm.loads(1) and not arm.loads(0)
+    assert S.Arm((("A", s),)).loads(5) and not S.Arm((("A", s),), empty=True).loads(5)
+    assert arm.structure() == S.Arm((("A", s),), empty=True).structure()
+    with pytest.raises(ValueError, match="loads_at must be None or name at least one layer"):
+        S.Arm((("A", s),), loads_at=())
+    with pytest.raises(ValueError, match="loads_at must be None or name at least one layer"):
+        S.Arm((("A", s),), loads_at=("1",))
+    with pytest.raises(ValueError, match="an empty arm loads nowhere"):
+        S.Arm((("A", s),), empty=True, loads_at=(1,))
 
 
 def test_a_role_that_pays_in_every_layer_keeps_every_layer():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 from . import _C
@@ -329,6 +329,12 @@ def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optiona
     every fork launches the same (empty) kernel node as the plan's own.
     """
     controller = PrefetchController(device, graph_fork=graph_fork, eager=eager)
+    _add_empty(controller, plan, kernel)
+    return controller
+
+
+def _add_empty(controller: Any, plan: Iterable[Any], kernel: Optional[str] = None) -> None:
+    """Register each entry of ``plan`` with an empty table of its launch settings."""
     tables: dict[tuple, Any] = {}
     for entry in plan:
         entry_kernel = getattr(entry, "kernel", None) or kernel
@@ -342,25 +348,43 @@ def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optiona
             controller.add(entry.point, entry.layer, entry.batches, tables[key])
         else:
             controller.add(entry.point, entry.layer, entry.batches, tables[key], graph_fork=mode)
-    return controller
 
 
-def build_controller(plan: Sequence[Any], device: Any = None, *, empty: bool = False,
+def build_controller(plan: Sequence[Any], device: Any = None, *,
+                     empty: Union[bool, Callable[[Any], bool]] = False,
                      eager: bool = False) -> Any:
-    """A controller for ``plan`` (``empty``: the control, same forks with empty tables).
+    """A controller for ``plan``.
 
+    ``empty``: False (every entry loads), True (the control: the same forks with
+    empty tables), or a function of an entry saying whether that entry's forks
+    launch an empty table (the others load): the tuner's per-layer arms, whose
+    forks are those of the whole plan.
     When every entry forks the same way into a captured graph, that mode is
     the controller's and the entries carry none (so this works with any C
     build); a plan that mixes modes sets the mode per entry.
     ``eager=False`` by default: a tuned plan is measured and deployed in
     captured decode steps.
     """
+    if not isinstance(empty, bool) and not callable(empty):
+        raise TypeError(f"empty must be a bool or a function of a plan entry returning one, "
+                        f"got {type(empty).__name__}")
     modes = {getattr(entry, "graph_fork", None) or DEFAULT_GRAPH_FORK for entry in plan}
     mode = DEFAULT_GRAPH_FORK
     if len(modes) == 1:
         mode = modes.pop()
         plan = [dataclasses.replace(entry, graph_fork=None)
                 if getattr(entry, "graph_fork", None) is not None else entry for entry in plan]
-    if empty:
+    if empty is True:
         return empty_controller(plan, device, graph_fork=mode, eager=eager)
-    return PrefetchController.from_plan(plan, device, graph_fork=mode, eager=eager)
+    if empty is False:
+        return PrefetchController.from_plan(plan, device, graph_fork=mode, eager=eager)
+    emptied = [bool(empty(entry)) for entry in plan]
+    controller = PrefetchController.from_plan(
+        [entry for entry, e in zip(plan, emptied) if not e], device, graph_fork=mode, eager=eager)
+    if controller.enabled:
+        try:
+            _add_empty(controller, [entry for entry, e in zip(plan, emptied) if e])
+        except BaseException:
+            controller.close()
+            raise
+    return controller

@@ -145,7 +145,10 @@ class GraphBackend(Backend):
             entries += self._role(name, setting).entries(
                 (batch,), byte_cap=setting.byte_cap, grid=setting.grid, kernel=setting.kernel,
                 graph_fork=setting.graph_fork)
-        return build_controller(entries, self.device.index, empty=arm.empty)
+        if arm.empty or arm.loads_at is None:
+            return build_controller(entries, self.device.index, empty=arm.empty)
+        return build_controller(entries, self.device.index,
+                                empty=lambda entry: not arm.loads(entry.layer))
 
     def _role(self, name: str, setting: Any) -> Role:
         """The role an arm names, restricted to its setting's layers where it has them."""
@@ -186,10 +189,12 @@ class GraphBackend(Backend):
             if not all(GRAPH_FORK_MODES[mode].switchable for _, mode, _ in structure):
                 continue
             loads = [n for n in names if not arms[n].empty]
-            states = self._states(names, loads, controllers) if len(names) > 1 and loads else None
+            if len(names) < 2 or not loads:
+                continue
+            head = max(loads, key=lambda n: sum(l2p.nbytes for l2p in
+                                               self._tables(controllers[n])))
+            states = self._states(names, head, controllers)
             if states is not None:
-                head = max(loads, key=lambda n: sum(l2p.nbytes for l2p in
-                                                   self._tables(controllers[n])))
                 paired.append((head, names, states))
         in_pairs = {n for _, names, _ in paired for n in names}
         fn = self._fn(batch)
@@ -247,29 +252,25 @@ class GraphBackend(Backend):
     def _tables(controller: Any) -> list[Any]:
         return [controller.get(*key) for key in controller.keys()]
 
-    def _states(self, names: list[str], loads: list[str],
+    def _states(self, names: list[str], head: str,
                 controllers: Mapping[str, Any]) -> Optional[dict[str, Any]]:
-        """Per arm of one structure, what LoaderSwitch.set takes: a mapping from
-        each captured table's ranges (any loads arm may be the captured one) to
-        that arm's table for the same key; None when the keys differ or two keys
-        load the same ranges differently (then the group is captured unpaired)."""
-        keys = None
-        for name in names:
-            k = set(controllers[name].keys())
-            if keys is None:
-                keys = k
-            elif k != keys:
-                return None
+        """Per arm of one structure, what LoaderSwitch.set takes when ``head`` is the
+        captured arm: a mapping from each of head's tables' ranges to that arm's table
+        for the same key; None when the keys differ or two keys whose captured ranges
+        are the same want different tables (e.g. head's empty forks at layers another
+        arm loads: then the group is captured unpaired)."""
+        keys = set(controllers[head].keys())
+        if any(set(controllers[name].keys()) != keys for name in names):
+            return None
         states: dict[str, Any] = {}
         for name in names:
             mapping: dict[Any, Any] = {}
-            for head in loads:
-                for key in keys:
-                    captured = controllers[head].get(*key).ranges
-                    table = controllers[name].get(*key)
-                    if mapping.get(captured, table) is not table:
-                        return None
-                    mapping[captured] = table
+            for key in keys:
+                captured = controllers[head].get(*key).ranges
+                table = controllers[name].get(*key)
+                if mapping.get(captured, table) is not table:
+                    return None
+                mapping[captured] = table
             states[name] = mapping
         return states
 

@@ -22,8 +22,10 @@ every group interleaving its measurement arms, :class:`Arm`: :data:`NO_FORKS`
 5. **layers**: a role's setting covers every layer, so loads that pay in
    some layers only (hybrid or mixed dense/MoE models) are averaged away by
    the layers where they cost.  So, at the role's best setting, one group
-   measures each layer's loads alone (:attr:`Setting.layers`: forks at that
-   layer only) against its own empty fork (paired where the backend pairs);
+   measures each layer's loads alone (:attr:`Arm.loads_at`: forks at every
+   layer, the others' tables empty) against the empty forks, all of one fork
+   structure (switched in one graph per instance where the backend switches,
+   so each layer costs a replay, not a capture, and is paired with (d));
    the layers whose interval lies above zero, if not all or none, are then
    measured as one setting beside every layer on fresh instances, and that
    group of layers goes on where it gained more.  The promising roles get
@@ -177,10 +179,28 @@ def parse_arm_key(key: str) -> tuple[str, tuple[str, ...]]:
 class Arm:
     """A measurement arm, one way to run the step: the roles that fork and their
     settings; ``empty``: the same forks with empty tables (the control).  No roles:
-    the step as it is."""
+    the step as it is.  ``loads_at``: None, or the only layers whose forks load (a
+    sorted tuple; the forks at the arm's other layers launch empty tables), so that
+    each layer's loads alone are one structure with the empty forks and can be
+    switched in one graph (the search's layers step)."""
 
     roles: tuple[tuple[str, Setting], ...] = ()
     empty: bool = False
+    loads_at: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.loads_at is not None:
+            values = tuple(self.loads_at)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+                raise ValueError(f"Arm.loads_at must be None or name at least one layer by its "
+                                 f"int index, got {self.loads_at!r}")
+            if self.empty:
+                raise ValueError("an empty arm loads nowhere: give loads_at=None with empty=True")
+            object.__setattr__(self, "loads_at", tuple(sorted(set(values))))
+
+    def loads(self, layer: int) -> bool:
+        """Whether the arm's fork at ``layer`` loads (not empty, and in loads_at if given)."""
+        return not self.empty and (self.loads_at is None or layer in self.loads_at)
 
     def structure(self) -> tuple:
         """Its forks' structure (roles, fork modes, layers): arms with the same one
@@ -708,28 +728,36 @@ class _Batch:
 
     def layers(self, role: Role, base: Trial, rep: RoleReport,
                reserve: float) -> Optional[Trial]:
-        """Each layer's loads alone against its own empty forks, at ``base``'s setting;
-        then the layers whose loads beat them (95% interval above zero), if not all or
-        none, beside every layer on fresh instances.  Returns that group of layers'
-        trial where it gained more than every layer (and than no forks), else None."""
+        """Each layer's loads alone against the empty forks, at ``base``'s setting with
+        forks at every layer (one structure: a switching backend captures it once per
+        instance, so each layer's difference is paired); then the layers whose loads
+        beat the empty forks (95% interval above zero), if not all or none, beside every
+        layer on fresh instances.  Returns that group of layers' trial where it gained
+        more than every layer (and than no forks), else None.  A layer's trial has
+        ``layers=(layer,)``; its ``gain`` is against no forks at all, so it includes the
+        other layers' empty forks: its ``vs_empty`` is what decides."""
         if len(role.sites) < 2:
             return None
         every = dataclasses.replace(base.setting, layers=None)
-        arms = {NO_FORKS: Arm()}
-        keys: dict[str, tuple[Setting, str]] = {}
+        # One fork structure, forks at every layer: (d) all empty, (b) all loading (the
+        # graph a switching backend captures), and per layer its loads alone
+        # (Arm.loads_at), so every layer is switched in the same instances, paired with (d).
+        arms = {NO_FORKS: Arm(), EMPTY: Arm(((role.name, every),), empty=True),
+                LOADS: Arm(((role.name, every),))}
+        checks: dict[str, _Check] = {}
+        settings: dict[str, Setting] = {}
         for layer in role.layers:
-            one = dataclasses.replace(every, layers=(layer,))
-            arms[arm_key(EMPTY, layer)] = Arm(((role.name, one),), empty=True)
-            arms[arm_key(LOADS, layer)] = Arm(((role.name, one),))
-            keys[arm_key(LOADS, layer)] = (one, arm_key(EMPTY, layer))
+            b = arm_key(LOADS, layer)
+            arms[b] = Arm(((role.name, every),), loads_at=(layer,))
+            settings[b] = dataclasses.replace(every, layers=(layer,))
+            # a layer's share of what is worth a fork; (b) every layer stays measured
+            checks[b] = _Check(EMPTY, b, self.p.min_gain_us / len(role.sites), also=(LOADS,))
         compare = self.cost(5, 3 if self.switched(every.graph_fork) else None)
         if self.group_cost(arms) + compare + reserve > self.left():
             return None
-        # a layer's share of what is worth a fork
-        measured = self.sample(f"{role.name}: each of {len(role.sites)} layers alone at "
-                               f"{every.label()}", arms,
-                               self.vs_empty_checks(keys, self.p.min_gain_us / len(role.sites)),
-                               reserve + compare)
+        measured = self.sample(f"{role.name}: each of {len(role.sites)} layers' loads alone at "
+                               f"{every.label()}", arms, checks, reserve + compare)
+        keys = {b: (s, EMPTY) for b, s in settings.items()}
         trials = [self.trial("layer", s, measured, key, d) for key, (s, d) in keys.items()]
         rep.trials += trials
         paying = tuple(t.setting.layers[0] for t in trials if t.vs_empty.low > 0)
