@@ -77,6 +77,8 @@ class PlantedBackend(Backend):
         self.fail = dict(fail)
         self.differs = differs
         self.groups: list[dict[str, Arm]] = []
+        #: The instances of each measured group (every group holds (a)).
+        self.instances: list[int] = []
         self.prepared: list[int] = []
         self.switches = paired
         self.pairs: list[set[str]] = []
@@ -110,6 +112,7 @@ class PlantedBackend(Backend):
         for key in arms:
             parse_arm_key(key)
         self.groups.append(dict(arms))
+        self.instances.append(instances)
         offsets = [self.rng.gauss(0.0, self.sd) for _ in range(instances)]
         structures: dict[tuple, set[str]] = {}
         for name, v in arms.items():

@@ -381,3 +381,54 @@ def test_sequential_sampling_spends_instances_where_the_decision_is_close():
     assert sweep(fixed, "close").instances == S.MIN_INSTANCES
     assert sweep(fixed, "close").vs_empty.low <= 0 < sweep(fixed, "close").vs_empty.high
     assert "undecided" not in log
+
+
+# ------------------------------------------------------------------ instance spread
+
+def test_expected_min_of_k_draws():
+    from itertools import product
+    from l2prefetch.tuning.stats import expected_min
+
+    xs = [3.0, 1.0, 2.0]
+    for k in (1, 2, 3):
+        exact = sum(min(draw) for draw in product(xs, repeat=k)) / len(xs) ** k
+        assert expected_min(xs, k) == pytest.approx(exact)
+    assert expected_min(xs, 1) == pytest.approx(2.0)
+    assert expected_min([5.0, 5.0], 8) == pytest.approx(5.0)
+    assert expected_min(xs, 200) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
+        expected_min(xs, 0)
+    with pytest.raises(ValueError, match="at least 2 instances"):
+        expected_min([1.0], 2)
+
+
+def test_instance_spread_and_recommended_k():
+    wide = S.InstanceSpread.of([2000.0, 2040.0, 2080.0, 2120.0], capture_s=0.3)
+    assert wide.instances == 4 and wide.mean_us == pytest.approx(2060.0)
+    assert (wide.low_us, wide.high_us) == (2000.0, 2120.0)
+    assert wide.spread_pct == pytest.approx(100 * 120 / 2060)
+    gains = [wide.best_of[k] for k in S.BEST_OF_KS]
+    assert gains == sorted(gains) and gains[-1] < 60.0   # never more than mean - min
+    k = wide.recommended_k()
+    assert k in S.BEST_OF_KS and wide.best_of[k] >= 0.8 * gains[-1]
+    assert all(wide.best_of[j] < 0.8 * gains[-1] for j in S.BEST_OF_KS if j < k)
+    tight = S.InstanceSpread.of([2000.0, 2000.5, 2001.0], capture_s=0.3)
+    assert tight.recommended_k() == 1       # saves under 0.1% of the step
+    assert S.InstanceSpread.of([2000.0], capture_s=0.3) is None
+    d = wide.as_dict()
+    assert d["recommended_k"] == k and set(d["best_of_us"]) == {str(k) for k in S.BEST_OF_KS}
+
+
+def test_the_search_reports_the_spread_of_every_no_fork_instance():
+    """Every group's (a) is fresh captures: the batch's spread counts all of them, and the
+    report and summary say what best-of-k would save."""
+    from l2prefetch.tuning import report as R
+
+    backend = PlantedBackend({"A": pays(10.0)}, instance_sd_us=20.0, seed=3)
+    (rep,), _ = run(backend, [role("A", layers=1, mib=16)], graph_forks=("leaf",))
+    a = sum(backend.instances)
+    assert rep.spread is not None and rep.spread.instances == a
+    assert rep.spread.sd_us > 5.0 and rep.spread.recommended_k() > 1
+    text = R.spread_text(rep.spread)
+    assert f"{a} captures" in text and "capture_fastest(step, k=" in text
+    assert rep.as_dict()["spread"]["instances"] == a

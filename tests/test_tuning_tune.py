@@ -61,6 +61,25 @@ def test_tune_keeps_the_paying_role_for_every_batch_and_merges_the_plan():
     assert "lost in the sweep" in md
 
 
+def test_the_report_says_what_keeping_the_fastest_capture_would_save(tmp_path):
+    """Instances 30 us apart (SD) in a 2 ms step: the summary and the report recommend
+    best-of-k captures with the expected saving; the profile records the spread."""
+    model, step = model_and_step()
+    backend = DeviceBackend({O_PROJ: lambda s: -1.0}, seed=4, instance_sd_us=30.0)
+    result = tuning.tune(model, step, [1], backend=backend, progress=None,
+                         min_bytes=256 * 1024, budget_s=120)
+    (rep,) = result.batches
+    k = rep.spread.recommended_k()
+    assert k > 1 and rep.spread.instances >= 10
+    assert f"keeping the fastest of {k}" in result.summary()
+    md = result.markdown()
+    assert "Instance spread of the step without forks" in md and f"k={k})" in md
+    path = tmp_path / "p.json"
+    result.save(path, model)
+    saved = json.loads(path.read_text())["results"][0]["spread"]
+    assert saved["recommended_k"] == k and saved["instances"] == rep.spread.instances
+
+
 def test_an_empty_plan_is_a_result():
     model, result = tuned({O_PROJ: lambda s: -1.0})
     assert result.empty and result.plan == []

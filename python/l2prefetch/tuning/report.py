@@ -18,7 +18,7 @@ from typing import Any, Optional
 from .._files import write_atomic
 from .stats import Interval
 
-__all__ = ["markdown", "plot", "table"]
+__all__ = ["markdown", "plot", "spread_text", "table"]
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -96,6 +96,8 @@ def markdown(result: Any) -> str:
             out.append("Confirmations (fresh instances):\n")
             out.append(table(["plan", "a us", "plan us", "a - plan us", "ratio",
                               "bitwise equal"], rows))
+        if rep.spread is not None:
+            out.append(spread_text(rep.spread) + "\n")
         rows = []
         for role in rep.roles:
             best = role.chosen
@@ -115,6 +117,22 @@ def markdown(result: Any) -> str:
                           "a us", "b us", "d us", "a - b us", "instances", "kept / why not"],
                          rows))
     return "\n".join(out)
+
+
+def spread_text(spread: Any) -> str:
+    """The batch's instance spread and what best-of-k captures would save."""
+    k = spread.recommended_k()
+    saves = ", ".join(f"k={n}: {us:.1f} us ({100 * us / spread.mean_us:.2f}%)"
+                      for n, us in spread.best_of.items())
+    advice = ("keeping the fastest capture would save under 0.1% of the step: not worth it"
+              if k == 1 else
+              f"capture the step {k} times and keep the fastest "
+              f"(l2prefetch.graphs.capture_fastest(step, k={k}); about "
+              f"{(k - 1) * spread.capture_s:.1f} s more start-up per batch size)")
+    return (f"Instance spread of the step without forks: {spread.instances} captures, SD "
+            f"{spread.sd_us:.1f} us, {spread.low_us:.1f}-{spread.high_us:.1f} us "
+            f"({spread.spread_pct:.2f}%).  Keeping the fastest of k captures is expected to save "
+            f"{saves}; {advice}.")
 
 
 def plot(result: Any, path: str) -> bool:

@@ -54,6 +54,11 @@ sweeps).  Each look can let noise clear zero, so looking again raises that
 chance somewhat; the confirmation, at a fixed count of fresh instances, is
 what a plan must pass.
 
+**Instance spread.**  Every group holds (a), each time on fresh captures, so
+the search ends with many instances of the step without forks; their spread
+(:class:`InstanceSpread` in the batch's report) says what keeping the
+fastest of k captures would save, which the report recommends where it pays.
+
 The budget is shared by the batches.  Before each group the tuner estimates
 its cost from the step's measured capture and replay times; the final
 confirmations are reserved first.  When the budget is short the search gets
@@ -75,11 +80,11 @@ from typing import Any, Optional
 
 from .discover import MIB, Role, describe_bytes
 from ..mechanisms import DEFAULT_GRAPH_FORK, GRAPH_FORK_MODES, GRAPH_FORKS
-from .stats import Interval, diff_interval, mean_interval, paired_interval
+from .stats import Interval, diff_interval, expected_min, mean_interval, paired_interval
 
-__all__ = ["ARM_KINDS", "Arm", "Backend", "BatchReport", "EMPTY", "LOADS", "NO_FORKS", "PLAN",
-           "Probe", "RoleReport", "Setting", "StepError", "Trial", "arm_key", "parse_arm_key",
-           "search"]
+__all__ = ["ARM_KINDS", "Arm", "Backend", "BatchReport", "EMPTY", "InstanceSpread", "LOADS",
+           "NO_FORKS", "PLAN", "Probe", "RoleReport", "Setting", "StepError", "Trial", "arm_key",
+           "parse_arm_key", "search"]
 
 #: Caps tried per role, in MiB (limited to what a role can load).
 DEFAULT_CAPS_MIB = (4, 8, 16, 24, 32, 48)
@@ -92,6 +97,8 @@ MIN_INSTANCES = 5
 MAX_INSTANCES = 15
 #: A role whose loads could gain less than this (us per step, summed over layers) is not measured.
 DEFAULT_MIN_GAIN_US = 1.0
+#: The captures per step best-of-k is estimated for (InstanceSpread.best_of).
+BEST_OF_KS = (2, 4, 8, 16)
 
 
 class StepError(RuntimeError):
@@ -345,9 +352,58 @@ class Confirmation:
                 "identical": self.identical}
 
 
+@dataclasses.dataclass(frozen=True)
+class InstanceSpread:
+    """How far graph instances of the step without forks differ, over every (a) the
+    search measured at one batch (each a fresh capture): their count, mean, SD and
+    range (us), and per k of :data:`BEST_OF_KS` the us per step that keeping the
+    fastest of k captures (:func:`l2prefetch.graphs.capture_fastest`) is expected to
+    save (:func:`~l2prefetch.tuning.stats.expected_min`).  ``capture_s``: the host
+    time of one capture, what each extra capture adds to start-up."""
+
+    instances: int
+    mean_us: float
+    sd_us: float
+    low_us: float
+    high_us: float
+    best_of: dict[int, float]
+    capture_s: float
+
+    @classmethod
+    def of(cls, times: Sequence[float], capture_s: float) -> Optional["InstanceSpread"]:
+        """The spread of these per-instance times (None for fewer than 2)."""
+        if len(times) < 2:
+            return None
+        mean = math.fsum(times) / len(times)
+        sd = math.sqrt(math.fsum((t - mean) ** 2 for t in times) / (len(times) - 1))
+        return cls(len(times), mean, sd, min(times), max(times),
+                   {k: mean - expected_min(times, k) for k in BEST_OF_KS}, capture_s)
+
+    @property
+    def spread_pct(self) -> float:
+        """The range as a percentage of the mean."""
+        return 100.0 * (self.high_us - self.low_us) / self.mean_us
+
+    def recommended_k(self, min_gain_pct: float = 0.1) -> int:
+        """The fewest captures worth keeping the fastest of: 1 where even the largest
+        k saves less than ``min_gain_pct`` of the step, else the smallest k that
+        saves at least 80% of what the largest k does."""
+        top = self.best_of[max(self.best_of)]
+        if top < min_gain_pct / 100.0 * self.mean_us:
+            return 1
+        return min(k for k, gain in self.best_of.items() if gain >= 0.8 * top)
+
+    def as_dict(self) -> dict:
+        return {"instances": self.instances, "mean_us": self.mean_us, "sd_us": self.sd_us,
+                "low_us": self.low_us, "high_us": self.high_us,
+                "best_of_us": {str(k): v for k, v in self.best_of.items()},
+                "capture_s": self.capture_s, "recommended_k": self.recommended_k()}
+
+
 @dataclasses.dataclass
 class BatchReport:
-    """The result for one batch: the roles, the confirmations, the plan."""
+    """The result for one batch: the roles, the confirmations, the plan, and the
+    instance spread of the step without forks (None before two were measured)."""
 
     batch: int
     step_us: float = math.nan
@@ -356,6 +412,7 @@ class BatchReport:
     plan: tuple[tuple[str, Setting], ...] = ()
     reason: str = ""
     elapsed_s: float = 0.0
+    spread: Optional[InstanceSpread] = None
 
     @property
     def confirmed(self) -> Optional[Confirmation]:
@@ -374,7 +431,8 @@ class BatchReport:
                 "confirmed": None if confirmed is None else confirmed.as_dict(),
                 "confirmations": [c.as_dict() for c in self.confirmations],
                 "roles": [r.as_dict() for r in self.roles], "reason": self.reason,
-                "elapsed_s": self.elapsed_s}
+                "elapsed_s": self.elapsed_s,
+                "spread": None if self.spread is None else self.spread.as_dict()}
 
 
 class Progress:
@@ -457,6 +515,8 @@ class _Batch:
         self.progress, self.deadline, self.clock = progress, deadline, clock
         self.report = BatchReport(batch)
         self.prepared: Optional[Prepared] = None
+        #: Every (a) instance measured at this batch: the step's instance spread.
+        self.no_forks: list[float] = []
 
     # ------------------------------------------------------------------ cost
     def cost(self, arms: int, captures: Optional[int] = None,
@@ -510,6 +570,7 @@ class _Batch:
         self.progress.line(f"batch {self.batch}: {label} ({len(arms)} arms x "
                            f"{n} instances, ~{self.group_cost(arms, n):.0f} s)", eta)
         times, identical = self.backend.measure(self.batch, arms, n)
+        self.no_forks += times.get(NO_FORKS, ())
         out = _Measured() if measured is None else measured
         out.add(times, identical, self.backend.pairs)
         return out
@@ -632,6 +693,7 @@ class _Batch:
                 kept.append((role, verified))
 
         self.combine_and_confirm(kept, reports)
+        self.report.spread = InstanceSpread.of(self.no_forks, self.prepared.capture_s)
         self.report.elapsed_s = self.clock() - t0
         return self.report
 

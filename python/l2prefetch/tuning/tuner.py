@@ -76,6 +76,13 @@ class TuneResult:
                 roles = ", ".join(f"{name} [{s.label()}]" for name, s in rep.plan)
                 lines.append(f"batch {rep.batch}: {conf.ratio:.4f}x ({low:.4f}-{high:.4f}), "
                              f"{conf.gain.format(2)} us per step: {roles}")
+            spread = rep.spread
+            if spread is not None and spread.recommended_k() > 1:
+                k = spread.recommended_k()
+                lines.append(f"batch {rep.batch}: graph captures of the step differ by "
+                             f"{spread.spread_pct:.2f}%; keeping the fastest of {k} "
+                             f"(l2prefetch.graphs.capture_fastest) is expected to save "
+                             f"{spread.best_of[k]:.1f} us per step")
         return "\n".join(lines)
 
     # ---------------------------------------------------------------- profile
