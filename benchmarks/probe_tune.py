@@ -1,29 +1,42 @@
-"""Probe: tuning.tune unaided on the planted-window HF Llama (issue 24's model).
+"""Probe: tuning.tune unaided on a planted-window HF model (issue 24's check of the tuner).
 
-HF Llama-shaped, 6 layers, a 40 us one-thread spin before every
-post_attention_layernorm; roles discovered; every fork mode; the given budget.
+One of benchmarks/sections/planted.py's models (6 layers, random bf16), a one-thread
+spin before every MLP or attention (or nothing planted: then the tuned plan must be
+empty or a confirmed gain), roles discovered, every fork mode, the given budget.
+Prints the summary (with the instance spread and the best-of-k advice) and the report.
 
-    python -m benchmarks.probe_tune [BUDGET_S] [BATCH ...]
+    python -m benchmarks.probe_tune [--model llama|qwen3] [--site mlp|attention|none]
+                                    [--spin US] [--budget S] [BATCH ...]
 """
-import sys
+import argparse
 
 import torch
 
-from benchmarks.sections.planted import _model, _planted
+from benchmarks.sections.planted import MODELS, SITES, _model, _planted
 from l2prefetch import tuning
 from l2prefetch.tuning.hf import DecodeStep
 from l2prefetch.tuning.rig import Rig
 
 
-def main():
-
-    budget = float(sys.argv[1]) if len(sys.argv) > 1 else 120.0
-    batches = [int(b) for b in sys.argv[2:]] or [1]
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probe_tune")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama")
+    parser.add_argument("--site", choices=(*SITES, "none"), default="mlp",
+                        help="where the spin goes (none: nothing planted)")
+    parser.add_argument("--spin", type=float, default=40.0, help="the spin, us (default 40)")
+    parser.add_argument("--budget", type=float, default=120.0, help="tune's budget, s")
+    parser.add_argument("batches", type=int, nargs="*", default=[1])
+    args = parser.parse_args(argv)
     rig = Rig(torch.device("cuda", 0))
-    model = _model("llama")   # benchmarks/sections/planted.py's Llama shape, random bf16
-    _planted(rig, model, "mlp", 40)
+    model = _model(args.model)
+    if args.site != "none":
+        _planted(rig, model, args.site, args.spin)
     step = DecodeStep(model)
-    result = tuning.tune(model, step, batches, budget_s=budget)
+    planted = "nothing planted" if args.site == "none" else \
+        f"{args.spin:g} us before every {args.site}"
+    print(f"probe_tune: {args.model}, {planted}, budget {args.budget:g} s, "
+          f"batches {args.batches}")
+    result = tuning.tune(model, step, args.batches, budget_s=args.budget)
     print(result.summary())
     print(result.markdown())
 
