@@ -121,3 +121,22 @@ def run_sequence(rig, w, batch, window, prepared_by_name, reps, window_fn=None, 
     for ctrl in ctrls.values():
         ctrl.close()
     return out
+
+
+def hf_model(name):
+    """An HF causal LM for the probes, random bf16 on the GPU: a planted section's model
+    (``llama``, ``qwen3``: benchmarks/sections/planted.py) or a config of
+    benchmarks/configs by its file name (``mixtral-4l``, ``deepseek-v3-6l``, ...)."""
+    import pathlib
+
+    from l2prefetch.tuning import hf
+
+    from .sections.planted import MODELS, _model
+
+    if name in MODELS:
+        return _model(name)
+    path = pathlib.Path(__file__).parent / "configs" / f"{name}.json"
+    if not path.is_file():
+        known = sorted([*MODELS, *(p.stem for p in path.parent.glob("*.json"))])
+        raise SystemExit(f"unknown model {name!r}: one of {', '.join(known)}")
+    return hf.load_model(str(path))
