@@ -360,6 +360,12 @@ def test_build_controller_empties_the_entries_a_function_names(fake):
         ctl.close()
     with pytest.raises(TypeError, match="empty must be a bool or a function of a plan entry"):
         controller_module.build_controller(plan, 0, empty="yes")
+    # two entries for one key are refused before the split, as from_plan refuses them
+    twice = plan + [PlanEntry("mlp", 1, [8], (w[0],), grid=16, graph_fork="leaf")]
+    with pytest.raises(ValueError, match=r"plan\[1\] and plan\[3\] both prefetch at point 'mlp', "
+                                         "layer 1, batch 8"):
+        controller_module.build_controller(twice, 0, empty=lambda e: e.grid == 16 and
+                                           e.weights[0] is w[0])
     assert_nothing_alive(fake)
 
 

@@ -161,7 +161,7 @@ def test_refine_picks_branch_or_grid_when_it_pays_more():
 
 def test_a_loss_beside_its_empty_forks_is_not_kept():
     """Loads that beat (a) but not their own empty forks do not pay for themselves."""
-    backend = PlantedBackend({"A": pays(-1.0)}, fork_cost_us=-5.0, seed=5)
+    backend = PlantedBackend({"A": pays(-0.2)}, fork_cost_us=-5.0, seed=5)
     (report,), _ = run(backend, [role("A")])
     assert report.plan == ()
     assert "empty forks" in by_name(report)["A"].reason
@@ -318,6 +318,10 @@ def test_arm_loads_at():
         S.Arm((("A", s),), loads_at=("1",))
     with pytest.raises(ValueError, match="an empty arm loads nowhere"):
         S.Arm((("A", s),), empty=True, loads_at=(1,))
+    with pytest.raises(ValueError, match="loads_at must be None or name at least one layer"):
+        S.Arm((("A", s),), loads_at=5)
+    with pytest.raises(ValueError, match="the arm's roles, and it has none"):
+        S.Arm(loads_at=(1,))
 
 
 def test_a_role_that_pays_in_every_layer_keeps_every_layer():
@@ -403,7 +407,7 @@ def test_expected_min_of_k_draws():
 
 
 def test_instance_spread_and_recommended_k():
-    wide = S.InstanceSpread.of([2000.0, 2040.0, 2080.0, 2120.0], capture_s=0.3)
+    wide = S.InstanceSpread.of([[2000.0, 2040.0, 2080.0, 2120.0]], capture_s=0.3)
     assert wide.instances == 4 and wide.mean_us == pytest.approx(2060.0)
     assert (wide.low_us, wide.high_us) == (2000.0, 2120.0)
     assert wide.spread_pct == pytest.approx(100 * 120 / 2060)
@@ -412,11 +416,27 @@ def test_instance_spread_and_recommended_k():
     k = wide.recommended_k()
     assert k in S.BEST_OF_KS and wide.best_of[k] >= 0.8 * gains[-1]
     assert all(wide.best_of[j] < 0.8 * gains[-1] for j in S.BEST_OF_KS if j < k)
-    tight = S.InstanceSpread.of([2000.0, 2000.5, 2001.0], capture_s=0.3)
+    tight = S.InstanceSpread.of([[2000.0, 2000.5, 2001.0]], capture_s=0.3)
     assert tight.recommended_k() == 1       # saves under 0.1% of the step
-    assert S.InstanceSpread.of([2000.0], capture_s=0.3) is None
+    assert S.InstanceSpread.of([[2000.0]], capture_s=0.3) is None
     d = wide.as_dict()
     assert d["recommended_k"] == k and set(d["best_of_us"]) == {str(k) for k in S.BEST_OF_KS}
+    hash(wide)                              # frozen, and its best_of read-only
+    with pytest.raises(TypeError):
+        wide.best_of[2] = 0.0
+    zero = S.InstanceSpread.of([[0.0, 0.0]], capture_s=0.0)
+    assert zero.spread_pct == 0.0 and zero.recommended_k() == 1
+
+
+def test_drift_between_groups_is_not_spread_between_captures():
+    """Two groups 100 us apart (the GPU got slower between them), instances within each
+    identical: no capture is faster than another, so best-of-k saves nothing."""
+    spread = S.InstanceSpread.of([[2000.0, 2000.0, 2000.0], [2100.0, 2100.0]], capture_s=0.3)
+    assert spread.instances == 5 and spread.mean_us == pytest.approx(2040.0)
+    assert spread.sd_us == pytest.approx(0.0, abs=1e-9)
+    assert spread.low_us == pytest.approx(spread.high_us)
+    assert all(v == pytest.approx(0.0, abs=1e-9) for v in spread.best_of.values())
+    assert spread.recommended_k() == 1
 
 
 def test_the_search_reports_the_spread_of_every_no_fork_instance():

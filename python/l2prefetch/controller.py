@@ -250,18 +250,7 @@ class PrefetchController(_C.PrefetchController):
         work) and the controller's forks return False.
         """
         entries = list(plan)
-        owner: dict[tuple, int] = {}   # (point, layer, batch) -> the entry that plans it
-        for i, entry in enumerate(entries):
-            if not isinstance(entry, PlanEntry):
-                raise TypeError(f"plan[{i}] must be a PlanEntry, not {type(entry).__name__}")
-            for batch in entry.batches:
-                key = (entry.point, entry.layer, batch)
-                if key in owner:
-                    # add() replaces what a key holds: the earlier entry would be lost
-                    raise ValueError(f"plan[{owner[key]}] and plan[{i}] both prefetch at point "
-                                     f"{entry.point!r}, layer {entry.layer}, batch {batch}: "
-                                     "give each (point, layer, batch) one entry")
-                owner[key] = i
+        _check_entries(entries)
         controller = cls(device, graph_fork=graph_fork, eager=eager)
         if not controller.enabled:
             logger.info("L2PREFETCH_DISABLE is set: %d plan entries not prepared", len(entries))
@@ -321,6 +310,22 @@ class PrefetchController(_C.PrefetchController):
         return controller
 
 
+def _check_entries(entries: Sequence[Any]) -> None:
+    """Every entry a PlanEntry, and one entry per (point, layer, batch): add() replaces
+    what a key holds, so an earlier entry would be lost."""
+    owner: dict[tuple, int] = {}   # (point, layer, batch) -> the entry that plans it
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, PlanEntry):
+            raise TypeError(f"plan[{i}] must be a PlanEntry, not {type(entry).__name__}")
+        for batch in entry.batches:
+            key = (entry.point, entry.layer, batch)
+            if key in owner:
+                raise ValueError(f"plan[{owner[key]}] and plan[{i}] both prefetch at point "
+                                 f"{entry.point!r}, layer {entry.layer}, batch {batch}: "
+                                 "give each (point, layer, batch) one entry")
+            owner[key] = i
+
+
 def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optional[str] = None,
                      graph_fork: str = DEFAULT_GRAPH_FORK, eager: bool = True) -> Any:
     """The control: ``plan``'s points, layers and batches with empty tables.
@@ -378,6 +383,8 @@ def build_controller(plan: Sequence[Any], device: Any = None, *,
         return empty_controller(plan, device, graph_fork=mode, eager=eager)
     if empty is False:
         return PrefetchController.from_plan(plan, device, graph_fork=mode, eager=eager)
+    plan = list(plan)
+    _check_entries(plan)   # before the split: an emptied entry must not replace a loaded one
     emptied = [bool(empty(entry)) for entry in plan]
     controller = PrefetchController.from_plan(
         [entry for entry, e in zip(plan, emptied) if not e], device, graph_fork=mode, eager=eager)

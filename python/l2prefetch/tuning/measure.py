@@ -147,6 +147,10 @@ class GraphBackend(Backend):
                 graph_fork=setting.graph_fork)
         if arm.empty or arm.loads_at is None:
             return build_controller(entries, self.device.index, empty=arm.empty)
+        layers = {entry.layer for entry in entries}
+        if not set(arm.loads_at) <= layers:
+            raise ValueError(f"Arm.loads_at names layers {sorted(set(arm.loads_at) - layers)} "
+                             f"that its roles do not fork at (they fork at {sorted(layers)})")
         return build_controller(entries, self.device.index,
                                 empty=lambda entry: not arm.loads(entry.layer))
 

@@ -65,10 +65,12 @@ def markdown(result: Any) -> str:
                 "each, interleaved"
                 + (f", up to {more} for a candidate whose interval was still undecided "
                    "(column 'instances')" if more != s.get("instances") else "")
-                + ".  A setting that names layers forks at those only.  "
+                + ".  A setting that names layers forks at those only, except in a "
+                "'layer' trial (each layer's loads alone), whose forks ran at every layer and "
+                "loaded at the one named.  "
                 "Times are us per decode step: means of per-instance "
-                "medians +- half their 95% interval; a role is kept when the 95% interval of "
-                "(a) - (b) is above zero and (b) beats (d), and the plan only when its "
+                "medians +- half their 95% interval; a role is kept when the 95% intervals of "
+                "(a) - (b) and of (d) - (b) lie above zero, and the plan only when its "
                 "confirmation on fresh instances is a gain.  The verdict's step us is the "
                 "first capture replayed alone (the tuner's time estimate); the groups' (a) "
                 "is the step without forks among interleaved instances.")

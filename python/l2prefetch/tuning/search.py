@@ -32,8 +32,9 @@ every group interleaving its measurement arms, :class:`Arm`: :data:`NO_FORKS`
    this first, then those that lost the sweep (in decreasing order of what
    their best loads saved against empty forks), while the budget lasts.
 6. **verify**: the chosen setting of each such role on fresh instances:
-   kept only if the 95% interval of its gain over (a) lies above zero and
-   its loads beat (d).  Choosing the best of several settings on one set of
+   kept only if the 95% intervals of its gain over (a) and of its loads
+   against (d) both lie above zero (forks that pay with empty tables, or
+   by noise, are not a prefetch that pays).  Choosing the best of several settings on one set of
    instances favours noise; verifying on fresh ones does not.
 7. **combine**: kept roles in decreasing gain; the plans made of the first
    1, 2, ... of them in one group; the best one goes on.
@@ -75,6 +76,7 @@ import dataclasses
 import math
 import sys
 import time
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -109,7 +111,9 @@ class StepError(RuntimeError):
 class Setting:
     """How a role's forks load: byte cap, loader CTAs, kernel variant (None: the
     device's default), how a fork goes into a captured graph, and the role's layers
-    it forks at (None: every layer; else a sorted tuple, a group of layers)."""
+    it forks at (None: every layer; else a sorted tuple, a group of layers).  In a
+    trial of the layers step's stage ``"layer"``, ``layers`` names the one layer
+    whose forks loaded; the forks ran at every layer (:attr:`Arm.loads_at`)."""
 
     byte_cap: int
     grid: int = DEFAULT_GRID
@@ -197,12 +201,15 @@ class Arm:
 
     def __post_init__(self) -> None:
         if self.loads_at is not None:
-            values = tuple(self.loads_at)
+            values = tuple(self.loads_at) if isinstance(self.loads_at, Iterable) and \
+                not isinstance(self.loads_at, (str, bytes)) else ()
             if not values or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
                 raise ValueError(f"Arm.loads_at must be None or name at least one layer by its "
                                  f"int index, got {self.loads_at!r}")
             if self.empty:
                 raise ValueError("an empty arm loads nowhere: give loads_at=None with empty=True")
+            if not self.roles:
+                raise ValueError("loads_at names layers of the arm's roles, and it has none")
             object.__setattr__(self, "loads_at", tuple(sorted(set(values))))
 
     def loads(self, layer: int) -> bool:
@@ -278,7 +285,9 @@ class Backend(abc.ABC):
     def measure(self, batch: int, arms: Mapping[str, Arm],
                 instances: int) -> tuple[dict[str, list[float]], dict[str, bool]]:
         """Per arm key, one time (us) per instance, and whether its outputs are
-        bitwise those of the arm keyed :data:`NO_FORKS` (every group holds it)."""
+        bitwise those of the arm keyed :data:`NO_FORKS` (every group holds it).
+        An arm's :attr:`Arm.loads_at` must be honoured: forks at every layer of its
+        settings, loads only at those layers (the others' tables empty)."""
 
 
 @dataclasses.dataclass
@@ -358,36 +367,48 @@ class InstanceSpread:
     search measured at one batch (each a fresh capture): their count, mean, SD and
     range (us), and per k of :data:`BEST_OF_KS` the us per step that keeping the
     fastest of k captures (:func:`l2prefetch.graphs.capture_fastest`) is expected to
-    save (:func:`~l2prefetch.tuning.stats.expected_min`).  ``capture_s``: the host
-    time of one capture, what each extra capture adds to start-up."""
+    save (:func:`~l2prefetch.tuning.stats.expected_min`).  Each group's instances
+    count as deviations from that group's mean (plus the mean over all), so drift
+    between groups (clocks, heat) is not taken for a difference between captures;
+    the estimate still assumes each capture's time is known exactly when choosing,
+    so it is an upper one.  ``capture_s``: the host time of one capture, what each
+    extra capture adds to start-up."""
 
     instances: int
     mean_us: float
     sd_us: float
     low_us: float
     high_us: float
-    best_of: dict[int, float]
-    capture_s: float
+    best_of: Mapping[int, float] = dataclasses.field(hash=False)
+    capture_s: float = 0.0
 
     @classmethod
-    def of(cls, times: Sequence[float], capture_s: float) -> Optional["InstanceSpread"]:
-        """The spread of these per-instance times (None for fewer than 2)."""
-        if len(times) < 2:
+    def of(cls, groups: Sequence[Sequence[float]], capture_s: float
+           ) -> Optional["InstanceSpread"]:
+        """The spread of the per-instance times of these groups (None for fewer than
+        two instances in groups of at least two)."""
+        groups = [list(g) for g in groups if len(g) >= 2]
+        n = sum(len(g) for g in groups)
+        if n < 2:
             return None
-        mean = math.fsum(times) / len(times)
-        sd = math.sqrt(math.fsum((t - mean) ** 2 for t in times) / (len(times) - 1))
-        return cls(len(times), mean, sd, min(times), max(times),
-                   {k: mean - expected_min(times, k) for k in BEST_OF_KS}, capture_s)
+        mean = math.fsum(x for g in groups for x in g) / n
+        times = [x - math.fsum(g) / len(g) + mean for g in groups for x in g]
+        dof = n - len(groups)
+        sd = math.sqrt(math.fsum((t - mean) ** 2 for t in times) / dof) if dof > 0 else 0.0
+        best_of = types.MappingProxyType({k: mean - expected_min(times, k) for k in BEST_OF_KS})
+        return cls(n, mean, sd, min(times), max(times), best_of, capture_s)
 
     @property
     def spread_pct(self) -> float:
-        """The range as a percentage of the mean."""
-        return 100.0 * (self.high_us - self.low_us) / self.mean_us
+        """The range as a percentage of the mean (0 for a mean that is not positive)."""
+        return 100.0 * (self.high_us - self.low_us) / self.mean_us if self.mean_us > 0 else 0.0
 
     def recommended_k(self, min_gain_pct: float = 0.1) -> int:
         """The fewest captures worth keeping the fastest of: 1 where even the largest
         k saves less than ``min_gain_pct`` of the step, else the smallest k that
         saves at least 80% of what the largest k does."""
+        if not self.best_of or self.mean_us <= 0:
+            return 1
         top = self.best_of[max(self.best_of)]
         if top < min_gain_pct / 100.0 * self.mean_us:
             return 1
@@ -515,8 +536,8 @@ class _Batch:
         self.progress, self.deadline, self.clock = progress, deadline, clock
         self.report = BatchReport(batch)
         self.prepared: Optional[Prepared] = None
-        #: Every (a) instance measured at this batch: the step's instance spread.
-        self.no_forks: list[float] = []
+        #: Every group's (a) instances at this batch: the step's instance spread.
+        self.no_forks: list[list[float]] = []
 
     # ------------------------------------------------------------------ cost
     def cost(self, arms: int, captures: Optional[int] = None,
@@ -570,7 +591,7 @@ class _Batch:
         self.progress.line(f"batch {self.batch}: {label} ({len(arms)} arms x "
                            f"{n} instances, ~{self.group_cost(arms, n):.0f} s)", eta)
         times, identical = self.backend.measure(self.batch, arms, n)
-        self.no_forks += times.get(NO_FORKS, ())
+        self.no_forks.append(list(times.get(NO_FORKS, ())))
         out = _Measured() if measured is None else measured
         out.add(times, identical, self.backend.pairs)
         return out
@@ -812,8 +833,10 @@ class _Batch:
             b = arm_key(LOADS, layer)
             arms[b] = Arm(((role.name, every),), loads_at=(layer,))
             settings[b] = dataclasses.replace(every, layers=(layer,))
-            # a layer's share of what is worth a fork; (b) every layer stays measured
-            checks[b] = _Check(EMPTY, b, self.p.min_gain_us / len(role.sites), also=(LOADS,))
+            # a layer's share of what is worth a fork; where the backend switches, (b)
+            # every layer is measured again too (it is the graph the others switch)
+            checks[b] = _Check(EMPTY, b, self.p.min_gain_us / len(role.sites),
+                               also=(LOADS,) if self.switched(every.graph_fork) else ())
         compare = self.cost(5, 3 if self.switched(every.graph_fork) else None)
         if self.group_cost(arms) + compare + reserve > self.left():
             return None
@@ -863,8 +886,9 @@ class _Batch:
             rep.reason = (f"not shown on fresh instances: gain {trial.gain.format(2)} us "
                           "(95% interval includes zero or less)")
             return None
-        if trial.vs_empty.estimate <= 0:
-            rep.reason = (f"its loads do not beat its empty forks: {trial.vs_empty.format(2)} us")
+        if not trial.vs_empty.excludes_zero_above():
+            rep.reason = (f"its loads are not shown to beat its empty forks: "
+                          f"{trial.vs_empty.format(2)} us (95% interval includes zero or less)")
             return None
         rep.kept = True
         rep.reason = f"kept: gain {trial.gain.format(2)} us per step"
