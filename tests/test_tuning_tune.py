@@ -78,6 +78,8 @@ def test_the_report_says_what_keeping_the_fastest_capture_would_save(tmp_path):
     result.save(path, model)
     saved = json.loads(path.read_text())["results"][0]["spread"]
     assert saved["recommended_k"] == k and saved["instances"] == rep.spread.instances
+    # what a server reads back: the k to give graphs.capture_fastest at that batch
+    assert tuning.load_profile(path, model, check_device=False).capture_k == {1: k}
 
 
 def test_an_empty_plan_is_a_result():
@@ -436,6 +438,17 @@ def entry0(data):
     (lambda d: d["device"].update(driver_version="13"), r"'device.driver_version' must be an "
                                                         r"int or null"),
     (lambda d: d["model"].update(layers=True), r"'model.layers' must be an int, got True"),
+    # the measured spread the runtime reads (Profile.capture_k)
+    (lambda d: d["results"][0].update(spread={"recommended_k": 0}),
+     r"'results'\[0\].spread.recommended_k must be an int in 1..64, got 0"),
+    (lambda d: d["results"][0].update(spread={"recommended_k": 10**6}),
+     r"'results'\[0\].spread.recommended_k must be an int in 1..64"),
+    (lambda d: d["results"][1].update(spread=[8]),
+     r"'results'\[1\].spread must be an object or null, got \[8\]"),
+    (lambda d: d["results"][0].update(batch=4, spread={"recommended_k": 2}),
+     r"'results'\[0\].batch must be one of 'batches' \[1, 8\], got 4"),
+    (lambda d: d.update(results=[3]), r"'results'\[0\] must be an object, got 3"),
+    (lambda d: d.update(results={}), r"'results' must be a list"),
 ])
 def test_a_profile_that_contradicts_itself_is_refused_naming_the_file_and_field(
         tmp_path, change, field):

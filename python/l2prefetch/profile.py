@@ -171,6 +171,18 @@ class Profile:
     def empty(self) -> bool:
         return not self.plan
 
+    @property
+    def capture_k(self) -> dict[int, int]:
+        """Per batch the tuner measured the spread at, how many captures of the step to
+        keep the fastest of (:func:`l2prefetch.graphs.capture_fastest`; 1: not worth it).
+        Batches without a measured spread (profiles written before it) are absent."""
+        out = {}
+        for result in self.data.get("results", ()):
+            spread = result.get("spread")
+            if spread is not None:
+                out[result["batch"]] = spread["recommended_k"]
+        return out
+
     def hook_points(self, model: Any) -> dict[str, list[tuple[Any, int]]]:
         """``point -> [(module, layer)]`` for :func:`l2prefetch.hooks.attach` (``model``
         must be the profile's own: :meth:`check_model`)."""
@@ -327,7 +339,36 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
     owner: dict = {}
     for i, entry in enumerate(_require(data, "plan", list, where)):
         _check_entry(i, entry, data, owner, where)
+    _check_capture_k(data, where)
     return data
+
+
+#: The most captures a profile may advise keeping the fastest of.
+MAX_CAPTURE_K = 64
+
+
+def _check_capture_k(data: dict, where: str) -> None:
+    """The part of the measurements the runtime reads: each result's batch and, where
+    its spread was measured, ``spread.recommended_k`` (an int in 1..MAX_CAPTURE_K)."""
+    if "results" not in data:
+        return
+    for i, result in enumerate(_require(data, "results", list, where)):
+        if not isinstance(result, dict):
+            raise _fail(where, f"'results'[{i}] must be an object, got {_show(result)}")
+        spread = result.get("spread")
+        if spread is None:
+            continue
+        name = f"'results'[{i}].spread"
+        if not isinstance(spread, dict):
+            raise _fail(where, f"{name} must be an object or null, got {_show(spread)}")
+        if not _int_in(result.get("batch"), 1, 2**31 - 1) or \
+                result["batch"] not in data["batches"]:
+            raise _fail(where, f"'results'[{i}].batch must be one of 'batches' "
+                        f"{_show(data['batches'])}, got {_show(result.get('batch'))}")
+        k = spread.get("recommended_k")
+        if not _int_in(k, 1, MAX_CAPTURE_K):
+            raise _fail(where, f"{name}.recommended_k must be an int in 1..{MAX_CAPTURE_K}, "
+                        f"got {_show(k)}")
 
 
 def _check_device(data: dict, device: Any, where: str) -> None:
