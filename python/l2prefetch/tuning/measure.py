@@ -256,7 +256,8 @@ class GraphBackend(Backend):
     def _tables(controller: Any) -> list[Any]:
         return [controller.get(*key) for key in controller.keys()]
 
-    def _states(self, names: list[str], head: str,
+    @staticmethod
+    def _states(names: list[str], head: str,
                 controllers: Mapping[str, Any]) -> Optional[dict[str, Any]]:
         """Per arm of one structure, what LoaderSwitch.set takes when ``head`` is the
         captured arm: a mapping from each of head's tables' ranges to that arm's table

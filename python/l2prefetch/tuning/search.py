@@ -34,8 +34,9 @@ every group interleaving its measurement arms, :class:`Arm`: :data:`NO_FORKS`
 6. **verify**: the chosen setting of each such role on fresh instances:
    kept only if the 95% intervals of its gain over (a) and of its loads
    against (d) both lie above zero (forks that pay with empty tables, or
-   by noise, are not a prefetch that pays).  Choosing the best of several settings on one set of
-   instances favours noise; verifying on fresh ones does not.
+   by noise, are not a prefetch that pays).  Choosing the best of several
+   settings on one set of instances favours noise; verifying on fresh ones
+   does not.
 7. **combine**: kept roles in decreasing gain; the plans made of the first
    1, 2, ... of them in one group; the best one goes on.
 8. **confirm**: that plan against (a) on fresh instances; if the interval of
@@ -828,11 +829,11 @@ class _Batch:
         arms = {NO_FORKS: Arm(), EMPTY: Arm(((role.name, every),), empty=True),
                 LOADS: Arm(((role.name, every),))}
         checks: dict[str, _Check] = {}
-        settings: dict[str, Setting] = {}
+        keys: dict[str, tuple[Setting, str]] = {}
         for layer in role.layers:
             b = arm_key(LOADS, layer)
             arms[b] = Arm(((role.name, every),), loads_at=(layer,))
-            settings[b] = dataclasses.replace(every, layers=(layer,))
+            keys[b] = (dataclasses.replace(every, layers=(layer,)), EMPTY)
             # a layer's share of what is worth a fork; where the backend switches, (b)
             # every layer is measured again too (it is the graph the others switch)
             checks[b] = _Check(EMPTY, b, self.p.min_gain_us / len(role.sites),
@@ -842,7 +843,6 @@ class _Batch:
             return None
         measured = self.sample(f"{role.name}: each of {len(role.sites)} layers' loads alone at "
                                f"{every.label()}", arms, checks, reserve + compare)
-        keys = {b: (s, EMPTY) for b, s in settings.items()}
         trials = [self.trial("layer", s, measured, key, d) for key, (s, d) in keys.items()]
         rep.trials += trials
         paying = tuple(t.setting.layers[0] for t in trials if t.vs_empty.low > 0)
