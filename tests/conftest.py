@@ -34,6 +34,13 @@ def _gpu_reason():
 
 GPU_REASON = _gpu_reason()
 
+#: A C++ exception aborts the process: ASan preloaded into a python not linked to
+#: libstdc++, without libstdc++ preloaded too, has no real __cxa_throw to forward its
+#: interceptor to (dev.sh's sanitizer pass preloads both; a bare LD_PRELOAD=libasan.so
+#: does not).  Tests whose exceptions cross C++ (torch's, matplotlib's) skip then.
+_PRELOAD = os.environ.get("LD_PRELOAD", "")
+CXX_THROW_ABORTS = "libasan" in _PRELOAD and "libstdc++" not in _PRELOAD
+
 
 def pytest_collection_modifyitems(config, items):
     if GPU_REASON is None:

@@ -16,14 +16,14 @@ pytest.importorskip("benchmarks", reason="the benchmarks package is importable f
 
 from benchmarks import plots, report  # noqa: E402
 from benchmarks.sections import effect  # noqa: E402
+from conftest import CXX_THROW_ABORTS  # noqa: E402
 
 MIB = 2**20
 
-#: matplotlib's C++ extensions abort under a preloaded ASan runtime (dev.sh's sanitizer
-#: pass: an exception thrown in ft2font trips ASan's __cxa_throw interceptor); the plots
-#: hold no C code of ours, so the sanitized pass skips them.
-needs_plain_matplotlib = pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
-                                            reason="matplotlib aborts under a preloaded ASan")
+#: matplotlib's ft2font throws a C++ exception at import (conftest.CXX_THROW_ABORTS).
+needs_plain_matplotlib = pytest.mark.skipif(
+    CXX_THROW_ABORTS, reason="matplotlib's C++ throw aborts under ASan preloaded without "
+    "libstdc++")
 
 
 def rows(mib, batch, losses):

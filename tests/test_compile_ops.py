@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from _compile_model import Direct, Model, expected_calls, points
+from conftest import CXX_THROW_ABORTS
 from l2prefetch import hooks, ops
 
 FORK = torch.ops.l2prefetch.fork.default
@@ -40,14 +40,10 @@ JOIN_ARGS = ("handle", "after")
 BATCH = 3
 
 #: Tests in which an exception crosses torch's C++ code (an op's Python kernel
-#: raising, Dynamo raising out of a compiled frame): under the sanitizer pass
-#: (dev.sh preloads libasan into python, which is not linked to libstdc++) ASan's
-#: __cxa_throw interceptor finds no real __cxa_throw and aborts the process on
-#: any C++ throw, torch's own included (``torch.ones(2) + torch.ones(3)`` aborts
-#: too).  They run in the normal pass; they do not exercise the C extension.
+#: raising, Dynamo raising out of a compiled frame): skipped where a C++ throw
+#: aborts the process (conftest.CXX_THROW_ABORTS: ASan preloaded without libstdc++).
 throws_through_torch = pytest.mark.skipif(
-    "libasan" in os.environ.get("LD_PRELOAD", ""),
-    reason="a C++ throw aborts under a preloaded ASan runtime (no real __cxa_throw)")
+    CXX_THROW_ABORTS, reason="a C++ throw aborts under ASan preloaded without libstdc++")
 
 
 class Recorder:
