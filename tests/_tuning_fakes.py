@@ -66,7 +66,7 @@ class PlantedBackend(Backend):
                  interference: Mapping[frozenset, float] = (), gaps: Mapping[str, float] = (),
                  seed: int = 0, clock: Clock | None = None, capture_s: float = 0.02,
                  fail: Mapping[int, Exception] = (), differs: frozenset = frozenset(),
-                 paired: bool = False) -> None:
+                 paired: bool = False, shared: bool = False) -> None:
         self.gains = dict(gains)
         self.fork_cost_us, self.sd, self.step_us = fork_cost_us, instance_sd_us, step_us
         self.interference = dict(interference)
@@ -81,6 +81,8 @@ class PlantedBackend(Backend):
         self.instances: list[int] = []
         self.prepared: list[int] = []
         self.switches = paired
+        #: Every arm of an instance index shares its placement: all are paired, (a) too.
+        self.shared = shared
         self.pairs: list[set[str]] = []
 
     def prepare(self, batch: int) -> Prepared:
@@ -122,7 +124,9 @@ class PlantedBackend(Backend):
         shared = {n: k for k, g in enumerate(self.pairs) for n in g}
         group_offsets = [[self.rng.gauss(0.0, self.sd) for _ in range(instances)]
                          for _ in self.pairs]
-        own = {name: (0.2 if name in shared else self.sd) for name in arms}
+        if self.shared:
+            self.pairs, shared = [set(arms)], {}
+        own = {name: (0.2 if name in shared or self.shared else self.sd) for name in arms}
         times = {name: [self.time(v, offsets[i] + (group_offsets[shared[name]][i]
                                                     if name in shared else 0.0)
                                   + self.rng.gauss(0.0, own[name]))

@@ -135,10 +135,13 @@ def test_a_step_that_cannot_be_captured():
         proc.stdout + proc.stderr)
 
 
-def test_each_layers_loads_alone_are_switched_states_of_one_capture():
+@pytest.mark.parametrize("placement", ["private", "shared"])
+def test_each_layers_loads_alone_are_switched_states_of_one_capture(placement):
     """The search's layers step: forks at every layer, loads at one (Arm.loads_at). The
     GraphBackend captures the every-layer loads once per instance and switches the rest
-    (one pair set of all fork arms); every arm's logits stay bitwise the step's."""
+    (one pair set of all fork arms; with shared placement, every arm of an instance is
+    paired, (a) too); every arm's logits stay bitwise the step's, read right after each
+    replay (graphs of one shared pool share buffers)."""
     from l2prefetch.tuning import discover, synthetic
     from l2prefetch.tuning.measure import GraphBackend
     from l2prefetch.tuning.search import EMPTY, LOADS, NO_FORKS, Arm, Setting, arm_key
@@ -148,7 +151,7 @@ def test_each_layers_loads_alone_are_switched_states_of_one_capture():
     with torch.no_grad():
         reads = discover.discover(model, lambda: step(1))
     role = {r.name: r for r in discover.candidates(model, reads)}["after a: b"]
-    backend = GraphBackend(model, step, rounds=4)
+    backend = GraphBackend(model, step, rounds=4, placement=placement)
     if not backend.switches:
         pytest.skip("this torch has no CUDAGraph.raw_cuda_graph_exec: nothing is switched")
     backend.use_roles([role], [8 << 20])
@@ -158,6 +161,6 @@ def test_each_layers_loads_alone_are_switched_states_of_one_capture():
     for layer in role.layers:
         arms[arm_key(LOADS, layer)] = Arm(((role.name, every),), loads_at=(layer,))
     times, identical = backend.measure(1, arms, 2)
-    assert backend.pairs == [set(arms) - {NO_FORKS}]
+    assert backend.pairs == [set(arms) - ({NO_FORKS} if placement == "private" else set())]
     assert all(identical.values()), identical
     assert {k: len(v) for k, v in times.items()} == {k: 2 for k in arms}

@@ -452,3 +452,22 @@ def test_the_search_reports_the_spread_of_every_no_fork_instance():
     text = R.spread_text(rep.spread)
     assert f"{a} captures" in text and "capture_fastest(step, k=" in text
     assert rep.as_dict()["spread"]["instances"] == a
+
+
+def test_shared_placement_pairs_the_gain_against_no_forks():
+    """Where every arm of an instance index shares its placement (GraphBackend's
+    placement="shared"), a loads arm's gain over (a) is paired too: the instance spread
+    (20 us here, 1% of the step) cancels from its interval, and 6 us of gain that the
+    unpaired search cannot show is confirmed."""
+    widths = {}
+    for shared in (False, True):
+        backend = PlantedBackend({"A": pays(6.0)}, instance_sd_us=20.0, seed=9,
+                                 paired=True, shared=shared)
+        (report,), _ = run(backend, [role("A", layers=1, mib=16)], graph_forks=("leaf",),
+                           budget_s=120)
+        sweep = [t for t in by_name(report)["A"].trials if t.stage == "sweep"]
+        widths[shared] = max(t.gain.half_width for t in sweep)
+        if shared:
+            assert report.confirmed is not None and report.confirmed.gain.low > 0
+            assert report.confirmed.gain.half_width < 1.0
+    assert widths[True] < 1.0 < 10.0 < widths[False]

@@ -257,6 +257,15 @@ def test_tune_hands_the_backend_its_roles_and_caps():
     assert result.device == FAKE_DEVICE
 
 
+def test_graph_backend_placement_is_checked_first():
+    from l2prefetch.tuning.measure import GraphBackend
+
+    model, step = model_and_step()
+    with pytest.raises(ValueError, match=r"placement must be one of \('private', 'shared'\), "
+                                         r"got 'pooled'"):
+        GraphBackend(model, step, placement="pooled")
+
+
 def test_a_backend_that_is_not_one_is_refused():
     model, step = model_and_step()
     with pytest.raises(TypeError, match="backend must be None .* or a "

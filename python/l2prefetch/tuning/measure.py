@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: Replays of each probe graph (medians of the event intervals).
 PROBE_REPLAYS = 20
+#: Where the graphs of one measured group get their memory (GraphBackend's placement).
+PLACEMENTS = ("private", "shared")
 
 
 def _bitwise_equal(x: Any, y: Any) -> bool:
@@ -45,6 +47,18 @@ def _bitwise_equal(x: Any, y: Any) -> bool:
     if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
         return len(x) == len(y) and all(_bitwise_equal(a, b) for a, b in zip(x, y))
     return x is None and y is None
+
+
+def _clone(x: Any) -> Any:
+    """A copy of an output (a tensor, or a tuple or list of them) that later replays
+    cannot overwrite."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_clone(v) for v in x)
+    return x
 
 
 def _max_diff(x: Any, y: Any) -> Optional[float]:
@@ -72,12 +86,20 @@ class GraphBackend(Backend):
     ``model`` is the module whose hooks fork; ``step(batch)`` one capturable
     decode step at that batch (static buffers, same work every replay),
     returning its output (logits) for the bitwise check.  ``rounds``:
-    replays per graph instance in a group.
+    replays per graph instance in a group.  ``placement``: ``"private"`` (every
+    graph its own memory pool, the instances of all arms independent) or
+    ``"shared"`` (the arms' graphs of one instance index share one pool, captured
+    in an order rotated by the index, so that their buffers land alike; every arm
+    is then paired with every other by instance, (a) included: an experiment for
+    where the instance spread comes from placement, RESULTS run 12).
     """
 
     def __init__(self, model: Any, step: Callable[[int], Any], *, device: Any = None,
-                 rounds: int = 60) -> None:
+                 rounds: int = 60, placement: str = "private") -> None:
         import torch
+
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
         if device is None:
             params = list(model.parameters())
@@ -87,6 +109,7 @@ class GraphBackend(Backend):
             raise ValueError(f"tuning measures CUDA graphs: the model is on {device}; move it to "
                              "a CUDA device (discover() works on the CPU)")
         self.torch, self.model, self.step, self.rounds = torch, model, step, rounds
+        self.placement = placement
         self.rig = Rig(device)
         self.device = self.rig.device
         self._roles: dict[str, Role] = {}
@@ -176,8 +199,11 @@ class GraphBackend(Backend):
         group is its loader nodes switched in place
         (:class:`~l2prefetch.tuning.rig.LoaderSwitch`: other tables, or the empty
         ones), so that their differences are paired (:attr:`pairs`).  The other arms
-        are captured each on their own.  All graphs are replayed interleaved, round
-        after round.
+        are captured each on their own, in an order rotated by the instance index.
+        With ``placement="shared"`` an instance index's graphs share one memory pool
+        and every arm is paired with every other.  All graphs are replayed
+        interleaved, round after round; then each once more, its output compared
+        right after it.
         """
         from .rig import LoaderSwitch
 
@@ -201,56 +227,79 @@ class GraphBackend(Backend):
             if states is not None:
                 paired.append((head, names, states))
         in_pairs = {n for _, names, _ in paired for n in names}
+        shared = self.placement == "shared"
         fn = self._fn(batch)
         graphs: dict[tuple[str, int], Any] = {}
-        outputs: dict[str, list[Any]] = {name: [] for name in arms}
-        switched: list[tuple[Any, list[str], dict[str, Any], Any]] = []
+        out_of: dict[tuple[str, int], Any] = {}
+        # what one instance captures: the unswitched arms, and each switched group's head
+        units = [name for name in arms if name not in in_pairs] + [p[0] for p in paired]
         try:
             for i in range(instances):
-                for name, arm in arms.items():
-                    if name in in_pairs:
+                pool = torch.cuda.graph_pool_handle() if shared else None
+                k = i % len(units)
+                for unit in units[k:] + units[:k]:
+                    group = next((p for p in paired if p[0] == unit), None)
+                    graph, out = self._capture(unit, arms[unit], controllers, fn,
+                                               warmup=i == 0, keep_graph=group is not None,
+                                               pool=pool)
+                    if group is None:
+                        graphs[(unit, i)], out_of[(unit, i)] = graph, out
                         continue
-                    graph, out = self._capture(name, arm, controllers, fn, warmup=i == 0)
-                    graphs[(name, i)] = graph
-                    outputs[name].append(out)
-                for head, names, states in paired:
-                    graph, out = self._capture(head, arms[head], controllers, fn,
-                                               warmup=i == 0, keep_graph=True)
                     switch = LoaderSwitch(graph)
+                    _, names, states = group
                     for name in names:
                         graphs[(name, i)] = _Switched(switch, states[name])
-                    switched.append((switch, names, states, out))
+                        out_of[(name, i)] = out
             us = self.rig.replays(graphs, self.rounds)
             medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
                        for name in arms}
-            reference = outputs[NO_FORKS][0] if outputs.get(NO_FORKS) else None
-            identical = {}
-            for name, outs in outputs.items():
-                if name in in_pairs:
-                    continue
-                identical[name] = self._identical(batch, name, reference, outs)
-            for switch, names, states, out in switched:
-                for name in names:
-                    switch.set(states[name])
-                    switch.graph.replay()
-                    torch.cuda.synchronize(self.device)
-                    ok = self._identical(batch, name, reference, [out])
-                    identical[name] = identical.get(name, True) and ok
+            identical = self._check_outputs(batch, graphs, out_of)
         finally:
             for controller in controllers.values():
                 controller.close()
             del graphs
-        self.pairs = [set(names) for _, names, _ in paired]
+        self.pairs = [set(arms)] if shared else [set(names) for _, names, _ in paired]
         return medians, identical
 
+    def _check_outputs(self, batch: int, graphs: Mapping[tuple[str, int], Any],
+                       out_of: Mapping[tuple[str, int], Any]) -> dict[str, bool]:
+        """Per arm, whether the outputs of all its instances are bitwise those of the
+        no-fork step's first instance.  Each graph is replayed once more and its output
+        compared right after: graphs that share a pool (or a switched graph's states)
+        share buffers, so a later replay overwrites an earlier output."""
+        torch = self.torch
+
+        def replay(key: tuple[str, int]) -> Any:
+            graphs[key].replay()
+            torch.cuda.synchronize(self.device)
+            return out_of[key]
+
+        reference = _clone(replay((NO_FORKS, 0))) if (NO_FORKS, 0) in graphs else None
+        differ: dict[str, list[tuple[int, Optional[float]]]] = {}
+        for key in graphs:
+            name, i = key
+            out = replay(key)
+            differ.setdefault(name, [])
+            if not _bitwise_equal(reference, out):
+                differ[name].append((i, _max_diff(reference, out)))
+        for name, bad in differ.items():
+            if bad:
+                logger.warning("batch %d, arm %s: outputs of instances %s differ from the "
+                               "no-fork step's first instance (max abs diff %s)", batch, name,
+                               [i for i, _ in bad], [d for _, d in bad])
+        return {name: not bad for name, bad in differ.items()}
+
     def _capture(self, name: str, arm: Arm, controllers: Mapping[str, Any],
-                 fn: Callable[[], Any], *, warmup: bool, keep_graph: bool = False) -> tuple:
+                 fn: Callable[[], Any], *, warmup: bool, keep_graph: bool = False,
+                 pool: Any = None) -> tuple:
         from .. import hooks
 
         if not arm.roles:
-            return self.rig.capture(fn, warmup=1 if warmup else 0, keep_graph=keep_graph)
+            return self.rig.capture(fn, warmup=1 if warmup else 0, pool=pool,
+                                    keep_graph=keep_graph)
         with hooks.attach(self.model, controllers[name], self._points(arm)):
-            return self.rig.capture(fn, warmup=1 if warmup else 0, keep_graph=keep_graph)
+            return self.rig.capture(fn, warmup=1 if warmup else 0, pool=pool,
+                                    keep_graph=keep_graph)
 
     @staticmethod
     def _tables(controller: Any) -> list[Any]:
@@ -278,15 +327,6 @@ class GraphBackend(Backend):
                 mapping[captured] = table
             states[name] = mapping
         return states
-
-    def _identical(self, batch: int, name: str, reference: Any, outs: Sequence[Any]) -> bool:
-        flags = [_bitwise_equal(reference, out) for out in outs]
-        if not all(flags):
-            diffs = [_max_diff(reference, out) for out in outs]
-            logger.warning("batch %d, arm %s: outputs of instances %s differ from the "
-                           "no-fork step's first instance (max abs diff %s)", batch, name,
-                           [i for i, f in enumerate(flags) if not f], diffs)
-        return all(flags)
 
     # ------------------------------------------------------------------ probe
     def probe(self, batch: int, roles: Sequence[Role]) -> Optional[dict[str, Probe]]:

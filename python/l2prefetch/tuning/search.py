@@ -39,7 +39,8 @@ every group interleaving its measurement arms, :class:`Arm`: :data:`NO_FORKS`
    does not.
 7. **combine**: kept roles in decreasing gain; the plans made of the first
    1, 2, ... of them in one group; the best one goes on.
-8. **confirm**: that plan against (a) on fresh instances; if the interval of
+8. **confirm**: that plan against (a) on fresh instances (paired by instance
+   where the backend pairs them: GraphBackend's ``placement="shared"``); if the interval of
    its gain is not above zero, the weakest role is dropped and the rest is
    confirmed again.  **A plan is returned only if its confirmation is a
    gain**; otherwise the batch's plan is empty, which is a valid result.
@@ -906,8 +907,7 @@ class _Batch:
             for n in range(1, len(chosen) + 1):
                 arms[arm_key(PLAN, n)] = Arm(tuple(chosen[:n]))
             measured = self.group(f"combine {len(chosen)} kept roles", arms)
-            gains = {n: diff_interval(measured.values(NO_FORKS),
-                                      measured.values(arm_key(PLAN, n))).estimate
+            gains = {n: measured.diff(NO_FORKS, arm_key(PLAN, n)).estimate
                      for n in range(1, len(chosen) + 1)}
             best = max(gains, key=lambda n: (gains[n], -n))
             for name, _ in chosen[best:]:
@@ -927,7 +927,7 @@ class _Batch:
                                   {NO_FORKS: Arm(), PLAN: Arm(plan)})
             a, with_plan = measured.values(NO_FORKS), measured.values(PLAN)
             conf = Confirmation(plan, mean_interval(a), mean_interval(with_plan),
-                                diff_interval(a, with_plan), measured.identical.get(PLAN, True))
+                                measured.diff(NO_FORKS, PLAN), measured.identical.get(PLAN, True))
             self.report.confirmations.append(conf)
             if conf.identical and conf.gain.excludes_zero_above():
                 self.report.plan = plan
