@@ -1,0 +1,82 @@
+"""Probe (issue 24): what limits the recovery of large loads, with L2 counters.
+
+Eager on one stream, the L2 flushed first (a read of 8x its size), then one case:
+
+* ``cold``: the consumer, a bf16 GEMV on W of gate_proj's shape in the planted Llama
+  ([8192, 3072]: 48 MiB);
+* ``load24`` / ``load48``: the default loader on W's first 24 / 48 MiB (grid 32), a 40 us
+  one-thread spin (an idle GPU, as in the planted window), then the consumer;
+* ``spin``: the 40 us spin alone, then the consumer (the control of the loads);
+* ``hot``: the consumer twice, the second measured (all of W read right before).
+
+The consumer runs inside the NVTX range ``consumer``, so Nsight Compute can profile it
+alone, with the application replayed per pass and the caches left as they are::
+
+    ncu --clock-control none --cache-control none --replay-mode application \\
+        --nvtx --nvtx-include "consumer/" --csv --metrics \\
+        gpu__time_duration.sum,lts__t_sector_hit_rate.pct,lts__t_sectors.sum,\\
+lts__t_sectors_srcunit_ltcfabric.sum,dram__bytes_read.sum \\
+        python3 -m benchmarks.probe_l2 --once CASE
+
+(``bash .ci/gpu l2`` runs every case so).  Without ``--once`` it times the consumer with
+CUDA events instead: the median of 20 repetitions of the case.
+
+    python -m benchmarks.probe_l2 [--once] [--batch B] CASE ...
+"""
+import argparse
+import statistics
+
+import torch
+
+from l2prefetch import _C
+from l2prefetch.tuning.rig import Rig
+
+CASES = ("cold", "spin", "load24", "load48", "hot")
+MIB = 1 << 20
+
+
+def run_case(rig, case, w, x, tables, mark=True):
+    """Flush, the case's set-up, then the consumer (inside the NVTX range if ``mark``);
+    the consumer's us by events."""
+    rig.flush()
+    if case == "hot":
+        torch.nn.functional.linear(x, w)
+    elif case in ("load24", "load48"):
+        tables[case].launch()
+        rig.spin(40)
+    elif case == "spin":
+        rig.spin(40)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if mark:
+        torch.cuda.nvtx.range_push("consumer")
+    start.record()
+    torch.nn.functional.linear(x, w)
+    end.record()
+    if mark:
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probe_l2")
+    parser.add_argument("--once", action="store_true", help="one repetition (under ncu)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("cases", nargs="+", choices=CASES)
+    args = parser.parse_args(argv)
+    rig = Rig(torch.device("cuda", 0))
+    torch.manual_seed(0)
+    w = torch.randn(8192, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(args.batch, 3072, device="cuda", dtype=torch.bfloat16)
+    tables = {"load24": _C.PreparedWeightRanges([w], byte_cap=24 * MIB),
+              "load48": _C.PreparedWeightRanges([w], byte_cap=48 * MIB)}
+    for case in args.cases:
+        run_case(rig, case, w, x, tables, mark=False)   # warm-up: compiles, cuBLAS handles
+        reps = 1 if args.once else 20
+        us = [run_case(rig, case, w, x, tables) for _ in range(reps)]
+        print(f"probe_l2 {case} B{args.batch}: consumer {statistics.median(us):.2f} us "
+              f"(median of {reps})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
