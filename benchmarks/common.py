@@ -123,6 +123,14 @@ def run_sequence(rig, w, batch, window, prepared_by_name, reps, window_fn=None, 
     return out
 
 
+def no_gpu(prog):
+    """True, having said so, where torch sees no CUDA GPU (a benchmark then exits 0)."""
+    if torch.cuda.is_available():
+        return False
+    print(f"python -m {prog} needs a CUDA GPU; none is visible here.")
+    return True
+
+
 def hf_model(name):
     """An HF causal LM for the probes, random bf16 on the GPU: a planted section's model
     (``llama``, ``qwen3``: benchmarks/sections/planted.py) or a config of

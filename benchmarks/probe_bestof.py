@@ -20,7 +20,7 @@ from l2prefetch.tuning.hf import DecodeStep
 from l2prefetch.tuning.rig import Rig
 from l2prefetch.tuning.stats import t_quantile
 
-from .common import hf_model
+from .common import hf_model, no_gpu
 
 
 def main(argv=None):
@@ -29,6 +29,8 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("models", nargs="*", default=["llama", "qwen3"])
     args = parser.parse_args(argv)
+    if no_gpu("benchmarks.probe_bestof"):
+        return
     rig = Rig(torch.device("cuda", 0))
     for name in args.models:
         model = hf_model(name)

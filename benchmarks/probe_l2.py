@@ -31,6 +31,8 @@ import torch
 from l2prefetch import _C
 from l2prefetch.tuning.rig import Rig
 
+from .common import no_gpu
+
 CASES = ("cold", "spin", "load24", "load48", "hot")
 MIB = 1 << 20
 
@@ -64,6 +66,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("cases", nargs="+", choices=CASES)
     args = parser.parse_args(argv)
+    if no_gpu("benchmarks.probe_l2"):
+        return
     rig = Rig(torch.device("cuda", 0))
     torch.manual_seed(0)
     w = torch.randn(8192, 3072, device="cuda", dtype=torch.bfloat16) * 0.02

@@ -30,7 +30,7 @@ import torch
 from l2prefetch.tuning.hf import DecodeStep
 from l2prefetch.tuning.rig import Rig
 
-from .common import hf_model
+from .common import hf_model, no_gpu
 
 
 class _Driver:
@@ -94,6 +94,8 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("models", nargs="*", default=["mixtral-4l"])
     args = parser.parse_args(argv)
+    if no_gpu("benchmarks.probe_spread"):
+        return
     rig = Rig(torch.device("cuda", 0))
     driver = _Driver()
     print(f"probe_spread on {torch.cuda.get_device_name()}: k={args.k}, {args.rounds} rounds")

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import hf_model
+from benchmarks.common import hf_model, no_gpu
 from benchmarks.sections.planted import SITES, _planted
 from l2prefetch import tuning
 from l2prefetch.tuning.hf import DecodeStep
@@ -33,6 +33,8 @@ def main(argv=None):
     parser.add_argument("--placement", choices=PLACEMENTS, default="private")
     parser.add_argument("batches", type=int, nargs="*", default=[1])
     args = parser.parse_args(argv)
+    if no_gpu("benchmarks.probe_tune"):
+        return
     rig = Rig(torch.device("cuda", 0))
     model = hf_model(args.model)
     if args.site != "none":

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("benchmarks", reason="the benchmarks package is importable from the "
                     "repository root: run python -m pytest there")
 
@@ -130,3 +130,24 @@ def test_measurement_pools_replays_and_spreads_instances():
                     outputs={"a": [None] * 3}, capture_s=0.0, replay_s=0.0)
     assert m.pooled_median("a") == 11.0
     assert m.spread("a") == 2.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the probes do without a GPU")
+@pytest.mark.parametrize("module, argv", [("probe_spread", ["mixtral-4l"]),
+                                          ("probe_bestof", ["--k", "2", "llama"]),
+                                          ("probe_tune", ["--site", "none", "1"]),
+                                          ("probe_l2", ["cold", "hot"])])
+def test_the_probes_say_they_need_a_gpu(module, argv, capsys):
+    import importlib
+
+    probe = importlib.import_module(f"benchmarks.{module}")
+    assert probe.main(argv) is None
+    assert capsys.readouterr().out == f"python -m benchmarks.{module} needs a CUDA GPU; none is visible here.\n"
+
+
+def test_the_probes_models_are_the_planted_ones_or_configs():
+    from benchmarks.common import hf_model
+
+    with pytest.raises(SystemExit, match=r"unknown model 'mixtral': one of .*deepseek-v3-6l.*"
+                                         r"llama.*mixtral-4l.*qwen3, qwen3-8l, qwen3-moe-6l"):
+        hf_model("mixtral")
