@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from l2prefetch.tuning.discover import Role, RoleSite
-from l2prefetch.tuning.search import (Arm, Backend, Prepared, Probe, Setting, StepError,
+from l2prefetch.tuning.arms import (Arm, Backend, Prepared, Probe, Setting, StepError,
                                       parse_arm_key)
 
 MIB = 1 << 20
@@ -57,7 +57,7 @@ class PlantedBackend(Backend):
     """Planted gains; instance i of every arm shares offset i.  With ``paired``,
     arms of one fork structure (same roles and modes) are measured as switched
     states of one instance (their own noise 0.2 us) and reported in ``pairs``.
-    Every arm key must be one :func:`~l2prefetch.tuning.search.arm_key` makes."""
+    Every arm key must be one :func:`~l2prefetch.tuning.arms.arm_key` makes."""
 
     rounds = 10
 

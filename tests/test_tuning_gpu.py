@@ -144,7 +144,7 @@ def test_each_layers_loads_alone_are_switched_states_of_one_capture(placement):
     replay (graphs of one shared pool share buffers)."""
     from l2prefetch.tuning import discover, synthetic
     from l2prefetch.tuning.measure import GraphBackend
-    from l2prefetch.tuning.search import EMPTY, LOADS, NO_FORKS, Arm, Setting, arm_key
+    from l2prefetch.tuning.arms import EMPTY, LOADS, NO_FORKS, Arm, Setting, arm_key
 
     model = synthetic.IdleWindowModel(layers=3, hidden=2048, window_us=10)
     step = synthetic.idle_window_step(model)

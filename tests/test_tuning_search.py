@@ -7,7 +7,7 @@ import io
 import pytest
 
 from l2prefetch.plan import GRAPH_FORKS
-from l2prefetch.tuning import search as S
+from l2prefetch.tuning import arms as A, results as R, search as S
 from l2prefetch.tuning.stats import diff_interval, mean_interval, t_quantile
 
 from _tuning_fakes import Clock, PerLayer, PlantedBackend, role
@@ -83,7 +83,7 @@ def test_keeps_exactly_the_paying_role():
     assert conf is not None and conf.gain.low > 0 and conf.ratio > 1
     assert conf.roles == report.plan
     # every measuring group holds the no-fork step, and every group interleaves its variants
-    assert all(S.NO_FORKS in g for g in backend.groups)
+    assert all(A.NO_FORKS in g for g in backend.groups)
     assert "batch 1" in log and "ETA" in log
 
 
@@ -97,34 +97,34 @@ def test_every_group_pairs_each_loads_arm_with_its_own_empty_forks():
     assert report.plan
     kinds = set()
     for group in backend.groups:
-        assert group[S.NO_FORKS] == S.Arm()
+        assert group[A.NO_FORKS] == A.Arm()
         by_kind = {}
         for key, arm in group.items():
-            by_kind.setdefault(S.parse_arm_key(key)[0], []).append(arm)
+            by_kind.setdefault(A.parse_arm_key(key)[0], []).append(arm)
         kinds |= set(by_kind)
-        if S.PLAN in by_kind:
-            assert set(by_kind) == {S.NO_FORKS, S.PLAN}
+        if A.PLAN in by_kind:
+            assert set(by_kind) == {A.NO_FORKS, A.PLAN}
             continue
-        controls = {arm.structure() for arm in by_kind[S.EMPTY]}
-        assert all(arm.empty for arm in by_kind[S.EMPTY])
-        assert by_kind[S.LOADS] and all(not arm.empty and arm.structure() in controls
-                                        for arm in by_kind[S.LOADS])
-    assert kinds == set(S.ARM_KINDS)
+        controls = {arm.structure() for arm in by_kind[A.EMPTY]}
+        assert all(arm.empty for arm in by_kind[A.EMPTY])
+        assert by_kind[A.LOADS] and all(not arm.empty and arm.structure() in controls
+                                        for arm in by_kind[A.LOADS])
+    assert kinds == set(A.ARM_KINDS)
 
 
 def test_arm_keys():
-    assert S.arm_key(S.NO_FORKS) == "a" and S.arm_key(S.PLAN) == "plan"
-    assert S.arm_key(S.LOADS, "leaf", 4 * MIB) == "b:leaf:4194304"
-    assert S.parse_arm_key("b:leaf:4194304") == (S.LOADS, ("leaf", "4194304"))
-    assert S.parse_arm_key(S.arm_key(S.EMPTY, 3)) == (S.EMPTY, ("3",))
-    assert S.parse_arm_key("a") == (S.NO_FORKS, ())
+    assert A.arm_key(A.NO_FORKS) == "a" and A.arm_key(A.PLAN) == "plan"
+    assert A.arm_key(A.LOADS, "leaf", 4 * MIB) == "b:leaf:4194304"
+    assert A.parse_arm_key("b:leaf:4194304") == (A.LOADS, ("leaf", "4194304"))
+    assert A.parse_arm_key(A.arm_key(A.EMPTY, 3)) == (A.EMPTY, ("3",))
+    assert A.parse_arm_key("a") == (A.NO_FORKS, ())
     with pytest.raises(ValueError, match="arm kind must be one of"):
-        S.arm_key("c")
+        A.arm_key("c")
     with pytest.raises(ValueError, match="hold no ':'"):
-        S.arm_key(S.LOADS, "a:b")
+        A.arm_key(A.LOADS, "a:b")
     for bad in ("c", "b:", "", "b::1", None):
         with pytest.raises(ValueError, match="not an arm key"):
-            S.parse_arm_key(bad)
+            A.parse_arm_key(bad)
 
 
 def test_empty_plan_when_nothing_pays():
@@ -226,7 +226,7 @@ def test_a_small_budget_gets_coarser_and_never_returns_an_unconfirmed_plan():
 
 def test_step_errors_propagate():
     backend = PlantedBackend({"A": pays(1.0)}, fail={8: RuntimeError("batch 8 too big")})
-    with pytest.raises(S.StepError, match="step\\(8\\) failed"):
+    with pytest.raises(A.StepError, match="step\\(8\\) failed"):
         run(backend, [role("A")], batches=(1, 8))
 
 
@@ -306,22 +306,22 @@ def test_per_layer_loads_narrow_their_interval_when_paired():
 
 
 def test_arm_loads_at():
-    s = S.Setting(MIB)
-    assert S.Arm((("A", s),), loads_at=[3, 1, 3]).loads_at == (1, 3)
-    arm = S.Arm((("A", s),), loads_at=(1,))
+    s = A.Setting(MIB)
+    assert A.Arm((("A", s),), loads_at=[3, 1, 3]).loads_at == (1, 3)
+    arm = A.Arm((("A", s),), loads_at=(1,))
     assert arm.loads(1) and not arm.loads(0)
-    assert S.Arm((("A", s),)).loads(5) and not S.Arm((("A", s),), empty=True).loads(5)
-    assert arm.structure() == S.Arm((("A", s),), empty=True).structure()
+    assert A.Arm((("A", s),)).loads(5) and not A.Arm((("A", s),), empty=True).loads(5)
+    assert arm.structure() == A.Arm((("A", s),), empty=True).structure()
     with pytest.raises(ValueError, match="loads_at must be None or name at least one layer"):
-        S.Arm((("A", s),), loads_at=())
+        A.Arm((("A", s),), loads_at=())
     with pytest.raises(ValueError, match="loads_at must be None or name at least one layer"):
-        S.Arm((("A", s),), loads_at=("1",))
+        A.Arm((("A", s),), loads_at=("1",))
     with pytest.raises(ValueError, match="an empty arm loads nowhere"):
-        S.Arm((("A", s),), empty=True, loads_at=(1,))
+        A.Arm((("A", s),), empty=True, loads_at=(1,))
     with pytest.raises(ValueError, match="loads_at must be None or name at least one layer"):
-        S.Arm((("A", s),), loads_at=5)
+        A.Arm((("A", s),), loads_at=5)
     with pytest.raises(ValueError, match="the arm's roles, and it has none"):
-        S.Arm(loads_at=(1,))
+        A.Arm(loads_at=(1,))
 
 
 def test_a_role_that_pays_in_every_layer_keeps_every_layer():
@@ -344,13 +344,13 @@ def test_role_restrict_and_setting_layers():
         r.restrict([])
     with pytest.raises(TypeError, match="layers must hold ints"):
         r.restrict(["1"])
-    assert S.Setting(MIB, layers=[3, 1, 3]).layers == (1, 3)
-    assert "layers 1, 3" in S.Setting(MIB, layers=(1, 3)).label()
-    assert S.Setting(MIB, layers=(1, 3)).as_dict()["layers"] == [1, 3]
+    assert A.Setting(MIB, layers=[3, 1, 3]).layers == (1, 3)
+    assert "layers 1, 3" in A.Setting(MIB, layers=(1, 3)).label()
+    assert A.Setting(MIB, layers=(1, 3)).as_dict()["layers"] == [1, 3]
     with pytest.raises(ValueError, match="layers must be None"):
-        S.Setting(MIB, layers=())
+        A.Setting(MIB, layers=())
     with pytest.raises(TypeError, match="layers must be None"):
-        S.Setting(MIB, layers=3)
+        A.Setting(MIB, layers=3)
 
 
 # ------------------------------------------------------------------ sequential sampling
@@ -407,31 +407,31 @@ def test_expected_min_of_k_draws():
 
 
 def test_instance_spread_and_recommended_k():
-    wide = S.InstanceSpread.of([[2000.0, 2040.0, 2080.0, 2120.0]], capture_s=0.3)
+    wide = R.InstanceSpread.of([[2000.0, 2040.0, 2080.0, 2120.0]], capture_s=0.3)
     assert wide.instances == 4 and wide.mean_us == pytest.approx(2060.0)
     assert (wide.low_us, wide.high_us) == (2000.0, 2120.0)
     assert wide.spread_pct == pytest.approx(100 * 120 / 2060)
-    gains = [wide.best_of[k] for k in S.BEST_OF_KS]
+    gains = [wide.best_of[k] for k in R.BEST_OF_KS]
     assert gains == sorted(gains) and gains[-1] < 60.0   # never more than mean - min
     k = wide.recommended_k()
-    assert k in S.BEST_OF_KS and wide.best_of[k] >= 0.8 * gains[-1]
-    assert all(wide.best_of[j] < 0.8 * gains[-1] for j in S.BEST_OF_KS if j < k)
-    tight = S.InstanceSpread.of([[2000.0, 2000.5, 2001.0]], capture_s=0.3)
+    assert k in R.BEST_OF_KS and wide.best_of[k] >= 0.8 * gains[-1]
+    assert all(wide.best_of[j] < 0.8 * gains[-1] for j in R.BEST_OF_KS if j < k)
+    tight = R.InstanceSpread.of([[2000.0, 2000.5, 2001.0]], capture_s=0.3)
     assert tight.recommended_k() == 1       # saves under 0.1% of the step
-    assert S.InstanceSpread.of([[2000.0]], capture_s=0.3) is None
+    assert R.InstanceSpread.of([[2000.0]], capture_s=0.3) is None
     d = wide.as_dict()
-    assert d["recommended_k"] == k and set(d["best_of_us"]) == {str(k) for k in S.BEST_OF_KS}
+    assert d["recommended_k"] == k and set(d["best_of_us"]) == {str(k) for k in R.BEST_OF_KS}
     hash(wide)                              # frozen, and its best_of read-only
     with pytest.raises(TypeError):
         wide.best_of[2] = 0.0
-    zero = S.InstanceSpread.of([[0.0, 0.0]], capture_s=0.0)
+    zero = R.InstanceSpread.of([[0.0, 0.0]], capture_s=0.0)
     assert zero.spread_pct == 0.0 and zero.recommended_k() == 1
 
 
 def test_drift_between_groups_is_not_spread_between_captures():
     """Two groups 100 us apart (the GPU got slower between them), instances within each
     identical: no capture is faster than another, so best-of-k saves nothing."""
-    spread = S.InstanceSpread.of([[2000.0, 2000.0, 2000.0], [2100.0, 2100.0]], capture_s=0.3)
+    spread = R.InstanceSpread.of([[2000.0, 2000.0, 2000.0], [2100.0, 2100.0]], capture_s=0.3)
     assert spread.instances == 5 and spread.mean_us == pytest.approx(2040.0)
     assert spread.sd_us == pytest.approx(0.0, abs=1e-9)
     assert spread.low_us == pytest.approx(spread.high_us)
@@ -442,14 +442,14 @@ def test_drift_between_groups_is_not_spread_between_captures():
 def test_the_search_reports_the_spread_of_every_no_fork_instance():
     """Every group's (a) is fresh captures: the batch's spread counts all of them, and the
     report and summary say what best-of-k would save."""
-    from l2prefetch.tuning import report as R
+    from l2prefetch.tuning import report as report_module
 
     backend = PlantedBackend({"A": pays(10.0)}, instance_sd_us=20.0, seed=3)
     (rep,), _ = run(backend, [role("A", layers=1, mib=16)], graph_forks=("leaf",))
     a = sum(backend.instances)
     assert rep.spread is not None and rep.spread.instances == a
     assert rep.spread.sd_us > 5.0 and rep.spread.recommended_k() > 1
-    text = R.spread_text(rep.spread)
+    text = report_module.spread_text(rep.spread)
     assert f"{a} captures" in text and "capture_fastest(step, k=" in text
     assert rep.as_dict()["spread"]["instances"] == a
 

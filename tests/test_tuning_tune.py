@@ -11,7 +11,7 @@ import torch
 
 from l2prefetch import PlanEntry, tuning
 from l2prefetch import profile as P
-from l2prefetch.tuning.search import Backend
+from l2prefetch.tuning.arms import Backend
 
 import _tuning_fakes as fakes
 from _tuning_fakes import FAKE_DEVICE, DeviceBackend, PerLayer
@@ -269,7 +269,7 @@ def test_graph_backend_placement_is_checked_first():
 def test_a_backend_that_is_not_one_is_refused():
     model, step = model_and_step()
     with pytest.raises(TypeError, match="backend must be None .* or a "
-                       "l2prefetch.tuning.search.Backend .*got object"):
+                       "l2prefetch.tuning.arms.Backend .*got object"):
         tuning.tune(model, step, [1], backend=object(), progress=None)
 
     class NoMeasure(Backend):
@@ -382,7 +382,8 @@ def test_tune_plans_only_the_layers_a_window_pays_in(tmp_path, monkeypatch):
 def test_merge_plan_per_layer():
     """Layers 1 and 3 kept at batches 1 and 8, the others at batch 8 only: one entry per
     layer, holding the batches where its layer was confirmed."""
-    from l2prefetch.tuning.search import BatchReport, Setting
+    from l2prefetch.tuning.arms import Setting
+    from l2prefetch.tuning.results import BatchReport
     from l2prefetch.tuning.tuner import merge_plan
 
     role = fakes.role("A", layers=4, mib=1)

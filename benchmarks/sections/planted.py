@@ -25,7 +25,7 @@ import torch
 
 from l2prefetch.mechanisms import GRAPH_FORKS
 from l2prefetch.tuning.report import table
-from l2prefetch.tuning.search import EMPTY, LOADS, NO_FORKS, arm_key
+from l2prefetch.tuning.arms import EMPTY, LOADS, NO_FORKS, arm_key
 from l2prefetch.tuning.stats import diff_interval, paired_interval
 
 MIB = 1 << 20
@@ -80,7 +80,7 @@ def _planted(rig, model, site, spin):
 
 
 def _measure(backend, role, batch, modes, caps):
-    from l2prefetch.tuning.search import Arm, Setting
+    from l2prefetch.tuning.arms import Arm, Setting
 
     arms = {NO_FORKS: Arm()}
     for mode in modes:

@@ -57,7 +57,7 @@ import textwrap
 import time
 import warnings
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from . import _C, _torch, __version__

@@ -17,7 +17,7 @@ no GPU; measuring needs torch with CUDA.
 
 from .discover import Read, Reads, Role, RoleSite, candidates, discover, roles_from_plan
 from ..profile import Profile, ProfileMismatchError, load_profile
-from .search import Setting, StepError
+from .arms import Setting, StepError
 from .tuner import TuneResult, tune
 
 __all__ = [

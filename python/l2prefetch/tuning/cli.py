@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import _files
     from . import hf
     from .discover import candidates, discover
-    from .search import StepError
+    from .arms import StepError
     from .tuner import describe_roles, tune
 
     try:

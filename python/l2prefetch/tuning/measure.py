@@ -1,6 +1,6 @@
 """The tuner's measurement backend on a GPU: the real step, captured as deployed.
 
-Each measurement arm (:class:`~l2prefetch.tuning.search.Arm`) becomes a
+Each measurement arm (:class:`~l2prefetch.tuning.arms.Arm`) becomes a
 controller (:func:`~l2prefetch.tuning.rig.build_controller`: the plan's loads,
 or empty tables for the control) made with ``eager=False`` and attached with
 :func:`l2prefetch.hooks.attach`, the way a server deploys it; the step is captured with its hooks in place, several
@@ -25,7 +25,7 @@ from typing import Any, Optional
 from ..mechanisms import GRAPH_FORK_MODES
 from .discover import Role
 from .rig import Rig
-from .search import NO_FORKS, Arm, Backend, Prepared, Probe, StepError
+from .arms import NO_FORKS, Arm, Backend, Prepared, Probe, StepError
 
 __all__ = ["GraphBackend"]
 
@@ -189,7 +189,7 @@ class GraphBackend(Backend):
     def measure(self, batch: int, arms: Mapping[str, Arm],
                 instances: int) -> tuple[dict[str, list[float]], dict[str, bool]]:
         """Per arm, the median us of each instance, and whether its outputs are
-        bitwise the no-fork step's (the arm keyed :data:`~l2prefetch.tuning.search.NO_FORKS`).
+        bitwise the no-fork step's (the arm keyed :data:`~l2prefetch.tuning.arms.NO_FORKS`).
 
         Arms whose forks have one structure (:meth:`Arm.structure`: the
         same roles in the same fork modes at the same layers) share their graph

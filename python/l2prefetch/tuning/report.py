@@ -3,7 +3,7 @@
 Per batch: the verdict (the confirmed plan and its ratio, or why the plan
 is empty), the confirmations, and one row per role: the most its loads
 could gain (the cold-to-hot gap), the window from the fork to the consumer,
-the measured times of the arms (:class:`~l2prefetch.tuning.search.Arm`):
+the measured times of the arms (:class:`~l2prefetch.tuning.arms.Arm`):
 (a) no forks, (b) the loads, (d) the same forks empty, each a mean over
 graph instances with its 95% interval, the instances of (b), and whether it
 was kept or why not.

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 # The runtime builds a plan's controller and its empty-fork control; the rig re-exports them.

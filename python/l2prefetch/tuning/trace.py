@@ -700,7 +700,7 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
     import torch
 
     from .. import PreparedWeightRanges, hooks
-    from .search import StepError
+    from .arms import StepError
 
     if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
         raise ValueError(f"replays must be an int >= 1, got {replays!r}")

@@ -201,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
         raise _Bad("needs torch (pip install 'l2prefetch[torch]')") from None
     from .. import _C, hooks
     from . import hf, trace
-    from .search import StepError
+    from .arms import StepError
 
     if hooks.disabled():
         raise _Bad("L2PREFETCH_DISABLE is set, so nothing forks: unset it to trace")

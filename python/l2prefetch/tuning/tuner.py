@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
-import json
 import logging
 import math
 import numbers
@@ -25,8 +24,10 @@ from ..plan import _check_batches
 from .discover import Role, candidates as discover_candidates, describe_bytes, discover
 from ..profile import (PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, save_profile,
                        versions)
+from .arms import Backend, Setting, StepError
+from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, MAX_INSTANCES,
-                     MIN_INSTANCES, Backend, BatchReport, Setting, StepError, search)
+                     MIN_INSTANCES, search)
 
 __all__ = ["TuneResult", "tune"]
 
@@ -263,7 +264,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     ``progress``: a text stream for one line per measured group (None: quiet).
     ``backend``: None to measure the step on the GPU
     (:class:`~l2prefetch.tuning.measure.GraphBackend`), or any
-    :class:`~l2prefetch.tuning.search.Backend` (the tests' fake one plants effects).
+    :class:`~l2prefetch.tuning.arms.Backend` (the tests' fake one plants effects).
 
     Raises TypeError/ValueError for bad arguments (naming them),
     :class:`~l2prefetch.tuning.StepError` when the step fails or cannot be
@@ -327,7 +328,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
 
     if backend is not None and not isinstance(backend, Backend):
         raise TypeError(f"backend must be None (measure on the GPU) or a "
-                        f"l2prefetch.tuning.search.Backend (derive from it), got "
+                        f"l2prefetch.tuning.arms.Backend (derive from it), got "
                         f"{type(backend).__name__}")
     t0 = time.monotonic()
     if backend is None:
