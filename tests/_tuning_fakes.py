@@ -82,7 +82,7 @@ class PlantedBackend(Backend):
         self.prepared: list[int] = []
         self.switches = paired
         #: Every arm of an instance index shares its placement: all are paired, (a) too.
-        self.shared = shared
+        self.shared_placement = shared
         self.pairs: list[set[str]] = []
 
     def prepare(self, batch: int) -> Prepared:
@@ -124,9 +124,10 @@ class PlantedBackend(Backend):
         shared = {n: k for k, g in enumerate(self.pairs) for n in g}
         group_offsets = [[self.rng.gauss(0.0, self.sd) for _ in range(instances)]
                          for _ in self.pairs]
-        if self.shared:
+        if self.shared_placement:
             self.pairs, shared = [set(arms)], {}
-        own = {name: (0.2 if name in shared or self.shared else self.sd) for name in arms}
+        own = {name: (0.2 if name in shared or self.shared_placement else self.sd)
+               for name in arms}
         times = {name: [self.time(v, offsets[i] + (group_offsets[shared[name]][i]
                                                     if name in shared else 0.0)
                                   + self.rng.gauss(0.0, own[name]))

@@ -170,16 +170,21 @@ class Backend(abc.ABC):
     backend.  :class:`l2prefetch.tuning.measure.GraphBackend` captures the real step;
     tests plant effects in a fake (tests/_tuning_fakes.py).  A backend derives from
     this class: :meth:`prepare`, :meth:`probe`, :meth:`measure` and :attr:`rounds` are
-    its own; :attr:`pairs`, :attr:`switches`, :meth:`use_roles` and
-    :meth:`device_fingerprint` have the defaults below (no pairing, no switching,
-    roles not needed, no device).  Every member is read directly: nothing is probed
-    with ``hasattr``."""
+    its own; :attr:`pairs`, :attr:`switches`, :attr:`shared_placement`,
+    :meth:`use_roles` and :meth:`device_fingerprint` have the defaults below (no
+    pairing, no switching, independent instances, roles not needed, no device).
+    Every member is read directly: nothing is probed with ``hasattr``."""
 
     #: Replays per graph instance in a group (the budget's estimate counts them).
     rounds: int
-    #: After each measure(): the sets of arm keys measured in the same graph
-    #: instances (instance i of each), whose differences are paired; none by default.
+    #: After each measure(): the sets of arm keys whose instance i of each were measured
+    #: alike (switched states of one graph, or graphs placed alike), so that their
+    #: differences are paired; none by default.
     pairs: Sequence[set] = ()
+    #: Whether the arms' graphs of one instance index share placement (GraphBackend's
+    #: placement="shared"): then (a)'s instances are not independent captures, and the
+    #: search reports no instance spread; False by default.
+    shared_placement: bool = False
     #: Whether measure() captures each fork structure once per instance and switches
     #: its tables in place (what the budget estimate assumes); False by default.
     switches: bool = False
@@ -189,7 +194,7 @@ class Backend(abc.ABC):
         the arms will name and the caps (bytes) the search tries.  Default: nothing."""
 
     def device_fingerprint(self) -> Optional[dict]:
-        """The device measured on (:func:`l2prefetch.tuning.profile.device_fingerprint`),
+        """The device measured on (:func:`l2prefetch.profile.device_fingerprint`),
         stored in the result; None (the default) for a backend that measures no GPU:
         such a result cannot be saved as a profile."""
         return None

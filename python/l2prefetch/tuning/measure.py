@@ -91,7 +91,13 @@ class GraphBackend(Backend):
     ``"shared"`` (the arms' graphs of one instance index share one pool, captured
     in an order rotated by the index, so that their buffers land alike; every arm
     is then paired with every other by instance, (a) included: an experiment for
-    where the instance spread comes from placement, RESULTS run 12).
+    where the instance spread comes from placement, RESULTS run 12).  torch
+    shares a pool safely only among graphs replayed in capture order; here the
+    graphs are replayed in rotated order, one after another on one stream, each
+    recomputing its whole step from the static inputs, so what one replay leaves
+    in a shared buffer is never read by another: only outputs can be overwritten,
+    and :meth:`measure` reads each right after its own graph's replay.  The
+    instance spread is then not reported (:attr:`shared_placement`).
     """
 
     def __init__(self, model: Any, step: Callable[[int], Any], *, device: Any = None,
@@ -110,6 +116,10 @@ class GraphBackend(Backend):
                              "a CUDA device (discover() works on the CPU)")
         self.torch, self.model, self.step, self.rounds = torch, model, step, rounds
         self.placement = placement
+        self.shared_placement = placement == "shared"
+        #: Instances captured so far: where the next capture order starts (rotated by
+        #: one per instance across calls, so no arm is always captured first).
+        self._captured = 0
         self.rig = Rig(device)
         self.device = self.rig.device
         self._roles: dict[str, Role] = {}
@@ -199,16 +209,31 @@ class GraphBackend(Backend):
         group is its loader nodes switched in place
         (:class:`~l2prefetch.tuning.rig.LoaderSwitch`: other tables, or the empty
         ones), so that their differences are paired (:attr:`pairs`).  The other arms
-        are captured each on their own, in an order rotated by the instance index.
+        are captured each on their own, in an order rotated by one per instance (across
+        calls, so that no arm is always captured first).
         With ``placement="shared"`` an instance index's graphs share one memory pool
         and every arm is paired with every other.  All graphs are replayed
         interleaved, round after round; then each once more, its output compared
         right after it.
         """
+        if NO_FORKS not in arms:
+            raise ValueError(f"a measured group must hold the arm {NO_FORKS!r} (no forks, the "
+                             f"reference of the bitwise check), got {sorted(arms)}")
+        controllers: dict[str, Any] = {}
+        graphs: dict[tuple[str, int], Any] = {}
+        try:
+            return self._measure(batch, arms, instances, controllers, graphs)
+        finally:
+            for controller in controllers.values():
+                controller.close()
+            graphs.clear()
+
+    def _measure(self, batch: int, arms: Mapping[str, Arm], instances: int,
+                 controllers: dict[str, Any], graphs: dict[tuple[str, int], Any]
+                 ) -> tuple[dict[str, list[float]], dict[str, bool]]:
         from .rig import LoaderSwitch
 
         torch = self.torch
-        controllers: dict[str, Any] = {}
         groups: dict[tuple, list[str]] = {}
         for name, arm in arms.items():
             if arm.roles:
@@ -227,38 +252,34 @@ class GraphBackend(Backend):
             if states is not None:
                 paired.append((head, names, states))
         in_pairs = {n for _, names, _ in paired for n in names}
-        shared = self.placement == "shared"
         fn = self._fn(batch)
-        graphs: dict[tuple[str, int], Any] = {}
         out_of: dict[tuple[str, int], Any] = {}
-        # what one instance captures: the unswitched arms, and each switched group's head
+        # what one instance captures: the unswitched arms (NO_FORKS among them), and each
+        # switched group's head
         units = [name for name in arms if name not in in_pairs] + [p[0] for p in paired]
-        try:
-            for i in range(instances):
-                pool = torch.cuda.graph_pool_handle() if shared else None
-                k = i % len(units)
-                for unit in units[k:] + units[:k]:
-                    group = next((p for p in paired if p[0] == unit), None)
-                    graph, out = self._capture(unit, arms[unit], controllers, fn,
-                                               warmup=i == 0, keep_graph=group is not None,
-                                               pool=pool)
-                    if group is None:
-                        graphs[(unit, i)], out_of[(unit, i)] = graph, out
-                        continue
-                    switch = LoaderSwitch(graph)
-                    _, names, states = group
-                    for name in names:
-                        graphs[(name, i)] = _Switched(switch, states[name])
-                        out_of[(name, i)] = out
-            us = self.rig.replays(graphs, self.rounds)
-            medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
-                       for name in arms}
-            identical = self._check_outputs(batch, graphs, out_of)
-        finally:
-            for controller in controllers.values():
-                controller.close()
-            del graphs
-        self.pairs = [set(arms)] if shared else [set(names) for _, names, _ in paired]
+        for i in range(instances):
+            pool = torch.cuda.graph_pool_handle() if self.shared_placement else None
+            k = self._captured % len(units)
+            self._captured += 1
+            for unit in units[k:] + units[:k]:
+                group = next((p for p in paired if p[0] == unit), None)
+                graph, out = self._capture(unit, arms[unit], controllers, fn,
+                                           warmup=i == 0, keep_graph=group is not None,
+                                           pool=pool)
+                if group is None:
+                    graphs[(unit, i)], out_of[(unit, i)] = graph, out
+                    continue
+                switch = LoaderSwitch(graph)
+                _, names, states = group
+                for name in names:
+                    graphs[(name, i)] = _Switched(switch, states[name])
+                    out_of[(name, i)] = out
+        us = self.rig.replays(graphs, self.rounds)
+        medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
+                   for name in arms}
+        identical = self._check_outputs(batch, graphs, out_of)
+        self.pairs = [set(arms)] if self.shared_placement else \
+            [set(names) for _, names, _ in paired]
         return medians, identical
 
     def _check_outputs(self, batch: int, graphs: Mapping[tuple[str, int], Any],

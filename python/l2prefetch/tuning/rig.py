@@ -86,7 +86,9 @@ class Measurement:
 class Rig:
     """Graph capture and interleaved, event-timed replays on one device.
 
-    Every graph gets its own memory pool.  Graphs that share one, replayed
+    Every graph gets its own memory pool unless :meth:`capture` is given one
+    (GraphBackend's shared placement, whose outputs are read right after their
+    own replays).  Graphs that share one, replayed
     interleaved, overwrite each other's outputs: at each capture torch frees
     the cuBLAS workspace the previous graph's kernels still use into that
     pool, where the next capture can place its output (seen on the H200 with

@@ -1,20 +1,21 @@
 """The tuner's search and acceptance, against any measurement backend.
 
 Per batch, in this order (each step measured on fresh graph instances,
-every group interleaving its measurement arms, :class:`Arm`: :data:`NO_FORKS`
-(a), :data:`LOADS` (b), :data:`EMPTY` (d), :data:`PLAN`; see
-:mod:`l2prefetch.tuning.rig`):
+every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.Arm`:
+:data:`~l2prefetch.tuning.arms.NO_FORKS` (a), :data:`~l2prefetch.tuning.arms.LOADS` (b),
+:data:`~l2prefetch.tuning.arms.EMPTY` (d), :data:`~l2prefetch.tuning.arms.PLAN`; see
+:mod:`l2prefetch.tuning.arms`):
 
 1. **prepare**: run and capture the step once (a step that fails or cannot
-   be captured is a :class:`StepError`), time it, probe the windows and the
-   cold-to-hot gaps where the backend can (:meth:`Backend.probe`).
+   be captured is a :class:`~l2prefetch.tuning.arms.StepError`), time it, probe the windows and the
+   cold-to-hot gaps where the backend can (:meth:`~l2prefetch.tuning.arms.Backend.probe`).
 2. **screen**: a role whose gap (the most its loads could gain) is under
    ``min_gain_us`` is not measured; the rest are measured in decreasing gap.
 3. **sweep**: per role, one group of (a) no forks and, in every fork mode
    (``graph_forks``, by default every one of :mod:`l2prefetch.mechanisms`),
    (d) the role's forks with empty tables and (b) its loads at each cap, with
    the default kernel and grid.  A backend that switches loader nodes in place
-   (:attr:`Backend.pairs`) measures a mode's (d) and (b)s inside the same graph
+   (:attr:`~l2prefetch.tuning.arms.Backend.pairs`) measures a mode's (d) and (b)s inside the same graph
    instances where the mode is switchable, so their differences are paired and
    the instances' spread cancels.
 4. **refine**: for roles whose best setting beat (a) and (d), one group with
@@ -22,7 +23,7 @@ every group interleaving its measurement arms, :class:`Arm`: :data:`NO_FORKS`
 5. **layers**: a role's setting covers every layer, so loads that pay in
    some layers only (hybrid or mixed dense/MoE models) are averaged away by
    the layers where they cost.  So, at the role's best setting, one group
-   measures each layer's loads alone (:attr:`Arm.loads_at`: forks at every
+   measures each layer's loads alone (:attr:`~l2prefetch.tuning.arms.Arm.loads_at`: forks at every
    layer, the others' tables empty) against the empty forks, all of one fork
    structure (switched in one graph per instance where the backend switches,
    so each layer costs a replay, not a capture, and is paired with (d));
@@ -59,8 +60,11 @@ what a plan must pass.
 
 **Instance spread.**  Every group holds (a), each time on fresh captures, so
 the search ends with many instances of the step without forks; their spread
-(:class:`InstanceSpread` in the batch's report) says what keeping the
-fastest of k captures would save, which the report recommends where it pays.
+(:class:`~l2prefetch.tuning.results.InstanceSpread` in the batch's report) says what
+keeping the fastest of k captures would save, which the report recommends where it
+pays; not where the backend's instances share placement
+(:attr:`~l2prefetch.tuning.arms.Backend.shared_placement`: their spread is not that of
+independent captures).
 
 The budget is shared by the batches.  Before each group the tuner estimates
 its cost from the step's measured capture and replay times; the final
@@ -358,7 +362,8 @@ class _Batch:
                 kept.append((role, verified))
 
         self.combine_and_confirm(kept, reports)
-        self.report.spread = InstanceSpread.of(self.no_forks, self.prepared.capture_s)
+        if not self.backend.shared_placement:
+            self.report.spread = InstanceSpread.of(self.no_forks, self.prepared.capture_s)
         self.report.elapsed_s = self.clock() - t0
         return self.report
 
