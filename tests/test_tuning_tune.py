@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import re
 
@@ -650,3 +651,30 @@ def test_save_never_writes_through_a_planted_link(tmp_path):
     result.save(target, model)
     assert victim.read_text() == "keep" and not target.is_symlink()
     assert json.loads(target.read_text())["format"] == P.PROFILE_FORMAT
+
+
+def test_graph_backend_reads_each_output_right_after_its_own_replay(caplog, monkeypatch):
+    """Graphs of one shared pool share buffers: here every 'graph' writes its result into
+    one tensor. Each arm's output is compared right after its own replay, so the arms
+    that compute the step's logits pass and the one that computes others is named."""
+    from l2prefetch.tuning.measure import GraphBackend
+
+    shared = torch.zeros(4)
+
+    class Graph:
+        def __init__(self, value):
+            self.value = value
+
+        def replay(self):
+            shared.fill_(self.value)
+
+    backend = GraphBackend.__new__(GraphBackend)
+    backend.torch, backend.device = torch, torch.device("cpu")
+    graphs = {("a", 0): Graph(1.0), ("a", 1): Graph(1.0), ("b", 0): Graph(1.0),
+              ("b", 1): Graph(2.0), ("d", 0): Graph(1.0)}
+    out_of = {key: shared for key in graphs}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    with caplog.at_level(logging.WARNING, "l2prefetch.tuning.measure"):
+        identical = backend._check_outputs(1, graphs, out_of)
+    assert identical == {"a": True, "b": False, "d": True}
+    assert "arm b: outputs of instances [1] differ" in caplog.text and "[1.0]" in caplog.text
