@@ -115,7 +115,6 @@ class GraphBackend(Backend):
             raise ValueError(f"tuning measures CUDA graphs: the model is on {device}; move it to "
                              "a CUDA device (discover() works on the CPU)")
         self.torch, self.model, self.step, self.rounds = torch, model, step, rounds
-        self.placement = placement
         self.shared_placement = placement == "shared"
         #: Instances captured so far: where the next capture order starts (rotated by
         #: one per instance across calls, so no arm is always captured first).
