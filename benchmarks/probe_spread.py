@@ -7,6 +7,8 @@ in rotated rounds (tuning.rig.Rig.replays), each replay event-timed:
 * ``one pool``: K captures one after another into one shared pool, so the
   intermediates a capture frees at its end are where the next capture allocates (same
   addresses for most activations; the outputs are overwritten, which timing ignores);
+* ``one pool, kept``: the same, each capture's output kept alive (the tuner's shared
+  placement before run 13: the next capture cannot reuse that block);
 * ``instantiations``: one capture instantiated K times (``cuGraphInstantiateWithFlags`` on
   the same CUgraph: the same nodes with the same addresses), launched with ``cuGraphLaunch``.
 
@@ -112,6 +114,10 @@ def main(argv=None):
                 pool = torch.cuda.graph_pool_handle()
                 for i in range(args.k):
                     graphs[("one pool", i)] = rig.capture(fn, warmup=0, pool=pool)[0]
+                pool, kept = torch.cuda.graph_pool_handle(), []
+                for i in range(args.k):   # as the tuner's shared placement did: outputs alive
+                    graphs[("one pool, kept", i)], out = rig.capture(fn, warmup=0, pool=pool)
+                    kept.append(out)
                 template, _ = rig.capture(fn, warmup=0, keep_graph=True)
                 keep.append(template)
                 for i in range(args.k):
@@ -121,7 +127,7 @@ def main(argv=None):
                 us = rig.replays(graphs, args.rounds)
             finally:
                 torch.cuda.synchronize()
-            for arm in ("captures", "one pool", "instantiations"):
+            for arm in ("captures", "one pool", "one pool, kept", "instantiations"):
                 per = [us[(arm, i)] for i in range(args.k)]
                 med = [statistics.median(x) for x in per]
                 half = args.rounds // 2
@@ -136,7 +142,7 @@ def main(argv=None):
                       flush=True)
             for e in execs:
                 e.close()
-            del graphs, keep, execs
+            del graphs, keep, execs, kept
             torch.cuda.empty_cache()
         model = step = None
         torch.cuda.empty_cache()

@@ -142,15 +142,16 @@ def test_each_layers_loads_alone_are_switched_states_of_one_capture(placement):
     (one pair set of all fork arms; with shared placement, every arm of an instance is
     paired, (a) too); every arm's logits stay bitwise the step's, read right after each
     replay (graphs of one shared pool share buffers)."""
-    from l2prefetch.tuning import discover, synthetic
+    from l2prefetch.tuning import synthetic
+    from l2prefetch.tuning.discover import candidates, discover
     from l2prefetch.tuning.measure import GraphBackend
     from l2prefetch.tuning.arms import EMPTY, LOADS, NO_FORKS, Arm, Setting, arm_key
 
     model = synthetic.IdleWindowModel(layers=3, hidden=2048, window_us=10)
     step = synthetic.idle_window_step(model)
     with torch.no_grad():
-        reads = discover.discover(model, lambda: step(1))
-    role = {r.name: r for r in discover.candidates(model, reads)}["after a: b"]
+        reads = discover(model, lambda: step(1))
+    role = {r.name: r for r in candidates(model, reads)}["after a: b"]
     backend = GraphBackend(model, step, rounds=4, placement=placement)
     if not backend.switches:
         pytest.skip("this torch has no CUDAGraph.raw_cuda_graph_exec: nothing is switched")
