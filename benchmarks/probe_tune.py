@@ -30,7 +30,7 @@ def main(argv=None):
                         help="where the spin goes (none: nothing planted)")
     parser.add_argument("--spin", type=float, default=40.0, help="the spin, us (default 40)")
     parser.add_argument("--budget", type=float, default=120.0, help="tune's budget, s")
-    parser.add_argument("--placement", choices=PLACEMENTS, default="private")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="shared")
     parser.add_argument("batches", type=int, nargs="*", default=[1])
     args = parser.parse_args(argv)
     if no_gpu("benchmarks.probe_tune"):

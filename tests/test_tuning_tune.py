@@ -678,3 +678,53 @@ def test_graph_backend_reads_each_output_right_after_its_own_replay(caplog, monk
         identical = backend._check_outputs(1, graphs, out_of)
     assert identical == {"a": True, "b": False, "d": True}
     assert "arm b: outputs of instances [1] differ" in caplog.text and "[1.0]" in caplog.text
+
+
+@pytest.mark.parametrize("placement", ["shared", "private"])
+def test_graph_backend_primes_each_shared_pool_with_an_untimed_capture(placement, monkeypatch):
+    """With shared placement each instance's pool gets one capture first that is kept
+    alive until the group is measured and never timed (a new pool's first capture lays
+    its segments out unlike the captures after it); the timed graphs all come after it,
+    in that pool. Private placement captures no primer."""
+    from l2prefetch.tuning.arms import NO_FORKS, Arm
+    from l2prefetch.tuning.measure import GraphBackend
+
+    class Graph:
+        def __init__(self, pool):
+            self.pool = pool
+
+        def replay(self):
+            pass
+
+    class FakeRig:
+        def __init__(self):
+            self.captures, self.timed = [], None
+
+        def capture(self, fn, warmup=1, pool=None, keep_graph=False):
+            g = Graph(pool)
+            self.captures.append(g)
+            return g, torch.ones(2)
+
+        def replays(self, graphs, rounds):
+            self.timed = dict(graphs)
+            # the primers are still alive while the group is timed
+            assert all(sys.getrefcount(g) > 2 for g in self.captures)
+            return {key: [1.0] * rounds for key in graphs}
+
+    pools = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    backend = GraphBackend.__new__(GraphBackend)
+    backend.torch, backend.device, backend.rounds = torch, torch.device("cpu"), 3
+    backend.shared_placement, backend.switches = placement == "shared", False
+    backend._captured, backend._outputs, backend.step = 0, {}, lambda batch: torch.ones(2)
+    backend.rig = rig = FakeRig()
+    times, identical = backend.measure(1, {NO_FORKS: Arm()}, 3)
+    assert times == {NO_FORKS: [1.0, 1.0, 1.0]} and identical == {NO_FORKS: True}
+    timed = [rig.timed[(NO_FORKS, i)] for i in range(3)]
+    primers = [g for g in rig.captures if all(g is not t for t in timed)]
+    if placement == "private":
+        assert primers == [] and [g.pool for g in timed] == [None] * 3
+        return
+    assert [g.pool for g in primers] == [0, 1, 2] and [g.pool for g in timed] == [0, 1, 2]
+    assert [rig.captures.index(p) for p in primers] == [0, 2, 4]   # each before its pool's

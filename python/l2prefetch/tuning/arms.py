@@ -182,8 +182,9 @@ class Backend(abc.ABC):
     #: differences are paired; none by default.
     pairs: Sequence[set] = ()
     #: Whether the arms' graphs of one instance index share placement (GraphBackend's
-    #: placement="shared"): then (a)'s instances are not independent captures, and the
-    #: search reports no instance spread; False by default.
+    #: placement="shared"): then (a) is paired with the other arms by instance; the
+    #: instance indices are still independent placements, so (a)'s spread across them
+    #: is the capture spread; False by default.
     shared_placement: bool = False
     #: Whether measure() captures each fork structure once per instance and switches
     #: its tables in place (what the budget estimate assumes); False by default.

@@ -62,9 +62,10 @@ what a plan must pass.
 the search ends with many instances of the step without forks; their spread
 (:class:`~l2prefetch.tuning.results.InstanceSpread` in the batch's report) says what
 keeping the fastest of k captures would save, which the report recommends where it
-pays; not where the backend's instances share placement
-(:attr:`~l2prefetch.tuning.arms.Backend.shared_placement`: their spread is not that of
-independent captures).
+pays.  With shared placement
+(:attr:`~l2prefetch.tuning.arms.Backend.shared_placement`) the arms of one instance
+index are placed alike, but each index is a placement of its own, so (a)'s spread
+across indices is still that of independent captures.
 
 The budget is shared by the batches.  Before each group the tuner estimates
 its cost from the step's measured capture and replay times; the final
@@ -362,8 +363,7 @@ class _Batch:
                 kept.append((role, verified))
 
         self.combine_and_confirm(kept, reports)
-        if not self.backend.shared_placement:
-            self.report.spread = InstanceSpread.of(self.no_forks, self.prepared.capture_s)
+        self.report.spread = InstanceSpread.of(self.no_forks, self.prepared.capture_s)
         self.report.elapsed_s = self.clock() - t0
         return self.report
 
