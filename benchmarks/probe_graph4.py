@@ -1,8 +1,7 @@
 """Probe 4 (issues 23, 24): loader nodes switched in place inside one graph instance.
 
 HF Llama-shaped, 6 layers, 40 us spin before each post_attention_layernorm; forks after
-o_proj loading that layer's gate_proj (48 MiB captured; other caps switched in, and the
-loader ring_reverse at 24, 32, 48 MiB: r24, r32, r48).  Per mode:
+o_proj loading that layer's gate_proj (48 MiB captured; other caps switched in).  Per mode:
 (1) does a switched graph replay like the graph it stands for ('off' vs a capture without
 forks, 'empty' vs a capture with empty tables), across 6 instances each; (2) paired
 differences within instances against their unpaired twins (95% interval half-widths).
@@ -50,9 +49,6 @@ def main(batch, spin, modes):
     caps = {c: {full[i].ranges: PreparedWeightRanges([l.mlp.gate_proj.weight], byte_cap=c * MIB,
                                                      grid=32, device=0)
                 for i, l in enumerate(layers)} for c in (8, 16, 24, 32)}
-    rev = {c: {full[i].ranges: PreparedWeightRanges([l.mlp.gate_proj.weight], byte_cap=c * MIB,
-                                                    grid=32, device=0, kernel="ring_reverse")
-               for i, l in enumerate(layers)} for c in (24, 32, 48)}
     g132 = {full[i].ranges: PreparedWeightRanges([l.mlp.gate_proj.weight], byte_cap=24 * MIB,
                                                  grid=132, device=0) for i, l in enumerate(layers)}
 
@@ -87,8 +83,7 @@ def main(batch, spin, modes):
                 switches.append(LoaderSwitch(g))
                 outs.append(o)
             states = {"on48": "on", "c8": caps[8], "c16": caps[16], "c24": caps[24],
-                      "c32": caps[32], "c24g132": g132, "r24": rev[24], "r32": rev[32],
-                      "r48": rev[48], "empty": "empty", "off": "off"}
+                      "c32": caps[32], "c24g132": g132, "empty": "empty", "off": "off"}
             sep = rig.instance_medians(graphs, 30)
             par = rig.paired(switches, states, 30)
             n_nodes = len(switches[0].nodes)
@@ -103,7 +98,7 @@ def main(batch, spin, modes):
             print(f"   captured empty - captured none   {d:+6.2f} +-{w:.2f} us (across instances)")
             d, w = ci([a - b for a, b in zip(par["empty"], par["off"])])
             print(f"   empty - off (paired)             {d:+6.2f} +-{w:.2f} us")
-            for s in ("c8", "c16", "c24", "c32", "on48", "c24g132", "r24", "r32", "r48"):
+            for s in ("c8", "c16", "c24", "c32", "on48", "c24g132"):
                 d, w = ci([e - x for e, x in zip(par["empty"], par[s])])
                 d2, w2 = ci([e - x for e, x in zip(par["off"], par[s])])
                 du, wu = welch(sep["empty"], par[s])

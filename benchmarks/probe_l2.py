@@ -6,8 +6,6 @@ Eager on one stream, the L2 flushed first (a read of 8x its size), then one case
   ([8192, 3072]: 48 MiB);
 * ``load24`` / ``load48``: the default loader on W's first 24 / 48 MiB (grid 32), a 40 us
   one-thread spin (an idle GPU, as in the planted window), then the consumer;
-* ``load24r`` / ``load48r``: the same with the loader ``ring_reverse`` (the table's end
-  loaded first, its start last);
 * ``spin``: the 40 us spin alone, then the consumer (the control of the loads);
 * ``hot``: the consumer twice, the second measured (all of W read right before).
 
@@ -35,9 +33,8 @@ from l2prefetch.tuning.rig import Rig
 
 from .common import no_gpu
 
-CASES = ("cold", "spin", "load24", "load48", "load24r", "load48r", "hot")
-LOADS = {"load24": (24, "ring"), "load48": (48, "ring"),
-         "load24r": (24, "ring_reverse"), "load48r": (48, "ring_reverse")}
+CASES = ("cold", "spin", "load24", "load48", "hot")
+LOADS = {"load24": 24, "load48": 48}
 MIB = 1 << 20
 
 
@@ -76,8 +73,8 @@ def main(argv=None):
     torch.manual_seed(0)
     w = torch.randn(8192, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(args.batch, 3072, device="cuda", dtype=torch.bfloat16)
-    tables = {case: _C.PreparedWeightRanges([w], byte_cap=mib * MIB, kernel=kernel)
-              for case, (mib, kernel) in LOADS.items()}
+    tables = {case: _C.PreparedWeightRanges([w], byte_cap=mib * MIB)
+              for case, mib in LOADS.items()}
     for case in args.cases:
         run_case(rig, case, w, x, tables, mark=False)   # warm-up: compiles, cuBLAS handles
         reps = 1 if args.once else 20

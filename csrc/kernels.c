@@ -67,11 +67,6 @@ const l2p_variant l2p_variants[] = {
      * Headlines); smaller chunks or more stages were no faster. */
     {"ring", 90, "-DL2P_KIND=1 -DL2P_CHUNK=32768 -DL2P_STAGES=4 -DL2P_BLOCK=32", 32, 131072,
      "cp.async.bulk copies into a 4 x 32 KiB shared-memory ring (real loads; sm_90 default)"},
-    /* The same loads, the table's end first and its start last (L2P_ORDER 1 in
-     * kernels/prefetch.cu): for tables larger than what the L2 keeps. */
-    {"ring_reverse", 90, "-DL2P_KIND=1 -DL2P_CHUNK=32768 -DL2P_STAGES=4 -DL2P_BLOCK=32 -DL2P_ORDER=1",
-     32, 131072, "ring, loading the table's end first and its start last (the consumer's first "
-     "reads loaded last)"},
     {"bulk_prefetch", 90, "-DL2P_KIND=2 -DL2P_CHUNK=16384 -DL2P_BLOCK=32", 32, 0,
      "cp.async.bulk.prefetch.L2 of 16 KiB pieces (no shared memory)"},
     {"line_prefetch", 80, "-DL2P_KIND=3 -DL2P_BLOCK=128", 128, 0,

@@ -26,15 +26,6 @@
 //            3 line:  prefetch.global.L2 of every 128-byte line.  sm_80+.
 //            4 load:  16-byte ld.global.cg loads, 4 in flight per thread.  sm_80+.
 //   L2P_BLOCK       threads per CTA (the launch uses the same number).
-//   L2P_ORDER 0     each CTA walks one contiguous slice, first byte first.
-//             1     last byte first, interleaved: the granules are cut into
-//                   L2P_CHUNK-byte chunks, chunk c goes to CTA c % gridDim.x,
-//                   and every CTA walks its chunks from the last one down, so
-//                   across the grid the table's end is loaded first and its
-//                   start last.  A consumer reads its weight from the start:
-//                   when the table holds more than the L2 keeps, the lines it
-//                   reads first are then the ones loaded last, the least likely
-//                   evicted (benchmarks/RESULTS.md, run 13).
 
 #ifndef L2P_KIND
 #define L2P_KIND 1
@@ -47,9 +38,6 @@
 #endif
 #ifndef L2P_BLOCK
 #define L2P_BLOCK 32
-#endif
-#ifndef L2P_ORDER
-#define L2P_ORDER 0
 #endif
 
 typedef unsigned long long u64;
@@ -89,31 +77,6 @@ __device__ __forceinline__ void for_each_piece(const L2pTable<CAP>& t, u64 g0, u
     }
 }
 
-// Calls fn(address, bytes) for the pieces of this CTA's share of the table,
-// in the order L2P_ORDER names.
-template <int CAP, typename Fn>
-__device__ __forceinline__ void for_each_assigned_piece(const L2pTable<CAP>& t, u64 max_piece, Fn fn)
-{
-    u64 grid = gridDim.x, b = blockIdx.x;
-#if L2P_ORDER == 0
-    for_each_piece(t, t.granules * b / grid, t.granules * (b + 1) / grid, max_piece, fn);
-#else
-    const u64 chunk = (u64)L2P_CHUNK >> 4;  // granules per chunk
-    u64 chunks = (t.granules + chunk - 1) / chunk;
-    if (b >= chunks)
-        return;
-    // The highest chunk of this CTA, then down by the grid (c < grid ends it: no wrap).
-    u64 c = b + (chunks - 1 - b) / grid * grid;
-    for (;;) {
-        u64 hi = (c + 1) * chunk < t.granules ? (c + 1) * chunk : t.granules;
-        for_each_piece(t, c * chunk, hi, max_piece, fn);
-        if (c < grid)
-            break;
-        c -= grid;
-    }
-#endif
-}
-
 template <int CAP>
 __device__ __forceinline__ void touch_tails(const L2pTable<CAP>& t)
 {
@@ -129,11 +92,11 @@ __device__ __forceinline__ void touch_tails(const L2pTable<CAP>& t)
 
 #if L2P_KIND == 1
 template <int CAP>
-__device__ __forceinline__ void prefetch(const L2pTable<CAP>& t)
+__device__ __forceinline__ void prefetch(const L2pTable<CAP>& t, u64 g0, u64 g1)
 {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) u64 bar[L2P_STAGES];
-    if (threadIdx.x != 0 || t.granules == 0)
+    if (threadIdx.x != 0 || g0 >= g1)
         return;
     unsigned int bars = (unsigned int)__cvta_generic_to_shared(bar);
     unsigned int base = (unsigned int)__cvta_generic_to_shared(ring);
@@ -149,7 +112,7 @@ __device__ __forceinline__ void prefetch(const L2pTable<CAP>& t)
                 "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                 : "=r"(done) : "r"(b), "r"(parity) : "memory");
     };
-    for_each_assigned_piece(t, (u64)L2P_CHUNK, [&](u64 src, u64 bytes) {
+    for_each_piece(t, g0, g1, (u64)L2P_CHUNK, [&](u64 src, u64 bytes) {
         unsigned int s = (unsigned int)(issued % L2P_STAGES);
         unsigned int use = (unsigned int)(issued / L2P_STAGES);
         unsigned int b = bars + 8 * s;
@@ -169,10 +132,10 @@ __device__ __forceinline__ void prefetch(const L2pTable<CAP>& t)
 }
 #elif L2P_KIND == 2
 template <int CAP>
-__device__ __forceinline__ void prefetch(const L2pTable<CAP>& t)
+__device__ __forceinline__ void prefetch(const L2pTable<CAP>& t, u64 g0, u64 g1)
 {
     u64 i = 0;
-    for_each_assigned_piece(t, (u64)L2P_CHUNK, [&](u64 src, u64 bytes) {
+    for_each_piece(t, g0, g1, (u64)L2P_CHUNK, [&](u64 src, u64 bytes) {
         if (i++ % blockDim.x != threadIdx.x)
             return;
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"((unsigned int)bytes) : "memory");
@@ -180,9 +143,9 @@ __device__ __forceinline__ void prefetch(const L2pTable<CAP>& t)
 }
 #elif L2P_KIND == 3
 template <int CAP>
-__device__ __forceinline__ void prefetch(const L2pTable<CAP>& t)
+__device__ __forceinline__ void prefetch(const L2pTable<CAP>& t, u64 g0, u64 g1)
 {
-    for_each_assigned_piece(t, (u64)1 << 62, [&](u64 src, u64 bytes) {
+    for_each_piece(t, g0, g1, (u64)1 << 62, [&](u64 src, u64 bytes) {
         // Every 128-byte line the piece touches, the first one included.
         u64 first = src & ~127ull, last = (src + bytes - 1) & ~127ull;
         for (u64 a = first + 128ull * threadIdx.x; a <= last; a += 128ull * blockDim.x) {
@@ -193,10 +156,10 @@ __device__ __forceinline__ void prefetch(const L2pTable<CAP>& t)
 }
 #elif L2P_KIND == 4
 template <int CAP>
-__device__ __forceinline__ void prefetch(const L2pTable<CAP>& t)
+__device__ __forceinline__ void prefetch(const L2pTable<CAP>& t, u64 g0, u64 g1)
 {
     unsigned int acc = 0;
-    for_each_assigned_piece(t, (u64)1 << 62, [&](u64 src, u64 bytes) {
+    for_each_piece(t, g0, g1, (u64)1 << 62, [&](u64 src, u64 bytes) {
         u64 n = bytes >> 4, step = blockDim.x;
         u64 g = threadIdx.x;
         for (; g + 3 * step < n; g += 4 * step) {
@@ -226,8 +189,10 @@ __device__ __forceinline__ void prefetch(const L2pTable<CAP>& t)
 template <int CAP>
 __device__ __forceinline__ void body(const L2pTable<CAP>& t)
 {
+    u64 grid = gridDim.x, b = blockIdx.x;
+    u64 g0 = t.granules * b / grid, g1 = t.granules * (b + 1) / grid;
     touch_tails(t);
-    prefetch(t);
+    prefetch(t, g0, g1);
 }
 
 // One entry per table capacity; the host picks the smallest that fits

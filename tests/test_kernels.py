@@ -62,7 +62,7 @@ def test_kernel_variants_listing():
     assert VARIANTS == l2prefetch.kernel_variants()
     assert {"ring", "load"} <= set(VARIANTS)
     # The loaders a user or the tuner chooses between, no sweep leftovers (issue 17).
-    assert set(VARIANTS) == {"ring", "ring_reverse", "bulk_prefetch", "line_prefetch", "load"}
+    assert set(VARIANTS) == {"ring", "bulk_prefetch", "line_prefetch", "load"}
     for name, v in VARIANTS.items():
         assert set(v) >= {"min_sm", "block", "smem", "doc", "defines"}, name
         assert isinstance(v["min_sm"], int) and v["min_sm"] >= 80

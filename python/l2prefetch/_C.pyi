@@ -27,7 +27,7 @@ _Device = Union[None, int, str, Any]
 # l2prefetch.mechanisms.GRAPH_FORKS (tests/test_stubs.py checks them).
 _GraphFork = Literal["inline", "branch", "leaf"]
 # The names of csrc/kernels.c's variant table (tests/test_stubs.py checks them).
-_Kernel = Literal["ring", "ring_reverse", "bulk_prefetch", "line_prefetch", "load"]
+_Kernel = Literal["ring", "bulk_prefetch", "line_prefetch", "load"]
 
 class _TensorLike(Protocol):
     """A torch.Tensor, or anything read the same way."""

@@ -83,7 +83,7 @@ CapSpec = Union[int, tuple[int, Optional[int]]]
 
 #: The loader kernel variants, as ``l2prefetch.kernel_variants()`` names them
 #: (tests/test_plan.py checks that the two lists agree).
-KernelName = Literal["ring", "ring_reverse", "bulk_prefetch", "line_prefetch", "load"]
+KernelName = Literal["ring", "bulk_prefetch", "line_prefetch", "load"]
 
 # The fields of an entry in each plan JSON version.
 _JSON_FIELDS: dict[int, tuple[str, ...]] = {
