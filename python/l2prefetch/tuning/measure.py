@@ -297,9 +297,9 @@ class GraphBackend(Backend):
         for i in range(instances):
             pool = torch.cuda.graph_pool_handle() if self.shared_placement else None
             if pool is not None:
-                # A new pool's first capture lays out its segments; the captures after it
-                # reuse them alike, but not always as the first did (RESULTS run 13, batch 8):
-                # a primer, kept alive and never timed, takes the first capture's place.
+                # A new pool's first capture lays out its segments and the captures after
+                # it reuse them; at batch 8 they did not pair (RESULTS run 13), likely because
+                # the first differs: a primer, kept alive, never timed, takes its place.
                 primers.append(self._capture(NO_FORKS, Arm(), controllers, fn,
                                              warmup=i == 0, pool=pool)[0])
             k = self._captured % len(units)
