@@ -321,7 +321,6 @@ class GraphBackend(Backend):
         medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
                    for name in arms}
         identical = self._check_outputs(batch, graphs, out_of)
-        primers.clear()
         self.pairs = [set(arms)] if self.shared_placement else \
             [set(names) for _, names, _ in paired]
         return medians, identical
