@@ -197,3 +197,228 @@ out:
         *failed = NULL;
     return r;
 }
+
+/* EXPERIMENT (issue 24, empty-fork cost): a leaf made later than the fork. */
+
+CUresult l2p_capture_deps(l2p_driver *d, CUstream s, CUgraphNode **nodes, CUgraphEdgeData **edges,
+                          size_t *n)
+{
+    deps x = {0};
+    x.nodes = NULL;
+    *nodes = NULL;
+    *edges = NULL;
+    *n = 0;
+    CUresult r = get_deps(d, s, &x, 0);
+    if (r != CUDA_SUCCESS)
+        goto out;
+    *nodes = PyMem_Calloc(x.n + 1, sizeof(CUgraphNode));
+    *edges = PyMem_Calloc(x.n + 1, sizeof(CUgraphEdgeData));
+    if (!*nodes || !*edges) {
+        PyMem_Free(*nodes);
+        PyMem_Free(*edges);
+        *nodes = NULL;
+        *edges = NULL;
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+        goto out;
+    }
+    for (size_t i = 0; i < x.n; i++) {
+        (*nodes)[i] = x.nodes[i];
+        (*edges)[i] = x.edges[i];
+    }
+    *n = x.n;
+out:
+    if (x.nodes)
+        free_deps(&x);
+    return r;
+}
+
+CUresult l2p_capture_leaf_at(l2p_driver *d, CUstream s, PyObject *prepared,
+                             const CUgraphNode *after, const CUgraphEdgeData *after_edges,
+                             size_t n, CUgraphNode chain, CUgraphNode *node, const char **failed)
+{
+    deps now = {0}, want = {0}, made = {0};
+    now.nodes = want.nodes = made.nodes = NULL;
+    CUresult r;
+    *failed = "cuStreamGetCaptureInfo";
+    if ((r = get_deps(d, s, &now, 0)) != CUDA_SUCCESS)
+        goto out;
+    if ((r = reserve(&want, n + 1)) != CUDA_SUCCESS)
+        goto out;
+    for (size_t i = 0; i < n; i++) {
+        want.nodes[i] = after[i];
+        want.edges[i] = after_edges[i];
+    }
+    want.n = n;
+    if (chain) {
+        want.nodes[n] = chain;
+        memset(&want.edges[n], 0, sizeof(CUgraphEdgeData));
+        want.n++;
+    }
+    *failed = "cuStreamUpdateCaptureDependencies";
+    if ((r = d->fn.cuStreamUpdateCaptureDependencies(s, want.n ? want.nodes : NULL,
+                                                     want.n ? want.edges : NULL, want.n,
+                                                     CU_STREAM_SET_CAPTURE_DEPENDENCIES))
+        != CUDA_SUCCESS)
+        goto out;
+    *failed = "cuLaunchKernelEx";
+    r = l2p_prepared_launch_raw(prepared, s);
+    if (r == CUDA_SUCCESS) {
+        *failed = "cuStreamGetCaptureInfo";
+        if ((r = get_deps(d, s, &made, 0)) == CUDA_SUCCESS && node)
+            *node = made.n == 1 ? made.nodes[0] : NULL;
+    }
+    /* The stream's dependencies back as they were, whatever happened. */
+    CUresult back = d->fn.cuStreamUpdateCaptureDependencies(s, now.n ? now.nodes : NULL,
+                                                            now.n ? now.edges : NULL, now.n,
+                                                            CU_STREAM_SET_CAPTURE_DEPENDENCIES);
+    if (r == CUDA_SUCCESS && back != CUDA_SUCCESS) {
+        *failed = "cuStreamUpdateCaptureDependencies";
+        r = back;
+    }
+out:
+    if (now.nodes)
+        free_deps(&now);
+    if (want.nodes)
+        free_deps(&want);
+    if (made.nodes)
+        free_deps(&made);
+    if (r == CUDA_SUCCESS)
+        *failed = NULL;
+    return r;
+}
+
+CUresult l2p_capture_leaf_reorder(l2p_driver *d, CUstream s, CUgraphNode k, const char **failed)
+{
+    CUgraph g = NULL;
+    int status = 0;
+    CUgraphNode *from = NULL, *to = NULL;
+    size_t n = 0;
+    CUresult r;
+    if (!d->fn.cuGraphNodeGetDependencies || !d->fn.cuGraphRemoveDependencies ||
+        !d->fn.cuGraphAddDependencies) {
+        *failed = "cuGraphRemoveDependencies";
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    *failed = "cuStreamGetCaptureInfo";
+    if ((r = d->fn.cuStreamGetCaptureInfo(s, &status, NULL, &g, NULL, NULL, NULL)) != CUDA_SUCCESS)
+        return r;
+    *failed = "cuGraphNodeGetDependencies";
+    if ((r = d->fn.cuGraphNodeGetDependencies(k, NULL, &n)) != CUDA_SUCCESS || n == 0)
+        return r;
+    from = PyMem_Calloc(n, sizeof *from);
+    to = PyMem_Calloc(n, sizeof *to);
+    if (!from || !to) {
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+        goto out;
+    }
+    if ((r = d->fn.cuGraphNodeGetDependencies(k, from, &n)) != CUDA_SUCCESS)
+        goto out;
+    for (size_t i = 0; i < n; i++)
+        to[i] = k;
+    *failed = "cuGraphRemoveDependencies";
+    if ((r = d->fn.cuGraphRemoveDependencies(g, from, to, n)) != CUDA_SUCCESS)
+        goto out;
+    *failed = "cuGraphAddDependencies";
+    r = d->fn.cuGraphAddDependencies(g, from, to, n);
+out:
+    PyMem_Free(from);
+    PyMem_Free(to);
+    if (r == CUDA_SUCCESS)
+        *failed = NULL;
+    return r;
+}
+
+static CUresult launch_small(l2p_driver *d, CUstream s, CUfunction f, void **args)
+{
+    CUlaunchConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDimX = cfg.gridDimY = cfg.gridDimZ = 1;
+    cfg.blockDimX = 32;
+    cfg.blockDimY = cfg.blockDimZ = 1;
+    cfg.hStream = s;
+    return d->fn.cuLaunchKernelEx(&cfg, f, args, NULL);
+}
+
+CUresult l2p_capture_signal(l2p_driver *d, CUstream s, PyObject *prepared, CUdeviceptr flag,
+                            CUgraphNode chain, CUgraphNode *leaf, const char **failed)
+{
+    deps before = {0}, after = {0}, next = {0};
+    before.nodes = after.nodes = next.nodes = NULL;
+    CUfunction sig, wait;
+    CUresult r;
+    unsigned long long timeout_ns = 20000000ull;
+    void *sargs[] = {&flag};
+    void *wargs[] = {&flag, &timeout_ns};
+    *failed = "cuModuleGetFunction(l2p_signal)";
+    if (!l2p_prepared_aux(prepared, &sig, &wait))
+        return CUDA_ERROR_NOT_FOUND;
+    *failed = "cuStreamGetCaptureInfo";
+    if ((r = get_deps(d, s, &before, 0)) != CUDA_SUCCESS)
+        goto out;
+    *failed = "cuLaunchKernelEx(l2p_signal)";
+    if ((r = launch_small(d, s, sig, sargs)) != CUDA_SUCCESS)
+        goto out;
+    *failed = "cuStreamGetCaptureInfo";
+    if ((r = get_deps(d, s, &after, 0)) != CUDA_SUCCESS)
+        goto out;
+    /* the side chain: W after the previous leaf (or nothing), then K */
+    *failed = "cuStreamUpdateCaptureDependencies";
+    if (chain) {
+        CUgraphEdgeData e;
+        memset(&e, 0, sizeof e);
+        r = d->fn.cuStreamUpdateCaptureDependencies(s, &chain, &e, 1,
+                                                    CU_STREAM_SET_CAPTURE_DEPENDENCIES);
+    } else {
+        r = d->fn.cuStreamUpdateCaptureDependencies(s, NULL, NULL, 0,
+                                                    CU_STREAM_SET_CAPTURE_DEPENDENCIES);
+    }
+    if (r != CUDA_SUCCESS)
+        goto out;
+    *failed = "cuLaunchKernelEx(l2p_wait)";
+    if ((r = launch_small(d, s, wait, wargs)) != CUDA_SUCCESS)
+        goto restore;
+    *failed = "cuLaunchKernelEx";
+    if ((r = l2p_prepared_launch_raw(prepared, s)) != CUDA_SUCCESS)
+        goto restore;
+    {
+        deps k = {0};
+        k.nodes = NULL;
+        *failed = "cuStreamGetCaptureInfo";
+        if ((r = get_deps(d, s, &k, 0)) == CUDA_SUCCESS && leaf)
+            *leaf = k.n == 1 ? k.nodes[0] : NULL;
+        if (k.nodes)
+            free_deps(&k);
+    }
+restore:
+    {
+        CUresult r2;
+        if ((r2 = reserve(&next, before.n + after.n)) == CUDA_SUCCESS) {
+            next.n = before.n + after.n;
+            for (size_t i = 0; i < before.n; i++) {
+                next.nodes[i] = before.nodes[i];
+                next.edges[i] = before.edges[i];
+            }
+            for (size_t i = 0; i < after.n; i++) {
+                next.nodes[before.n + i] = after.nodes[i];
+                next.edges[before.n + i] = launch_order();
+            }
+            r2 = d->fn.cuStreamUpdateCaptureDependencies(s, next.n ? next.nodes : NULL,
+                                                         next.n ? next.edges : NULL, next.n,
+                                                         CU_STREAM_SET_CAPTURE_DEPENDENCIES);
+        }
+        if (r == CUDA_SUCCESS && r2 != CUDA_SUCCESS) {
+            *failed = "cuStreamUpdateCaptureDependencies";
+            r = r2;
+        }
+    }
+out:
+    if (before.nodes)
+        free_deps(&before);
+    if (after.nodes)
+        free_deps(&after);
+    if (next.nodes)
+        free_deps(&next);
+    if (r == CUDA_SUCCESS)
+        *failed = NULL;
+    return r;
+}
