@@ -105,17 +105,6 @@ typedef struct {
     PyObject *stream_obj;     /* torch.cuda.ExternalStream, made on first use */
     CUgraphNode leaf_tail;    /* the last leaf node of capture leaf_capture (capture.c) */
     unsigned long long leaf_capture;
-    /* EXPERIMENT: a leaf made late (L2PREFETCH_LEAF_EXPERIMENT=2: not yet made, after
-     * lp_nodes; =1: made, its edges to be added again) at the next fork or join. */
-    int lp_kind;
-    unsigned long long lp_capture;
-    CUgraphNode *lp_nodes;
-    CUgraphEdgeData *lp_edges;
-    size_t lp_n;
-    CUgraphNode lp_node;
-    PyObject *lp_ranges;
-    CUdeviceptr flags;        /* EXPERIMENT=3: 4096 flags, used round robin */
-    unsigned flags_used;
     PyObject *weakreflist;
 } controller;
 
@@ -203,17 +192,6 @@ static CUresult teardown(controller *self, row **chain, PyObject **stream_obj, c
     self->pending = 0;
     self->capture_id = 0;
     self->nentries = 0;
-    self->lp_kind = 0;
-    PyMem_Free(self->lp_nodes);
-    PyMem_Free(self->lp_edges);
-    self->lp_nodes = NULL;
-    self->lp_edges = NULL;
-    self->lp_n = 0;
-    Py_CLEAR(self->lp_ranges);
-    if (self->flags && d && d->fn.cuMemFree) {
-        (void)d->fn.cuMemFree(self->flags);
-        self->flags = 0;
-    }
     self->gen++;
     for (int p = 0; p < self->npoints; p++) {
         point *pt = &self->points[p];
@@ -689,19 +667,6 @@ static PyObject *controller_add(controller *self, PyObject *const *args, Py_ssiz
     if (!r)
         goto done;
     self->gen++;
-    {   /* EXPERIMENT=3: the flags, before any capture */
-        const char *v = getenv("L2PREFETCH_LEAF_EXPERIMENT");
-        if (v && v[0] == '3' && !self->flags && self->drv && self->drv->fn.cuMemAlloc &&
-            ensure_context(self) == 0) {
-            if (self->drv->fn.cuMemAlloc(&self->flags, 4 * 4096) != CUDA_SUCCESS ||
-                self->drv->fn.cuMemsetD32(self->flags, 0, 4096) != CUDA_SUCCESS) {
-                PyErr_SetString(PyExc_RuntimeError, "EXPERIMENT: flags");
-                goto done;
-            }
-        }
-        if (PyErr_Occurred())
-            goto done;
-    }
     for (Py_ssize_t i = 0; i < nb; i++)
         if (set_slot(self, r, (int)PyLong_AsLong(PyTuple_GET_ITEM(list, i)), mode, ranges, &old[i]) < 0)
             goto done;   /* the batches before this one stay registered */
@@ -757,45 +722,6 @@ static int capture_of(controller *self, CUstream s, unsigned long long *id)
         return l2p_raise_cuda_int(state_of(self), self->drv, "cuStreamGetCaptureInfo", r);
     *id = status == CU_STREAM_CAPTURE_STATUS_ACTIVE ? cid : 0;
     return 0;
-}
-
-/* EXPERIMENT: make or re-edge the late leaf of capture cap on s (capturing it). */
-static CUresult lp_flush(controller *self, CUstream s, unsigned long long cap, const char **failed,
-                         PyObject **drop)
-{
-    *failed = NULL;
-    if (!self->lp_kind)
-        return CUDA_SUCCESS;
-    int kind = self->lp_kind;
-    self->lp_kind = 0;
-    *drop = self->lp_ranges;
-    self->lp_ranges = NULL;
-    CUresult r = CUDA_SUCCESS;
-    if (self->lp_capture == cap && cap) {
-        if (kind == 1) {
-            r = l2p_capture_leaf_reorder(self->drv, s, self->lp_node, failed);
-        } else {
-            CUgraphNode chain = self->leaf_capture == cap ? self->leaf_tail : NULL, node = NULL;
-            r = l2p_capture_leaf_at(self->drv, s, *drop, self->lp_nodes, self->lp_edges,
-                                    self->lp_n, chain, &node, failed);
-            if (node) {
-                self->leaf_tail = node;
-                self->leaf_capture = cap;
-            }
-        }
-    }
-    PyMem_Free(self->lp_nodes);
-    PyMem_Free(self->lp_edges);
-    self->lp_nodes = NULL;
-    self->lp_edges = NULL;
-    self->lp_n = 0;
-    return r;
-}
-
-static int lp_experiment(void)
-{
-    const char *v = getenv("L2PREFETCH_LEAF_EXPERIMENT");
-    return v && (v[0] == '1' || v[0] == '2' || v[0] == '3') ? v[0] - '0' : 0;
 }
 
 PyDoc_STRVAR(fork_doc,
@@ -856,49 +782,6 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     }
     if (!cap && !self->eager)
         Py_RETURN_FALSE;
-    if (cap && self->lp_kind) {
-        const char *failed;
-        PyObject *drop = NULL;
-        CUresult r = lp_flush(self, cur, cap, &failed, &drop);
-        if (r != CUDA_SUCCESS) {
-            Py_XDECREF(drop);
-            return l2p_raise_cuda(st, d, failed, r);
-        }
-        Py_XDECREF(drop);   /* EXPERIMENT: may run a finalizer; not for shipping */
-        if (check_open(self) < 0)
-            return NULL;
-        if (!(e = lookup(self, point, layer, batch, &p)))
-            Py_RETURN_FALSE;
-    }
-    int lp = mode == GRAPH_FORK_LEAF ? lp_experiment() : 0;
-    if (cap && inline_ok && lp == 3) {
-        if (!self->flags)
-            return PyErr_Format(PyExc_RuntimeError, "EXPERIMENT=3: no flags (set it before add())");
-        CUdeviceptr flag = self->flags + 4 * (self->flags_used++ % 4096);
-        CUgraphNode chain = self->leaf_capture == cap ? self->leaf_tail : NULL, node = NULL;
-        const char *failed;
-        CUresult r = l2p_capture_signal(d, cur, e->ranges, flag, chain, &node, &failed);
-        if (node) {
-            self->leaf_tail = node;
-            self->leaf_capture = cap;
-        }
-        if (r != CUDA_SUCCESS)
-            return l2p_raise_cuda(st, d, failed, r);
-        self->points[p].forks++;
-        self->points[p].bytes += l2p_prepared_nbytes(e->ranges);
-        Py_RETURN_TRUE;
-    }
-    if (cap && inline_ok && lp == 2) {
-        CUresult r = l2p_capture_deps(d, cur, &self->lp_nodes, &self->lp_edges, &self->lp_n);
-        if (r != CUDA_SUCCESS)
-            return l2p_raise_cuda(st, d, "cuStreamGetCaptureInfo", r);
-        self->lp_ranges = Py_NewRef(e->ranges);
-        self->lp_capture = cap;
-        self->lp_kind = 2;
-        self->points[p].forks++;
-        self->points[p].bytes += l2p_prepared_nbytes(e->ranges);
-        Py_RETURN_TRUE;
-    }
     if (cap && inline_ok) {
         const char *failed;
         CUgraphNode chain = NULL, node = NULL;
@@ -909,11 +792,6 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
         if (mode == GRAPH_FORK_LEAF && node) {
             self->leaf_tail = node;
             self->leaf_capture = cap;
-            if (lp == 1) {
-                self->lp_kind = 1;
-                self->lp_node = node;
-                self->lp_capture = cap;
-            }
         }
         if (r != CUDA_SUCCESS)
             return l2p_raise_cuda(st, d, failed, r);
@@ -950,7 +828,7 @@ static PyObject *controller_join(controller *self, PyObject *const *args, Py_ssi
     PyObject *stream = Py_None;
     if (l2p_parse_args(&join_sig, args, nargs, kwnames, &stream) < 0 || check_open(self) < 0)
         return NULL;
-    if (!self->pending && !self->lp_kind)
+    if (!self->pending)
         Py_RETURN_NONE;
     CUstream cur;
     if (l2p_parse_stream(stream, self->device, &cur) < 0)   /* may run Python code */
@@ -958,24 +836,9 @@ static PyObject *controller_join(controller *self, PyObject *const *args, Py_ssi
     /* ---- commit: no Python code from here on, the GIL stays held ---- */
     if (check_open(self) < 0)
         return NULL;
-    l2p_state *st = state_of(self);
-    if (self->lp_kind) {
-        if (ensure_context(self) < 0)
-            return NULL;
-        unsigned long long cap = 0;
-        if (capture_of(self, cur, &cap) < 0)
-            return NULL;
-        const char *failed;
-        PyObject *drop = NULL;
-        CUresult r = lp_flush(self, cur, cap, &failed, &drop);
-        Py_XDECREF(drop);
-        if (r != CUDA_SUCCESS)
-            return l2p_raise_cuda(st, self->drv, failed, r);
-        if (check_open(self) < 0)
-            return NULL;
-    }
     if (!self->pending)   /* joined meanwhile */
         Py_RETURN_NONE;
+    l2p_state *st = state_of(self);
     if (ensure_context(self) < 0)
         return NULL;
     CUresult r = self->drv->fn.cuEventRecord(self->join_event, self->side);

@@ -58,15 +58,7 @@
     X(cuGraphKernelNodeGetParams, 12000, 0, (CUgraphNode, CUDA_KERNEL_NODE_PARAMS *))   \
     X(cuGraphNodeSetEnabled, 11060, 0, (CUgraphExec, CUgraphNode, unsigned int))        \
     X(cuGraphExecKernelNodeSetParams, 12000, 0,                                        \
-      (CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS *))                      \
-    X(cuGraphNodeGetDependencies, 10000, 0, (CUgraphNode, CUgraphNode *, size_t *))     \
-    X(cuGraphRemoveDependencies, 10000, 0,                                             \
-      (CUgraph, const CUgraphNode *, const CUgraphNode *, size_t))                      \
-    X(cuGraphAddDependencies, 10000, 0,                                                \
-      (CUgraph, const CUgraphNode *, const CUgraphNode *, size_t))                      \
-    X(cuMemAlloc, 3020, 0, (CUdeviceptr *, size_t))                                    \
-    X(cuMemFree, 3020, 0, (CUdeviceptr))                                               \
-    X(cuMemsetD32, 3020, 0, (CUdeviceptr, unsigned int, size_t))
+      (CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS *))
 
 /* The oldest driver we accept: cuGetProcAddress_v2 and cuLaunchKernelEx. */
 #define L2P_MIN_DRIVER_VERSION 12000
@@ -84,7 +76,6 @@ typedef struct l2p_device {
     int least_priority, greatest_priority;
     CUmodule modules[L2P_MAX_VARIANTS];                 /* by variant index */
     CUfunction functions[L2P_MAX_VARIANTS][L2P_NUM_CAPACITIES];
-    CUfunction signal_fn[L2P_MAX_VARIANTS], wait_fn[L2P_MAX_VARIANTS];   /* EXPERIMENT */
 } l2p_device;
 
 typedef struct l2p_driver {

@@ -670,12 +670,6 @@ int l2p_kernel_function(l2p_state *st, l2p_driver *d, l2p_device *dev, int varia
                                                  (int)v->smem);
                 }
             }
-            if (r == CUDA_SUCCESS &&   /* EXPERIMENT */
-                (d->fn.cuModuleGetFunction(&dev->signal_fn[variant], mod, "l2p_signal") != CUDA_SUCCESS ||
-                 d->fn.cuModuleGetFunction(&dev->wait_fn[variant], mod, "l2p_wait") != CUDA_SUCCESS)) {
-                dev->signal_fn[variant] = NULL;
-                dev->wait_fn[variant] = NULL;
-            }
             if (r != CUDA_SUCCESS && mod) {
                 (void)d->fn.cuModuleUnload(mod);
                 mod = NULL;

@@ -179,7 +179,6 @@ CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream);
 /* prepared's launch as a kernel node's parameters (func, dimensions, its table). */
 void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p);
 l2p_driver *l2p_prepared_driver(PyObject *obj);
-int l2p_prepared_aux(PyObject *obj, CUfunction *sig, CUfunction *wait);   /* EXPERIMENT */
 
 /* capture.c: the inline graph fork (NOTE [inline graph fork]). */
 int l2p_capture_inline_available(const l2p_driver *d);
@@ -189,16 +188,6 @@ int l2p_capture_inline_available(const l2p_driver *d);
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
                                    int order_edge, CUgraphNode chain, CUgraphNode *node,
                                    const char **failed);
-/* EXPERIMENT: s's capture dependencies copied (PyMem, one spare slot); a leaf made now
- * after given nodes; a node's incoming edges removed and added again. */
-CUresult l2p_capture_deps(l2p_driver *d, CUstream s, CUgraphNode **nodes, CUgraphEdgeData **edges,
-                          size_t *n);
-CUresult l2p_capture_leaf_at(l2p_driver *d, CUstream s, PyObject *prepared,
-                             const CUgraphNode *after, const CUgraphEdgeData *after_edges,
-                             size_t n, CUgraphNode chain, CUgraphNode *node, const char **failed);
-CUresult l2p_capture_leaf_reorder(l2p_driver *d, CUstream s, CUgraphNode k, const char **failed);
-CUresult l2p_capture_signal(l2p_driver *d, CUstream s, PyObject *prepared, CUdeviceptr flag,
-                            CUgraphNode chain, CUgraphNode *leaf, const char **failed);
 
 /* graph.c: loader nodes of a captured graph, switched in place. */
 PyObject *l2p_py_graph_loader_nodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

@@ -501,12 +501,3 @@ PyType_Spec l2p_prepared_spec = {
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = prepared_slots,
 };
-
-/* EXPERIMENT: the signal and wait kernels of obj's module (NULL when absent). */
-int l2p_prepared_aux(PyObject *obj, CUfunction *sig, CUfunction *wait)
-{
-    l2p_prepared *self = (l2p_prepared *)obj;
-    *sig = self->dev->signal_fn[self->variant];
-    *wait = self->dev->wait_fn[self->variant];
-    return *sig && *wait;
-}

@@ -208,31 +208,3 @@ __device__ __forceinline__ void body(const L2pTable<CAP>& t)
 L2P_ENTRY(8)
 L2P_ENTRY(32)
 L2P_ENTRY(128)
-
-// EXPERIMENT (issue 24): a fork whose loader waits on the side for a flag that a
-// one-thread kernel on the captured stream sets, so the main path carries no edge
-// to another hardware stream.  l2p_wait gives up after timeout_ns.
-extern "C" __global__ void l2p_signal(unsigned int* flag)
-{
-    if (threadIdx.x == 0)
-        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(1u) : "memory");
-}
-
-extern "C" __global__ void l2p_wait(unsigned int* flag, u64 timeout_ns)
-{
-    if (threadIdx.x != 0)
-        return;
-    u64 t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    for (;;) {
-        unsigned int v;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-        if (v)
-            break;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t - t0 > timeout_ns)
-            break;
-        __nanosleep(100);
-    }
-    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(0u) : "memory");
-}
