@@ -8,15 +8,17 @@ roles discovered, every fork mode, the given budget; the GraphBackend's placemen
 Prints the summary (with the instance spread and the best-of-k advice) and the report.
 
     python -m benchmarks.probe_tune [--model NAME] [--site mlp|attention|none] [--spin US]
-                                    [--budget S] [--placement private|shared] [BATCH ...]
+                                    [--layers I,J,..] [--budget S] [--placement private|shared] [BATCH ...]
 """
 import argparse
 
 import torch
 
 from benchmarks.common import hf_model, no_gpu
-from benchmarks.sections.planted import SITES, _planted
+from benchmarks.sections.planted import SITES, _planted, _role
 from l2prefetch import tuning
+from l2prefetch.tuning.arms import NO_FORKS, Arm, Setting
+from l2prefetch.tuning.stats import paired_interval
 from l2prefetch.tuning.hf import DecodeStep
 from l2prefetch.tuning.measure import PLACEMENTS, GraphBackend
 from l2prefetch.tuning.rig import Rig
@@ -29,8 +31,14 @@ def main(argv=None):
     parser.add_argument("--site", choices=(*SITES, "none"), default="mlp",
                         help="where the spin goes (none: nothing planted)")
     parser.add_argument("--spin", type=float, default=40.0, help="the spin, us (default 40)")
+    parser.add_argument("--layers", type=lambda v: {int(x) for x in v.split(",")}, default=None,
+                        help="plant in these layers only (comma-separated indices; default all)")
     parser.add_argument("--budget", type=float, default=120.0, help="tune's budget, s")
     parser.add_argument("--placement", choices=PLACEMENTS, default="shared")
+    parser.add_argument("--hand", action="store_true",
+                        help="then measure the tuned plan beside hand-placed ones (the planted "
+                             "window's role at 24 and 48 MiB, leaf and branch, at the planted "
+                             "layers), paired, 8 instances")
     parser.add_argument("batches", type=int, nargs="*", default=[1])
     args = parser.parse_args(argv)
     if no_gpu("benchmarks.probe_tune"):
@@ -40,16 +48,46 @@ def main(argv=None):
     if args.site != "none":
         if not hasattr(model, "model") or not hasattr(model.model, "layers"):
             parser.error(f"--site {args.site}: {args.model} has no model.layers to plant in")
-        _planted(rig, model, args.site, args.spin)
+        _planted(rig, model, args.site, args.spin, args.layers)
     step = DecodeStep(model)
+    where = "every" if args.layers is None else f"layers {sorted(args.layers)}"
     planted = "nothing planted" if args.site == "none" else \
-        f"{args.spin:g} us before every {args.site}"
+        f"{args.spin:g} us before {where} {args.site}"
     print(f"probe_tune: {args.model}, {planted}, budget {args.budget:g} s, "
           f"{args.placement} placement, batches {args.batches}")
     backend = GraphBackend(model, step, placement=args.placement)
     result = tuning.tune(model, step, args.batches, budget_s=args.budget, backend=backend)
     print(result.summary())
     print(result.markdown())
+    if args.hand and args.site != "none":
+        hand(backend, model, step, result, args)
+
+
+MIB = 1 << 20
+
+
+def hand(backend, model, step, result, args):
+    """The tuned plan beside hand-placed plans of the planted window's role, in one group
+    of shared placement: every arm paired with no forks by instance."""
+    role = _role(model, step, args.site)
+    layers = None if args.layers is None else tuple(sorted(args.layers))
+    for rep in result.batches:
+        arms = {NO_FORKS: Arm()}
+        if rep.plan:
+            arms["tuned"] = Arm(tuple(rep.plan))
+        for mode in ("leaf", "branch"):
+            for cap in (24, 48):
+                arms[f"hand {mode} {cap} MiB"] = Arm(
+                    ((role.name, Setting(cap * MIB, graph_fork=mode, layers=layers)),))
+        times, identical = backend.measure(rep.batch, arms, 8)
+        print(f"== batch {rep.batch}: no forks {sum(times[NO_FORKS]) / 8:.1f} us; "
+              f"gain against no forks (paired, 95%), hand plans: {role.name} at "
+              f"{'every layer' if layers is None else f'layers {list(layers)}'}")
+        for name in arms:
+            if name == NO_FORKS:
+                continue
+            gain = paired_interval(times[NO_FORKS], times[name])
+            print(f"   {name:22} {gain.format(2)} us  bitwise {'same' if identical[name] else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":

@@ -72,11 +72,12 @@ def _role(model, step, site):
                        f"{[r.name for r in roles]}")
 
 
-def _planted(rig, model, site, spin):
-    """Hooks that spin ``spin`` us before each layer's MLP or attention; returns them."""
+def _planted(rig, model, site, spin, layers=None):
+    """Hooks that spin ``spin`` us before the MLP or attention of each layer (of the
+    layer indices ``layers`` only, when given); returns them."""
     norm = "post_attention_layernorm" if site == "mlp" else "input_layernorm"
     return [getattr(layer, norm).register_forward_pre_hook(lambda m, a: rig.spin(spin))
-            for layer in model.model.layers]
+            for i, layer in enumerate(model.model.layers) if layers is None or i in layers]
 
 
 def _measure(backend, role, batch, modes, caps):
