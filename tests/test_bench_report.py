@@ -151,3 +151,34 @@ def test_the_probes_models_are_the_planted_ones_or_configs():
     with pytest.raises(SystemExit, match=r"unknown model 'mixtral': one of .*deepseek-v3-6l.*"
                                          r"llama.*mixtral-4l.*qwen3, qwen3-8l, qwen3-moe-6l"):
         hf_model("mixtral")
+
+
+def test_a_planted_window_goes_before_the_named_layers_only():
+    from benchmarks.sections.planted import _planted
+
+    spins = []
+
+    class Rig:
+        def spin(self, us):
+            spins.append(us)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.post_attention_layernorm = torch.nn.Identity()
+            self.input_layernorm = torch.nn.Identity()
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList(Layer() for _ in range(6))
+    hooks = _planted(Rig(), model, "mlp", 40, layers={1, 3, 5})
+    assert len(hooks) == 3
+    x = torch.zeros(1)
+    for i, layer in enumerate(model.model.layers):
+        layer.post_attention_layernorm(x)
+        layer.input_layernorm(x)
+        assert len(spins) == (i + 1) // 2, i   # after layers 1, 3, 5 only, and not before attention
+    assert spins == [40, 40, 40]
+    for h in hooks:
+        h.remove()
+    assert len(_planted(Rig(), model, "attention", 10)) == 6
