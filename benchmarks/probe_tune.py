@@ -8,7 +8,11 @@ roles discovered, every fork mode, the given budget; the GraphBackend's placemen
 Prints the summary (with the instance spread and the best-of-k advice) and the report.
 
     python -m benchmarks.probe_tune [--model NAME] [--site mlp|attention|none] [--spin US]
-                                    [--layers I,J,..] [--budget S] [--placement private|shared] [BATCH ...]
+                                    [--layers I,J,..] [--budget S] [--placement private|shared]
+                                    [--hand] [BATCH ...]
+
+``--hand`` then measures the tuned plan beside hand-placed plans of the planted window's role
+(benchmarks/RESULTS.md, run 14).
 """
 import argparse
 
@@ -18,10 +22,21 @@ from benchmarks.common import hf_model, no_gpu
 from benchmarks.sections.planted import SITES, _planted, _role
 from l2prefetch import tuning
 from l2prefetch.tuning.arms import NO_FORKS, Arm, Setting
-from l2prefetch.tuning.stats import paired_interval
+from l2prefetch.tuning.stats import diff_interval, paired_interval
 from l2prefetch.tuning.hf import DecodeStep
 from l2prefetch.tuning.measure import PLACEMENTS, GraphBackend
 from l2prefetch.tuning.rig import Rig
+
+
+def layer_indices(text):
+    """``--layers``: comma-separated layer indices, as a set."""
+    try:
+        layers = {int(x) for x in text.split(",")}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated layer indices") from None
+    if min(layers) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: layer indices are >= 0")
+    return layers
 
 
 def main(argv=None):
@@ -31,16 +46,18 @@ def main(argv=None):
     parser.add_argument("--site", choices=(*SITES, "none"), default="mlp",
                         help="where the spin goes (none: nothing planted)")
     parser.add_argument("--spin", type=float, default=40.0, help="the spin, us (default 40)")
-    parser.add_argument("--layers", type=lambda v: {int(x) for x in v.split(",")}, default=None,
+    parser.add_argument("--layers", type=layer_indices, default=None,
                         help="plant in these layers only (comma-separated indices; default all)")
     parser.add_argument("--budget", type=float, default=120.0, help="tune's budget, s")
     parser.add_argument("--placement", choices=PLACEMENTS, default="shared")
     parser.add_argument("--hand", action="store_true",
                         help="then measure the tuned plan beside hand-placed ones (the planted "
                              "window's role at 24 and 48 MiB, leaf and branch, at the planted "
-                             "layers), paired, 8 instances")
+                             f"layers), {HAND_INSTANCES} instances")
     parser.add_argument("batches", type=int, nargs="*", default=[1])
     args = parser.parse_args(argv)
+    if args.hand and args.site == "none":
+        parser.error("--hand compares plans for a planted window: give --site mlp or attention")
     if no_gpu("benchmarks.probe_tune"):
         return
     rig = Rig(torch.device("cuda", 0))
@@ -59,16 +76,18 @@ def main(argv=None):
     result = tuning.tune(model, step, args.batches, budget_s=args.budget, backend=backend)
     print(result.summary())
     print(result.markdown())
-    if args.hand and args.site != "none":
+    if args.hand:
         hand(backend, model, step, result, args)
 
 
 MIB = 1 << 20
+#: Graph instances per arm in the --hand group.
+HAND_INSTANCES = 8
 
 
 def hand(backend, model, step, result, args):
-    """The tuned plan beside hand-placed plans of the planted window's role, in one group
-    of shared placement: every arm paired with no forks by instance."""
+    """The tuned plan beside hand-placed plans of the planted window's role, in one group:
+    with shared placement every arm is paired with no forks by instance (else Welch)."""
     role = _role(model, step, args.site)
     layers = None if args.layers is None else tuple(sorted(args.layers))
     for rep in result.batches:
@@ -79,15 +98,18 @@ def hand(backend, model, step, result, args):
             for cap in (24, 48):
                 arms[f"hand {mode} {cap} MiB"] = Arm(
                     ((role.name, Setting(cap * MIB, graph_fork=mode, layers=layers)),))
-        times, identical = backend.measure(rep.batch, arms, 8)
-        print(f"== batch {rep.batch}: no forks {sum(times[NO_FORKS]) / 8:.1f} us; "
-              f"gain against no forks (paired, 95%), hand plans: {role.name} at "
+        times, identical = backend.measure(rep.batch, arms, HAND_INSTANCES)
+        interval = paired_interval if backend.shared_placement else diff_interval
+        print(f"== batch {rep.batch}: no forks {sum(times[NO_FORKS]) / HAND_INSTANCES:.1f} us; "
+              f"gain against no forks ({'paired' if backend.shared_placement else 'Welch'}, 95%), "
+              f"hand plans: {role.name} at "
               f"{'every layer' if layers is None else f'layers {list(layers)}'}")
         for name in arms:
             if name == NO_FORKS:
                 continue
-            gain = paired_interval(times[NO_FORKS], times[name])
-            print(f"   {name:22} {gain.format(2)} us  bitwise {'same' if identical[name] else 'DIFFERENT'}")
+            gain = interval(times[NO_FORKS], times[name])
+            same = "same" if identical[name] else "DIFFERENT"
+            print(f"   {name:22} {gain.format(2)} us  bitwise {same}")
 
 
 if __name__ == "__main__":

@@ -182,3 +182,18 @@ def test_a_planted_window_goes_before_the_named_layers_only():
     for h in hooks:
         h.remove()
     assert len(_planted(Rig(), model, "attention", 10)) == 6
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--site", "none", "--hand", "1"], "--hand compares plans for a planted window"),
+    (["--layers", "1,x", "1"], "'1,x' is not comma-separated layer indices"),
+    (["--layers", "-1", "1"], "layer indices are >= 0"),
+])
+def test_probe_tune_refuses_bad_options_before_it_needs_a_gpu(argv, message, capsys):
+    from benchmarks import probe_tune
+
+    with pytest.raises(SystemExit) as exc:
+        probe_tune.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert probe_tune.layer_indices("5,1,3") == {1, 3, 5}
