@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from benchmarks.common import hf_model, no_gpu
-from benchmarks.sections.planted import SITES, _planted, _role
+from benchmarks.sections.planted import MIB, SITES, _planted, _role
 from l2prefetch import tuning
 from l2prefetch.tuning.arms import NO_FORKS, Arm, Setting
 from l2prefetch.tuning.stats import diff_interval, paired_interval
@@ -65,6 +65,9 @@ def main(argv=None):
     if args.site != "none":
         if not hasattr(model, "model") or not hasattr(model.model, "layers"):
             parser.error(f"--site {args.site}: {args.model} has no model.layers to plant in")
+        if args.layers is not None and max(args.layers) >= len(model.model.layers):
+            parser.error(f"--layers {sorted(args.layers)}: {args.model} has "
+                         f"{len(model.model.layers)} layers")
         _planted(rig, model, args.site, args.spin, args.layers)
     step = DecodeStep(model)
     where = "every" if args.layers is None else f"layers {sorted(args.layers)}"
@@ -80,7 +83,6 @@ def main(argv=None):
         hand(backend, model, step, result, args)
 
 
-MIB = 1 << 20
 #: Graph instances per arm in the --hand group.
 HAND_INSTANCES = 8
 
