@@ -16,11 +16,11 @@
  * blocks of its upstream kernel have *begun*, not finished:
  *
  *      before:  X ---------------------> Y          (X: the last captured node)
- *      after:   X ---------> K
+ *      after:   X --programmatic--> K               (see below)
  *               X ---------------------> Y          (X's own edge, unchanged)
  *               K --launch order-------> Y
  *
- * K starts when X is done, as the eager fork's event makes it ("a prefetch
+ * K loads when X is done, as the eager fork's event makes it ("a prefetch
  * starts only after the work it overlaps"); Y still waits for X exactly as
  * before and for nothing of K but its launch, so K overlaps Y and what
  * follows.  The graph stays one chain; the replay does not pay for a branch.
@@ -30,12 +30,18 @@
  * NCCL) inherits the same two edges: its kernel waits for X and for K's
  * launch only (tests/test_capture_edges_gpu.py checks it).
  *
- * K's edge from X is an ordinary one, not launch order: started while X runs,
- * K competes with X for HBM, and with X a bandwidth-bound GEMV (the routed
- * experts before next_attention, real all-reduces at TP 2) that made the step
- * slower (benchmarks/RESULTS.md, section "Run 7").  Driver 12.3 or newer (edge
- * data); older drivers and PrefetchController(graph_fork="branch") use the
- * side stream.
+ * K's edges from X's kernel nodes are programmatic (from X's trigger port) and
+ * the loader's first instruction is griddepcontrol.wait: K launches while X's
+ * last blocks finish (or earlier, if X triggers) and its loads start when X is
+ * done, so K's launch is off the main path and Y starts when X is done, as
+ * without a fork.  An empty inline fork cost 0.6-1.0 us with an ordinary edge
+ * from X and 0.17-0.43 us with the programmatic one, in HF Llama- and
+ * Qwen3-shaped graphs (benchmarks/RESULTS.md, run 15).  A launch-order edge
+ * from X (K's loads starting while X runs) would let K compete with X for HBM,
+ * and with X a bandwidth-bound GEMV that made the step slower (run 7).  X's
+ * other nodes (a memcpy, an event wait) keep their ordinary edges.  Driver 12.3
+ * or newer (edge data); older drivers and PrefetchController(graph_fork="branch")
+ * use the side stream.
  *
  * NOTE [leaf graph fork]: an inline K overlaps Y only.  The graph executor
  * puts K and Y on one hardware stream (the launch-order edge is a programmatic
@@ -135,12 +141,32 @@ static CUgraphEdgeData launch_order(void)
     return e;
 }
 
+/* From X's trigger (the end of its blocks when X does not trigger itself); what
+ * the downstream kernel waits for in griddepcontrol.wait is X's completion. */
+static CUgraphEdgeData programmatic(void)
+{
+    CUgraphEdgeData e;
+    memset(&e, 0, sizeof e);
+    e.from_port = CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC;
+    e.type = CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC;
+    return e;
+}
+
+/* Programmatic edges join kernel nodes only. */
+static int is_kernel(const l2p_driver *d, CUgraphNode node)
+{
+    int type = -1;
+    return d->fn.cuGraphNodeGetType && d->fn.cuGraphNodeGetType(node, &type) == CUDA_SUCCESS &&
+           type == CU_GRAPH_NODE_TYPE_KERNEL;
+}
+
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
                                    int order_edge, CUgraphNode chain, CUgraphNode *node,
                                    const char **failed)
 {
     deps before = {0}, after = {0}, next = {0};
     before.nodes = after.nodes = next.nodes = NULL;
+    int reedged = 0;
     CUresult r;
 
     /* X's edges, to give back to the stream after K. */
@@ -157,10 +183,41 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
             != CUDA_SUCCESS)
             goto out;
     }
-    /* An ordinary captured launch (on failure nothing was captured). */
+    /* 'inline' (never chained): K's edges from X's kernel nodes programmatic (NOTE
+     * [inline graph fork]): K launches early and waits for X in griddepcontrol.wait. */
+    if (order_edge && !chain && before.n) {
+        if ((r = reserve(&next, before.n)) != CUDA_SUCCESS)
+            goto out;
+        next.n = before.n;
+        for (size_t i = 0; i < before.n; i++) {
+            next.nodes[i] = before.nodes[i];
+            next.edges[i] = before.edges[i];
+            if (before.edges[i].type == CU_GRAPH_DEPENDENCY_TYPE_DEFAULT &&
+                before.edges[i].from_port == CU_GRAPH_KERNEL_NODE_PORT_DEFAULT &&
+                is_kernel(d, before.nodes[i])) {
+                next.edges[i] = programmatic();
+                reedged = 1;
+            }
+        }
+        *failed = "cuStreamUpdateCaptureDependencies";
+        if (reedged &&
+            (r = d->fn.cuStreamUpdateCaptureDependencies(s, next.nodes, next.edges, next.n,
+                                                         CU_STREAM_SET_CAPTURE_DEPENDENCIES))
+            != CUDA_SUCCESS)
+            goto out;
+        free_deps(&next);
+        next.nodes = NULL;
+    }
+    /* A captured launch (on failure nothing was captured, and the stream gets X's
+     * own edges back: a programmatic edge left there would let the next captured
+     * kernel start before X is done). */
     *failed = "cuLaunchKernelEx";
-    if ((r = l2p_prepared_launch_raw(prepared, s)) != CUDA_SUCCESS)
+    if ((r = l2p_prepared_launch_raw(prepared, s)) != CUDA_SUCCESS) {
+        if (reedged)
+            (void)d->fn.cuStreamUpdateCaptureDependencies(s, before.nodes, before.edges, before.n,
+                                                          CU_STREAM_SET_CAPTURE_DEPENDENCIES);
         goto out;
+    }
     /* The stream now depends on K alone; make it X's edges plus K's launch
      * ('inline'), or X's edges alone ('leaf': K is a sink of the graph). */
     *failed = "cuStreamGetCaptureInfo";

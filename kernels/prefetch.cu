@@ -190,6 +190,12 @@ template <int CAP>
 __device__ __forceinline__ void body(const L2pTable<CAP>& t)
 {
     u64 grid = gridDim.x, b = blockIdx.x;
+#if __CUDA_ARCH__ >= 900
+    // An inline graph fork's loader is a programmatic dependent of the kernel
+    // before it (csrc/capture.c, NOTE [inline graph fork]): it may launch while
+    // that kernel finishes, and loads only once it is done.  Elsewhere a no-op.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     u64 g0 = t.granules * b / grid, g1 = t.granules * (b + 1) / grid;
     touch_tails(t);
     prefetch(t, g0, g1);

@@ -1,8 +1,8 @@
 """The edges an inline fork leaves in a captured graph, when another stream joins after it.
 
 csrc/capture.c (NOTE [inline graph fork]) relies on this: the prefetch kernel
-K goes on the captured stream after the last node X with an ordinary edge,
-and the nodes after it get X's own edge plus a programmatic launch-order edge
+K goes on the captured stream after the last node X with a programmatic edge
+(it launches early and waits for X's end), and the nodes after it get X's own edge plus a programmatic launch-order edge
 from K, so nothing in the graph waits for K to finish.  torch's NCCL work,
 and any cross-stream code, records an event on the captured stream and makes
 its own stream wait on it; the kernel N it launches there must inherit the
@@ -25,10 +25,10 @@ from l2prefetch import PrefetchController, PreparedWeightRanges, _C  # noqa: E40
 pytestmark = pytest.mark.gpu
 
 # cuda.h's values: CU_GRAPH_NODE_TYPE_KERNEL, CU_GRAPH_DEPENDENCY_TYPE_DEFAULT and
-# _PROGRAMMATIC, CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER (a #define, not an enum).
+# _PROGRAMMATIC, CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC and _LAUNCH_ORDER (#defines).
 KERNEL_NODE = 0
 FULL, PROGRAMMATIC = 0, 1
-LAUNCH_ORDER = 2
+TRIGGER, LAUNCH_ORDER = 1, 2
 
 
 def _check(result, what):
@@ -44,16 +44,36 @@ def _kernel_name(cu, node):
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def test_a_joining_stream_waits_for_the_inline_loaders_launch_only():
+def _driver_and_graph():
     cu = pytest.importorskip("cuda.bindings.driver")
     if not hasattr(cu, "cuFuncGetName"):
         pytest.skip("this cuda.bindings has no cuFuncGetName (needed to find the loader node)")
     if _C.driver_info()["version"] < 12030:
         pytest.skip("inline graph forks need driver 12.3 or newer (edge data)")
     try:
-        g = torch.cuda.CUDAGraph(keep_graph=True)
+        return cu, torch.cuda.CUDAGraph(keep_graph=True)
     except TypeError:
         pytest.skip(f"torch {torch.__version__} has no CUDAGraph(keep_graph=True)")
+
+
+def _edges_and_loader(cu, g):
+    """The captured graph's edges (from, to, type, from_port) and its one loader node."""
+    graph = cu.CUgraph(int(g.raw_cuda_graph()))
+    # cuda.bindings 12.x names the edge-data form cuGraphGetEdges_v2; 13.x, cuGraphGetEdges.
+    get_edges = getattr(cu, "cuGraphGetEdges_v2", cu.cuGraphGetEdges)
+    n = _check(get_edges(graph, 0), "cuGraphGetEdges")[-1]
+    frm, to, data, n = _check(get_edges(graph, n), "cuGraphGetEdges")
+    edges = [(int(f), int(t), int(e.type), int(e.from_port)) for f, t, e in zip(frm, to, data)]
+    nodes = {int(f): f for f in frm} | {int(t): t for t in to}
+    loaders = [k for k, node in nodes.items()
+               if int(_check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType")) == KERNEL_NODE
+               and "l2p_prefetch" in _kernel_name(cu, node)]
+    assert len(loaders) == 1, edges
+    return edges, loaders[0]
+
+
+def test_a_joining_stream_waits_for_the_inline_loaders_launch_only():
+    cu, g = _driver_and_graph()
 
     a, b, c, d = (torch.ones(1024, device="cuda") for _ in range(4))
     w = torch.randn(4 << 20, device="cuda")
@@ -73,22 +93,12 @@ def test_a_joining_stream_waits_for_the_inline_loaders_launch_only():
         d.add_(1)                                       # Z
         ctrl.join()
 
-    graph = cu.CUgraph(int(g.raw_cuda_graph()))
-    # cuda.bindings 12.x names the edge-data form cuGraphGetEdges_v2; 13.x, cuGraphGetEdges.
-    get_edges = getattr(cu, "cuGraphGetEdges_v2", cu.cuGraphGetEdges)
-    n = _check(get_edges(graph, 0), "cuGraphGetEdges")[-1]
-    frm, to, data, n = _check(get_edges(graph, n), "cuGraphGetEdges")
-    edges = [(int(f), int(t), int(e.type), int(e.from_port)) for f, t, e in zip(frm, to, data)]
-    nodes = {int(f): f for f in frm} | {int(t): t for t in to}
-    loaders = [k for k, node in nodes.items()
-               if int(_check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType")) == KERNEL_NODE
-               and "l2p_prefetch" in _kernel_name(cu, node)]
-    assert len(loaders) == 1, edges
-    k = loaders[0]
+    edges, k = _edges_and_loader(cu, g)
 
-    # K starts when X is done: one ordinary edge in.
+    # K loads when X is done: one programmatic edge in, from X's trigger port (K
+    # launches early and waits for X's end in griddepcontrol.wait).
     into_k = [e for e in edges if e[1] == k]
-    assert len(into_k) == 1 and into_k[0][2] == FULL, edges
+    assert len(into_k) == 1 and into_k[0][2:] == (PROGRAMMATIC, TRIGGER), edges
     x = into_k[0][0]
     # Out of K only launch-order edges, to Y on the captured stream and to N on the
     # stream that joined after the fork: nothing waits for K to finish.
@@ -103,5 +113,30 @@ def test_a_joining_stream_waits_for_the_inline_loaders_launch_only():
     g.replay()
     torch.cuda.synchronize()
     assert [float(t[0]) for t in (a, b, c, d)] == [2.0, 2.0, 2.0, 2.0]   # one replay
+    del g
+    ctrl.close()
+
+
+def test_an_inline_loader_after_a_copy_keeps_an_ordinary_edge():
+    """Programmatic edges join kernel nodes only: after a memcpy node, K waits for it
+    by its own edge; the kernel after the fork still sees the copy's data."""
+    cu, g = _driver_and_graph()
+    src = torch.arange(1024, device="cuda", dtype=torch.float32)
+    a, c = torch.zeros_like(src), torch.zeros_like(src)
+    w = torch.randn(4 << 20, device="cuda")
+    ctrl = PrefetchController(0)
+    ctrl.add("p", 0, [1], PreparedWeightRanges([w]))
+    with torch.cuda.graph(g):
+        a.copy_(src)                                    # X: a device-to-device memcpy node
+        assert ctrl.fork("p", 0, 1)                     # K
+        c.copy_(a * 2)                                  # Y reads what X wrote
+        ctrl.join()
+    edges, k = _edges_and_loader(cu, g)
+    into_k = [e for e in edges if e[1] == k]
+    assert len(into_k) == 1 and into_k[0][2:] == (FULL, 0), edges
+    g.instantiate()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(c, src * 2)
     del g
     ctrl.close()

@@ -751,8 +751,9 @@ def test_graph_fork_names(fake, table):
 
 @pytest.mark.parametrize("upstream_type", [0, 1, 2])
 def test_inline_fork_edges(fake, ctl, upstream_type):
-    """K depends on X by X's own edge (it starts when X is done, whatever X is);
-    afterwards the stream depends on X as before plus K's launch."""
+    """K depends on X: programmatically when X is a kernel (K launches early and its
+    griddepcontrol.wait holds its loads until X is done), by X's own edge otherwise;
+    afterwards the stream depends on X as before (its own edge) plus K's launch."""
     fake.set_capture(7)
     x = fake.add_capture_node(upstream_type)
     fake.clear_log()
@@ -760,9 +761,11 @@ def test_inline_fork_edges(fake, ctl, upstream_type):
     launch, = fake.log("cuLaunchKernelEx")
     assert kv(launch)["stream"] == CUR                       # on the captured stream itself
     k = int(kv(launch)["node"])
-    assert _deps(launch) == [(x, 0, 0)]
+    kernel = upstream_type == 0
+    assert _deps(launch) == ([(x, 1, 1)] if kernel else [(x, 0, 0)])
     updates = fake.log("cuStreamUpdateCaptureDependencies")
-    assert len(updates) == 1 and kv(updates[0])["flags"] == "1"  # SET
+    assert len(updates) == (2 if kernel else 1)
+    assert all(kv(u)["flags"] == "1" for u in updates)      # SET
     assert _deps(updates[-1]) == [(x, 0, 0), (k, 1, 2)]
     # no side stream, no events: nothing pending, join() does nothing
     assert fake.log("cuEventRecord") == [] and fake.log("cuStreamWaitEvent") == []
@@ -770,7 +773,7 @@ def test_inline_fork_edges(fake, ctl, upstream_type):
     ctl.join(stream=STREAM)
     assert fake.log("cuEventRecord") == []
     assert ctl.stats()["attn"] == {"forks": 1, "bytes": 4096}
-    # the next captured node depends on X and on K's launch
+    # the next captured node depends on X (its own edge) and on K's launch
     launch_after = PWR([arr(5)]).launch(STREAM)
     assert launch_after is None
     assert _deps(fake.log("cuLaunchKernelEx")[-1]) == [(x, 0, 0), (k, 1, 2)]
@@ -783,10 +786,22 @@ def test_inline_forks_back_to_back_keep_every_launch_edge(fake, ctl):
     assert ctl.fork("attn", 0, 1, stream=STREAM)
     assert ctl.fork("mlp", 0, 1, stream=STREAM)
     k1, k2 = (int(kv(line)["node"]) for line in fake.log("cuLaunchKernelEx"))
-    # K2 after X (done) and K1 (launched): the stream's edges after the first fork
-    assert _deps(fake.log("cuLaunchKernelEx")[1]) == [(x, 0, 0), (k1, 1, 2)]
+    # K2 after X (programmatic: X is a kernel) and K1 (its launch, as it was)
+    assert _deps(fake.log("cuLaunchKernelEx")[1]) == [(x, 1, 1), (k1, 1, 2)]
     assert _deps(fake.log("cuStreamUpdateCaptureDependencies")[-1]) == \
         [(x, 0, 0), (k1, 1, 2), (k2, 1, 2)]
+
+
+def test_inline_fork_without_node_types_keeps_ordinary_edges(fake, ctl):
+    """cuGraphNodeGetType failing (or missing): no node is known to be a kernel, so
+    K gets X's own edge, serial and correct."""
+    fake.set_capture(7)
+    x = fake.add_capture_node(0)
+    fake.fail("cuGraphNodeGetType", code="CUDA_ERROR_INVALID_VALUE")
+    fake.clear_log()
+    assert ctl.fork("attn", 0, 1, stream=STREAM)
+    launch, = fake.log("cuLaunchKernelEx")
+    assert _deps(launch) == [(x, 0, 0)]
 
 
 def test_inline_fork_first_in_capture(fake, ctl):
@@ -876,10 +891,12 @@ def test_leaf_fork_eager_takes_the_side_stream(fake, table):
 
 @pytest.mark.parametrize("call, nth", [("cuStreamGetCaptureInfo", 2), ("cuLaunchKernelEx", 1),
                                        ("cuStreamGetCaptureInfo", 3),
-                                       ("cuStreamUpdateCaptureDependencies", 1)])
+                                       ("cuStreamUpdateCaptureDependencies", 1),
+                                       ("cuStreamUpdateCaptureDependencies", 2)])
 def test_inline_fork_faults(fake, ctl, call, nth):
     """Each driver call of the inline fork failing: CudaError naming it, nothing
-    counted, the dependency set left usable, the controller still working."""
+    counted, the dependency set left usable (never X's programmatic edge, which would
+    let the next kernel start before X is done), the controller still working."""
     fake.set_capture(7)
     x = fake.add_capture_node(0)
     fake.fail(call, nth=nth, code="CUDA_ERROR_INVALID_VALUE")
@@ -1220,7 +1237,8 @@ def test_graph_fork_per_key_in_one_capture(fake, table, default):
         assert ctl.fork(*key, stream=STREAM)
     assert _launch_streams(fake) == [where[default], where[other], where[default], where[default]]
     inline_forks = [default, other, default, default].count("inline")
-    assert len(fake.log("cuStreamUpdateCaptureDependencies")) == inline_forks
+    # two per inline fork: X's kernel node programmatic for K, then X's edge and K's launch
+    assert len(fake.log("cuStreamUpdateCaptureDependencies")) == 2 * inline_forks
     assert ctl.pending                                      # a branch fork is in the capture
     ctl.join(stream=STREAM)
     assert not ctl.pending and len(fake.log("cuStreamWaitEvent")) == 4 - inline_forks + 1
