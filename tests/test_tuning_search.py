@@ -387,6 +387,44 @@ def test_sequential_sampling_spends_instances_where_the_decision_is_close():
     assert "undecided" not in log
 
 
+def test_the_lead_of_a_group_is_sampled_down_to_the_resolution():
+    """A role that clearly loses at both caps: the cap that loses less (the role's
+    best, what the report shows) gets instances until its paired intervals, against
+    its empty forks and against no forks, are at most 0.05% of the step wide; the
+    other cap stops at the first instances.  A coarse resolution stops both there."""
+    roles = [role("r", layers=1, mib=16)]
+    kw = dict(graph_forks=("leaf",), caps_mib=(8, 16), max_instances=30)
+
+    def backend():   # step 400 us: 0.05% is 0.2 us, paired noise 0.28 us per difference
+        return PlantedBackend({"r": pays_at(16, -10.0)}, seed=3, paired=True, shared=True,
+                              step_us=400.0)
+
+    (report,), _ = run(backend(), roles, **kw)
+    sweep = {t.setting.byte_cap // MIB: t for t in by_name(report)["r"].trials
+             if t.stage == "sweep"}
+    lead, other = sweep[16], sweep[8]
+    assert lead.gain.estimate > other.gain.estimate
+    assert lead.gain.high < 0 and other.gain.high < 0          # both lost clearly
+    assert other.instances == S.MIN_INSTANCES
+    assert S.MIN_INSTANCES < lead.instances <= 30
+    assert lead.gain.half_width <= 0.0005 * 400.0
+    assert lead.vs_empty.half_width <= 0.0005 * 400.0
+    assert other.gain.half_width > 0.0005 * 400.0              # not held to it
+    (coarse,), _ = run(backend(), roles, resolution=0.01, **kw)
+    assert {t.instances for t in by_name(coarse)["r"].trials if t.stage == "sweep"} == \
+        {S.MIN_INSTANCES}
+
+
+def test_welch_comparisons_are_not_held_to_the_resolution():
+    """Unpaired instances (private placement): the lead stops once decided, since
+    independent captures spread wider than any budget narrows."""
+    roles = [role("r", layers=1, mib=16)]
+    (report,), _ = run(PlantedBackend({"r": pays(-10.0)}, seed=3, step_us=400.0), roles,
+                       graph_forks=("leaf",), caps_mib=(16,), max_instances=30)
+    (trial,) = [t for t in by_name(report)["r"].trials if t.stage == "sweep"]
+    assert trial.instances == S.MIN_INSTANCES and trial.gain.half_width > 0.0005 * 400.0
+
+
 # ------------------------------------------------------------------ instance spread
 
 def test_expected_min_of_k_draws():

@@ -50,7 +50,11 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
 ``instances`` instances per arm first.  A candidate is then decided
 when the 95% interval of its loads against (d) (in verify: also of its gain
 over (a)) lies above zero, or its upper end is below ``min_gain_us`` (a
-layer: its share of it; it cannot pay what is worth a fork).  The undecided
+layer: its share of it; it cannot pay what is worth a fork), and, for the
+group's lead (the candidate that gains most against (a) so far, the one the
+step goes on with or reports as the role's best), once its paired intervals
+are at most ``resolution`` of the step wide (0.05%: issue 23; a loser that
+is not the lead stops as soon as it clearly lost).  The undecided
 ones, with their (d) and (a), get ``instances`` more fresh instances, again
 and again, until decided or at ``max_instances``, while the round fits the
 budget beside what the later steps need (in the sweep also the later roles'
@@ -91,7 +95,8 @@ from ..mechanisms import GRAPH_FORK_MODES, GRAPH_FORKS
 from .results import BatchReport, Confirmation, InstanceSpread, RoleReport, Trial
 from .stats import Interval, diff_interval, mean_interval, paired_interval
 
-__all__ = ["DEFAULT_CAPS_MIB", "DEFAULT_GRIDS", "DEFAULT_MIN_GAIN_US", "MAX_INSTANCES",
+__all__ = ["DEFAULT_CAPS_MIB", "DEFAULT_GRIDS", "DEFAULT_MIN_GAIN_US", "DEFAULT_RESOLUTION",
+           "MAX_INSTANCES",
            "MIN_INSTANCES", "search"]
 
 #: Caps tried per role, in MiB (limited to what a role can load).
@@ -104,6 +109,9 @@ MIN_INSTANCES = 5
 MAX_INSTANCES = 15
 #: A role whose loads could gain less than this (us per step, summed over layers) is not measured.
 DEFAULT_MIN_GAIN_US = 1.0
+#: The 95% half-width, as a share of the step, that a group's leading candidate is sampled
+#: down to where its comparisons are paired (issue 23: 0.05%).
+DEFAULT_RESOLUTION = 0.0005
 
 class Progress:
     """One line per measured group on a stream (stderr), with elapsed time and an ETA."""
@@ -133,6 +141,7 @@ class _Params:
     kernels: tuple[Optional[str], ...]
     graph_forks: tuple[str, ...]
     min_gain_us: float
+    resolution: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,14 +174,20 @@ class _Measured:
     def values(self, name: str) -> list[float]:
         return [t for times, _ in self.rounds for t in times.get(name, ())]
 
+    def paired(self, x: str, y: str) -> bool:
+        """Whether every round that measured both x and y did so in the same graph
+        instances (and at least one did)."""
+        both = [pairs for times, pairs in self.rounds if x in times and y in times]
+        return bool(both) and all(any(x in g and y in g for g in pairs) for pairs in both)
+
     def diff(self, x: str, y: str) -> Interval:
         """x - y: paired over the rounds that measured both, where each of them did so
         in the same graph instances (then those rounds only), else Welch's interval
         over all their instances."""
-        both = [(times, pairs) for times, pairs in self.rounds if x in times and y in times]
-        if both and all(any(x in g and y in g for g in pairs) for _, pairs in both):
-            return paired_interval([t for times, _ in both for t in times[x]],
-                                   [t for times, _ in both for t in times[y]])
+        if self.paired(x, y):
+            both = [times for times, _ in self.rounds if x in times and y in times]
+            return paired_interval([t for times in both for t in times[x]],
+                                   [t for times in both for t in times[y]])
         return diff_interval(self.values(x), self.values(y))
 
 
@@ -252,15 +267,23 @@ class _Batch:
         then, while a check is undecided (:class:`_Check`), its arms and (a) get
         ``instances`` more fresh instances, until every check is decided or has
         ``max_instances`` of its y, or the next round would not leave ``reserve``.
-        A decided check is not measured again."""
+        The check whose y gains most against no forks (the group's lead, what the step
+        reports or goes on with) is decided only once also :meth:`resolved`: sampled
+        until its paired intervals are ``resolution`` of the step narrow.  A decided
+        check is not measured again unless it becomes the lead."""
         m = self.group(label, arms, eta)
-        undecided = dict(checks)
         while True:
-            for key, check in list(undecided.items()):
+            # the candidate that gains most against no forks so far leads the group
+            lead = max((m.diff(NO_FORKS, c.y).estimate, c.y) for c in checks.values())[1]
+            undecided = {}
+            for key, check in checks.items():
+                if len(m.values(check.y)) >= self.p.max_instances:
+                    continue
                 iv = m.diff(check.x, check.y)
-                if (iv.low > 0 or iv.high < check.floor
-                        or len(m.values(check.y)) >= self.p.max_instances):
-                    del undecided[key]
+                if (iv.low > 0 or iv.high < check.floor) and (check.y != lead
+                                                              or self.resolved(m, check)):
+                    continue
+                undecided[key] = check
             if not undecided:
                 return m
             done = max(len(m.values(c.y)) for c in undecided.values())
@@ -271,6 +294,15 @@ class _Batch:
                 return m
             self.group(f"{label}: {len(undecided)} undecided, more instances", again,
                        instances=n, measured=m)
+
+    def resolved(self, m: _Measured, check: _Check) -> bool:
+        """Whether the check's paired intervals, x - y and (a) - y (the candidate's gain),
+        are at most ``resolution`` of the step wide (half-width).  Welch intervals
+        (instances not paired) are not held to it: across independent captures the
+        instance spread (0.24-4.9% of a step, issue 23) is wider than any budget narrows."""
+        limit = self.p.resolution * self.report.step_us
+        return all(m.diff(u, v).half_width <= limit
+                   for u, v in ((check.x, check.y), (NO_FORKS, check.y)) if m.paired(u, v))
 
     # ------------------------------------------------------------------ steps
     def run(self) -> BatchReport:
@@ -594,18 +626,21 @@ def search(backend: Backend, roles: Sequence[Role], batches: Sequence[int], *,
            caps_mib: Sequence[float] = DEFAULT_CAPS_MIB, grids: Sequence[int] = DEFAULT_GRIDS,
            kernels: Sequence[Optional[str]] = (None,),
            graph_forks: Sequence[str] = GRAPH_FORKS,
-           min_gain_us: float = DEFAULT_MIN_GAIN_US, progress: Any = sys.stderr,
+           min_gain_us: float = DEFAULT_MIN_GAIN_US, resolution: float = DEFAULT_RESOLUTION,
+           progress: Any = sys.stderr,
            clock: Callable[[], float] = time.monotonic) -> list[BatchReport]:
     """Run the search of the module's docstring for each batch; the budget is
     split evenly over the batches still to do.  ``max_instances`` (None:
-    MAX_INSTANCES, or ``instances`` if more) bounds the sequential sampling.
+    MAX_INSTANCES, or ``instances`` if more) bounds the sequential sampling;
+    ``resolution`` (a share of the step) is the half-width it samples a group's
+    leading candidate down to.
     Arguments are checked by :func:`l2prefetch.tuning.tune`."""
     if max_instances is None:
         max_instances = max(MAX_INSTANCES, instances)
     params = _Params(instances=instances, max_instances=max(max_instances, instances),
                      caps=tuple(int(c * MIB) for c in caps_mib),
                      grids=tuple(grids), kernels=tuple(kernels), graph_forks=tuple(graph_forks),
-                     min_gain_us=min_gain_us)
+                     min_gain_us=min_gain_us, resolution=resolution)
     meter = Progress(progress, budget_s, clock)
     start = clock()
     reports = []

@@ -26,8 +26,8 @@ from ..profile import (PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, save_
                        versions)
 from .arms import Backend, Setting, StepError
 from .results import BatchReport
-from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, MAX_INSTANCES,
-                     MIN_INSTANCES, search)
+from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
+                     MAX_INSTANCES, MIN_INSTANCES, search)
 
 __all__ = ["TuneResult", "tune"]
 
@@ -239,7 +239,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
          kernels: Optional[Sequence[Optional[str]]] = None,
          graph_forks: Sequence[str] = GRAPH_FORKS,
          min_gain_us: float = DEFAULT_MIN_GAIN_US, min_bytes: int = 1 << 20,
-         device: Any = None, progress: Any = sys.stderr,
+         resolution: float = DEFAULT_RESOLUTION, device: Any = None, progress: Any = sys.stderr,
          backend: Optional[Backend] = None) -> TuneResult:
     """Measure which prefetches pay for ``model`` on this GPU, and return the confirmed plan.
 
@@ -257,6 +257,9 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     of each per group; a candidate whose interval is still undecided gets
     ``instances`` more at a time up to ``max_instances`` (None: 15, or
     ``instances`` if more; equal to ``instances``: no sequential sampling).
+    Each measured group's leading candidate is also sampled, within that bound, until
+    its paired 95% intervals are at most ``resolution`` of the step wide (half-width;
+    default 0.0005, 0.05%).
     The search covers ``caps_mib``, ``grids``, ``kernels`` (None: the device's
     default; names from :func:`l2prefetch.kernel_variants`) and
     ``graph_forks``; the first of each list is the default setting, and each
@@ -296,6 +299,9 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                          "sampling off")
     _check_number("rounds", rounds, 1, integer=True)
     _check_number("min_gain_us", min_gain_us, 0)
+    _check_number("resolution", resolution, 0)
+    if resolution >= 1:
+        raise ValueError(f"resolution is a share of the step (0.0005 is 0.05%), got {resolution!r}")
     for name, values, kind in (("caps_mib", caps_mib, numbers.Real), ("grids", grids, int)):
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
             raise TypeError(f"{name} must be a non-empty sequence, got {values!r}")
@@ -350,7 +356,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     reports = search(backend, roles, batches, budget_s=max(remaining, 1e-3), instances=instances,
                      max_instances=int(max_instances), caps_mib=caps_mib, grids=grids,
                      kernels=kernels, graph_forks=graph_forks, min_gain_us=min_gain_us,
-                     progress=progress)
+                     resolution=resolution, progress=progress)
     plan, sites = merge_plan(roles, reports)
     result = TuneResult(
         batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
@@ -359,7 +365,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                   "rounds": backend.rounds,
                   "caps_mib": list(caps_mib), "grids": list(grids), "kernels": list(kernels),
                   "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
-                  "min_bytes": min_bytes, "roles": len(roles)},
+                  "min_bytes": min_bytes, "resolution": resolution, "roles": len(roles)},
         device=backend.device_fingerprint(),
         versions=versions())
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
