@@ -49,8 +49,9 @@ class GraphForkMode:
 
 #: GraphForkMode by name, in the C controller's order (csrc/controller.c).
 GRAPH_FORK_MODES: Mapping[str, GraphForkMode] = types.MappingProxyType({mode.name: mode for mode in (
-    GraphForkMode("inline", "the loader on the captured stream with launch-order edges: the "
-                  "next node waits for its launch, not its end (NOTE [inline graph fork])",
+    GraphForkMode("inline", "the loader on the captured stream, a programmatic dependent of "
+                  "the kernel before it, with launch-order edges: the next node waits for its "
+                  "launch, not its end (NOTE [inline graph fork])",
                   needs_join=False, switchable=True),
     GraphForkMode("branch", "the loader on the side stream, as in eager mode: a side branch "
                   "of the graph, joined where join() is captured",
