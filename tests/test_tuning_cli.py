@@ -137,6 +137,9 @@ def test_list_roles_says_what_it_builds_and_how_big(capsys):
     (["llama", "--budget", "1e308"], "--budget must be in"),
     (["llama", "--instances", "3"], "--instances must be in"),
     (["llama", "--caps-mib", "0"], "--caps-mib must be numbers > 0"),
+    (["llama", "--max-instances", "4"], "--max-instances must be in 5..1000"),
+    (["llama", "--resolution", "0"], "--resolution must be in (0, 0.5]"),
+    (["llama", "--resolution", "x"], "--resolution must be a number"),
 ])
 def test_bad_options_exit_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -430,6 +433,32 @@ def test_outputs_that_name_one_file_are_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(hf, "device_of", lambda device: torch.device("cuda", 0))
     code, _, err = status(["llama", "--out", str(tmp_path / "p.md")], capsys)
     assert code == 2 and "is the file --out names too" in one_line(err)
+
+
+def test_sampling_options_reach_tune(tmp_path, monkeypatch, capsys):
+    """--max-instances and --resolution are tune()'s, and its refusal is one line, exit 2."""
+    import torch
+
+    from l2prefetch.tuning import tuner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hf, "device_of", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(hf, "load_model", lambda *args, **kwargs: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(hf, "DecodeStep", lambda *args, **kwargs: (lambda batch: None))
+    seen = []
+
+    def refuse(model, step, batches, **kwargs):
+        seen.append(kwargs)
+        raise ValueError("max_instances must be None or an int >= instances (8), got 6")
+    monkeypatch.setattr(tuner, "tune", refuse)
+    out = ["--out", str(tmp_path / "p.json")]
+    code, _, err = status(["llama", *out, "--instances", "8", "--max-instances", "6",
+                           "--resolution", "0.001"], capsys)
+    assert code == 2 and one_line(err).endswith("got 6"), err
+    assert seen[-1]["instances"] == 8 and seen[-1]["max_instances"] == 6
+    assert seen[-1]["resolution"] == 0.001
+    status(["llama", *out], capsys)
+    assert seen[-1]["max_instances"] is None and seen[-1]["resolution"] == 0.0005
 
 
 def test_every_parser_refuses_abbreviations(capsys):

@@ -88,6 +88,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="only discover and list the candidate roles (no measuring)")
     parser.add_argument("--instances", type=_positive(int, "--instances", 4, 1000), default=5,
                         help="graph instances per variant (>= 5, default 5)")
+    parser.add_argument("--max-instances", type=_positive(int, "--max-instances", 4, 1000),
+                        default=None, help="the most instances per variant a close decision "
+                        "gets (default 25, at least --instances)")
+    parser.add_argument("--resolution", type=_positive(float, "--resolution", 0, 0.5),
+                        default=0.0005, help="95%% half-width, as a share of the step, that "
+                        "each group's leading candidate is sampled down to (default 0.0005, "
+                        "0.05%%)")
     parser.add_argument("--rounds", type=_positive(int, "--rounds", 0, 100000), default=60,
                         help="replays of each graph instance per measuring group (default 60)")
     parser.add_argument("--caps-mib", type=lambda t: _list(t, "--caps-mib", float,
@@ -234,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
     forks = [g.strip() for g in args.graph_forks.split(",") if g.strip()]
     try:
         result = tune(model, step, args.batches, candidates=args.roles, budget_s=args.budget,
-                      instances=args.instances, rounds=args.rounds, caps_mib=args.caps_mib,
+                      instances=args.instances, max_instances=args.max_instances,
+                      resolution=args.resolution, rounds=args.rounds, caps_mib=args.caps_mib,
                       grids=args.grids, kernels=kernels, graph_forks=forks,
                       min_gain_us=args.min_gain_us, min_bytes=min_bytes,
                       progress=progress)
