@@ -9,12 +9,15 @@ Prints the summary (with the instance spread and the best-of-k advice) and the r
 
     python -m benchmarks.probe_tune [--model NAME] [--site mlp|attention|none] [--spin US]
                                     [--layers I,J,..] [--budget S] [--placement private|shared]
-                                    [--hand] [BATCH ...]
+                                    [--hand] [--rounds N] [--dump FILE.json] [BATCH ...]
 
-``--hand`` then measures the tuned plan beside hand-placed plans of the planted window's role
+``--rounds`` is tune's replays per instance in a group (default 60); ``--dump`` writes every
+measured group's per-instance medians per arm (JSON), to see where an interval's width comes
+from.  ``--hand`` then measures the tuned plan beside hand-placed plans of the planted window's role
 (benchmarks/RESULTS.md, run 14).
 """
 import argparse
+import json
 
 import torch
 
@@ -54,8 +57,14 @@ def main(argv=None):
                         help="then measure the tuned plan beside hand-placed ones (the planted "
                              "window's role at 24 and 48 MiB, leaf and branch, at the planted "
                              f"layers), {HAND_INSTANCES} instances")
+    parser.add_argument("--rounds", type=int, default=60,
+                        help="replays of each instance per group (default 60)")
+    parser.add_argument("--dump", default=None, metavar="FILE.json",
+                        help="write every group's per-instance medians per arm")
     parser.add_argument("batches", type=int, nargs="*", default=[1])
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.hand and args.site == "none":
         parser.error("--hand compares plans for a planted window: give --site mlp or attention")
     if no_gpu("benchmarks.probe_tune"):
@@ -75,8 +84,23 @@ def main(argv=None):
         f"{args.spin:g} us before {where} {args.site}"
     print(f"probe_tune: {args.model}, {planted}, budget {args.budget:g} s, "
           f"{args.placement} placement, batches {args.batches}")
-    backend = GraphBackend(model, step, placement=args.placement)
-    result = tuning.tune(model, step, args.batches, budget_s=args.budget, backend=backend)
+    backend = GraphBackend(model, step, placement=args.placement, rounds=args.rounds)
+    groups = []
+    if args.dump:
+        measure = backend.measure
+
+        def recorded(batch, arms, instances):
+            times, identical = measure(batch, arms, instances)
+            groups.append({"batch": batch, "times": {str(k): list(v) for k, v in times.items()}})
+            return times, identical
+        backend.measure = recorded
+    try:
+        result = tuning.tune(model, step, args.batches, budget_s=args.budget, rounds=args.rounds,
+                             backend=backend)
+    finally:
+        if args.dump:
+            with open(args.dump, "w") as f:
+                json.dump(groups, f)
     print(result.summary())
     print(result.markdown())
     if args.hand:
