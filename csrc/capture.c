@@ -39,9 +39,15 @@
  * Qwen3-shaped graphs (benchmarks/RESULTS.md, run 15).  A launch-order edge
  * from X (K's loads starting while X runs) would let K compete with X for HBM,
  * and with X a bandwidth-bound GEMV that made the step slower (run 7).  X's
- * other nodes (a memcpy, an event wait) keep their ordinary edges.  Driver 12.3
- * or newer (edge data); older drivers and PrefetchController(graph_fork="branch")
- * use the side stream.
+ * other nodes (a memcpy, an event wait) keep their ordinary edges, and so does
+ * every edge on a device before compute capability 9.0 (no programmatic launch;
+ * the loader there has no griddepcontrol.wait).  Two inline forks back to back:
+ * K2 gets K1's launch-order edge, and its wait also waits for K1, so their loads
+ * run one after the other.  If the launch fails the stream gets X's own edges
+ * back; if that too fails, the error says the capture is unusable (X's
+ * programmatic edge would let the next kernel start before X is done).  Driver
+ * 12.3 or newer (edge data); older drivers and
+ * PrefetchController(graph_fork="branch") use the side stream.
  *
  * NOTE [leaf graph fork]: an inline K overlaps Y only.  The graph executor
  * puts K and Y on one hardware stream (the launch-order edge is a programmatic
@@ -161,8 +167,8 @@ static int is_kernel(const l2p_driver *d, CUgraphNode node)
 }
 
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
-                                   int order_edge, CUgraphNode chain, CUgraphNode *node,
-                                   const char **failed)
+                                   int order_edge, int early, CUgraphNode chain,
+                                   CUgraphNode *node, const char **failed)
 {
     deps before = {0}, after = {0}, next = {0};
     before.nodes = after.nodes = next.nodes = NULL;
@@ -185,7 +191,7 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
     }
     /* 'inline' (never chained): K's edges from X's kernel nodes programmatic (NOTE
      * [inline graph fork]): K launches early and waits for X in griddepcontrol.wait. */
-    if (order_edge && !chain && before.n) {
+    if (early && order_edge && !chain && before.n) {
         if ((r = reserve(&next, before.n)) != CUDA_SUCCESS)
             goto out;
         next.n = before.n;
@@ -213,9 +219,12 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
      * kernel start before X is done). */
     *failed = "cuLaunchKernelEx";
     if ((r = l2p_prepared_launch_raw(prepared, s)) != CUDA_SUCCESS) {
-        if (reedged)
-            (void)d->fn.cuStreamUpdateCaptureDependencies(s, before.nodes, before.edges, before.n,
-                                                          CU_STREAM_SET_CAPTURE_DEPENDENCIES);
+        if (reedged &&
+            d->fn.cuStreamUpdateCaptureDependencies(s, before.nodes, before.edges, before.n,
+                                                    CU_STREAM_SET_CAPTURE_DEPENDENCIES)
+            != CUDA_SUCCESS)
+            *failed = "cuLaunchKernelEx (and restoring the captured stream's dependencies "
+                      "failed: this capture is unusable, end it and discard the graph)";
         goto out;
     }
     /* The stream now depends on K alone; make it X's edges plus K's launch
@@ -242,7 +251,10 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
     r = d->fn.cuStreamUpdateCaptureDependencies(s, next.n ? next.nodes : NULL,
                                                 next.n ? next.edges : NULL, next.n,
                                                 CU_STREAM_SET_CAPTURE_DEPENDENCIES);
-    /* On failure the stream depends on K with an ordinary edge: correct, serial. */
+    /* On failure (here or at the get_deps above) the stream depends on K alone, by
+     * an ordinary edge; K's edge from X may be programmatic, and then the next node
+     * is after X because every thread of K waits for X (griddepcontrol.wait, sm_90+:
+     * early is set only there) before K can end.  Correct, serial. */
 out:
     if (before.nodes)
         free_deps(&before);

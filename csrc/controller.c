@@ -787,8 +787,11 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
         CUgraphNode chain = NULL, node = NULL;
         if (mode == GRAPH_FORK_LEAF && self->leaf_capture == cap)
             chain = self->leaf_tail;
-        CUresult r = l2p_capture_inline_launch(d, cur, e->ranges, mode == GRAPH_FORK_INLINE,
-                                               chain, &node, &failed);
+        /* programmatic edges into the loader need sm_90 (NOTE [inline graph fork]) */
+        int inl = mode == GRAPH_FORK_INLINE;
+        CUresult r = l2p_capture_inline_launch(d, cur, e->ranges, inl,
+                                               inl && self->dev->cc_major >= 9, chain, &node,
+                                               &failed);
         if (mode == GRAPH_FORK_LEAF && node) {
             self->leaf_tail = node;
             self->leaf_capture = cap;

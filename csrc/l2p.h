@@ -184,10 +184,12 @@ l2p_driver *l2p_prepared_driver(PyObject *obj);
 int l2p_capture_inline_available(const l2p_driver *d);
 /* Capture prepared's launch on s (capturing) as a node after s's last nodes;
  * with order_edge the next node gets a launch-order edge from it ('inline'),
- * else nothing depends on it ('leaf').  On failure *failed names the driver call. */
+ * else nothing depends on it ('leaf'); with early (and order_edge, no chain) its
+ * edges from kernel nodes are programmatic (sm_90+ only).  On failure *failed
+ * names the driver call. */
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
-                                   int order_edge, CUgraphNode chain, CUgraphNode *node,
-                                   const char **failed);
+                                   int order_edge, int early, CUgraphNode chain,
+                                   CUgraphNode *node, const char **failed);
 
 /* graph.c: loader nodes of a captured graph, switched in place. */
 PyObject *l2p_py_graph_loader_nodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

@@ -194,6 +194,8 @@ __device__ __forceinline__ void body(const L2pTable<CAP>& t)
     // An inline graph fork's loader is a programmatic dependent of the kernel
     // before it (csrc/capture.c, NOTE [inline graph fork]): it may launch while
     // that kernel finishes, and loads only once it is done.  Elsewhere a no-op.
+    // Every thread must reach it, unconditionally: where a capture fails after
+    // the launch, the next node is ordered after that kernel only through K's end.
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     u64 g0 = t.granules * b / grid, g1 = t.granules * (b + 1) / grid;

@@ -916,6 +916,41 @@ def test_inline_fork_faults(fake, ctl, call, nth):
     assert ctl.fork("attn", 0, 1, stream=STREAM)
 
 
+def test_inline_fork_restore_failing_too_says_the_capture_is_unusable(fake, ctl):
+    """The launch fails and giving the stream X's own edges back fails as well: X's
+    programmatic edge is left (the next kernel could start before X is done), so the
+    error names the launch's error and says the capture must be discarded."""
+    fake.set_capture(7)
+    x = fake.add_capture_node(0)
+    fake.fail("cuLaunchKernelEx", code="CUDA_ERROR_INVALID_VALUE")
+    fake.fail("cuStreamUpdateCaptureDependencies", nth=2, code="CUDA_ERROR_UNKNOWN")
+    with pytest.raises(l2prefetch.CudaError, match="capture is unusable, end it and discard") \
+            as info:
+        ctl.fork("attn", 0, 1, stream=STREAM)
+    assert info.value.name == "CUDA_ERROR_INVALID_VALUE"
+    assert info.value.operation.startswith("cuLaunchKernelEx (and restoring")
+    assert ctl.stats()["attn"]["forks"] == 0 and not ctl.pending
+    fake.clear_log()
+    PWR([arr(5)]).launch(STREAM)
+    assert _deps(fake.log("cuLaunchKernelEx")[-1]) == [(x, 1, 1)]   # what the message warns of
+
+
+def test_inline_fork_before_sm90_keeps_ordinary_edges(fake):
+    """Programmatic launch needs compute capability 9.0 (the loader's griddepcontrol.wait
+    is compiled for sm_90+ only): on an 8.x device K depends on X by X's own edge."""
+    reopen(fake, cc_major=8, cc_minor=6)
+    c = PC(device=0)
+    c.add("attn", 0, 1, PWR([arr(0)]))
+    fake.set_capture(7)
+    x = fake.add_capture_node(0)
+    fake.clear_log()
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    launch, = fake.log("cuLaunchKernelEx")
+    assert _deps(launch) == [(x, 0, 0)]
+    update, = fake.log("cuStreamUpdateCaptureDependencies")    # no re-edging before it
+    assert _deps(update) == [(x, 0, 0), (int(kv(launch)["node"]), 1, 2)]
+
+
 def test_inline_fork_leaks_nothing(fake):
     c = PC(device=0)
     c.add("attn", 0, 1, PWR([arr(0)]))
