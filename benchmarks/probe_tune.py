@@ -11,7 +11,7 @@ Prints the summary (with the instance spread and the best-of-k advice) and the r
                                     [--layers I,J,..] [--budget S] [--placement private|shared]
                                     [--hand] [--rounds N] [--dump FILE.json] [BATCH ...]
 
-``--rounds`` is tune's replays per instance in a group (default 60); ``--dump`` writes every
+``--rounds`` is tune's replays per instance in a group (default 20); ``--dump`` writes every
 measured group's per-instance medians per arm (JSON), to see where an interval's width comes
 from.  ``--hand`` then measures the tuned plan beside hand-placed plans of the planted window's role
 (benchmarks/RESULTS.md, run 14).
@@ -27,7 +27,7 @@ from l2prefetch import tuning
 from l2prefetch.tuning.arms import NO_FORKS, Arm, Setting
 from l2prefetch.tuning.stats import diff_interval, paired_interval
 from l2prefetch.tuning.hf import DecodeStep
-from l2prefetch.tuning.measure import PLACEMENTS, GraphBackend
+from l2prefetch.tuning.measure import DEFAULT_ROUNDS, PLACEMENTS, GraphBackend
 from l2prefetch.tuning.rig import Rig
 
 
@@ -57,8 +57,8 @@ def main(argv=None):
                         help="then measure the tuned plan beside hand-placed ones (the planted "
                              "window's role at 24 and 48 MiB, leaf and branch, at the planted "
                              f"layers), {HAND_INSTANCES} instances")
-    parser.add_argument("--rounds", type=int, default=60,
-                        help="replays of each instance per group (default 60)")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                        help=f"replays of each instance per group (default {DEFAULT_ROUNDS})")
     parser.add_argument("--dump", default=None, metavar="FILE.json",
                         help="write every group's per-instance medians per arm")
     parser.add_argument("batches", type=int, nargs="*", default=[1])

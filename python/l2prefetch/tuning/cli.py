@@ -95,8 +95,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         default=0.0005, help="95%% half-width, as a share of the step, that "
                         "each group's leading candidate is sampled down to (default 0.0005, "
                         "0.05%%)")
-    parser.add_argument("--rounds", type=_positive(int, "--rounds", 0, 100000), default=60,
-                        help="replays of each graph instance per measuring group (default 60)")
+    parser.add_argument("--rounds", type=_positive(int, "--rounds", 0, 100000), default=20,
+                        help="replays of each graph instance per measuring group (default 20)")
     parser.add_argument("--caps-mib", type=lambda t: _list(t, "--caps-mib", float,
                                                            MIN_BYTE_CAP / (1 << 20)),
                         default=[4, 8, 16, 24, 32, 48],

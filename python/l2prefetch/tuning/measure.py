@@ -27,7 +27,14 @@ from .discover import Role
 from .rig import Rig
 from .arms import NO_FORKS, Arm, Backend, Prepared, Probe, StepError
 
-__all__ = ["GraphBackend"]
+__all__ = ["DEFAULT_ROUNDS", "GraphBackend"]
+
+#: Replays per graph instance in a measuring group.  Paired comparisons are limited by
+#: how arms differ between instances (about 2 us per instance on a 2.4 ms step), not by
+#: the replays within one: 20 replays and more instances resolved 12 of 15 roles of
+#: deepseek-v3-6l at batch 1 to 0.05% in the 300 s budget, 60 replays 4 of 16
+#: (benchmarks/RESULTS.md, run 16).
+DEFAULT_ROUNDS = 20
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +135,7 @@ class GraphBackend(Backend):
     """
 
     def __init__(self, model: Any, step: Callable[[int], Any], *, device: Any = None,
-                 rounds: int = 60, placement: str = "shared") -> None:
+                 rounds: int = DEFAULT_ROUNDS, placement: str = "shared") -> None:
         import torch
 
         if placement not in PLACEMENTS:

@@ -25,6 +25,7 @@ from .discover import Role, candidates as discover_candidates, describe_bytes, d
 from ..profile import (PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, save_profile,
                        versions)
 from .arms import Backend, Setting, StepError
+from .measure import DEFAULT_ROUNDS
 from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
                      MAX_INSTANCES, MIN_INSTANCES, search)
@@ -37,8 +38,6 @@ logger = logging.getLogger(__name__)
 #: 16-byte loads and the bulk L2 prefetch (benchmarks/RESULTS.md, "glue": the loaders differ
 #: most beside small kernels).
 ALTERNATIVE_KERNELS = ("load", "bulk_prefetch")
-#: Replays per graph instance in a measuring group.
-DEFAULT_ROUNDS = 60
 
 
 @dataclasses.dataclass
