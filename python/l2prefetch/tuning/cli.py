@@ -22,6 +22,8 @@ from typing import Any, Optional
 from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
 from .hf import MAX_SEED
+from .measure import DEFAULT_ROUNDS
+from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
 
 __all__ = ["add_parser", "main", "run"]
 
@@ -90,13 +92,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="graph instances per variant (>= 5, default 5)")
     parser.add_argument("--max-instances", type=_positive(int, "--max-instances", 4, 1000),
                         default=None, help="the most instances per variant a close decision "
-                        "gets (default 25, at least --instances)")
+                        f"gets (default {MAX_INSTANCES}, at least --instances)")
     parser.add_argument("--resolution", type=_positive(float, "--resolution", 0, 0.5),
-                        default=0.0005, help="95%% half-width, as a share of the step, that "
-                        "each group's leading candidate is sampled down to (default 0.0005, "
-                        "0.05%%)")
-    parser.add_argument("--rounds", type=_positive(int, "--rounds", 0, 100000), default=20,
-                        help="replays of each graph instance per measuring group (default 20)")
+                        default=DEFAULT_RESOLUTION, help="95%% half-width, as a share of the "
+                        "step, that each group's leading candidate is sampled down to (default "
+                        f"{DEFAULT_RESOLUTION:g}, {DEFAULT_RESOLUTION * 100:g}%%)")
+    parser.add_argument("--rounds", type=_positive(int, "--rounds", 0, 100000),
+                        default=DEFAULT_ROUNDS, help="replays of each graph instance per "
+                        f"measuring group (default {DEFAULT_ROUNDS})")
     parser.add_argument("--caps-mib", type=lambda t: _list(t, "--caps-mib", float,
                                                            MIN_BYTE_CAP / (1 << 20)),
                         default=[4, 8, 16, 24, 32, 48],
