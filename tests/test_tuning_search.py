@@ -324,22 +324,6 @@ def test_arm_loads_at():
         A.Arm(loads_at=(1,))
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_the_layers_of_lost_roles_leave_a_verify_its_sequential_sampling(seed):
-    """A promising role's verify is close (2 us against 1.4 us of Welch noise per
-    instance) and four lost roles' layers could take the rest of the budget: the verify
-    still gets more instances than one round, and the layers step still runs where it fits
-    (with 40 s, before the reserve, the verify got one round of 5 and the layers all)."""
-    gains = {"P": pays(2.0)}
-    gains.update({f"L{k}": PerLayer({1: 0.6}, layers=4, other=-3.0) for k in range(4)})
-    roles = [role("P")] + [role(f"L{k}") for k in range(4)]
-    (report,), _ = run(PlantedBackend(gains, seed=seed), roles, budget_s=40.0)
-    reps = by_name(report)
-    verify, = [t for t in reps["P"].trials if t.stage == "verify"]
-    assert verify.instances > S.MIN_INSTANCES
-    assert any(t.stage == "layer" for k in range(4) for t in reps[f"L{k}"].trials)
-
-
 def test_a_role_that_pays_in_every_layer_keeps_every_layer():
     backend = PlantedBackend({"A": PerLayer({}, layers=4, other=3.0)}, seed=13, paired=True)
     (report,), _ = run(backend, [role("A", layers=4)])

@@ -73,8 +73,7 @@ across indices is still that of independent captures.
 
 The budget is shared by the batches.  Before each group the tuner estimates
 its cost from the step's measured capture and replay times; the final
-confirmations are reserved first, and the layers step of roles that lost the
-sweep leaves each promising role's verify enough for its sequential sampling.  When the budget is short the search gets
+confirmations are reserved first.  When the budget is short the search gets
 coarser (fewer caps, no refine, no layers, no more instances) and roles that
 do not fit are reported as not measured; it never returns a plan that was
 not confirmed.
@@ -374,17 +373,13 @@ class _Batch:
                                  final_reserve + len(promising) * self.cost(3))
             if better is not None:
                 promising[k] = (role, better)
-        # ... but not at the cost of a verify's close decision: each promising role (and
-        # one a lost role's layers may add) keeps the budget to sample its verify up to
-        # max_instances (a larger budget must never leave a verify fewer instances)
-        verify_full = -(-self.p.max_instances // self.p.instances) * self.cost(3)
         lost.sort(key=lambda r: -max(t.vs_empty.estimate for t in reports[r.name].trials))
         for role in lost:
             rep = reports[role.name]
             seed = max((t for t in rep.trials if t.stage == "sweep"),
                        key=lambda t: t.vs_empty.estimate)
             better = self.layers(role, seed, rep,
-                                 final_reserve + (len(promising) + 1) * verify_full)
+                                 final_reserve + (len(promising) + 1) * self.cost(3))
             if better is not None:
                 promising.append((role, better))
             elif any(t.stage == "layer" for t in rep.trials):
