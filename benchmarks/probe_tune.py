@@ -67,6 +67,11 @@ def main(argv=None):
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.hand and args.site == "none":
         parser.error("--hand compares plans for a planted window: give --site mlp or attention")
+    if args.dump:
+        try:
+            open(args.dump, "w").close()       # writable, before minutes of tuning
+        except OSError as exc:
+            parser.error(f"--dump {args.dump}: {exc}")
     if no_gpu("benchmarks.probe_tune"):
         return
     rig = Rig(torch.device("cuda", 0))

@@ -189,6 +189,7 @@ def test_a_planted_window_goes_before_the_named_layers_only():
     (["--layers", "1,x", "1"], "'1,x' is not comma-separated layer indices"),
     (["--layers", "-1", "1"], "layer indices are >= 0"),
     (["--rounds", "0", "1"], "--rounds must be >= 1, got 0"),
+    (["--dump", "/nonexistent/x.json", "1"], "--dump /nonexistent/x.json: [Errno 2]"),
 ])
 def test_probe_tune_refuses_bad_options_before_it_needs_a_gpu(argv, message, capsys):
     from benchmarks import probe_tune

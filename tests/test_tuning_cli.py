@@ -449,13 +449,16 @@ def test_sampling_options_reach_tune(tmp_path, monkeypatch, capsys):
 
     def refuse(model, step, batches, **kwargs):
         seen.append(kwargs)
-        raise ValueError("max_instances must be None or an int >= instances (8), got 6")
+        raise ValueError("the stub refuses")           # tune()'s ValueError: one line, exit 2
     monkeypatch.setattr(tuner, "tune", refuse)
     out = ["--out", str(tmp_path / "p.json")]
-    code, _, err = status(["llama", *out, "--instances", "8", "--max-instances", "6",
+    code, _, err = status(["llama", *out, "--instances", "8", "--max-instances", "6"], capsys)
+    assert code == 2 and "--max-instances must be >= --instances (8), got 6" in one_line(err)
+    assert seen == []                                       # refused before anything is built
+    code, _, err = status(["llama", *out, "--instances", "8", "--max-instances", "9",
                            "--resolution", "0.001"], capsys)
-    assert code == 2 and one_line(err).endswith("got 6"), err
-    assert seen[-1]["instances"] == 8 and seen[-1]["max_instances"] == 6
+    assert code == 2 and one_line(err).endswith("the stub refuses"), err
+    assert seen[-1]["instances"] == 8 and seen[-1]["max_instances"] == 9
     assert seen[-1]["resolution"] == 0.001
     status(["llama", *out], capsys)
     assert seen[-1]["max_instances"] is None and seen[-1]["resolution"] == 0.0005

@@ -199,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         device = hf.device_of(args.device)
     except ValueError as exc:
         return _fail(f"--device: {exc}")
+    if args.max_instances is not None and args.max_instances < args.instances:
+        return _fail(f"--max-instances must be >= --instances ({args.instances}), got "
+                     f"{args.max_instances}")
     if not args.list_roles:
         problem = _outputs(args)
         if problem is not None:
