@@ -100,8 +100,7 @@ def main(argv=None):
             return times, identical
         backend.measure = recorded
     try:
-        result = tuning.tune(model, step, args.batches, budget_s=args.budget, rounds=args.rounds,
-                             backend=backend)
+        result = tuning.tune(model, step, args.batches, budget_s=args.budget, backend=backend)
     finally:
         if args.dump:
             with open(args.dump, "w") as f:
