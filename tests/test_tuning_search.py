@@ -324,6 +324,39 @@ def test_arm_loads_at():
         A.Arm(loads_at=(1,))
 
 
+class UndecidedVerify(PlantedBackend):
+    """A verify (the group of exactly (a), (b), (d)) that no count of instances decides:
+    per instance (a) - (b) and (d) - (b) alternate +-3 us, so both intervals hold zero
+    and reach past min_gain_us through 25 instances.  Every other group is planted."""
+
+    def measure(self, batch, arms, instances):
+        times, identical = super().measure(batch, arms, instances)
+        if set(arms) == {A.NO_FORKS, A.LOADS, A.EMPTY}:
+            swing = [3.0 if i % 2 == 0 else -3.0 for i in range(instances)]
+            times = {A.LOADS: [self.step_us] * instances,
+                     A.NO_FORKS: [self.step_us + s for s in swing],
+                     A.EMPTY: [self.step_us + s for s in swing]}
+        return times, identical
+
+
+@pytest.mark.parametrize("budget_s", [50.0, 60.0, 70.0])
+def test_the_layers_step_leaves_each_verify_its_whole_sequential_sampling(budget_s):
+    """Each verify gets every round up to max_instances, although eight roles lost the
+    sweep and their layers step, which comes before the verifies, could take the budget
+    (before the reserve, at these budgets, verifies got 5-20 instances; the roles the
+    layers step makes promising are verified too)."""
+    gains = {"P": pays(5.0)}
+    gains.update({f"L{k}": PerLayer({1: 0.6}, layers=4, other=-3.0) for k in range(8)})
+    roles = [role("P", layers=1)] + [role(f"L{k}") for k in range(8)]
+    backend = UndecidedVerify(gains, seed=7, paired=True, instance_sd_us=2.0)
+    (report,), _ = run(backend, roles, budget_s=budget_s)
+    verifies = [t for r in report.roles for t in r.trials if t.stage == "verify"]
+    assert len(verifies) >= 2 and {t.instances for t in verifies} == {S.MAX_INSTANCES}
+    assert all(t.gain.low <= 0 < t.gain.high for t in verifies)
+    # ... and the reserve did not starve the layers step of every lost role
+    assert any(t.stage == "layer" for k in range(8) for t in by_name(report)[f"L{k}"].trials)
+
+
 def test_a_role_that_pays_in_every_layer_keeps_every_layer():
     backend = PlantedBackend({"A": PerLayer({}, layers=4, other=3.0)}, seed=13, paired=True)
     (report,), _ = run(backend, [role("A", layers=4)])
