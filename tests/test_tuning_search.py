@@ -357,6 +357,47 @@ def test_the_layers_step_leaves_each_verify_its_whole_sequential_sampling(budget
     assert any(t.stage == "layer" for k in range(8) for t in by_name(report)[f"L{k}"].trials)
 
 
+class UndecidedAll(UndecidedVerify):
+    """Also every refine group (keys ``d:<grid>...``) and layers group (arms with loads_at)
+    is undecided: its loads at the step's time, its (a) and empty forks swinging +-3 us."""
+
+    def measure(self, batch, arms, instances):
+        times, identical = super().measure(batch, arms, instances)
+        refine = any(A.parse_arm_key(k)[0] == A.EMPTY and A.parse_arm_key(k)[1][:1] != ()
+                     and A.parse_arm_key(k)[1][0].isdigit() for k in arms)
+        layers = any(arm.loads_at is not None for arm in arms.values())
+        if refine or layers:
+            swing = [3.0 if i % 2 == 0 else -3.0 for i in range(instances)]
+            times = {k: [self.step_us] * instances if A.parse_arm_key(k)[0] == A.LOADS
+                     else [self.step_us + s for s in swing] for k in times}
+        return times, identical
+
+
+@pytest.mark.parametrize("budget_s", [11.0, 13.0, 15.0])
+def test_refine_leaves_the_verify_its_whole_sequential_sampling(budget_s):
+    """Refine runs (undecided, it would sample to the end) and still leaves the verify all
+    of its rounds (reserving one round, at these budgets the verify got 10-20 or none)."""
+    backend = UndecidedAll({"P": pays(5.0)}, seed=7, paired=True, instance_sd_us=2.0)
+    (report,), _ = run(backend, [role("P", layers=1)], budget_s=budget_s)
+    trials = by_name(report)["P"].trials
+    assert any(t.stage == "refine" for t in trials)
+    assert [t.instances for t in trials if t.stage == "verify"] == [S.MAX_INSTANCES]
+
+
+@pytest.mark.parametrize("budget_s", [20.0, 21.0, 22.0])
+def test_the_promising_roles_layers_leave_every_verify_its_whole_sequential_sampling(budget_s):
+    """A promising role's layers step runs (undecided) and leaves both verifies all their
+    rounds (reserving one round each, at these budgets Q's verify got 10-20)."""
+    gains = {"P": PerLayer({}, layers=4, other=1.25), "Q": pays(5.0)}
+    backend = UndecidedAll(gains, seed=7, paired=True, instance_sd_us=2.0)
+    (report,), _ = run(backend, [role("P", layers=4), role("Q", layers=1)],
+                       budget_s=budget_s, grids=(A.DEFAULT_GRID,))
+    reps = by_name(report)
+    assert any(t.stage == "layer" for t in reps["P"].trials)
+    assert [t.instances for r in ("P", "Q") for t in reps[r].trials if t.stage == "verify"] == \
+        [S.MAX_INSTANCES] * 2
+
+
 def test_a_role_that_pays_in_every_layer_keeps_every_layer():
     backend = PlantedBackend({"A": PerLayer({}, layers=4, other=3.0)}, seed=13, paired=True)
     (report,), _ = run(backend, [role("A", layers=4)])

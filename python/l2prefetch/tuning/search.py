@@ -31,7 +31,8 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
    measured as one setting beside every layer on fresh instances, and that
    group of layers goes on where it gained more.  The promising roles get
    this first, then those that lost the sweep (in decreasing order of what
-   their best loads saved against empty forks), while the budget lasts.
+   their best loads saved against empty forks), while the budget lasts
+   beside every verify's sequential sampling (see the budget below).
 6. **verify**: the chosen setting of each such role on fresh instances:
    kept only if the 95% intervals of its gain over (a) and of its loads
    against (d) both lie above zero (forks that pay with empty tables, or
@@ -73,11 +74,13 @@ across indices is still that of independent captures.
 
 The budget is shared by the batches.  Before each group the tuner estimates
 its cost from the step's measured capture and replay times; the final
-confirmations are reserved first; refine and the layers step leave each verify
-to come the budget of its whole sequential sampling (:meth:`_Batch.verify_cost`: at
-the default budget on deepseek-v3-6l B1 the layers step of lost roles had left two
-verifies one round of 5 instances, RESULTS run 16).  When the budget is short the search gets
-coarser (fewer caps, no refine, no layers, no more instances) and roles that
+confirmations are reserved first.  The sweeps leave each promising role's verify one
+round; refine and the layers step leave each verify to come the most its sequential
+sampling can take (up to ``max_instances``: a worst case, so where verifies decide
+early some budget goes unused; at the default budget on deepseek-v3-6l B1 the layers
+step of lost roles had left two verifies one round of 5 instances, RESULTS run 16);
+where that is more than is left, the verifies go in the sweep's order, the most
+promising first.  When the budget is short the search gets coarser (fewer caps, no refine, no layers, no more instances) and roles that
 do not fit are reported as not measured; it never returns a plan that was
 not confirmed.
 """
@@ -246,8 +249,8 @@ class _Batch:
         return self.cost(1 + len(modes) * (caps + 1), captures)
 
     def verify_cost(self) -> float:
-        """Estimated seconds of one verify sampled to the end: its three arms, rounds of
-        ``instances`` until ``max_instances``."""
+        """Estimated seconds of one verify sampled to the end, at most: three arms, each
+        captured, rounds of ``instances`` until ``max_instances``."""
         rounds = -(-self.p.max_instances // self.p.instances)
         return rounds * self.cost(3)
 
@@ -400,7 +403,10 @@ class _Batch:
             if not self.fits(3, final_reserve):
                 rep.reason = "not verified: the budget ran out"
                 continue
-            later = (len(promising) - k - 1) * self.verify_cost()
+            # one round each: where refine and layers ran, their reserves left every verify
+            # its whole sampling; where the sweep left less, the first (most promising)
+            # verifies come first
+            later = (len(promising) - k - 1) * self.cost(3)
             verified = self.verify(role, trial.setting, rep, final_reserve + later)
             if verified is not None:
                 kept.append((role, verified))
