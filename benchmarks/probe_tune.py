@@ -11,8 +11,8 @@ Prints the summary (with the instance spread and the best-of-k advice) and the r
                                     [--layers I,J,..] [--budget S] [--placement private|shared]
                                     [--hand] [--rounds N] [--dump FILE.json] [BATCH ...]
 
-``--rounds`` is tune's replays per instance in a group (default 20); ``--dump`` writes every
-measured group's per-instance medians per arm (JSON), to see where an interval's width comes
+``--rounds`` is tune's replays per instance in a group (default: by the step's time,
+10-20); ``--dump`` writes every measured group's per-instance medians per arm (JSON), to see where an interval's width comes
 from.  ``--hand`` then measures the tuned plan beside hand-placed plans of the planted window's role
 (benchmarks/RESULTS.md, run 14).
 """
@@ -27,7 +27,7 @@ from l2prefetch import tuning
 from l2prefetch.tuning.arms import NO_FORKS, Arm, Setting
 from l2prefetch.tuning.stats import diff_interval, paired_interval
 from l2prefetch.tuning.hf import DecodeStep
-from l2prefetch.tuning.measure import DEFAULT_ROUNDS, PLACEMENTS, GraphBackend
+from l2prefetch.tuning.measure import DEFAULT_ROUNDS, MIN_ROUNDS, PLACEMENTS, GraphBackend
 from l2prefetch.tuning.rig import Rig
 
 
@@ -57,13 +57,14 @@ def main(argv=None):
                         help="then measure the tuned plan beside hand-placed ones (the planted "
                              "window's role at 24 and 48 MiB, leaf and branch, at the planted "
                              f"layers), {HAND_INSTANCES} instances")
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
-                        help=f"replays of each instance per group (default {DEFAULT_ROUNDS})")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="replays of each instance per group (default: by the step's time, "
+                             f"{MIN_ROUNDS}-{DEFAULT_ROUNDS}, rounds_for)")
     parser.add_argument("--dump", default=None, metavar="FILE.json",
                         help="write every group's per-instance medians per arm")
     parser.add_argument("batches", type=int, nargs="*", default=[1])
     args = parser.parse_args(argv)
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.hand and args.site == "none":
         parser.error("--hand compares plans for a planted window: give --site mlp or attention")

@@ -462,8 +462,9 @@ def test_sampling_options_reach_tune(tmp_path, monkeypatch, capsys):
     assert seen[-1]["resolution"] == 0.001
     status(["llama", *out], capsys)
     assert seen[-1]["max_instances"] is None and seen[-1]["resolution"] == 0.0005
-    from l2prefetch.tuning.measure import DEFAULT_ROUNDS
-    assert seen[-1]["rounds"] == DEFAULT_ROUNDS == 20      # the CLI's default is tune()'s
+    assert seen[-1]["rounds"] is None         # the CLI's default is tune()'s: by the step
+    status(["llama", *out, "--rounds", "12"], capsys)
+    assert seen[-1]["rounds"] == 12
 
 
 def test_every_parser_refuses_abbreviations(capsys):

@@ -585,3 +585,41 @@ def test_shared_placement_pairs_the_gain_against_no_forks():
         # each instance index is a placement of its own: (a)'s spread is still reported
         assert report.spread is not None
     assert widths[True] < 1.0 < 10.0 < widths[False]
+
+
+class PreparedRounds(PlantedBackend):
+    """prepare() says the replays per instance at each batch (as GraphBackend does by
+    the step's time); the backend's own rounds are None."""
+
+    rounds = None
+
+    def __init__(self, gains, rounds_at, **kw):
+        super().__init__(gains, **kw)
+        self.rounds_at = rounds_at
+
+    def prepare(self, batch):
+        p = super().prepare(batch)
+        return A.Prepared(p.step_us, p.capture_s, rounds=self.rounds_at[batch])
+
+    def measure(self, batch, arms, instances):
+        self.rounds = self.rounds_at[batch]   # what the fake's clock charges
+        try:
+            return super().measure(batch, arms, instances)
+        finally:
+            self.rounds = None
+
+
+def test_the_search_counts_the_replays_each_batch_prepared():
+    """The budget's estimate and the report use Prepared.rounds: 4x the replays make the
+    first group's estimate larger, and each batch reports its own."""
+    estimates = {}
+    for rounds in (10, 40):
+        backend = PreparedRounds({"A": pays(3.0)}, {1: rounds, 8: 10}, seed=1)
+        reports, out = run(backend, [role("A")], batches=(1, 8), budget_s=60.0)
+        assert [r.rounds for r in reports] == [rounds, 10]
+        first = out.splitlines()[0]
+        estimates[rounds] = float(first[first.rindex("~") + 1:].split()[0])
+    assert estimates[40] > 1.5 * estimates[10]
+    backend = PlantedBackend({"A": pays(3.0)}, seed=1)          # Prepared.rounds None
+    (report,), _ = run(backend, [role("A")], budget_s=30.0)
+    assert report.rounds == backend.rounds == 10

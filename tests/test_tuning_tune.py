@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -207,6 +208,10 @@ def test_save_needs_a_device_and_writes_atomically(tmp_path):
     (dict(graph_forks=["sideways"]), ValueError, "graph_forks must be"),
     (dict(grids=[0]), ValueError, "grids must hold numbers > 0"),
     (dict(caps_mib=[]), TypeError, "caps_mib must be a non-empty sequence"),
+    (dict(rounds=0), ValueError, "rounds must be None \\(by the step's time\\) or an int >= 1, "
+                                 "got int 0"),
+    (dict(rounds=True), TypeError, "rounds must be None .* got bool True"),
+    (dict(rounds=2.5), TypeError, "rounds must be None .* got float 2.5"),
 ])
 def test_bad_arguments(kwargs, error, message):
     model, step = model_and_step()
@@ -732,3 +737,74 @@ def test_graph_backend_primes_each_shared_pool_with_an_untimed_capture(placement
         return
     assert [g.pool for g in primers] == [0, 1, 2] and [g.pool for g in timed] == [0, 1, 2]
     assert [rig.captures.index(p) for p in primers] == [0, 2, 4]   # each before its pool's
+
+
+@pytest.mark.parametrize("step_us, rounds", [(1850.0, 20), (2000.0, 20), (3000.0, 13),
+                                             (3800.0, 11), (4700.0, 10), (20000.0, 10)])
+def test_graph_backend_replays_about_40_ms_of_a_step_per_instance(step_us, rounds, monkeypatch):
+    """rounds=None (tune's default): prepare() times the step and says how many replays
+    per instance its groups take at that batch (rounds_for: ~40 ms, 10-20); measure()
+    replays that many at that batch, and a fixed rounds wins over it."""
+    from l2prefetch.tuning.arms import NO_FORKS, Arm
+    from l2prefetch.tuning.measure import GraphBackend, rounds_for
+
+    assert rounds_for(step_us) == rounds
+    assert rounds_for(float("nan")) == rounds_for(0.0) == 20
+
+    class Graph:
+        def replay(self):
+            pass
+
+    class FakeRig:
+        def __init__(self):
+            self.asked = []
+
+        def capture(self, fn, warmup=1, pool=None, keep_graph=False):
+            return Graph(), torch.ones(2)
+
+        def replays(self, graphs, rounds):
+            self.asked.append(rounds)
+            return {key: [step_us] * rounds for key in graphs}
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    backend = GraphBackend.__new__(GraphBackend)
+    backend.torch, backend.device, backend.rounds = torch, torch.device("cpu"), None
+    backend.shared_placement, backend.switches = False, False
+    backend._captured, backend._outputs, backend._rounds_at = 0, {}, {}
+    backend.step = lambda batch: torch.ones(2)
+    backend.rig = rig = FakeRig()
+    prepared = backend.prepare(8)
+    assert prepared.step_us == step_us and prepared.rounds == rounds
+    backend.measure(8, {NO_FORKS: Arm()}, 2)
+    assert rig.asked[-1] == rounds
+    backend.rounds = 3
+    assert backend.prepare(8).rounds == 3
+    backend.measure(8, {NO_FORKS: Arm()}, 2)
+    assert rig.asked[-1] == 3
+
+
+def test_the_report_says_the_replays_each_batch_took():
+    """A backend whose replays depend on the batch (rounds None, Prepared.rounds): the
+    profile's settings say None, each batch its own, and the report names them."""
+    from l2prefetch.tuning.arms import Prepared
+
+    class ByStep(Minimal):
+        rounds = None
+
+        def prepare(self, batch):
+            p = self.planted.prepare(batch)
+            return Prepared(p.step_us, p.capture_s, rounds={1: 17, 8: 11}[batch])
+
+        def measure(self, batch, arms, instances):
+            self.planted.rounds = 17 if batch == 1 else 11
+            return self.planted.measure(batch, arms, instances)
+
+    model, step = model_and_step()
+    result = tuning.tune(model, step, [1, 8], candidates=[O_PROJ], progress=None,
+                         backend=ByStep(DeviceBackend({O_PROJ: lambda s: 6.0}, seed=3)),
+                         min_bytes=256 * 1024, budget_s=60)
+    assert result.settings["rounds"] is None
+    assert [b.rounds for b in result.batches] == [17, 11]
+    assert "replays each by the step's time (17 at batch 1, 11 at batch 8)" in result.markdown()
+    assert [b.as_dict()["rounds"] for b in result.batches] == [17, 11]   # the profile's results

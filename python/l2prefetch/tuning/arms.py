@@ -159,10 +159,13 @@ class Probe:
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """The step at one batch: replay time and the host cost of one capture."""
+    """The step at one batch: replay time, the host cost of one capture, and the replays
+    per graph instance the backend's groups will take at this batch (None: its
+    :attr:`Backend.rounds`)."""
 
     step_us: float
     capture_s: float
+    rounds: Optional[int] = None
 
 
 class Backend(abc.ABC):
@@ -175,8 +178,9 @@ class Backend(abc.ABC):
     pairing, no switching, independent instances, roles not needed, no device).
     Every member is read directly: nothing is probed with ``hasattr``."""
 
-    #: Replays per graph instance in a group (the budget's estimate counts them).
-    rounds: int
+    #: Replays per graph instance in a group (the budget's estimate counts them); None
+    #: where they depend on the batch, and then prepare() says (:attr:`Prepared.rounds`).
+    rounds: Optional[int]
     #: After each measure(): the sets of arm keys whose instance i of each were measured
     #: alike (switched states of one graph, or graphs placed alike), so that their
     #: differences are paired; none by default.

@@ -27,14 +27,27 @@ from .discover import Role
 from .rig import Rig
 from .arms import NO_FORKS, Arm, Backend, Prepared, Probe, StepError
 
-__all__ = ["DEFAULT_ROUNDS", "GraphBackend"]
+__all__ = ["DEFAULT_ROUNDS", "MIN_ROUNDS", "ROUNDS_TARGET_US", "GraphBackend", "rounds_for"]
 
-#: Replays per graph instance in a measuring group.  Paired comparisons are limited by
-#: how arms differ between instances (about 2 us per instance on a 2.4 ms step), not by
-#: the replays within one: 20 replays and more instances resolved 12 of 15 roles of
-#: deepseek-v3-6l at batch 1 to 0.05% in the 300 s budget, 60 replays 4 of 16
-#: (benchmarks/RESULTS.md, run 16).
+#: Replays per graph instance in a measuring group, by default as many as take about
+#: ROUNDS_TARGET_US of the step (rounds_for), between MIN_ROUNDS and DEFAULT_ROUNDS.
+#: Paired comparisons are limited by how arms differ between instances (about 2 us per
+#: instance on a 2.4 ms step), not by the replays within one, so replays beyond that buy
+#: less than instances do: on deepseek-v3-6l 20 replays resolved 12 of 15 roles to 0.05%
+#: in the 300 s budget at batch 1 (60 replays: 4 of 16), and at batch 8 (a 3.8 ms step)
+#: 10 replays resolved 16 of 16 where 20 left the last four roles' sweeps one round
+#: (benchmarks/RESULTS.md, runs 16 and 17).
 DEFAULT_ROUNDS = 20
+MIN_ROUNDS = 10
+ROUNDS_TARGET_US = 40_000.0
+
+
+def rounds_for(step_us: float) -> int:
+    """Replays per instance for a step of ``step_us``: about ROUNDS_TARGET_US of replays,
+    at least MIN_ROUNDS, at most DEFAULT_ROUNDS (20 at 2 ms, 10 from 4 ms)."""
+    if not step_us > 0:  # NaN too
+        return DEFAULT_ROUNDS
+    return max(MIN_ROUNDS, min(DEFAULT_ROUNDS, round(ROUNDS_TARGET_US / step_us)))
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +131,8 @@ class GraphBackend(Backend):
     ``model`` is the module whose hooks fork; ``step(batch)`` one capturable
     decode step at that batch (static buffers, same work every replay),
     returning its output (logits) for the bitwise check.  ``rounds``:
-    replays per graph instance in a group.  ``placement``: ``"shared"`` (the
+    replays per graph instance in a group; None (the default): per batch, by the step's
+    time (:func:`rounds_for`, said in :attr:`Prepared.rounds`).  ``placement``: ``"shared"`` (the
     default: the arms' graphs of one instance index share one memory pool,
     captured in an order rotated by the index, and each capture leaves nothing
     alive in it (its output is copied to a buffer outside, :meth:`_fn`), so their
@@ -135,7 +149,7 @@ class GraphBackend(Backend):
     """
 
     def __init__(self, model: Any, step: Callable[[int], Any], *, device: Any = None,
-                 rounds: int = DEFAULT_ROUNDS, placement: str = "shared") -> None:
+                 rounds: Optional[int] = None, placement: str = "shared") -> None:
         import torch
 
         if placement not in PLACEMENTS:
@@ -149,6 +163,8 @@ class GraphBackend(Backend):
             raise ValueError(f"tuning measures CUDA graphs: the model is on {device}; move it to "
                              "a CUDA device (discover() works on the CPU)")
         self.torch, self.model, self.step, self.rounds = torch, model, step, rounds
+        #: Per batch, the replays per instance prepare() chose (where rounds is None).
+        self._rounds_at: dict[int, int] = {}
         self.shared_placement = placement == "shared"
         #: Instances captured so far: where the next capture order starts (rotated by
         #: one per instance across calls, so no arm is always captured first).
@@ -195,7 +211,9 @@ class GraphBackend(Backend):
         capture_s = time.perf_counter() - t0
         us = self.rig.replays({0: graph}, 10)[0]
         del graph
-        return Prepared(step_us=statistics.median(us), capture_s=capture_s)
+        step_us = statistics.median(us)
+        rounds = self._rounds_at[batch] = self.rounds or rounds_for(step_us)
+        return Prepared(step_us=step_us, capture_s=capture_s, rounds=rounds)
 
     def _fn(self, batch: int) -> Callable[[], Any]:
         torch, step = self.torch, self.step
@@ -324,7 +342,7 @@ class GraphBackend(Backend):
                 for name in names:
                     graphs[(name, i)] = _Switched(switch, states[name])
                     out_of[(name, i)] = out
-        us = self.rig.replays(graphs, self.rounds)
+        us = self.rig.replays(graphs, self.rounds or self._rounds_at.get(batch, DEFAULT_ROUNDS))
         medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
                    for name in arms}
         identical = self._check_outputs(batch, graphs, out_of)

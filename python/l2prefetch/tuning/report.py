@@ -61,8 +61,12 @@ def markdown(result: Any) -> str:
     s = result.settings
     more = s.get("max_instances") or s.get("instances")
     head.append(f"Tuning took {result.elapsed_s:.0f} s of a {result.budget_s:.0f} s budget; "
-                f"{s.get('instances')} graph instances per arm, {s.get('rounds')} replays "
-                "each, interleaved"
+                f"{s.get('instances')} graph instances per arm, "
+                + (f"{s.get('rounds')} replays each" if s.get('rounds') else
+                   "replays each by the step's time ("
+                   + ", ".join(f"{rep.rounds} at batch {rep.batch}"
+                               for rep in result.batches if rep.rounds) + ")")
+                + ", interleaved"
                 + (f", up to {more} for a candidate whose interval was still undecided "
                    "(column 'instances')" if more != s.get("instances") else "")
                 + ".  A setting that names layers forks at those only, except in a "

@@ -164,6 +164,8 @@ class BatchReport:
     reason: str = ""
     elapsed_s: float = 0.0
     spread: Optional[InstanceSpread] = None
+    #: Replays per graph instance in this batch's groups (None: not measured).
+    rounds: Optional[int] = None
 
     @property
     def confirmed(self) -> Optional[Confirmation]:
@@ -182,5 +184,5 @@ class BatchReport:
                 "confirmed": None if confirmed is None else confirmed.as_dict(),
                 "confirmations": [c.as_dict() for c in self.confirmations],
                 "roles": [r.as_dict() for r in self.roles], "reason": self.reason,
-                "elapsed_s": self.elapsed_s,
+                "elapsed_s": self.elapsed_s, "rounds": self.rounds,
                 "spread": None if self.spread is None else self.spread.as_dict()}

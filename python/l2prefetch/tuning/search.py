@@ -222,8 +222,14 @@ class _Batch:
         instances = self.p.instances if instances is None else instances
         if not p:
             return arms * instances * 1.2 + 0.05
-        replay = self.backend.rounds * p.step_us * 1e-6
+        replay = self.rounds * p.step_us * 1e-6
         return instances * (captures * p.capture_s + arms * replay) * 1.2 + 0.05
+
+    @property
+    def rounds(self) -> int:
+        """Replays per graph instance in this batch's groups."""
+        rounds = self.prepared.rounds if self.prepared else None
+        return rounds or self.backend.rounds or 1
 
     def switched(self, mode: str) -> bool:
         """Whether the backend measures a fork mode's arms as switched states of one
@@ -323,6 +329,7 @@ class _Batch:
         t0 = self.clock()
         self.prepared = self.backend.prepare(self.batch)
         self.report.step_us = self.prepared.step_us
+        self.report.rounds = self.rounds
         reports = {role.name: RoleReport(role.name, len(role.sites), role.max_bytes)
                    for role in self.roles}
         self.report.roles = list(reports.values())

@@ -25,7 +25,6 @@ from .discover import Role, candidates as discover_candidates, describe_bytes, d
 from ..profile import (PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, save_profile,
                        versions)
 from .arms import Backend, Setting, StepError
-from .measure import DEFAULT_ROUNDS
 from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
                      MAX_INSTANCES, MIN_INSTANCES, search)
@@ -148,7 +147,7 @@ class TuneResult:
 def _check_number(name: str, value: object, low: float, integer: bool = False) -> float:
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise TypeError(f"{name} must be a {'an int' if integer else 'number'} >= {low}, got "
+        raise TypeError(f"{name} must be {'an int' if integer else 'a number'} >= {low}, got "
                         f"{type(value).__name__} {value!r}")
     if not (value >= low) or (not integer and not math.isfinite(value)):
         raise ValueError(f"{name} must be {'an int' if integer else 'a finite number'} >= {low}, "
@@ -233,7 +232,7 @@ def merge_plan(roles: Sequence[Role], reports: Sequence[BatchReport]) -> tuple[l
 def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
          candidates: Optional[Sequence[Union[str, Role]]] = None, budget_s: float = 300,
          instances: int = MIN_INSTANCES, max_instances: Optional[int] = None,
-         rounds: int = DEFAULT_ROUNDS,
+         rounds: Optional[int] = None,
          caps_mib: Sequence[float] = DEFAULT_CAPS_MIB, grids: Sequence[int] = DEFAULT_GRIDS,
          kernels: Optional[Sequence[Optional[str]]] = None,
          graph_forks: Sequence[str] = GRAPH_FORKS,
@@ -253,7 +252,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
 
     ``budget_s`` bounds the measuring (seconds, all batches together);
     ``instances`` graph instances per measurement arm (at least 5), ``rounds`` replays
-    of each per group; a candidate whose interval is still undecided gets
+    of each per group (None: per batch, about 40 ms of the step, 10-20:
+    :func:`~l2prefetch.tuning.measure.rounds_for`); a candidate whose interval is still undecided gets
     ``instances`` more at a time up to ``max_instances`` (None: 25, or
     ``instances`` if more; equal to ``instances``: no sequential sampling).
     Each measured group's leading candidate is also sampled, within that bound, until
@@ -296,7 +296,12 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
         raise ValueError(f"max_instances must be None or an int >= instances ({instances}), "
                          f"got {max_instances}; equal to instances turns sequential "
                          "sampling off")
-    _check_number("rounds", rounds, 1, integer=True)
+    if rounds is not None and (isinstance(rounds, bool) or
+                               not isinstance(rounds, numbers.Integral) or rounds < 1):
+        raise (ValueError if isinstance(rounds, numbers.Integral) and
+               not isinstance(rounds, bool) else TypeError)(
+            f"rounds must be None (by the step's time) or an int >= 1, got "
+            f"{type(rounds).__name__} {rounds!r}")
     _check_number("min_gain_us", min_gain_us, 0)
     _check_number("resolution", resolution, 0)
     if resolution >= 1:
