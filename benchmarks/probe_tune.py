@@ -27,7 +27,7 @@ from l2prefetch import tuning
 from l2prefetch.tuning.arms import NO_FORKS, Arm, Setting
 from l2prefetch.tuning.stats import diff_interval, paired_interval
 from l2prefetch.tuning.hf import DecodeStep
-from l2prefetch.tuning.measure import DEFAULT_ROUNDS, MIN_ROUNDS, PLACEMENTS, GraphBackend
+from l2prefetch.tuning.measure import MAX_ROUNDS, MIN_ROUNDS, PLACEMENTS, GraphBackend
 from l2prefetch.tuning.rig import Rig
 
 
@@ -59,7 +59,7 @@ def main(argv=None):
                              f"layers), {HAND_INSTANCES} instances")
     parser.add_argument("--rounds", type=int, default=None,
                         help="replays of each instance per group (default: by the step's time, "
-                             f"{MIN_ROUNDS}-{DEFAULT_ROUNDS}, rounds_for)")
+                             f"{MIN_ROUNDS}-{MAX_ROUNDS}, rounds_for)")
     parser.add_argument("--dump", default=None, metavar="FILE.json",
                         help="write every group's per-instance medians per arm")
     parser.add_argument("batches", type=int, nargs="*", default=[1])

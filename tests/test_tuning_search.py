@@ -623,3 +623,12 @@ def test_the_search_counts_the_replays_each_batch_prepared():
     backend = PlantedBackend({"A": pays(3.0)}, seed=1)          # Prepared.rounds None
     (report,), _ = run(backend, [role("A")], budget_s=30.0)
     assert report.rounds == backend.rounds == 10
+
+
+def test_a_backend_that_says_no_replays_is_refused():
+    """rounds None and prepare() without Prepared.rounds: the budget cannot be estimated;
+    a TypeError names the contract (before, the estimate silently counted 1 replay)."""
+    backend = PreparedRounds({"A": pays(3.0)}, {1: None}, seed=1)
+    with pytest.raises(TypeError, match="PreparedRounds: replays per instance must be an int "
+                                        ">= 1, in Prepared.rounds .* got None"):
+        run(backend, [role("A")], budget_s=30.0)

@@ -739,17 +739,19 @@ def test_graph_backend_primes_each_shared_pool_with_an_untimed_capture(placement
     assert [rig.captures.index(p) for p in primers] == [0, 2, 4]   # each before its pool's
 
 
-@pytest.mark.parametrize("step_us, rounds", [(1850.0, 20), (2000.0, 20), (3000.0, 13),
-                                             (3800.0, 11), (4700.0, 10), (20000.0, 10)])
+@pytest.mark.parametrize("step_us, rounds", [(1850.0, 20), (2050.0, 20), (2133.0, 19),
+                                             (3000.0, 13), (3800.0, 11), (3820.0, 10),
+                                             (20000.0, 10)])
 def test_graph_backend_replays_about_40_ms_of_a_step_per_instance(step_us, rounds, monkeypatch):
     """rounds=None (tune's default): prepare() times the step and says how many replays
     per instance its groups take at that batch (rounds_for: ~40 ms, 10-20); measure()
-    replays that many at that batch, and a fixed rounds wins over it."""
+    replays each batch's own (a batch never prepared: MAX_ROUNDS), and a fixed rounds
+    wins over them."""
     from l2prefetch.tuning.arms import NO_FORKS, Arm
-    from l2prefetch.tuning.measure import GraphBackend, rounds_for
+    from l2prefetch.tuning.measure import MAX_ROUNDS, GraphBackend, rounds_for
 
     assert rounds_for(step_us) == rounds
-    assert rounds_for(float("nan")) == rounds_for(0.0) == 20
+    assert rounds_for(float("nan")) == rounds_for(0.0) == MAX_ROUNDS == 20
 
     class Graph:
         def replay(self):
@@ -757,14 +759,14 @@ def test_graph_backend_replays_about_40_ms_of_a_step_per_instance(step_us, round
 
     class FakeRig:
         def __init__(self):
-            self.asked = []
+            self.asked, self.step_us = [], step_us
 
         def capture(self, fn, warmup=1, pool=None, keep_graph=False):
             return Graph(), torch.ones(2)
 
         def replays(self, graphs, rounds):
             self.asked.append(rounds)
-            return {key: [step_us] * rounds for key in graphs}
+            return {key: [self.step_us] * rounds for key in graphs}
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
@@ -776,12 +778,46 @@ def test_graph_backend_replays_about_40_ms_of_a_step_per_instance(step_us, round
     backend.rig = rig = FakeRig()
     prepared = backend.prepare(8)
     assert prepared.step_us == step_us and prepared.rounds == rounds
-    backend.measure(8, {NO_FORKS: Arm()}, 2)
-    assert rig.asked[-1] == rounds
+    rig.step_us = 500.0                                  # a short step at batch 1: 20
+    assert backend.prepare(1).rounds == 20
+    for batch, expected in ((8, rounds), (1, 20), (8, rounds), (4, MAX_ROUNDS)):
+        backend.measure(batch, {NO_FORKS: Arm()}, 2)
+        assert rig.asked[-1] == expected, batch
     backend.rounds = 3
     assert backend.prepare(8).rounds == 3
     backend.measure(8, {NO_FORKS: Arm()}, 2)
     assert rig.asked[-1] == 3
+
+
+@pytest.mark.parametrize("rounds, error", [(0, ValueError), (-1, ValueError), (True, TypeError),
+                                           (2.0, TypeError), ("20", TypeError)])
+def test_graph_backend_refuses_bad_rounds_first(rounds, error):
+    from l2prefetch.tuning.measure import GraphBackend
+
+    model, step = model_and_step()                       # on the CPU: refused for rounds first
+    with pytest.raises(error, match="rounds must be None \\(by the step's time\\) or an int >= 1"):
+        GraphBackend(model, step, rounds=rounds)
+
+
+@pytest.mark.parametrize("rounds", [None, 12])
+def test_tune_hands_its_rounds_to_the_graph_backend(rounds, monkeypatch):
+    from l2prefetch.tuning import measure
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class Recorder:
+        def __init__(self, model, step, **kwargs):
+            seen.update(kwargs)
+            raise Stop
+
+    monkeypatch.setattr(measure, "GraphBackend", Recorder)
+    model, step = model_and_step()
+    with pytest.raises(Stop):
+        tuning.tune(model, step, [1], progress=None, rounds=rounds, kernels=[None])
+    assert seen["rounds"] == rounds
 
 
 def test_the_report_says_the_replays_each_batch_took():

@@ -22,7 +22,7 @@ from typing import Any, Optional
 from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
 from .hf import MAX_SEED
-from .measure import DEFAULT_ROUNDS, MIN_ROUNDS, ROUNDS_TARGET_US
+from .measure import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_TARGET_US
 from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
 
 __all__ = ["add_parser", "main", "run"]
@@ -100,7 +100,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=_positive(int, "--rounds", 0, 100000),
                         default=None, help="replays of each graph instance per measuring "
                         f"group (default: about {ROUNDS_TARGET_US / 1000:g} ms of the step, "
-                        f"{MIN_ROUNDS}-{DEFAULT_ROUNDS})")
+                        f"{MIN_ROUNDS}-{MAX_ROUNDS})")
     parser.add_argument("--caps-mib", type=lambda t: _list(t, "--caps-mib", float,
                                                            MIN_BYTE_CAP / (1 << 20)),
                         default=[4, 8, 16, 24, 32, 48],

@@ -17,6 +17,7 @@ time.  The difference is the most a prefetch of it can save.
 from __future__ import annotations
 
 import logging
+import numbers
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,27 +28,40 @@ from .discover import Role
 from .rig import Rig
 from .arms import NO_FORKS, Arm, Backend, Prepared, Probe, StepError
 
-__all__ = ["DEFAULT_ROUNDS", "MIN_ROUNDS", "ROUNDS_TARGET_US", "GraphBackend", "rounds_for"]
+__all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "ROUNDS_TARGET_US", "GraphBackend", "check_rounds",
+           "rounds_for"]
 
 #: Replays per graph instance in a measuring group, by default as many as take about
-#: ROUNDS_TARGET_US of the step (rounds_for), between MIN_ROUNDS and DEFAULT_ROUNDS.
+#: ROUNDS_TARGET_US of the step (rounds_for), at least MIN_ROUNDS and at most MAX_ROUNDS.
 #: Paired comparisons are limited by how arms differ between instances (about 2 us per
 #: instance on a 2.4 ms step), not by the replays within one, so replays beyond that buy
 #: less than instances do: on deepseek-v3-6l 20 replays resolved 12 of 15 roles to 0.05%
 #: in the 300 s budget at batch 1 (60 replays: 4 of 16), and at batch 8 (a 3.8 ms step)
-#: 10 replays resolved 16 of 16 where 20 left the last four roles' sweeps one round
-#: (benchmarks/RESULTS.md, runs 16 and 17).
-DEFAULT_ROUNDS = 20
+#: 10 replays resolved 16 of 16 where 20 resolved 12 (benchmarks/RESULTS.md, runs 16, 17).
+MAX_ROUNDS = 20
 MIN_ROUNDS = 10
 ROUNDS_TARGET_US = 40_000.0
 
 
 def rounds_for(step_us: float) -> int:
     """Replays per instance for a step of ``step_us``: about ROUNDS_TARGET_US of replays,
-    at least MIN_ROUNDS, at most DEFAULT_ROUNDS (20 at 2 ms, 10 from 4 ms)."""
+    but at least MIN_ROUNDS and at most MAX_ROUNDS (20 up to a 2.05 ms step, 10 from
+    3.81 ms; MAX_ROUNDS for a step not timed)."""
     if not step_us > 0:  # NaN too
-        return DEFAULT_ROUNDS
-    return max(MIN_ROUNDS, min(DEFAULT_ROUNDS, round(ROUNDS_TARGET_US / step_us)))
+        return MAX_ROUNDS
+    return max(MIN_ROUNDS, min(MAX_ROUNDS, round(ROUNDS_TARGET_US / step_us)))
+
+
+def check_rounds(rounds: object) -> None:
+    """TypeError/ValueError unless ``rounds`` is None (by the step's time) or an int >= 1."""
+    if rounds is None:
+        return
+    if isinstance(rounds, bool) or not isinstance(rounds, numbers.Integral):
+        raise TypeError(f"rounds must be None (by the step's time) or an int >= 1, got "
+                        f"{type(rounds).__name__} {rounds!r}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be None (by the step's time) or an int >= 1, got "
+                         f"{type(rounds).__name__} {rounds!r}")
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +146,8 @@ class GraphBackend(Backend):
     decode step at that batch (static buffers, same work every replay),
     returning its output (logits) for the bitwise check.  ``rounds``:
     replays per graph instance in a group; None (the default): per batch, by the step's
-    time (:func:`rounds_for`, said in :attr:`Prepared.rounds`).  ``placement``: ``"shared"`` (the
+    time (:func:`rounds_for`, said in :attr:`Prepared.rounds`; a batch not prepared
+    gets MAX_ROUNDS).  ``placement``: ``"shared"`` (the
     default: the arms' graphs of one instance index share one memory pool,
     captured in an order rotated by the index, and each capture leaves nothing
     alive in it (its output is copied to a buffer outside, :meth:`_fn`), so their
@@ -152,6 +167,7 @@ class GraphBackend(Backend):
                  rounds: Optional[int] = None, placement: str = "shared") -> None:
         import torch
 
+        check_rounds(rounds)
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
@@ -342,7 +358,7 @@ class GraphBackend(Backend):
                 for name in names:
                     graphs[(name, i)] = _Switched(switch, states[name])
                     out_of[(name, i)] = out
-        us = self.rig.replays(graphs, self.rounds or self._rounds_at.get(batch, DEFAULT_ROUNDS))
+        us = self.rig.replays(graphs, self.rounds or self._rounds_at.get(batch, MAX_ROUNDS))
         medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
                    for name in arms}
         identical = self._check_outputs(batch, graphs, out_of)

@@ -21,6 +21,18 @@ from .stats import Interval
 __all__ = ["markdown", "plot", "spread_text", "table"]
 
 
+def _replays(result: Any) -> str:
+    """Replays per instance: the setting's, or each batch's where they differ from it
+    (a backend that chooses them by the step's time)."""
+    fixed = result.settings.get("rounds")
+    per_batch = [(rep.batch, rep.rounds) for rep in result.batches if rep.rounds is not None]
+    if fixed and all(rounds == fixed for _, rounds in per_batch):
+        return f"{fixed} replays each"
+    how = "by the step's time" if not fixed else "as the backend prepared them"
+    return f"replays each {how} (" + ", ".join(f"{rounds} at batch {batch}"
+                                               for batch, rounds in per_batch) + ")"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown table; numbers are right-aligned.  The one table helper of the
     package and the benchmarks."""
@@ -61,11 +73,7 @@ def markdown(result: Any) -> str:
     s = result.settings
     more = s.get("max_instances") or s.get("instances")
     head.append(f"Tuning took {result.elapsed_s:.0f} s of a {result.budget_s:.0f} s budget; "
-                f"{s.get('instances')} graph instances per arm, "
-                + (f"{s.get('rounds')} replays each" if s.get('rounds') else
-                   "replays each by the step's time ("
-                   + ", ".join(f"{rep.rounds} at batch {rep.batch}"
-                               for rep in result.batches if rep.rounds) + ")")
+                f"{s.get('instances')} graph instances per arm, " + _replays(result)
                 + ", interleaved"
                 + (f", up to {more} for a candidate whose interval was still undecided "
                    "(column 'instances')" if more != s.get("instances") else "")

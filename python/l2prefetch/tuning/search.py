@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -229,7 +230,12 @@ class _Batch:
     def rounds(self) -> int:
         """Replays per graph instance in this batch's groups."""
         rounds = self.prepared.rounds if self.prepared else None
-        return rounds or self.backend.rounds or 1
+        rounds = self.backend.rounds if rounds is None else rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, numbers.Integral) or rounds < 1:
+            raise TypeError(f"{type(self.backend).__name__}: replays per instance must be an "
+                            f"int >= 1, in Prepared.rounds (from prepare()) or else the "
+                            f"backend's rounds; got {rounds!r}")
+        return rounds
 
     def switched(self, mode: str) -> bool:
         """Whether the backend measures a fork mode's arms as switched states of one

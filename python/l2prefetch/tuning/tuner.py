@@ -25,6 +25,7 @@ from .discover import Role, candidates as discover_candidates, describe_bytes, d
 from ..profile import (PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, save_profile,
                        versions)
 from .arms import Backend, Setting, StepError
+from .measure import check_rounds
 from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
                      MAX_INSTANCES, MIN_INSTANCES, search)
@@ -296,12 +297,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
         raise ValueError(f"max_instances must be None or an int >= instances ({instances}), "
                          f"got {max_instances}; equal to instances turns sequential "
                          "sampling off")
-    if rounds is not None and (isinstance(rounds, bool) or
-                               not isinstance(rounds, numbers.Integral) or rounds < 1):
-        raise (ValueError if isinstance(rounds, numbers.Integral) and
-               not isinstance(rounds, bool) else TypeError)(
-            f"rounds must be None (by the step's time) or an int >= 1, got "
-            f"{type(rounds).__name__} {rounds!r}")
+    check_rounds(rounds)
     _check_number("min_gain_us", min_gain_us, 0)
     _check_number("resolution", resolution, 0)
     if resolution >= 1:
