@@ -632,3 +632,37 @@ def test_a_backend_that_says_no_replays_is_refused():
     with pytest.raises(TypeError, match="PreparedRounds: replays per instance must be an int "
                                         ">= 1, in Prepared.rounds .* got None"):
         run(backend, [role("A")], budget_s=30.0)
+
+
+class SlowSweeps(PlantedBackend):
+    """Every sweep group (keys with a mode and a cap) undecided: its (a) and empty forks
+    swing +-3 us per instance, so each sweep samples to max_instances; records the clock
+    before each group and whether it was a sweep's."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.log = []
+
+    def measure(self, batch, arms, instances):
+        sweep = any(len(A.parse_arm_key(k)[1]) == 2 for k in arms)
+        self.log.append((self.clock.t, sweep))
+        times, identical = super().measure(batch, arms, instances)
+        if sweep:
+            swing = [3.0 if i % 2 == 0 else -3.0 for i in range(instances)]
+            times = {k: [self.step_us] * instances if A.parse_arm_key(k)[0] == A.LOADS
+                     else [self.step_us + s for s in swing] for k in times}
+        return times, identical
+
+
+def test_the_eta_counts_the_sequential_rounds_the_sweeps_so_far_took():
+    """Each sweep takes five rounds where its estimate counts one: from the second sweep
+    on, the ETA is the sweeps' time still to come (before: a third to a fifth of it)."""
+    backend = SlowSweeps({f"R{k}": pays(0.0) for k in range(4)}, seed=3)
+    (report,), out = run(backend, [role(f"R{k}") for k in range(4)], budget_s=600.0)
+    etas = [(float(line.split()[2].split("/")[0]), float(line.split("ETA ")[1].split()[0]))
+            for line in out.splitlines() if "ETA" in line]
+    assert len(etas) == 4
+    after = [t for t, sweep in backend.log if not sweep]
+    sweeps_done = after[0] if after else backend.clock.t
+    for elapsed, eta in etas[1:]:
+        assert 0.9 * (sweeps_done - elapsed) <= eta <= 1.5 * (sweeps_done - elapsed) + 2

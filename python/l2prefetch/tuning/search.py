@@ -211,6 +211,9 @@ class _Batch:
         self.prepared: Optional[Prepared] = None
         #: Every group's (a) instances at this batch: the step's instance spread.
         self.no_forks: list[list[float]] = []
+        #: The sweeps so far: their first rounds' estimated seconds, and the seconds they
+        #: took with their sequential rounds (the ETA scales by the ratio).
+        self.swept_estimate = self.swept_actual = 0.0
 
     # ------------------------------------------------------------------ cost
     def cost(self, arms: int, captures: Optional[int] = None,
@@ -373,8 +376,11 @@ class _Batch:
                 continue
             # the later roles' sweeps come before more instances for this one
             later = sum(self.sweep_cost(len(self.caps_for(r))) for r in order[i + 1:])
+            started = self.clock()
             trial = self.sweep(role, caps, rep, eta=self.eta(len(order) - i),
                                reserve=final_reserve + verify_reserve + later)
+            self.swept_estimate += self.sweep_cost(len(caps))
+            self.swept_actual += self.clock() - started
             if trial is None:
                 lost.append(role)
                 continue
@@ -430,7 +436,12 @@ class _Batch:
         return self.report
 
     def eta(self, roles_left: int) -> float:
-        return min(self.left(), roles_left * self.sweep_cost(len(self.p.caps)) + 3 * self.cost(2))
+        """Seconds until the sweeps are done: each one's first round, times what the sweeps
+        so far took for their first round's estimate (their sequential rounds), at most
+        what is left."""
+        more = self.swept_actual / self.swept_estimate if self.swept_estimate > 0 else 1.0
+        return min(self.left(),
+                   roles_left * self.sweep_cost(len(self.p.caps)) * more + 3 * self.cost(2))
 
     def caps_for(self, role: Role) -> list[int]:
         fallback = role.default("byte_cap", 0)
