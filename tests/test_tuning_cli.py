@@ -140,6 +140,9 @@ def test_list_roles_says_what_it_builds_and_how_big(capsys):
     (["llama", "--max-instances", "4"], "--max-instances must be in 5..1000"),
     (["llama", "--resolution", "0"], "--resolution must be in (0, 0.5]"),
     (["llama", "--resolution", "x"], "--resolution must be a number"),
+    (["llama", "--max-instances", "5.0"], "--max-instances must be a whole number, got '5.0'"),
+    (["llama", "--rounds", "0"], "--rounds must be in 1..100000, got 0"),
+    (["llama", "--rounds", "ten"], "--rounds must be a whole number, got 'ten'"),
 ])
 def test_bad_options_exit_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -54,7 +54,9 @@ def _positive(kind: type, what: str, low: float = 0.0, high: float = 1e9) -> Any
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"{what} must be {'a whole number' if kind is int else 'a number'}, got "
+                f"{text!r}") from None
         if not low < value <= high:
             bounds = f"{int(low) + 1}..{int(high)}" if kind is int else f"({low}, {high:g}]"
             raise argparse.ArgumentTypeError(f"{what} must be in {bounds}, got {text}")
