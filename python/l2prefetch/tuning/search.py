@@ -80,9 +80,9 @@ sampling can take (up to ``max_instances``: a worst case, so where verifies deci
 early some budget goes unused; at the default budget on deepseek-v3-6l B1 the layers
 step of lost roles had left two verifies one round of 5 instances, RESULTS run 16);
 where that is more than is left, the verifies go in the sweep's order, the most
-promising first.  When the budget is short the search gets coarser (fewer caps, no refine, no layers, no more instances) and roles that
-do not fit are reported as not measured; it never returns a plan that was
-not confirmed.
+promising first.  When the budget is short the search gets coarser (fewer
+caps, no refine, no layers, no more instances) and roles that do not fit are
+reported as not measured; it never returns a plan that was not confirmed.
 """
 
 from __future__ import annotations
