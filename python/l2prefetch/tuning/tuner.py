@@ -254,8 +254,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     ``budget_s`` bounds the measuring (seconds, all batches together);
     ``instances`` graph instances per measurement arm (at least 5), ``rounds`` replays
     of each per group (None: per batch, about 40 ms of the step, 10-20:
-    :func:`~l2prefetch.tuning.measure.rounds_for`); a candidate whose interval is still undecided gets
-    ``instances`` more at a time up to ``max_instances`` (None: 25, or
+    :func:`~l2prefetch.tuning.measure.rounds_for`); a candidate whose interval is still
+    undecided gets ``instances`` more at a time up to ``max_instances`` (None: 25, or
     ``instances`` if more; equal to ``instances``: no sequential sampling).
     Each measured group's leading candidate is also sampled, within that bound, until
     its paired 95% intervals are at most ``resolution`` of the step wide (half-width;
