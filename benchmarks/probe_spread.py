@@ -19,7 +19,7 @@ captures, the executor's instantiation is the cause; if they agree and the one-p
 captures do too, it is where the buffers land; if only the instantiations agree, it is
 the capture itself (kernels or parameters chosen at capture).
 
-    python -m benchmarks.probe_spread [--k K] [--rounds R] [--batches 1 8] [MODEL ...]
+    python -m benchmarks.probe_spread [--k K] [--rounds R] [--batches 1,8] [MODEL ...]
 
 MODEL: as for benchmarks.probe_bestof (default mixtral-4l, whose spread was 4.9% at batch 1).
 """
@@ -89,11 +89,25 @@ def _rank_correlation(x, y):
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+def batch_list(text):
+    """'1,8' -> [1, 8] (comma-separated, so the option cannot swallow the model names
+    after it, as a space-separated list did)."""
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--batches must be comma-separated integers >= 1, "
+                                         f"got {text!r}")
+    return values
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.probe_spread")
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--batches", type=batch_list, default=[1, 8],
+                        help="comma-separated batch sizes (default 1,8)")
     parser.add_argument("models", nargs="*", default=["mixtral-4l"])
     args = parser.parse_args(argv)
     if no_gpu("benchmarks.probe_spread"):

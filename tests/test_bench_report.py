@@ -134,6 +134,7 @@ def test_measurement_pools_replays_and_spreads_instances():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the probes do without a GPU")
 @pytest.mark.parametrize("module, argv", [("probe_spread", ["mixtral-4l"]),
+                                          ("probe_spread", ["--batches", "1,8", "mixtral-4l"]),
                                           ("probe_bestof", ["--k", "2", "llama"]),
                                           ("probe_tune", ["--site", "none", "1"]),
                                           ("probe_l2", ["cold", "hot"])])
@@ -143,6 +144,15 @@ def test_the_probes_say_they_need_a_gpu(module, argv, capsys):
     probe = importlib.import_module(f"benchmarks.{module}")
     assert probe.main(argv) is None
     assert capsys.readouterr().out == f"python -m benchmarks.{module} needs a CUDA GPU; none is visible here.\n"
+
+
+def test_probe_spread_takes_its_batches_comma_separated(capsys):
+    from benchmarks.probe_spread import batch_list
+
+    assert batch_list("1,8") == [1, 8] and batch_list("4") == [4]
+    for bad in ("1,x", "0", "", "1 8"):
+        with pytest.raises(Exception, match="--batches must be comma-separated integers >= 1"):
+            batch_list(bad)
 
 
 def test_the_probes_models_are_the_planted_ones_or_configs():
