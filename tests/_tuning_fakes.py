@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from l2prefetch.tuning.discover import Role, RoleSite
+from l2prefetch.tuning.discovery import Role, RoleSite
 from l2prefetch.tuning.arms import (Arm, Backend, Prepared, Probe, Setting, StepError,
                                       parse_arm_key)
 

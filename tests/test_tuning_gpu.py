@@ -143,7 +143,7 @@ def test_each_layers_loads_alone_are_switched_states_of_one_capture(placement):
     paired, (a) too); every arm's logits stay bitwise the step's, read right after each
     replay (graphs of one shared pool share buffers)."""
     from l2prefetch.tuning import synthetic
-    from l2prefetch.tuning.discover import candidates, discover
+    from l2prefetch.tuning.discovery import candidates, discover
     from l2prefetch.tuning.measure import GraphBackend
     from l2prefetch.tuning.arms import EMPTY, LOADS, NO_FORKS, Arm, Setting, arm_key
 

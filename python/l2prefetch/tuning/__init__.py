@@ -15,7 +15,7 @@ model (:mod:`l2prefetch.tuning.hf`).  Discovery and the search logic need
 no GPU; measuring needs torch with CUDA.
 """
 
-from .discover import Read, Reads, Role, RoleSite, candidates, discover, roles_from_plan
+from .discovery import Read, Reads, Role, RoleSite, candidates, discover, roles_from_plan
 from ..profile import Profile, ProfileMismatchError, load_profile
 from .arms import Setting, StepError
 from .tuner import TuneResult, tune

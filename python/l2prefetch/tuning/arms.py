@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Optional
 
 from ..mechanisms import DEFAULT_GRAPH_FORK
-from .discover import Role, describe_bytes
+from .discovery import Role, describe_bytes
 
 __all__ = ["ARM_KINDS", "Arm", "Backend", "DEFAULT_GRID", "EMPTY", "LOADS", "NO_FORKS", "PLAN",
            "Prepared", "Probe", "Setting", "StepError", "arm_key", "parse_arm_key"]

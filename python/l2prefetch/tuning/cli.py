@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("needs torch (pip install 'l2prefetch[torch]')")
     from .. import _files
     from . import hf
-    from .discover import candidates, discover
+    from .discovery import candidates, discover
     from .arms import StepError
     from .tuner import describe_roles, tune
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from ..mechanisms import GRAPH_FORK_MODES
-from .discover import Role
+from .discovery import Role
 from .rig import Rig
 from .arms import NO_FORKS, Arm, Backend, Prepared, Probe, StepError
 

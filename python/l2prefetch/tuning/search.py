@@ -97,7 +97,7 @@ from typing import Any, Optional
 
 from .arms import (DEFAULT_GRID, EMPTY, LOADS, NO_FORKS, PLAN, Arm, Backend, Prepared, Setting,
                    arm_key)
-from .discover import MIB, Role, describe_bytes
+from .discovery import MIB, Role, describe_bytes
 from ..mechanisms import GRAPH_FORK_MODES, GRAPH_FORKS
 from .results import BatchReport, Confirmation, InstanceSpread, RoleReport, Trial
 from .stats import Interval, diff_interval, mean_interval, paired_interval

@@ -147,7 +147,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def _forks(args: argparse.Namespace, model: Any, step: Any, trace: Any) -> tuple[Any, int, str]:
     """(forks, batch, what is traced) from --profile or --role."""
-    from .discover import candidates, discover
+    from .discovery import candidates, discover
     from ..profile import load_profile
 
     if args.profile is not None:

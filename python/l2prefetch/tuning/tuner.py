@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 
 from ..mechanisms import GRAPH_FORKS, graph_fork_choices
 from ..plan import _check_batches
-from .discover import Role, candidates as discover_candidates, describe_bytes, discover
+from .discovery import Role, candidates as discover_candidates, describe_bytes, discover
 from ..profile import (PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, save_profile,
                        versions)
 from .arms import Backend, Setting, StepError
