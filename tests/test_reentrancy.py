@@ -330,17 +330,17 @@ def test_warning_filter_swaps_nvrtc_during_a_compile(fakenvrtc):
 def test_options_changed_by_another_thread_during_a_compile(fakenvrtc):
     fakenvrtc.set_compile_delay(0.05)
     options = [f"-DX{i}=1" for i in range(50)]
-    started = threading.Event()
 
     def meddle():
-        started.wait()
-        time.sleep(0.01)                 # inside the compile, which runs without the GIL
+        # nvrtcCreateProgram comes after the options' copy, with the GIL released: wait
+        # for it rather than for a fixed time (a descheduled main thread came later)
+        while fakenvrtc.calls("nvrtcCreateProgram") == 0:
+            time.sleep(0.001)
         options.clear()
         gc.collect()
 
     t = threading.Thread(target=meddle)
     t.start()
-    started.set()
     image = _C._compile_source("__global__ void k() {}", options)
     t.join()
     assert b"-DX49=1" in image and options == []
