@@ -380,6 +380,8 @@ def test_tune_plans_only_the_layers_a_window_pays_in(tmp_path, monkeypatch):
     assert "layers 1, 3" in md and "layers 1, 3" in result.summary()
     assert "| a - b us | instances |" in md
     assert f"up to {tuning.search.MAX_INSTANCES} for a candidate" in md
+    assert result.settings["lead_max_instances"] == 2 * tuning.search.MAX_INSTANCES
+    assert f"up to {2 * tuning.search.MAX_INSTANCES} for a group's lead" in md
     path = tmp_path / "p.json"
     result.save(path, model)
     monkeypatch.setattr(P, "device_fingerprint", lambda device=None: dict(FAKE_DEVICE))
@@ -503,16 +505,20 @@ def test_the_json_of_a_profile_is_checked_naming_the_file_and_field(tmp_path, ed
 
 
 def finishes(call, fifo):
-    """call() in a thread: whether it returned within 5 s; if not, a writer opens the FIFO
-    so that the blocked open returns (the test fails rather than hangs)."""
+    """call() in a thread: whether it returned within 30 s (a hang, not a speed check); if
+    not, a writer opens the FIFO without blocking, so that a blocked open returns (the
+    test fails rather than hangs, also where the call was slow and is not in open)."""
+    import os
     import threading
 
     outcome = []
     thread = threading.Thread(target=lambda: outcome.append(_raised(call)), daemon=True)
     thread.start()
-    thread.join(5)
+    thread.join(30)
     if thread.is_alive():
-        with open(fifo, "w"):
+        try:                                  # ENXIO when no reader waits
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
             pass
         thread.join(5)
         return False, outcome

@@ -94,7 +94,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="graph instances per variant (>= 5, default 5)")
     parser.add_argument("--max-instances", type=_positive(int, "--max-instances", 4, 1000),
                         default=None, help="the most instances per variant a close decision "
-                        f"gets (default {MAX_INSTANCES}, at least --instances)")
+                        f"gets (default {MAX_INSTANCES}, at least --instances; a group's "
+                        "lead, for --resolution alone, up to twice that)")
     parser.add_argument("--resolution", type=_positive(float, "--resolution", 0, 0.5),
                         default=DEFAULT_RESOLUTION, help="95%% half-width, as a share of the "
                         "step, that each group's leading candidate is sampled down to (default "

@@ -76,7 +76,11 @@ def markdown(result: Any) -> str:
                 f"{s.get('instances')} graph instances per arm, " + _replays(result)
                 + ", interleaved"
                 + (f", up to {more} for a candidate whose interval was still undecided "
-                   "(column 'instances')" if more != s.get("instances") else "")
+                   + (f" and up to {s['lead_max_instances']} for a group's lead whose paired "
+                      "interval was wider than the resolution"
+                      if s.get("lead_max_instances", more) != more else "")
+                   + " (column 'instances')"
+                   if more != s.get("instances") else "")
                 + ".  A setting that names layers forks at those only, except in a "
                 "'layer' trial (each layer's loads alone), whose forks ran at every layer and "
                 "loaded at the one named.  "

@@ -57,7 +57,8 @@ step goes on with or reports as the role's best), once its paired intervals
 are at most ``resolution`` of the step wide (0.05%: issue 23; a loser that
 is not the lead stops as soon as it clearly lost).  The undecided
 ones, with their (d) and (a), get ``instances`` more fresh instances, again
-and again, until decided or at ``max_instances``, while the round fits the
+and again, until decided or at ``max_instances`` (the lead, while its intervals
+are wider than ``resolution``, at twice that), while the round fits the
 budget beside what the later steps need (in the sweep also the later roles'
 sweeps).  Each look can let noise clear zero, so looking again raises that
 chance somewhat; the confirmation, at a fixed count of fresh instances, is
@@ -103,8 +104,8 @@ from .results import BatchReport, Confirmation, InstanceSpread, RoleReport, Tria
 from .stats import Interval, diff_interval, mean_interval, paired_interval
 
 __all__ = ["DEFAULT_CAPS_MIB", "DEFAULT_GRIDS", "DEFAULT_MIN_GAIN_US", "DEFAULT_RESOLUTION",
-           "MAX_INSTANCES",
-           "MIN_INSTANCES", "search"]
+           "LEAD_INSTANCES_FACTOR", "MAX_INSTANCES", "MIN_INSTANCES", "lead_max_instances",
+           "search"]
 
 #: Caps tried per role, in MiB (limited to what a role can load).
 DEFAULT_CAPS_MIB = (4, 8, 16, 24, 32, 48)
@@ -116,11 +117,24 @@ MIN_INSTANCES = 5
 #: 25: a lead at 15 instances was still 0.053-0.064% wide on mixtral-4l B1 (RESULTS run 15),
 #: and the half-width narrows as 1/sqrt(n).
 MAX_INSTANCES = 25
+#: How many times ``max_instances`` a group's lead may get while only the resolution is
+#: unmet (sequential sampling is on): on deepseek-v3-6l B1 one lead's paired a - b varied by
+#: SD 3.25 us per instance and needed about 40 for 0.05% of the step (RESULTS run 17).
+LEAD_INSTANCES_FACTOR = 2
 #: A role whose loads could gain less than this (us per step, summed over layers) is not measured.
 DEFAULT_MIN_GAIN_US = 1.0
 #: The 95% half-width, as a share of the step, that a group's leading candidate is sampled
 #: down to where its comparisons are paired (issue 23: 0.05%).
 DEFAULT_RESOLUTION = 0.0005
+
+def lead_max_instances(instances: int, max_instances: int) -> int:
+    """The most instances a group's lead gets while its paired intervals are wider than
+    the resolution: ``LEAD_INSTANCES_FACTOR`` times ``max_instances``, or
+    ``max_instances`` where that equals ``instances`` (sequential sampling off)."""
+    if max_instances <= instances:
+        return max_instances
+    return LEAD_INSTANCES_FACTOR * max_instances
+
 
 class Progress:
     """One line per measured group on a stream (stderr), with elapsed time and an ETA."""
@@ -151,6 +165,10 @@ class _Params:
     graph_forks: tuple[str, ...]
     min_gain_us: float
     resolution: float
+
+    @property
+    def lead_max_instances(self) -> int:
+        return lead_max_instances(self.instances, self.max_instances)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,35 +309,43 @@ class _Batch:
 
     def sample(self, label: str, arms: Mapping[str, Arm],
                checks: Mapping[str, _Check], reserve: float = 0.0,
-               eta: Optional[float] = None) -> _Measured:
+               eta: Optional[float] = None, extend_reserve: Optional[float] = None
+               ) -> _Measured:
         """A group measured sequentially: first on ``instances`` instances per arm;
         then, while a check is undecided (:class:`_Check`), its arms and (a) get
         ``instances`` more fresh instances, until every check is decided or has
         ``max_instances`` of its y, or the next round would not leave ``reserve``.
         The check whose y gains most against no forks (the group's lead, what the step
         reports or goes on with) is decided only once also :meth:`resolved`: sampled
-        until its paired intervals are ``resolution`` of the step narrow.  A decided
-        check is not measured again unless it becomes the lead."""
+        until its paired intervals are ``resolution`` of the step narrow, and for that
+        alone up to ``lead_max_instances``, leaving ``extend_reserve`` (default
+        ``reserve``) for what comes after.  A decided check is not measured again unless
+        it becomes the lead."""
         m = self.group(label, arms, eta)
         while True:
             # the candidate that gains most against no forks so far leads the group
             lead = max((m.diff(NO_FORKS, c.y).estimate, c.y) for c in checks.values())[1]
-            undecided = {}
+            undecided, room = {}, []
             for key, check in checks.items():
-                if len(m.values(check.y)) >= self.p.max_instances:
+                done = len(m.values(check.y))
+                resolved = check.y != lead or self.resolved(m, check)
+                cap = self.p.max_instances if resolved else self.p.lead_max_instances
+                if done >= cap:
                     continue
                 iv = m.diff(check.x, check.y)
-                if (iv.low > 0 or iv.high < check.floor) and (check.y != lead
-                                                              or self.resolved(m, check)):
+                if (iv.low > 0 or iv.high < check.floor) and resolved:
                     continue
                 undecided[key] = check
+                room.append(cap - done)
             if not undecided:
                 return m
-            done = max(len(m.values(c.y)) for c in undecided.values())
-            n = max(1, min(self.p.instances, self.p.max_instances - done))
+            n = max(1, min(self.p.instances, min(room)))
             needs = {NO_FORKS} | {key for c in undecided.values() for key in (c.x, c.y, *c.also)}
             again = {key: arm for key, arm in arms.items() if key in needs}
-            if self.group_cost(again, n) + reserve > self.left():
+            extending = all(len(m.values(c.y)) >= self.p.max_instances
+                            for c in undecided.values())
+            keep = reserve if extend_reserve is None or not extending else extend_reserve
+            if self.group_cost(again, n) + keep > self.left():
                 return m
             self.group(f"{label}: {len(undecided)} undecided, more instances", again,
                        instances=n, measured=m)
@@ -377,8 +403,12 @@ class _Batch:
             # the later roles' sweeps come before more instances for this one
             later = sum(self.sweep_cost(len(self.caps_for(r))) for r in order[i + 1:])
             started = self.clock()
+            # a lead sampled past max_instances for the resolution alone leaves every
+            # verify to come its whole sampling
+            whole = final_reserve + (len(promising) + 1) * self.verify_cost() + later
             trial = self.sweep(role, caps, rep, eta=self.eta(len(order) - i),
-                               reserve=final_reserve + verify_reserve + later)
+                               reserve=final_reserve + verify_reserve + later,
+                               extend_reserve=max(whole, final_reserve + verify_reserve + later))
             self.swept_estimate += self.sweep_cost(len(caps))
             self.swept_actual += self.clock() - started
             if trial is None:
@@ -426,7 +456,9 @@ class _Batch:
             # its whole sampling; where the sweep left less, the first (most promising)
             # verifies come first
             later = (len(promising) - k - 1) * self.cost(3)
-            verified = self.verify(role, trial.setting, rep, final_reserve + later)
+            whole = final_reserve + (len(promising) - k - 1) * self.verify_cost()
+            verified = self.verify(role, trial.setting, rep, final_reserve + later,
+                                   extend_reserve=max(whole, final_reserve + later))
             if verified is not None:
                 kept.append((role, verified))
 
@@ -473,7 +505,7 @@ class _Batch:
         return {b: _Check(d, b, floor) for b, (_, d) in keys.items()}
 
     def sweep(self, role: Role, caps: list[int], rep: RoleReport, eta: float,
-              reserve: float) -> Optional[Trial]:
+              reserve: float, extend_reserve: Optional[float] = None) -> Optional[Trial]:
         base = self.default_setting(role, caps[0])
         arms = {NO_FORKS: Arm()}
         settings = {}
@@ -488,7 +520,8 @@ class _Batch:
                 arms[b] = Arm(((role.name, s),))
         measured = self.sample(f"{role.name}: caps {', '.join(describe_bytes(c) for c in caps)}"
                                f" x forks {', '.join(self.p.graph_forks)}", arms,
-                               self.vs_empty_checks(settings, self.p.min_gain_us), reserve, eta)
+                               self.vs_empty_checks(settings, self.p.min_gain_us), reserve, eta,
+                               extend_reserve)
         trials = [self.trial("sweep", s, measured, key, d) for key, (s, d) in settings.items()]
         rep.trials += trials
         best = max(trials, key=lambda t: t.gain.estimate)
@@ -590,13 +623,14 @@ class _Batch:
         return None
 
     def verify(self, role: Role, setting: Setting, rep: RoleReport,
-               reserve: float) -> Optional[Trial]:
+               reserve: float, extend_reserve: Optional[float] = None) -> Optional[Trial]:
         arms = {NO_FORKS: Arm(), EMPTY: Arm(((role.name, setting),), empty=True),
                 LOADS: Arm(((role.name, setting),))}
         measured = self.sample(f"{role.name}: verify {setting.label()}", arms,
                                {"gain": _Check(NO_FORKS, LOADS, self.p.min_gain_us,
                                                also=(EMPTY,)),
-                                "vs_empty": _Check(EMPTY, LOADS, 0.0)}, reserve)
+                                "vs_empty": _Check(EMPTY, LOADS, 0.0)}, reserve,
+                               extend_reserve=extend_reserve)
         trial = self.trial("verify", setting, measured, LOADS, EMPTY)
         rep.trials.append(trial)
         rep.chosen = trial

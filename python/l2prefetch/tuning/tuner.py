@@ -28,7 +28,7 @@ from .arms import Backend, Setting, StepError
 from .measure import check_rounds
 from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
-                     MAX_INSTANCES, MIN_INSTANCES, search)
+                     MAX_INSTANCES, MIN_INSTANCES, lead_max_instances, search)
 
 __all__ = ["TuneResult", "tune"]
 
@@ -257,9 +257,9 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     :func:`~l2prefetch.tuning.measure.rounds_for`); a candidate whose interval is still
     undecided gets ``instances`` more at a time up to ``max_instances`` (None: 25, or
     ``instances`` if more; equal to ``instances``: no sequential sampling).
-    Each measured group's leading candidate is also sampled, within that bound, until
-    its paired 95% intervals are at most ``resolution`` of the step wide (half-width;
-    default 0.0005, 0.05%).
+    Each measured group's leading candidate is also sampled, for that alone up to
+    twice that bound, until its paired 95% intervals are at most ``resolution`` of
+    the step wide (half-width; default 0.0005, 0.05%).
     The search covers ``caps_mib``, ``grids``, ``kernels`` (None: the device's
     default; names from :func:`l2prefetch.kernel_variants`) and
     ``graph_forks``; the first of each list is the default setting, and each
@@ -362,6 +362,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
         batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
         elapsed_s=time.monotonic() - t0,
         settings={"instances": instances, "max_instances": int(max_instances),
+                  "lead_max_instances": lead_max_instances(instances, int(max_instances)),
                   "rounds": backend.rounds,
                   "caps_mib": list(caps_mib), "grids": list(grids), "kernels": list(kernels),
                   "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
