@@ -1,0 +1,338 @@
+"""Probe (issue 24): one resident loader per step, woken by cheap triggers on the main stream.
+
+Why: an inline loader K overlaps only the node right after it, because that node's
+completion is held until K's (one hardware queue completes in order, RESULTS "Why inline
+does not overlap"); a loader on its own branch (leaf, branch) overlaps a whole window
+but each fork costs 1.5-3.6 us, and the cost follows the number of cross-stream
+edges, not the loader's work (run 14, "What an empty fork costs").  So: fork once per
+step, and make the per-layer part as cheap as an instant kernel on the main stream.
+
+  * At the step's start the flag (one u32) is zeroed and ONE resident kernel R is
+    forked to a side stream (joined at the step's end): its CTAs wait until
+    ``flag > s`` and then load slot s (a layer's bytes), for s = 0, 1, ...
+  * After each layer's o_proj a trigger sets ``flag = layer + 1`` on the main stream.
+    Nothing on the main stream waits for R, and the trigger finishes at once, so
+    the node after it is not held.  R exits after its last slot, or after a timeout
+    (a trigger that never comes costs a late join, never a hang).
+
+Triggers compared (each with empty slots, ``... empty``: what the mechanism costs,
+and with 24 MiB of the layer's gate_proj, ``... loads``):
+
+  kernel   a one-thread kernel (an ordinary edge from o_proj's kernel)
+  pdl      the same launched with programmatic stream serialization: it launches while
+           o_proj finishes and waits in griddepcontrol.wait (sm_90+)
+  memset   cuMemsetD32Async of the flag (a memset node)
+  wv       cuStreamWriteValue32_v2 (a memory-operation node)
+
+beside no forks and the library's own forks after every o_proj as controls (``leaf``:
+a side branch per fork, the loads overlap the window; ``inline``: the cheap fork).
+Every variant is captured into one memory pool per instance (paired by instance, a
+primer capture first); medians of ROUNDS interleaved replays; paired 95% intervals.
+
+    python -m benchmarks.probe_resident [MODEL:SITE:SPIN:BATCH ...]      (on the GPU)
+
+The daemon's loads are 16-byte ld.global.cg (real loads: a copy lands near the loading
+SM, RESULTS run 10), 32 CTAs x 512 threads; the triggers and R are built here with NVRTC
+(through l2prefetch._C) and launched through ctypes on libcuda: an experiment, not the
+library's code.
+"""
+from __future__ import annotations
+
+import ctypes
+import statistics
+import sys
+
+from benchmarks.common import no_gpu
+
+MIB = 1 << 20
+INSTANCES = 6
+ROUNDS = 40
+LOAD_BYTES = 24 * MIB
+R_GRID, R_BLOCK = 32, 512
+TIMEOUT_NS = 20_000_000          # R gives up 20 ms after it starts (a step is 1-5 ms)
+TRIGGERS = ("kernel", "pdl", "memset", "wv")
+T975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 9: 2.262, 11: 2.228}
+
+SOURCE = r"""
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ unsigned acquire(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// slots: nslots pairs (address, bytes, a multiple of 16).  Slot s is loaded once
+// *flag > s; every CTA loads its share of each slot.
+extern "C" __global__ void resident(const u64 *slots, int nslots, const unsigned *flag,
+                                    u64 timeout_ns) {
+    __shared__ int go;
+    const u64 start = now_ns();
+    for (int s = 0; s < nslots; ++s) {
+        if (threadIdx.x == 0) {
+            int ok = 1;
+            while (acquire(flag) <= (unsigned)s) {
+                if (now_ns() - start > timeout_ns) { ok = 0; break; }
+                __nanosleep(128);
+            }
+            go = ok;
+        }
+        __syncthreads();
+        if (!go)
+            return;
+        const u64 base = slots[2 * s], granules = slots[2 * s + 1] / 16;
+        const u64 per = (granules + gridDim.x - 1) / gridDim.x;
+        const u64 g0 = per * blockIdx.x;
+        const u64 g1 = g0 + per < granules ? g0 + per : granules;
+        for (u64 g = g0 + threadIdx.x; g < g1; g += blockDim.x) {
+            asm volatile("{\n .reg .b32 a, b, c, d;\n"
+                         " ld.global.cg.v4.b32 {a, b, c, d}, [%0];\n}"
+                         :: "l"(base + 16 * g) : "memory");
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void trigger(unsigned *flag, unsigned value) {
+    atomicExch(flag, value);
+}
+
+extern "C" __global__ void trigger_pdl(unsigned *flag, unsigned value) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    atomicExch(flag, value);
+}
+"""
+
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("i", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):          # CUlaunchAttribute: the value is 8-byte aligned
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _Config(ctypes.Structure):        # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attr)), ("nattrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class Driver:
+    """The few driver calls the probe makes, through ctypes (torch's context is current)."""
+
+    def __init__(self, image: bytes) -> None:
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        self.module = ctypes.c_void_p()
+        self.check(self.cu.cuModuleLoadData(ctypes.byref(self.module), image), "cuModuleLoadData")
+        self.fn = {}
+        for name in ("resident", "trigger", "trigger_pdl"):
+            f = ctypes.c_void_p()
+            self.check(self.cu.cuModuleGetFunction(ctypes.byref(f), self.module, name.encode()),
+                       f"cuModuleGetFunction({name})")
+            self.fn[name] = f
+
+    def check(self, rc, what):
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.cu.cuGetErrorName(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what}: {name.value.decode() if name.value else rc}")
+
+    @staticmethod
+    def _params(args):
+        return (ctypes.c_void_p * len(args))(
+            *[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+
+    def launch(self, name, grid, block, stream, *args, pdl=False):
+        params = self._params(args)
+        if not pdl:
+            self.check(self.cu.cuLaunchKernel(self.fn[name], grid, 1, 1, block, 1, 1, 0,
+                                              ctypes.c_void_p(stream), params, None), name)
+            return
+        attr = _Attr(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value.i = 1
+        config = _Config((grid, 1, 1), (block, 1, 1), 0, ctypes.c_void_p(stream),
+                         ctypes.pointer(attr), 1)
+        self.check(self.cu.cuLaunchKernelEx(ctypes.byref(config), self.fn[name], params, None),
+                   f"{name} (programmatic)")
+
+    def memset32(self, address, value, stream):
+        self.check(self.cu.cuMemsetD32Async(ctypes.c_uint64(address), ctypes.c_uint(value),
+                                            ctypes.c_size_t(1), ctypes.c_void_p(stream)),
+                   "cuMemsetD32Async")
+
+    def write32(self, address, value, stream):
+        self.check(self.cu.cuStreamWriteValue32_v2(ctypes.c_void_p(stream),
+                                                   ctypes.c_uint64(address),
+                                                   ctypes.c_uint32(value), ctypes.c_uint(0)),
+                   "cuStreamWriteValue32_v2")
+
+
+def paired(x, y):
+    d = [a - b for a, b in zip(x, y)]
+    n = len(d)
+    return statistics.fmean(d), T975.get(n - 1, 2.0) * statistics.stdev(d) / n ** 0.5
+
+
+def run(drv, name, site, spin, batch):
+    import torch
+
+    from benchmarks.sections.planted import _model, _planted
+    from l2prefetch import PrefetchController, PreparedWeightRanges
+    from l2prefetch.tuning.hf import DecodeStep
+    from l2prefetch.tuning.rig import Rig
+
+    rig = Rig(torch.device("cuda", 0))
+    model = _model(name)
+    step = DecodeStep(model)
+    layers = model.model.layers
+    planted = _planted(rig, model, site, spin) if spin else []
+    weights = [layer.mlp.gate_proj.weight for layer in layers]
+    assert all(w.is_contiguous() and w.numel() * w.element_size() >= LOAD_BYTES for w in weights)
+    slots = {
+        "loads": torch.tensor([v for w in weights for v in (w.data_ptr(), LOAD_BYTES)],
+                              dtype=torch.int64, device="cuda"),
+        "empty": torch.tensor([v for w in weights for v in (w.data_ptr(), 0)],
+                              dtype=torch.int64, device="cuda"),
+    }
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    lib_empty = PreparedWeightRanges([], grid=32, device=0)
+    lib_loads = [PreparedWeightRanges([w], byte_cap=LOAD_BYTES, grid=32, device=0)
+                 for w in weights]
+    variants = ["none", "leaf empty", "leaf loads", "inline empty"]
+    variants += [f"{t} {k}" for t in TRIGGERS for k in ("empty", "loads")]
+    with torch.no_grad():
+        static = step(batch).clone()
+    torch.cuda.synchronize()
+    keep = []
+
+    def trigger(kind, value):
+        stream = torch.cuda.current_stream().cuda_stream
+        if kind == "kernel":
+            drv.launch("trigger", 1, 1, stream, ctypes.c_uint64(flag.data_ptr()),
+                       ctypes.c_uint(value))
+        elif kind == "pdl":
+            drv.launch("trigger_pdl", 1, 1, stream, ctypes.c_uint64(flag.data_ptr()),
+                       ctypes.c_uint(value), pdl=True)
+        elif kind == "memset":
+            drv.memset32(flag.data_ptr(), value, stream)
+        else:
+            drv.write32(flag.data_ptr(), value, stream)
+
+    def capture(variant, pool, warmup):
+        hooks, c, kind, table = [], None, None, None
+        mode, what = variant.split(" ") if " " in variant else (variant, None)
+        if mode in ("leaf", "inline"):
+            c = PrefetchController(0, graph_fork=mode, eager=False)
+            keep.append(c)
+            for i, layer in enumerate(layers):
+                c.add("p", i, [batch], lib_loads[i] if what == "loads" else lib_empty)
+                hooks.append(layer.self_attn.o_proj.register_forward_hook(
+                    lambda m, a, o, i=i: c.fork("p", i, batch) and None))
+        elif mode in TRIGGERS:
+            kind, table = mode, slots[what]
+            for i, layer in enumerate(layers):
+                hooks.append(layer.self_attn.o_proj.register_forward_hook(
+                    lambda m, a, o, i=i: trigger(kind, i + 1)))
+
+        def fn():
+            main = torch.cuda.current_stream()
+            if kind is not None:
+                flag.zero_()
+                side.wait_stream(main)
+                drv.launch("resident", R_GRID, R_BLOCK, side.cuda_stream,
+                           ctypes.c_uint64(table.data_ptr()), ctypes.c_int(len(layers)),
+                           ctypes.c_uint64(flag.data_ptr()), ctypes.c_uint64(TIMEOUT_NS))
+            with torch.no_grad():
+                out = step(batch)
+            if c is not None:
+                c.join()
+            if kind is not None:
+                main.wait_stream(side)
+            static.copy_(out)
+            return static
+        try:
+            graph, _ = rig.capture(fn, warmup=warmup, pool=pool, keep_graph=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        return graph
+
+    # each variant once on its own first: a trigger the capture refuses is dropped, not fatal
+    usable = []
+    for v in variants:
+        try:
+            capture(v, torch.cuda.graph_pool_handle(), 1).replay()
+            torch.cuda.synchronize()
+            usable.append(v)
+        except Exception as exc:      # noqa: BLE001 - report and go on without it
+            print(f"   {v}: not usable: {type(exc).__name__}: {exc}", flush=True)
+    graphs, primers = {}, []
+    for i in range(INSTANCES):
+        pool = torch.cuda.graph_pool_handle()
+        primers.append(capture("none", pool, 0))
+        k = i % len(usable)
+        for v in usable[k:] + usable[:k]:
+            graphs[(v, i)] = capture(v, pool, 0)
+    med = rig.instance_medians(graphs, ROUNDS)
+    graphs[("none", 0)].replay()
+    torch.cuda.synchronize()
+    ref = static.clone()
+    same = {}
+    for (v, i), g in graphs.items():
+        g.replay()
+        torch.cuda.synchronize()
+        same[v] = same.get(v, True) and bool(torch.equal(ref, static))
+    for h in planted:
+        h.remove()
+    base = med["none"]
+    print(f"== {name} site={site} spin={spin} us batch={batch}: none "
+          f"{statistics.fmean(base):.1f} us (instances {min(base):.1f}-{max(base):.1f}); "
+          f"{INSTANCES} instances x {ROUNDS} rounds, paired 95%, 6 forks or triggers per step",
+          flush=True)
+    for v in usable[1:]:
+        d, w = paired(med[v], base)
+        print(f"   {v:14} vs none {d:+7.2f} +-{w:5.2f} us   bitwise "
+              f"{'same' if same[v] else 'DIFFERENT'}", flush=True)
+    for a in [v for v in usable if v.endswith(" loads")]:
+        b = a[:-len("loads")] + "empty"
+        if b in med:
+            d, w = paired(med[b], med[a])
+            print(f"   {a:14} gain vs {b}: {d:+7.2f} +-{w:5.2f} us", flush=True)
+    del graphs, primers
+    for c in keep:
+        c.close()
+
+
+def main(argv):
+    if no_gpu("benchmarks.probe_resident"):
+        return 0
+    import torch
+
+    from l2prefetch import _C
+
+    torch.zeros(1, device="cuda")                 # torch's context current on this thread
+    major, minor = torch.cuda.get_device_capability()
+    image = _C._compile_source(SOURCE, [f"--gpu-architecture=sm_{major}{minor}"])
+    if image[:4] != b"\x7fELF":
+        image += b"\0"                             # PTX text: the driver wants it terminated
+    drv = Driver(image)
+    specs = argv or ["llama:mlp:40:1", "llama:mlp:40:8", "llama:mlp:0:1", "qwen3:mlp:40:1"]
+    for spec in specs:
+        name, site, spin, batch = spec.split(":")
+        run(drv, name, site, int(spin), int(batch))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
