@@ -25,7 +25,12 @@ and with 24 MiB of the layer's gate_proj, ``... loads``):
   wv       cuStreamWriteValue32_v2 (a memory-operation node)
 
 beside no forks and the library's own forks after every o_proj as controls (``leaf``:
-a side branch per fork, the loads overlap the window; ``inline``: the cheap fork).
+a side branch per fork, the loads overlap the window, with its sm_90 ``ring`` loader and,
+``leaf-ld``, with its ``load`` kernel, R's kind of load; ``inline``: the cheap fork).
+Deciding: ``T empty`` against ``inline empty`` (does a step's one fork plus six triggers
+cost what six inline forks do?) and ``T loads`` against ``leaf-ld loads`` (do the loads
+overlap the window as a leaf's do?).  R counts its timeouts and the slots it reached
+after the next trigger had come (it was behind), so a late or starved R shows.
 Every variant is captured into one memory pool per instance (paired by instance, a
 primer capture first); medians of ROUNDS interleaved replays; paired 95% intervals.
 
@@ -69,34 +74,49 @@ __device__ __forceinline__ unsigned acquire(const unsigned *p) {
 }
 
 // slots: nslots pairs (address, bytes, a multiple of 16).  Slot s is loaded once
-// *flag > s; every CTA loads its share of each slot.
+// *flag > s; every CTA loads its share of each slot.  counts (CTA 0 adds): [0] times
+// R gave up waiting (timeout), [1] slots whose next trigger had come already when R
+// got to them (R behind the main stream), [2] runs.
 extern "C" __global__ void resident(const u64 *slots, int nslots, const unsigned *flag,
-                                    u64 timeout_ns) {
+                                    u64 timeout_ns, unsigned *counts) {
     __shared__ int go;
     const u64 start = now_ns();
+    unsigned acc = 0;
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        atomicAdd(&counts[2], 1u);
     for (int s = 0; s < nslots; ++s) {
         if (threadIdx.x == 0) {
             int ok = 1;
-            while (acquire(flag) <= (unsigned)s) {
+            unsigned v;
+            while ((v = acquire(flag)) <= (unsigned)s) {
                 if (now_ns() - start > timeout_ns) { ok = 0; break; }
                 __nanosleep(128);
             }
+            if (blockIdx.x == 0 && !ok)
+                atomicAdd(&counts[0], 1u);
+            if (blockIdx.x == 0 && ok && v > (unsigned)s + 1)
+                atomicAdd(&counts[1], 1u);
             go = ok;
         }
         __syncthreads();
         if (!go)
-            return;
+            break;
         const u64 base = slots[2 * s], granules = slots[2 * s + 1] / 16;
         const u64 per = (granules + gridDim.x - 1) / gridDim.x;
         const u64 g0 = per * blockIdx.x;
         const u64 g1 = g0 + per < granules ? g0 + per : granules;
         for (u64 g = g0 + threadIdx.x; g < g1; g += blockDim.x) {
-            asm volatile("{\n .reg .b32 a, b, c, d;\n"
-                         " ld.global.cg.v4.b32 {a, b, c, d}, [%0];\n}"
-                         :: "l"(base + 16 * g) : "memory");
+            unsigned a, b, c, d;
+            asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(base + 16 * g));
+            acc ^= a ^ d;
         }
         __syncthreads();
     }
+    // ptxas deletes a load whose value is dead (kernels/prefetch.cu): keep acc observable
+    // behind a branch no launch takes
+    if (timeout_ns == 0 && acc == 0x9e3779b9u)
+        __trap();
 }
 
 extern "C" __global__ void trigger(unsigned *flag, unsigned value) {
@@ -205,12 +225,19 @@ def run(drv, name, site, spin, batch):
                               dtype=torch.int64, device="cuda"),
     }
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    counts = {}    # per resident variant: R's timeouts, slots it came to late, runs
     side = torch.cuda.Stream()
     lib_empty = PreparedWeightRanges([], grid=32, device=0)
     lib_loads = [PreparedWeightRanges([w], byte_cap=LOAD_BYTES, grid=32, device=0)
                  for w in weights]
-    variants = ["none", "leaf empty", "leaf loads", "inline empty"]
+    # the library's `load` kernel is R's kind of load; `ring` is its sm_90 default
+    lib_loads_ld = [PreparedWeightRanges([w], byte_cap=LOAD_BYTES, grid=32, device=0,
+                                         kernel="load") for w in weights]
+    variants = ["none", "leaf empty", "leaf loads", "leaf-ld loads", "inline empty"]
     variants += [f"{t} {k}" for t in TRIGGERS for k in ("empty", "loads")]
+    for v in variants:
+        if v.split(" ")[0] in TRIGGERS:
+            counts[v] = torch.zeros(3, dtype=torch.int32, device="cuda")
     with torch.no_grad():
         static = step(batch).clone()
     torch.cuda.synchronize()
@@ -232,13 +259,16 @@ def run(drv, name, site, spin, batch):
     def capture(variant, pool, warmup):
         hooks, c, kind, table = [], None, None, None
         mode, what = variant.split(" ") if " " in variant else (variant, None)
-        if mode in ("leaf", "inline"):
-            c = PrefetchController(0, graph_fork=mode, eager=False)
+        if mode in ("leaf", "leaf-ld", "inline"):
+            c = PrefetchController(0, graph_fork="inline" if mode == "inline" else "leaf",
+                                   eager=False)
             keep.append(c)
+            table_for = lib_loads_ld if mode == "leaf-ld" else lib_loads
             for i, layer in enumerate(layers):
-                c.add("p", i, [batch], lib_loads[i] if what == "loads" else lib_empty)
+                c.add("p", i, [batch], table_for[i] if what == "loads" else lib_empty)
+                # the hook returns None: a returned False would replace o_proj's output
                 hooks.append(layer.self_attn.o_proj.register_forward_hook(
-                    lambda m, a, o, i=i: c.fork("p", i, batch) and None))
+                    lambda m, a, o, i=i: (c.fork("p", i, batch), None)[1]))
         elif mode in TRIGGERS:
             kind, table = mode, slots[what]
             for i, layer in enumerate(layers):
@@ -252,7 +282,8 @@ def run(drv, name, site, spin, batch):
                 side.wait_stream(main)
                 drv.launch("resident", R_GRID, R_BLOCK, side.cuda_stream,
                            ctypes.c_uint64(table.data_ptr()), ctypes.c_int(len(layers)),
-                           ctypes.c_uint64(flag.data_ptr()), ctypes.c_uint64(TIMEOUT_NS))
+                           ctypes.c_uint64(flag.data_ptr()), ctypes.c_uint64(TIMEOUT_NS),
+                           ctypes.c_uint64(counts[variant].data_ptr()))
             with torch.no_grad():
                 out = step(batch)
             if c is not None:
@@ -305,10 +336,22 @@ def run(drv, name, site, spin, batch):
         print(f"   {v:14} vs none {d:+7.2f} +-{w:5.2f} us   bitwise "
               f"{'same' if same[v] else 'DIFFERENT'}", flush=True)
     for a in [v for v in usable if v.endswith(" loads")]:
-        b = a[:-len("loads")] + "empty"
+        b = "leaf empty" if a == "leaf-ld loads" else a[:-len("loads")] + "empty"
         if b in med:
             d, w = paired(med[b], med[a])
             print(f"   {a:14} gain vs {b}: {d:+7.2f} +-{w:5.2f} us", flush=True)
+    # the deciding comparisons: a trigger's cost against the inline fork's, and its loads
+    # against the leaf's with the same kind of load (negative: faster than the control)
+    for t in TRIGGERS:
+        for x, y in ((f"{t} empty", "inline empty"), (f"{t} loads", "leaf-ld loads")):
+            if x in med and y in med:
+                d, w = paired(med[x], med[y])
+                print(f"   {x:14} vs {y:14} {d:+7.2f} +-{w:5.2f} us", flush=True)
+    torch.cuda.synchronize()
+    for v, n in counts.items():
+        timeouts, late, runs = (int(x) for x in n.tolist())
+        print(f"   {v:14} R ran {runs} times: {timeouts} timed out, {late} slots came late "
+              f"(of {runs * len(layers)})", flush=True)
     del graphs, primers
     for c in keep:
         c.close()

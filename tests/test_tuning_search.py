@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -414,6 +415,25 @@ def test_a_verify_sampled_for_the_resolution_leaves_the_next_its_whole_sampling(
     assert len(verifies) == 2 and min(verifies) >= S.MAX_INSTANCES
 
 
+@pytest.mark.parametrize("budget_s", [7.0, 7.5, 8.0, 9.0])
+def test_a_sweep_lead_sampled_for_the_resolution_leaves_later_verifies_their_sampling(
+        budget_s):
+    """W's sweep lead needs 35 instances for 0.05% of a 250 us step; Q, swept after it,
+    pays and its verify is undecided through 25.  W goes past 25 only where every verify
+    that may come (Q's included) keeps its whole sampling (without that reserve Q's verify
+    got 5-10 here)."""
+    backend = UndecidedVerify({"W": pays_at(16, -10.0), "Q": pays(5.0)}, seed=3, paired=True,
+                              shared=True, step_us=250.0)
+    (report,), _ = run(backend, [role("W", layers=1, mib=16), role("Q", layers=1, mib=16)],
+                       budget_s=budget_s, graph_forks=("leaf",), caps_mib=(8, 16),
+                       grids=(A.DEFAULT_GRID,))
+    reps = by_name(report)
+    (verify,) = [t.instances for t in reps["Q"].trials if t.stage == "verify"]
+    assert verify >= S.MAX_INSTANCES
+    lead = max(t.instances for t in reps["W"].trials if t.stage == "sweep")
+    assert lead > S.MAX_INSTANCES if budget_s >= 9.0 else lead >= S.MAX_INSTANCES
+
+
 def test_a_role_that_pays_in_every_layer_keeps_every_layer():
     backend = PlantedBackend({"A": PerLayer({}, layers=4, other=3.0)}, seed=13, paired=True)
     (report,), _ = run(backend, [role("A", layers=4)])
@@ -531,6 +551,33 @@ def test_the_lead_gets_up_to_twice_max_instances_for_the_resolution_alone():
     assert sweep(5, 15)[0][16].instances == 25
     off, _ = sweep(3, S.MIN_INSTANCES)
     assert off[16].instances == S.MIN_INSTANCES
+
+
+def test_a_resolved_lead_still_undecided_stops_at_max_instances():
+    """A lead whose intervals are within the resolution (1% of the step here) but still
+    hold zero is sampled to max_instances like any undecided candidate, not past it."""
+    roles = [role("r", layers=1, mib=16)]
+    (report,), _ = run(PlantedBackend({"r": pays(0.0)}, seed=0, paired=True, shared=True,
+                                      step_us=400.0), roles, graph_forks=("leaf",),
+                       caps_mib=(16,), max_instances=10, min_gain_us=0.001, resolution=0.01)
+    (trial,) = [t for t in by_name(report)["r"].trials if t.stage == "sweep"]
+    assert trial.instances == 10 and trial.vs_empty.low <= 0 < trial.vs_empty.high
+    assert trial.gain.half_width <= 0.01 * 400.0
+
+
+def test_a_round_stops_at_max_instances_before_the_lead_goes_past_it():
+    """instances 5, max_instances 12: the lead takes 5, 5, then 2 to reach 12, and only
+    then rounds past it (for the resolution), so no round crosses max_instances
+    under the reserve of one below it."""
+    roles = [role("r", layers=1, mib=16)]
+    (report,), log = run(PlantedBackend({"r": pays_at(16, -10.0)}, seed=5, paired=True,
+                                        shared=True, step_us=400.0), roles,
+                         graph_forks=("leaf",), caps_mib=(8, 16), max_instances=12)
+    rounds = [int(re.search(r"arms x (\d+) instances", line).group(1))
+              for line in log.splitlines() if "more instances" in line]
+    assert rounds[:3] == [5, 2, 5]
+    lead = max(t.instances for t in by_name(report)["r"].trials if t.stage == "sweep")
+    assert 12 < lead <= 24
 
 
 def test_welch_comparisons_are_not_held_to_the_resolution():

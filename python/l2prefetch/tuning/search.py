@@ -81,7 +81,10 @@ sampling can take (up to ``max_instances``: a worst case, so where verifies deci
 early some budget goes unused; at the default budget on deepseek-v3-6l B1 the layers
 step of lost roles had left two verifies one round of 5 instances, RESULTS run 16);
 where that is more than is left, the verifies go in the sweep's order, the most
-promising first.  When the budget is short the search gets coarser (fewer
+promising first.  A lead sampled past ``max_instances`` for the resolution alone
+(up to twice that) gets those rounds only where every verify that may still come
+keeps its whole sampling (in the sweep: the later roles' too); the verify reserve
+prices ``max_instances``, not that extension.  When the budget is short the search gets coarser (fewer
 caps, no refine, no layers, no more instances) and roles that do not fit are
 reported as not measured; it never returns a plan that was not confirmed.
 """
@@ -313,8 +316,9 @@ class _Batch:
                ) -> _Measured:
         """A group measured sequentially: first on ``instances`` instances per arm;
         then, while a check is undecided (:class:`_Check`), its arms and (a) get
-        ``instances`` more fresh instances, until every check is decided or has
-        ``max_instances`` of its y, or the next round would not leave ``reserve``.
+        ``instances`` more fresh instances (a round ends at ``max_instances``), until
+        every check is decided or has ``max_instances`` of its y (the lead: see below),
+        or the next round would not leave ``reserve``.
         The check whose y gains most against no forks (the group's lead, what the step
         reports or goes on with) is decided only once also :meth:`resolved`: sampled
         until its paired intervals are ``resolution`` of the step narrow, and for that
@@ -336,15 +340,17 @@ class _Batch:
                 if (iv.low > 0 or iv.high < check.floor) and resolved:
                     continue
                 undecided[key] = check
-                room.append(cap - done)
+                # a round ends at max_instances before it takes anything past it
+                room.append((cap if done >= self.p.max_instances else self.p.max_instances)
+                            - done)
             if not undecided:
                 return m
             n = max(1, min(self.p.instances, min(room)))
             needs = {NO_FORKS} | {key for c in undecided.values() for key in (c.x, c.y, *c.also)}
             again = {key: arm for key, arm in arms.items() if key in needs}
-            extending = all(len(m.values(c.y)) >= self.p.max_instances
-                            for c in undecided.values())
-            keep = reserve if extend_reserve is None or not extending else extend_reserve
+            # a round that takes the lead past max_instances leaves extend_reserve
+            past = any(len(m.values(c.y)) >= self.p.max_instances for c in undecided.values())
+            keep = extend_reserve if past and extend_reserve is not None else reserve
             if self.group_cost(again, n) + keep > self.left():
                 return m
             self.group(f"{label}: {len(undecided)} undecided, more instances", again,
@@ -404,8 +410,10 @@ class _Batch:
             later = sum(self.sweep_cost(len(self.caps_for(r))) for r in order[i + 1:])
             started = self.clock()
             # a lead sampled past max_instances for the resolution alone leaves every
-            # verify to come its whole sampling
-            whole = final_reserve + (len(promising) + 1) * self.verify_cost() + later
+            # verify that may come its whole sampling: the promising roles', this one's
+            # and the later roles' (any of them may turn out promising)
+            whole = final_reserve + (len(promising) + len(order) - i) * self.verify_cost() \
+                + later
             trial = self.sweep(role, caps, rep, eta=self.eta(len(order) - i),
                                reserve=final_reserve + verify_reserve + later,
                                extend_reserve=max(whole, final_reserve + verify_reserve + later))
