@@ -30,14 +30,16 @@ a side branch per fork, the loads overlap the window, with its sm_90 ``ring`` lo
 Deciding: ``T empty`` against ``inline empty`` (does a step's one fork plus six triggers
 cost what six inline forks do?) and ``T loads`` against ``leaf-ld loads`` (do the loads
 overlap the window as a leaf's do?).  R counts its timeouts and the slots it reached
-after the next trigger had come (it was behind), so a late or starved R shows.
+after the next trigger had come (it was behind), so a late or starved R shows, and
+stamps (%globaltimer) when each trigger ran, when R woke for it and when its loads
+were done (a 40 us window should hold both).
 Every variant is captured into one memory pool per instance (paired by instance, a
 primer capture first); medians of ROUNDS interleaved replays; paired 95% intervals.
 
     python -m benchmarks.probe_resident [MODEL:SITE:SPIN:BATCH ...]      (on the GPU)
 
-The daemon's loads are 16-byte ld.global.cg (real loads: a copy lands near the loading
-SM, RESULTS run 10), 32 CTAs x 512 threads; the triggers and R are built here with NVRTC
+R's loads are 16-byte ld.global.cg, four in flight per thread (real loads: a copy lands
+near the loading SM, RESULTS run 10), 32 CTAs x 256 threads; the triggers and R are built here with NVRTC
 (through l2prefetch._C) and launched through ctypes on libcuda: an experiment, not the
 library's code.
 """
@@ -53,7 +55,7 @@ MIB = 1 << 20
 INSTANCES = 6
 ROUNDS = 40
 LOAD_BYTES = 24 * MIB
-R_GRID, R_BLOCK = 32, 512
+R_GRID, R_BLOCK = 32, 256       # the library's `load` kernel: grid 32 (its default), 256
 TIMEOUT_NS = 20_000_000          # R gives up 20 ms after it starts (a step is 1-5 ms)
 TRIGGERS = ("kernel", "pdl", "memset", "wv")
 T975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 9: 2.262, 11: 2.228}
@@ -73,12 +75,18 @@ __device__ __forceinline__ unsigned acquire(const unsigned *p) {
     return v;
 }
 
+#define LOAD16(r, p) asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" \
+    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p))
+
 // slots: nslots pairs (address, bytes, a multiple of 16).  Slot s is loaded once
-// *flag > s; every CTA loads its share of each slot.  counts (CTA 0 adds): [0] times
-// R gave up waiting (timeout), [1] slots whose next trigger had come already when R
-// got to them (R behind the main stream), [2] runs.
+// *flag > s; every CTA loads its share of each slot, each thread with four 16-byte
+// loads in flight (as the library's `load` kernel).  counts (CTA 0 adds): [0] times R
+// gave up waiting (timeout), [1] slots whose next trigger had come already when R got
+// to them (R behind the main stream), [2] runs.  stamps (%globaltimer ns, the last
+// replay's): [s] the trigger of slot s (kernel triggers only), [n + s] when R saw it,
+// [2n + s] when the last CTA finished slot s's loads.
 extern "C" __global__ void resident(const u64 *slots, int nslots, const unsigned *flag,
-                                    u64 timeout_ns, unsigned *counts) {
+                                    u64 timeout_ns, unsigned *counts, u64 *stamps) {
     __shared__ int go;
     const u64 start = now_ns();
     unsigned acc = 0;
@@ -96,6 +104,8 @@ extern "C" __global__ void resident(const u64 *slots, int nslots, const unsigned
                 atomicAdd(&counts[0], 1u);
             if (blockIdx.x == 0 && ok && v > (unsigned)s + 1)
                 atomicAdd(&counts[1], 1u);
+            if (blockIdx.x == 0 && ok)
+                stamps[nslots + s] = now_ns();
             go = ok;
         }
         __syncthreads();
@@ -105,13 +115,24 @@ extern "C" __global__ void resident(const u64 *slots, int nslots, const unsigned
         const u64 per = (granules + gridDim.x - 1) / gridDim.x;
         const u64 g0 = per * blockIdx.x;
         const u64 g1 = g0 + per < granules ? g0 + per : granules;
-        for (u64 g = g0 + threadIdx.x; g < g1; g += blockDim.x) {
-            unsigned a, b, c, d;
-            asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(base + 16 * g));
-            acc ^= a ^ d;
+        const u64 step = blockDim.x;
+        u64 g = g0 + threadIdx.x;
+        for (; g + 3 * step < g1; g += 4 * step) {
+            unsigned a[4], b[4], c[4], d[4];
+            LOAD16(a, base + 16 * g);
+            LOAD16(b, base + 16 * (g + step));
+            LOAD16(c, base + 16 * (g + 2 * step));
+            LOAD16(d, base + 16 * (g + 3 * step));
+            acc ^= a[0] ^ b[1] ^ c[2] ^ d[3];
+        }
+        for (; g < g1; g += step) {
+            unsigned a[4];
+            LOAD16(a, base + 16 * g);
+            acc ^= a[0];
         }
         __syncthreads();
+        if (threadIdx.x == 0)
+            atomicMax(&stamps[2 * nslots + s], now_ns());
     }
     // ptxas deletes a load whose value is dead (kernels/prefetch.cu): keep acc observable
     // behind a branch no launch takes
@@ -119,12 +140,14 @@ extern "C" __global__ void resident(const u64 *slots, int nslots, const unsigned
         __trap();
 }
 
-extern "C" __global__ void trigger(unsigned *flag, unsigned value) {
+extern "C" __global__ void trigger(unsigned *flag, unsigned value, u64 *stamps) {
+    stamps[value - 1] = now_ns();
     atomicExch(flag, value);
 }
 
-extern "C" __global__ void trigger_pdl(unsigned *flag, unsigned value) {
+extern "C" __global__ void trigger_pdl(unsigned *flag, unsigned value, u64 *stamps) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    stamps[value - 1] = now_ns();
     atomicExch(flag, value);
 }
 """
@@ -226,6 +249,7 @@ def run(drv, name, site, spin, batch):
     }
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     counts = {}    # per resident variant: R's timeouts, slots it came to late, runs
+    stamps = {}    # per resident variant: trigger, wake and end times per slot (ns)
     side = torch.cuda.Stream()
     lib_empty = PreparedWeightRanges([], grid=32, device=0)
     lib_loads = [PreparedWeightRanges([w], byte_cap=LOAD_BYTES, grid=32, device=0)
@@ -238,19 +262,21 @@ def run(drv, name, site, spin, batch):
     for v in variants:
         if v.split(" ")[0] in TRIGGERS:
             counts[v] = torch.zeros(3, dtype=torch.int32, device="cuda")
+            stamps[v] = torch.zeros(3 * len(layers), dtype=torch.int64, device="cuda")
     with torch.no_grad():
         static = step(batch).clone()
     torch.cuda.synchronize()
     keep = []
 
-    def trigger(kind, value):
+    def trigger(variant, kind, value):
         stream = torch.cuda.current_stream().cuda_stream
         if kind == "kernel":
             drv.launch("trigger", 1, 1, stream, ctypes.c_uint64(flag.data_ptr()),
-                       ctypes.c_uint(value))
+                       ctypes.c_uint(value), ctypes.c_uint64(stamps[variant].data_ptr()))
         elif kind == "pdl":
             drv.launch("trigger_pdl", 1, 1, stream, ctypes.c_uint64(flag.data_ptr()),
-                       ctypes.c_uint(value), pdl=True)
+                       ctypes.c_uint(value), ctypes.c_uint64(stamps[variant].data_ptr()),
+                       pdl=True)
         elif kind == "memset":
             drv.memset32(flag.data_ptr(), value, stream)
         else:
@@ -273,7 +299,7 @@ def run(drv, name, site, spin, batch):
             kind, table = mode, slots[what]
             for i, layer in enumerate(layers):
                 hooks.append(layer.self_attn.o_proj.register_forward_hook(
-                    lambda m, a, o, i=i: trigger(kind, i + 1)))
+                    lambda m, a, o, i=i: trigger(variant, kind, i + 1)))
 
         def fn():
             main = torch.cuda.current_stream()
@@ -283,7 +309,8 @@ def run(drv, name, site, spin, batch):
                 drv.launch("resident", R_GRID, R_BLOCK, side.cuda_stream,
                            ctypes.c_uint64(table.data_ptr()), ctypes.c_int(len(layers)),
                            ctypes.c_uint64(flag.data_ptr()), ctypes.c_uint64(TIMEOUT_NS),
-                           ctypes.c_uint64(counts[variant].data_ptr()))
+                           ctypes.c_uint64(counts[variant].data_ptr()),
+                           ctypes.c_uint64(stamps[variant].data_ptr()))
             with torch.no_grad():
                 out = step(batch)
             if c is not None:
@@ -348,10 +375,18 @@ def run(drv, name, site, spin, batch):
                 d, w = paired(med[x], med[y])
                 print(f"   {x:14} vs {y:14} {d:+7.2f} +-{w:5.2f} us", flush=True)
     torch.cuda.synchronize()
-    for v, n in counts.items():
-        timeouts, late, runs = (int(x) for x in n.tolist())
+    n = len(layers)
+    for v, c in counts.items():
+        timeouts, late, runs = (int(x) for x in c.tolist())
+        t = stamps[v].tolist()
+        trig, wake, end = t[:n], t[n:2 * n], t[2 * n:]
+        woke = [(w - g) / 1e3 for g, w in zip(trig, wake) if g and w]
+        took = [(e - w) / 1e3 for w, e in zip(wake, end) if w and e]
         print(f"   {v:14} R ran {runs} times: {timeouts} timed out, {late} slots came late "
-              f"(of {runs * len(layers)})", flush=True)
+              f"(of {runs * n}); last replay per slot: woke "
+              + (", ".join(f"{x:.1f}" for x in woke) or "-") + " us after its trigger, "
+              "loaded in " + (", ".join(f"{x:.1f}" for x in took) or "-") + " us",
+              flush=True)
     del graphs, primers
     for c in keep:
         c.close()
