@@ -410,10 +410,10 @@ class _Batch:
             later = sum(self.sweep_cost(len(self.caps_for(r))) for r in order[i + 1:])
             started = self.clock()
             # a lead sampled past max_instances for the resolution alone leaves every
-            # verify that may come its whole sampling: the promising roles', this one's
-            # and the later roles' (any of them may turn out promising)
-            whole = final_reserve + (len(promising) + len(order) - i) * self.verify_cost() \
-                + later
+            # verify that may come its whole sampling: the promising roles', this one's,
+            # the later roles' and the lost ones' (the layers step may make any promising)
+            may_verify = len(promising) + len(lost) + len(order) - i
+            whole = final_reserve + may_verify * self.verify_cost() + later
             trial = self.sweep(role, caps, rep, eta=self.eta(len(order) - i),
                                reserve=final_reserve + verify_reserve + later,
                                extend_reserve=max(whole, final_reserve + verify_reserve + later))
