@@ -123,6 +123,29 @@ def run_sequence(rig, w, batch, window, prepared_by_name, reps, window_fn=None, 
     return out
 
 
+def paired(x, y):
+    """mean(x - y) over instances and its 95% half-width (Student's t), as a tuple."""
+    from l2prefetch.tuning.stats import paired_interval
+
+    iv = paired_interval(x, y)
+    return iv.estimate, iv.half_width
+
+
+def bitwise_by_variant(graphs, static, reference=("none", 0)):
+    """Per variant of ``graphs`` ((variant, instance) -> graph whose replay writes
+    ``static``): whether every instance's output equals the reference graph's, each
+    read right after its own replay."""
+    graphs[reference].replay()
+    torch.cuda.synchronize()
+    ref = static.clone()
+    same = {}
+    for (variant, _), graph in graphs.items():
+        graph.replay()
+        torch.cuda.synchronize()
+        same[variant] = same.get(variant, True) and bool(torch.equal(ref, static))
+    return same
+
+
 def no_gpu(prog):
     """True, having said so, where torch sees no CUDA GPU (a benchmark then exits 0)."""
     if torch.cuda.is_available():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from benchmarks.common import no_gpu
+from benchmarks.common import bitwise_by_variant, no_gpu, paired
 
 MIB = 1 << 20
 INSTANCES = 6
@@ -33,13 +33,7 @@ VARIANTS = {   # name: (graph_fork, loads)
     "leaf loads": ("leaf", True),
     "branch loads": ("branch", True),
 }
-T975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 9: 2.262, 11: 2.228}
 
-
-def paired(x, y):
-    d = [a - b for a, b in zip(x, y)]
-    n = len(d)
-    return statistics.fmean(d), T975.get(n - 1, 2.0) * statistics.stdev(d) / n ** 0.5
 
 
 def run(name, site, spin, batch):
@@ -101,14 +95,7 @@ def run(name, site, spin, batch):
                 nodes[v] = len(_C._graph_loader_nodes(g.raw_cuda_graph()))
     med = rig.instance_medians(graphs, ROUNDS)
     # bitwise: each graph's output right after its own replay, against none's first
-    graphs[("none", 0)].replay()
-    torch.cuda.synchronize()
-    ref = static.clone()
-    same = {}
-    for (v, i), g in graphs.items():
-        g.replay()
-        torch.cuda.synchronize()
-        same[v] = same.get(v, True) and bool(torch.equal(ref, static))
+    same = bitwise_by_variant(graphs, static)
     for h in planted:
         h.remove()
     base = med["none"]

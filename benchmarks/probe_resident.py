@@ -51,7 +51,7 @@ import ctypes
 import statistics
 import sys
 
-from benchmarks.common import no_gpu
+from benchmarks.common import bitwise_by_variant, no_gpu, paired
 
 MIB = 1 << 20
 INSTANCES = 6
@@ -60,7 +60,6 @@ LOAD_BYTES = 24 * MIB
 R_GRID, R_BLOCK = 32, 256       # the library's `load` kernel: grid 32 (its default), 256
 TIMEOUT_NS = 20_000_000          # R gives up 20 ms after it starts (a step is 1-5 ms)
 TRIGGERS = ("kernel", "pdl", "memset", "wv")
-T975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 9: 2.262, 11: 2.228}
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -222,11 +221,6 @@ class Driver:
                    "cuStreamWriteValue32_v2")
 
 
-def paired(x, y):
-    d = [a - b for a, b in zip(x, y)]
-    n = len(d)
-    return statistics.fmean(d), T975.get(n - 1, 2.0) * statistics.stdev(d) / n ** 0.5
-
 
 def run(drv, name, site, spin, batch):
     import torch
@@ -349,14 +343,7 @@ def run(drv, name, site, spin, batch):
     med = rig.instance_medians(graphs, ROUNDS)
     for s in stamps.values():          # the stamps of the bitwise pass's replays only
         s.zero_()
-    graphs[("none", 0)].replay()
-    torch.cuda.synchronize()
-    ref = static.clone()
-    same = {}
-    for (v, i), g in graphs.items():
-        g.replay()
-        torch.cuda.synchronize()
-        same[v] = same.get(v, True) and bool(torch.equal(ref, static))
+    same = bitwise_by_variant(graphs, static)
     for h in planted:
         h.remove()
     base = med["none"]
