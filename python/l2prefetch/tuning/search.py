@@ -416,7 +416,7 @@ class _Batch:
             whole = final_reserve + may_verify * self.verify_cost() + later
             trial = self.sweep(role, caps, rep, eta=self.eta(len(order) - i),
                                reserve=final_reserve + verify_reserve + later,
-                               extend_reserve=max(whole, final_reserve + verify_reserve + later))
+                               extend_reserve=whole)
             self.swept_estimate += self.sweep_cost(len(caps))
             self.swept_actual += self.clock() - started
             if trial is None:
@@ -466,7 +466,7 @@ class _Batch:
             later = (len(promising) - k - 1) * self.cost(3)
             whole = final_reserve + (len(promising) - k - 1) * self.verify_cost()
             verified = self.verify(role, trial.setting, rep, final_reserve + later,
-                                   extend_reserve=max(whole, final_reserve + later))
+                                   extend_reserve=whole)
             if verified is not None:
                 kept.append((role, verified))
 
