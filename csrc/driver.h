@@ -58,7 +58,15 @@
     X(cuGraphKernelNodeGetParams, 12000, 0, (CUgraphNode, CUDA_KERNEL_NODE_PARAMS *))   \
     X(cuGraphNodeSetEnabled, 11060, 0, (CUgraphExec, CUgraphNode, unsigned int))        \
     X(cuGraphExecKernelNodeSetParams, 12000, 0,                                        \
-      (CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS *))
+      (CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS *))                       \
+    X(cuGraphGetEdges, 10000, 0, (CUgraph, CUgraphNode *, CUgraphNode *, size_t *))     \
+    X(cuGraphClone, 10000, 0, (CUgraph *, CUgraph))                                     \
+    X(cuGraphNodeFindInClone, 10000, 0, (CUgraphNode *, CUgraphNode, CUgraph))          \
+    X(cuGraphDestroyNode, 10000, 0, (CUgraphNode))                                      \
+    X(cuGraphDestroy, 10000, 0, (CUgraph))                                              \
+    X(cuGraphInstantiateWithFlags, 11040, 0, (CUgraphExec *, CUgraph, unsigned long long)) \
+    X(cuGraphLaunch, 10000, 0, (CUgraphExec, CUstream))                                 \
+    X(cuGraphExecDestroy, 10000, 0, (CUgraphExec))
 
 /* The oldest driver we accept: cuGetProcAddress_v2 and cuLaunchKernelEx. */
 #define L2P_MIN_DRIVER_VERSION 12000

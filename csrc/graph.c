@@ -12,6 +12,14 @@
  *          control, cuGraphExecKernelNodeSetParams;
  *   off    the node disabled (cuGraphNodeSetEnabled): an empty node, its edges kept.
  *
+ * And it replays the step without any fork at the same addresses: a clone of
+ * the template graph with the loader nodes destroyed, instantiated on its own
+ * (_graph_instantiate_without).  Two captures of one step, even into one memory
+ * pool, place its buffers apart and replay a few us apart, stably (run 18), so
+ * (a), the step without forks, is this graph rather than a capture of its own.
+ * Whether destroying the nodes keeps every other ordering of the graph is the
+ * caller's check (l2prefetch.tuning.rig.NoForks, from _graph_edges).
+ *
  * A loader node is a kernel node of the template graph whose function is one of
  * the prefetch kernels this driver instance loaded (l2p_device.functions),
  * matched by handle, never by name.  The template graph must outlive the
@@ -233,5 +241,172 @@ PyObject *l2p_py_graph_set_loaders(PyObject *module, PyObject *const *args, Py_s
         if ((r = d->fn.cuGraphNodeSetEnabled((CUgraphExec)exec, (CUgraphNode)node, 1)) != CUDA_SUCCESS)
             return l2p_raise_cuda(st, d, "cuGraphNodeSetEnabled", r);
     }
+    Py_RETURN_NONE;
+}
+
+
+static int derive_api(l2p_state *st, l2p_driver *d)
+{
+    if (d->fn.cuGraphGetEdges && d->fn.cuGraphClone && d->fn.cuGraphNodeFindInClone &&
+        d->fn.cuGraphDestroyNode && d->fn.cuGraphDestroy && d->fn.cuGraphInstantiateWithFlags &&
+        d->fn.cuGraphLaunch && d->fn.cuGraphExecDestroy)
+        return 0;
+    PyErr_Format(st->error, "a graph without its loader nodes needs driver 11.4 or newer "
+                 "(cuGraphClone, cuGraphInstantiateWithFlags); this one is %d.%d",
+                 d->version / 1000, d->version % 1000 / 10);
+    return -1;
+}
+
+/* _C._graph_edges(graph) -> ((from, to), ...): every edge of the template graph, as
+ * node handles (what _graph_loader_nodes() returns for its loader nodes). */
+PyObject *l2p_py_graph_edges(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    l2p_state *st = l2p_get_state(module);
+    void *g;
+    if (nargs != 1)
+        return PyErr_Format(PyExc_TypeError, "_graph_edges() takes exactly 1 argument "
+                            "(%zd given)", nargs);
+    if (handle_arg(args[0], "graph", &g) < 0)
+        return NULL;
+    l2p_driver *d = l2p_use_driver(st);
+    if (!d || derive_api(st, d) < 0)
+        return NULL;
+    l2p_driver_incref(d);   /* the tuple's allocations can run the GC (see above) */
+    size_t n = 0;
+    PyObject *out = NULL;
+    CUgraphNode *from = NULL, *to = NULL;
+    CUresult r = d->fn.cuGraphGetEdges((CUgraph)g, NULL, NULL, &n);
+    if (r != CUDA_SUCCESS) {
+        l2p_raise_cuda(st, d, "cuGraphGetEdges", r);
+        goto done;
+    }
+    from = PyMem_Calloc(n ? n : 1, sizeof(CUgraphNode));
+    to = PyMem_Calloc(n ? n : 1, sizeof(CUgraphNode));
+    if (!from || !to) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t got = n;
+    if ((r = d->fn.cuGraphGetEdges((CUgraph)g, from, to, &got)) != CUDA_SUCCESS) {
+        l2p_raise_cuda(st, d, "cuGraphGetEdges", r);
+        goto done;
+    }
+    if (got > n)   /* the graph grew between the calls: only n were written */
+        got = n;
+    if (!(out = PyTuple_New((Py_ssize_t)got)))
+        goto done;
+    for (size_t i = 0; i < got; i++) {
+        PyObject *e = Py_BuildValue("(KK)", (unsigned long long)(uintptr_t)from[i],
+                                    (unsigned long long)(uintptr_t)to[i]);
+        if (!e) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyTuple_SET_ITEM(out, (Py_ssize_t)i, e);
+    }
+done:
+    PyMem_Free(from);
+    PyMem_Free(to);
+    l2p_driver_decref(d);
+    return out;
+}
+
+/* _C._graph_instantiate_without(graph, nodes) -> exec: the template graph cloned, those
+ * of its nodes destroyed in the clone (with their edges), the clone instantiated and
+ * destroyed.  The caller owns exec (_graph_exec_destroy) and keeps what its nodes
+ * point at (the template's memory pool) alive as long. */
+PyObject *l2p_py_graph_instantiate_without(PyObject *module, PyObject *const *args,
+                                           Py_ssize_t nargs)
+{
+    l2p_state *st = l2p_get_state(module);
+    void *g;
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "_graph_instantiate_without() takes exactly 2 "
+                            "arguments (%zd given)", nargs);
+    if (handle_arg(args[0], "graph", &g) < 0)
+        return NULL;
+    if (!PyTuple_CheckExact(args[1]))
+        return PyErr_Format(PyExc_TypeError, "nodes must be a tuple of node handles, not %s",
+                            Py_TYPE(args[1])->tp_name);
+    PyObject *nodes = args[1];   /* an exact tuple of exact ints: no Python code below */
+    Py_ssize_t n = PyTuple_GET_SIZE(nodes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        void *node;
+        if (handle_arg(PyTuple_GET_ITEM(nodes, i), "each node", &node) < 0)
+            return NULL;
+    }
+    l2p_driver *d = l2p_use_driver(st);
+    if (!d || derive_api(st, d) < 0)
+        return NULL;
+    CUgraph clone = NULL;
+    CUgraphExec exec = NULL;
+    CUresult r = d->fn.cuGraphClone(&clone, (CUgraph)g);
+    if (r != CUDA_SUCCESS)
+        return l2p_raise_cuda(st, d, "cuGraphClone", r);
+    const char *failed = NULL;
+    for (Py_ssize_t i = 0; i < n && !failed; i++) {
+        CUgraphNode mine = NULL;
+        void *node = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(nodes, i));
+        if ((r = d->fn.cuGraphNodeFindInClone(&mine, (CUgraphNode)node, clone)) != CUDA_SUCCESS)
+            failed = "cuGraphNodeFindInClone";
+        else if ((r = d->fn.cuGraphDestroyNode(mine)) != CUDA_SUCCESS)
+            failed = "cuGraphDestroyNode";
+    }
+    if (!failed && (r = d->fn.cuGraphInstantiateWithFlags(&exec, clone, 0)) != CUDA_SUCCESS)
+        failed = "cuGraphInstantiateWithFlags";
+    CUresult destroyed = d->fn.cuGraphDestroy(clone);
+    if (failed)
+        return l2p_raise_cuda(st, d, failed, r);
+    if (destroyed != CUDA_SUCCESS) {
+        (void)d->fn.cuGraphExecDestroy(exec);
+        return l2p_raise_cuda(st, d, "cuGraphDestroy", destroyed);
+    }
+    PyObject *out = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)exec);
+    if (!out)
+        (void)d->fn.cuGraphExecDestroy(exec);
+    return out;
+}
+
+/* _C._graph_exec_launch(exec, stream): cuGraphLaunch; stream 0 is the legacy stream. */
+PyObject *l2p_py_graph_exec_launch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    l2p_state *st = l2p_get_state(module);
+    void *exec;
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "_graph_exec_launch() takes exactly 2 arguments "
+                            "(%zd given)", nargs);
+    if (handle_arg(args[0], "exec", &exec) < 0)
+        return NULL;
+    if (!PyLong_CheckExact(args[1]))
+        return PyErr_Format(PyExc_TypeError, "stream must be an int handle, not %s",
+                            Py_TYPE(args[1])->tp_name);
+    unsigned long long stream = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    l2p_driver *d = l2p_use_driver(st);
+    if (!d || derive_api(st, d) < 0)
+        return NULL;
+    CUresult r = d->fn.cuGraphLaunch((CUgraphExec)exec, (CUstream)(uintptr_t)stream);
+    if (r != CUDA_SUCCESS)
+        return l2p_raise_cuda(st, d, "cuGraphLaunch", r);
+    Py_RETURN_NONE;
+}
+
+/* _C._graph_exec_destroy(exec): cuGraphExecDestroy of what _graph_instantiate_without made. */
+PyObject *l2p_py_graph_exec_destroy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    l2p_state *st = l2p_get_state(module);
+    void *exec;
+    if (nargs != 1)
+        return PyErr_Format(PyExc_TypeError, "_graph_exec_destroy() takes exactly 1 argument "
+                            "(%zd given)", nargs);
+    if (handle_arg(args[0], "exec", &exec) < 0)
+        return NULL;
+    l2p_driver *d = l2p_use_driver(st);
+    if (!d || derive_api(st, d) < 0)
+        return NULL;
+    CUresult r = d->fn.cuGraphExecDestroy((CUgraphExec)exec);
+    if (r != CUDA_SUCCESS)
+        return l2p_raise_cuda(st, d, "cuGraphExecDestroy", r);
     Py_RETURN_NONE;
 }

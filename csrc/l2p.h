@@ -194,6 +194,11 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
 /* graph.c: loader nodes of a captured graph, switched in place. */
 PyObject *l2p_py_graph_loader_nodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *l2p_py_graph_set_loaders(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *l2p_py_graph_edges(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *l2p_py_graph_instantiate_without(PyObject *module, PyObject *const *args,
+                                           Py_ssize_t nargs);
+PyObject *l2p_py_graph_exec_launch(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *l2p_py_graph_exec_destroy(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* bench.c */
 PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

@@ -77,6 +77,20 @@ static PyMethodDef module_methods[] = {
      "_graph_set_loaders(exec, nodes, state)\n--\n\n"
      "Switch those nodes of executable graph exec to state 'on' (the captured loads),\n"
      "'empty' (an empty table) or 'off' (disabled), for the next replays."},
+    {"_graph_edges", (PyCFunction)(void (*)(void))l2p_py_graph_edges, METH_FASTCALL,
+     "_graph_edges(graph)\n--\n\n"
+     "Every edge of template graph as a tuple of (from, to) raw node handles."},
+    {"_graph_instantiate_without", (PyCFunction)(void (*)(void))l2p_py_graph_instantiate_without,
+     METH_FASTCALL,
+     "_graph_instantiate_without(graph, nodes)\n--\n\n"
+     "A clone of template graph without those nodes (and their edges), instantiated: a raw\n"
+     "CUgraphExec handle the caller destroys with _graph_exec_destroy()."},
+    {"_graph_exec_launch", (PyCFunction)(void (*)(void))l2p_py_graph_exec_launch, METH_FASTCALL,
+     "_graph_exec_launch(exec, stream)\n--\n\n"
+     "Launch executable graph exec (from _graph_instantiate_without()) on stream."},
+    {"_graph_exec_destroy", (PyCFunction)(void (*)(void))l2p_py_graph_exec_destroy, METH_FASTCALL,
+     "_graph_exec_destroy(exec)\n--\n\n"
+     "Destroy executable graph exec (from _graph_instantiate_without())."},
     {"_use_driver", l2p_py_use_driver, METH_O, "Testing hook: the driver library new objects use."},
     {"_use_nvrtc", l2p_py_use_nvrtc, METH_O, "Testing hook: the NVRTC library compiles use."},
     {"_set_stream_source", l2p_py_set_stream_source, METH_O,

@@ -89,7 +89,7 @@ ENTRY_POINTS = {
     "cuGraphNodeGetType": (10000, [c_void_p, _PI]),
 }
 
-LIVE_KINDS = ("stream", "event", "module", "context")
+LIVE_KINDS = ("stream", "event", "module", "context", "graph", "exec")
 
 
 def _build_shared_library(source, outdir, name, what):
@@ -191,7 +191,8 @@ class FakeCuda:
         self.lib.fake_clear_log()
 
     def live(self, kind):
-        """Live objects of `kind`: 'stream', 'event', 'module' or 'context' (retains)."""
+        """Live objects of `kind`: 'stream', 'event', 'module', 'context' (retains), 'graph'
+        (clones) or 'exec' (instantiated graphs)."""
         n = self.lib.fake_live(kind.encode())
         if n < 0:
             raise ValueError(f"unknown kind {kind!r}, expected one of {LIVE_KINDS}")

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from l2prefetch.tuning.discovery import Role, RoleSite
-from l2prefetch.tuning.arms import (Arm, Backend, Prepared, Probe, Setting, StepError,
-                                      parse_arm_key)
+from l2prefetch.tuning.arms import (NO_FORKS, Arm, Backend, Prepared, Probe, Setting,
+                                      StepError, no_forks_of, parse_arm_key)
 
 MIB = 1 << 20
 
@@ -66,7 +66,8 @@ class PlantedBackend(Backend):
                  interference: Mapping[frozenset, float] = (), gaps: Mapping[str, float] = (),
                  seed: int = 0, clock: Clock | None = None, capture_s: float = 0.02,
                  fail: Mapping[int, Exception] = (), differs: frozenset = frozenset(),
-                 paired: bool = False, shared: bool = False) -> None:
+                 paired: bool = False, shared: bool = False, capture_sd_us: float = 0.0,
+                 derives: bool = False) -> None:
         self.gains = dict(gains)
         self.fork_cost_us, self.sd, self.step_us = fork_cost_us, instance_sd_us, step_us
         self.interference = dict(interference)
@@ -84,6 +85,12 @@ class PlantedBackend(Backend):
         #: Every arm of an instance index shares its placement: all are paired, (a) too.
         self.shared_placement = shared
         self.pairs: list[set[str]] = []
+        #: Where each capture's buffers land, even in a shared pool: per capture (a fork
+        #: structure, or (a) itself) and instance, an offset of this SD (RESULTS run 18).
+        self.capture_sd = capture_sd_us
+        #: Each fork structure also replays without its forks (Backend.references).
+        self.derives_no_forks = derives
+        self.references: dict[str, str] = {}
 
     def prepare(self, batch: int) -> Prepared:
         if batch in self.fail:
@@ -124,14 +131,34 @@ class PlantedBackend(Backend):
         shared = {n: k for k, g in enumerate(self.pairs) for n in g}
         group_offsets = [[self.rng.gauss(0.0, self.sd) for _ in range(instances)]
                          for _ in self.pairs]
+        # a capture's own placement: per structure (switched arms share it) or arm
+        heads = {name: min(g) for g in structures.values() for name in g} if self.switches \
+            else {name: name for name in arms}
+        bias = {head: [self.rng.gauss(0.0, self.capture_sd) if self.capture_sd else 0.0
+                       for _ in range(instances)]
+                for head in sorted(set(heads.values()) | {NO_FORKS})}
+        heads[NO_FORKS] = NO_FORKS
         if self.shared_placement:
             self.pairs, shared = [set(arms)], {}
         own = {name: (0.2 if name in shared or self.shared_placement else self.sd)
                for name in arms}
         times = {name: [self.time(v, offsets[i] + (group_offsets[shared[name]][i]
                                                     if name in shared else 0.0)
+                                  + bias[heads.get(name, name)][i]
                                   + self.rng.gauss(0.0, own[name]))
                         for i in range(instances)] for name, v in arms.items()}
+        self.references = {}
+        if self.derives_no_forks:
+            for name, arm in arms.items():
+                if arm.roles:
+                    key = no_forks_of(heads[name])
+                    self.references[name] = key
+                    if key not in times:
+                        times[key] = [t - self.time(arms[heads[name]], 0.0)
+                                      + self.time(Arm(), 0.0)
+                                      for t in times[heads[name]]]
+            for g in self.pairs:
+                g.update(self.references[n] for n in list(g) if n in self.references)
         if self.clock is not None:
             self.clock.t += len(arms) * instances * (
                 self.capture_s + self.rounds * self.step_us * 1e-6)

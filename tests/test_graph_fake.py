@@ -89,3 +89,103 @@ def test_bad_handles(fake, captured):
     assert len(_C._graph_loader_nodes(GRAPH)) == 2
     with pytest.raises(ValueError, match="node 2 is not a loader node"):
         _C._graph_set_loaders(EXEC, nodes + (foreign,), "on")
+
+
+def test_edges_are_the_capture_dependencies(fake, captured):
+    """_graph_edges: each node's edges from the set it was captured on (leaf forks: each
+    loader from the node before it and from the previous loader; the node after them
+    from the first node, not from a loader)."""
+    nodes = [node for node, _ in _C._graph_loader_nodes(GRAPH)]
+    edges = _C._graph_edges(GRAPH)
+    index = {h: i + 1 for i, h in enumerate(sorted({n for e in edges for n in e}))}
+    first, last = min(index, key=index.get), max(index, key=index.get)
+    assert (first, nodes[0]) in edges and (nodes[0], nodes[1]) in edges
+    assert (first, nodes[1]) in edges and (first, last) in edges
+    assert not any(u in nodes for u, v in edges if v == last)
+
+
+def test_a_graph_without_the_loader_nodes(fake, captured):
+    """_graph_instantiate_without: the template cloned, each node found in the clone and
+    destroyed there, the clone instantiated and destroyed; the exec is the caller's,
+    launched on a stream and destroyed by _graph_exec_destroy."""
+    nodes = tuple(node for node, _ in _C._graph_loader_nodes(GRAPH))
+    fake.clear_log()
+    ex = _C._graph_instantiate_without(GRAPH, nodes)
+    calls = [line.split()[0] for line in fake.log()]
+    assert calls == ["cuGraphClone"] + ["cuGraphNodeFindInClone", "cuGraphDestroyNode"] * 2 + \
+        ["cuGraphInstantiateWithFlags", "cuGraphDestroy"]
+    assert fake.live("graph") == 0 and fake.live("exec") == 1
+    _C._graph_exec_launch(ex, STREAM)
+    assert kv(fake.log("cuGraphLaunch")[-1])["stream"] == hex(STREAM)
+    _C._graph_exec_destroy(ex)
+    assert fake.live("exec") == 0 and fake.bad_destroys() == 0
+    with pytest.raises(l2prefetch.CudaError, match="cuGraphLaunch"):
+        _C._graph_exec_launch(ex, STREAM)
+
+
+@pytest.mark.parametrize("fails", ["cuGraphClone", "cuGraphNodeFindInClone",
+                                   "cuGraphDestroyNode", "cuGraphInstantiateWithFlags"])
+def test_a_failed_step_leaves_no_clone_and_no_exec(fake, captured, fails):
+    nodes = tuple(node for node, _ in _C._graph_loader_nodes(GRAPH))
+    fake.fail(fails, code="CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(l2prefetch.CudaError, match=f"{fails}.*CUDA_ERROR_OUT_OF_MEMORY"):
+        _C._graph_instantiate_without(GRAPH, nodes)
+    assert fake.live("graph") == 0 and fake.live("exec") == 0 and fake.bad_destroys() == 0
+
+
+def test_a_failed_clone_destroy_destroys_the_exec(fake, captured):
+    nodes = tuple(node for node, _ in _C._graph_loader_nodes(GRAPH))
+    fake.fail("cuGraphDestroy", code="CUDA_ERROR_UNKNOWN")
+    with pytest.raises(l2prefetch.CudaError, match="cuGraphDestroy"):
+        _C._graph_instantiate_without(GRAPH, nodes)
+    assert fake.live("exec") == 0
+
+
+def test_bad_arguments_of_the_graph_without_loaders(fake, captured):
+    with pytest.raises(TypeError, match="nodes must be a tuple of node handles, not list"):
+        _C._graph_instantiate_without(GRAPH, [1])
+    with pytest.raises(ValueError, match="each node must be a non-null handle"):
+        _C._graph_instantiate_without(GRAPH, (0,))
+    with pytest.raises(TypeError, match="exactly 2 arguments"):
+        _C._graph_instantiate_without(GRAPH)
+    with pytest.raises(TypeError, match="stream must be an int handle, not str"):
+        _C._graph_exec_launch(EXEC, "s")
+    with pytest.raises(ValueError, match="exec must be a non-null handle"):
+        _C._graph_exec_destroy(0)
+    with pytest.raises(ValueError, match="graph must be a non-null handle"):
+        _C._graph_edges(0)
+    assert fake.live("graph") == 0 and fake.live("exec") == 0
+
+
+def test_no_forks_refuses_a_graph_whose_loaders_order_other_nodes(fake, monkeypatch):
+    """rig.NoForks checks the edges first: a loader node that is the only path between
+    two other nodes (not a graph the controller captures) is refused, nothing made."""
+    from l2prefetch.tuning.rig import NoForks
+
+    c = PC(device=0, graph_fork="leaf")
+    c.add("p", 0, 1, PWR([arr(0)]))
+    fake.set_capture(7)
+    fake.add_capture_node(1)
+    assert c.fork("p", 0, 1, stream=STREAM)
+    loader = _C._graph_loader_nodes(GRAPH)[0][0]
+
+    class Graph:
+        def raw_cuda_graph(self):
+            return GRAPH
+
+    after = fake.add_capture_node(1)   # the node after the fork: an edge from the first
+    real = _C._graph_edges
+    edges = real(GRAPH)
+    first = next(u for u, v in edges if v == loader)
+    assert (first, loader + 16) in edges and after == 3
+    # planted: the node after depends on the loader alone, not on the first node
+    planted = tuple(e for e in edges if e != (first, loader + 16)) + ((loader, loader + 16),)
+    monkeypatch.setattr(_C, "_graph_edges", lambda g: planted)
+    with pytest.raises(RuntimeError, match="would unorder 1 pairs of other nodes"):
+        NoForks(Graph())
+    assert fake.live("graph") == 0 and fake.live("exec") == 0
+    monkeypatch.setattr(_C, "_graph_edges", real)
+    without = NoForks(Graph())
+    assert fake.live("exec") == 1
+    without.close()
+    assert fake.live("exec") == 0

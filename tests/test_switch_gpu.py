@@ -1,4 +1,5 @@
-"""Loader nodes switched in place (csrc/graph.c, tuning.rig.LoaderSwitch) and the leaf fork.
+"""Loader nodes switched in place (csrc/graph.c, tuning.rig.LoaderSwitch), the graph
+without them (tuning.rig.NoForks), and the leaf fork.
 
 Functional checks on a small captured graph: the switch finds exactly the
 loader nodes, each state ('on', 'empty', 'off', another table) replays with
@@ -13,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from l2prefetch import PrefetchController, PreparedWeightRanges, _C  # noqa: E402
 from l2prefetch.mechanisms import GRAPH_FORK_MODES  # noqa: E402
-from l2prefetch.tuning.rig import LoaderSwitch, Rig  # noqa: E402
+from l2prefetch.tuning.rig import LoaderSwitch, NoForks, Rig, orderings_lost  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -66,3 +67,48 @@ def test_a_graph_without_forks_has_no_loader_nodes(setup):
     dev, w1, _, x = setup
     graph, _ = Rig(dev).capture(lambda: x @ w1.t(), keep_graph=True)
     assert LoaderSwitch(graph).nodes == ()
+
+
+@pytest.mark.parametrize("mode", [name for name, m in GRAPH_FORK_MODES.items() if m.switchable])
+def test_the_graph_without_its_loader_nodes_is_the_step_without_forks(setup, mode):
+    """NoForks: the captured graph cloned without its loader nodes replays the step's
+    output bitwise, and its edges are those of a capture without forks (removing the
+    nodes unorders nothing: no edge of the fork's graph is lost or added); closing it
+    twice is fine, replaying it closed is an error."""
+    dev, w1, w2, x = setup
+    rig = Rig(dev)
+    c = PrefetchController(0, graph_fork=mode)
+    loads = PreparedWeightRanges([w2], grid=32, device=0)
+    c.add("p", 0, [1], loads)
+    c.add("p", 1, [1], loads)
+
+    def step(fork):
+        h = x @ w1.t()
+        if fork:
+            c.fork("p", 0, 1)
+        h = torch.relu(h) @ w1.t()
+        if fork:
+            c.fork("p", 1, 1)
+        y = h @ w2.t()
+        if fork:
+            c.join()
+        return y
+
+    ref = step(False).clone()
+    plain, _ = rig.capture(lambda: step(False), keep_graph=True)
+    graph, out = rig.capture(lambda: step(True), keep_graph=True)
+    nodes = LoaderSwitch(graph).nodes
+    edges = _C._graph_edges(graph.raw_cuda_graph())
+    assert len(nodes) == 2 and orderings_lost(edges, nodes) == []
+    kept = [e for e in edges if not set(e) & set(nodes)]
+    assert len(kept) == len(_C._graph_edges(plain.raw_cuda_graph()))
+    without = NoForks(graph)
+    assert without.nodes == nodes
+    out.zero_()
+    without.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    without.close()
+    without.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        without.replay()

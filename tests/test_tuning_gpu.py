@@ -145,7 +145,7 @@ def test_each_layers_loads_alone_are_switched_states_of_one_capture(placement):
     from l2prefetch.tuning import synthetic
     from l2prefetch.tuning.discovery import candidates, discover
     from l2prefetch.tuning.measure import GraphBackend
-    from l2prefetch.tuning.arms import EMPTY, LOADS, NO_FORKS, Arm, Setting, arm_key
+    from l2prefetch.tuning.arms import EMPTY, LOADS, NO_FORKS, Arm, Setting, arm_key, no_forks_of
 
     model = synthetic.IdleWindowModel(layers=3, hidden=2048, window_us=10)
     step = synthetic.idle_window_step(model)
@@ -162,6 +162,11 @@ def test_each_layers_loads_alone_are_switched_states_of_one_capture(placement):
     for layer in role.layers:
         arms[arm_key(LOADS, layer)] = Arm(((role.name, every),), loads_at=(layer,))
     times, identical = backend.measure(1, arms, 2)
-    assert backend.pairs == [set(arms) - ({NO_FORKS} if placement == "private" else set())]
-    assert all(identical.values()), identical
-    assert {k: len(v) for k, v in times.items()} == {k: 2 for k in arms}
+    # the head (the arm loading most) also replays without its loader nodes: every fork
+    # arm's own (a), paired with it, its output bitwise the step's too
+    own = no_forks_of(LOADS)
+    assert backend.references == {k: own for k in arms if k != NO_FORKS}
+    assert backend.pairs == [set(arms) | {own} - ({NO_FORKS} if placement == "private"
+                                                  else set())]
+    assert all(identical.values()) and own in identical, identical
+    assert {k: len(v) for k, v in times.items()} == {k: 2 for k in [*arms, own]}

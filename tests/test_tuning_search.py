@@ -678,6 +678,66 @@ def test_shared_placement_pairs_the_gain_against_no_forks():
     assert widths[True] < 1.0 < 10.0 < widths[False]
 
 
+def test_each_arm_is_paired_with_its_own_step_without_forks():
+    """Two captures into one pool still land apart (RESULTS run 18: a pattern of up to
+    +-7 us per instance between (a) and the empty forks at deepseek-v3-6l B1). Planted
+    here as 5 us per capture: against (a)'s own captures a 3 us gain is lost in it and
+    the plan stays empty; where the backend replays each capture without its forks
+    (Backend.references) the search compares with that, its intervals are as narrow as
+    the switched states' own noise, and the gain is kept and confirmed."""
+    results = {}
+    for derives in (False, True):
+        backend = PlantedBackend({"A": pays(3.0)}, instance_sd_us=20.0, capture_sd_us=5.0,
+                                 seed=1, paired=True, shared=True, derives=derives)
+        (report,), _ = run(backend, [role("A", layers=1, mib=16)], graph_forks=("leaf",),
+                           budget_s=120)
+        sweep = [t for t in by_name(report)["A"].trials if t.stage == "sweep"]
+        results[derives] = (max(t.gain.half_width for t in sweep), report)
+    (wide, before), (narrow, after) = results[False], results[True]
+    assert narrow < 1.0 < 2.5 < wide, (narrow, wide)
+    assert not before.plan and after.confirmed is not None
+    assert after.confirmed.gain.low > 0 and abs(after.confirmed.gain.estimate - 2.5) < 0.5
+    # (a)'s own captures are still measured: the instance spread and the bitwise reference
+    assert after.spread is not None and after.spread.instances >= 5
+
+
+def test_measured_pairs_a_with_each_rounds_reference():
+    """_Measured.diff(a, y) takes, round by round, y's own step without forks where the
+    round has one (the keys differ between rounds when the captured head does), and (a)
+    itself elsewhere; paired only if every round is."""
+    m = S._Measured()
+    m.add({"a": [10.0, 20.0], "b:x": [9.0, 19.0], "a:of:b:x": [12.0, 22.0]}, {},
+          [{"a", "b:x", "a:of:b:x"}], {"b:x": "a:of:b:x"})
+    m.add({"a": [30.0, 40.0], "b:x": [29.0, 39.0], "a:of:d:x": [33.0, 43.0]}, {},
+          [{"a", "b:x", "a:of:d:x"}], {"b:x": "a:of:d:x"})
+    gain = m.diff("a", "b:x")
+    assert m.paired("a", "b:x") and gain.estimate == pytest.approx(3.5)
+    assert m.diff("b:x", "a").estimate == pytest.approx(-3.5)
+    m.add({"a": [50.0, 60.0], "b:x": [49.0, 59.0]}, {}, [{"a", "b:x"}])   # no reference
+    assert m.diff("a", "b:x").estimate == pytest.approx((3 + 3 + 4 + 4 + 1 + 1) / 6)
+    m.add({"a": [70.0], "b:x": [69.0], "a:of:b:x": [71.0]}, {}, [{"b:x", "a:of:b:x"}],
+          {"b:x": "a:of:b:x"})
+    assert m.paired("a", "b:x")                       # the reference is paired
+    m.add({"a": [70.0], "b:x": [69.0], "a:of:b:x": [71.0]}, {}, [], {"b:x": "a:of:b:x"})
+    assert not m.paired("a", "b:x")                   # a round that did not pair
+
+
+def test_the_estimate_counts_the_graphs_replayed_without_forks():
+    """A backend that derives each capture's step without forks replays one more graph
+    per capture but (a)'s: a sweep's estimate grows by those replays."""
+    costs = {}
+    for derives in (False, True):
+        backend = PlantedBackend({"A": pays(3.0)}, seed=1, paired=True, shared=True,
+                                 derives=derives, step_us=20000.0)
+        (report,), out = run(backend, [role("A", layers=1, mib=16)], budget_s=600.0)
+        first = out.splitlines()[0]
+        assert "(13 arms x 5 instances" in first, first
+        costs[derives] = float(first[first.rindex("~") + 1:].split()[0])
+    # 4 captures (a and three modes) and 13 graphs replayed, 10 x 20 ms each, per
+    # instance, +20%: 3 more graphs replayed add 3 x 5 x 0.2 s x 1.2 = 3.6 s
+    assert costs[True] - costs[False] == pytest.approx(3.6, abs=1.0)
+
+
 class PreparedRounds(PlantedBackend):
     """prepare() says the replays per instance at each batch (as GraphBackend does by
     the step's time); the backend's own rounds are None."""

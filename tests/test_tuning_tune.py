@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import random
 import sys
 import re
 
@@ -700,49 +701,77 @@ def test_graph_backend_primes_each_shared_pool_with_an_untimed_capture(placement
     """With shared placement each instance's pool gets one capture first that is kept
     alive until the group is measured and never timed (a new pool's first capture lays
     its segments out unlike the captures after it); the timed graphs all come after it,
-    in that pool. Private placement captures no primer."""
+    in that pool. That capture first allocates two spacers of random sizes (one under
+    1 MiB, one of 1-10 MiB), alive until the group is timed, other sizes in each pool
+    and each call, so that no instance lands where another did. Private placement
+    captures no primer and no spacer."""
+    import random
+    import weakref
+
     from l2prefetch.tuning.arms import NO_FORKS, Arm
     from l2prefetch.tuning.measure import GraphBackend
 
     class Graph:
-        def __init__(self, pool):
-            self.pool = pool
+        def __init__(self, pool, spacers):
+            self.pool, self.spacers = pool, spacers
 
         def replay(self):
             pass
+
+    allocated = []
+    real_empty = torch.empty
+
+    def empty(n, **kw):
+        t = real_empty(n, **kw)
+        allocated.append((n, weakref.ref(t)))
+        return t
 
     class FakeRig:
         def __init__(self):
             self.captures, self.timed = [], None
 
         def capture(self, fn, warmup=1, pool=None, keep_graph=False):
-            g = Graph(pool)
+            before = len(allocated)
+            fn()
+            g = Graph(pool, [n for n, _ in allocated[before:]])
             self.captures.append(g)
             return g, torch.ones(2)
 
         def replays(self, graphs, rounds):
             self.timed = dict(graphs)
-            # the primers are still alive while the group is timed
+            # the primers and spacers are still alive while the group is timed
             assert all(sys.getrefcount(g) > 2 for g in self.captures)
+            assert all(ref() is not None for _, ref in allocated[-6:])   # this call's
             return {key: [1.0] * rounds for key in graphs}
 
     pools = iter(range(100))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch, "empty", empty)
     backend = GraphBackend.__new__(GraphBackend)
     backend.torch, backend.device, backend.rounds = torch, torch.device("cpu"), 3
     backend.shared_placement, backend.switches = placement == "shared", False
     backend._captured, backend._outputs, backend.step = 0, {}, lambda batch: torch.ones(2)
+    backend._placements = random.Random(0)
     backend.rig = rig = FakeRig()
     times, identical = backend.measure(1, {NO_FORKS: Arm()}, 3)
     assert times == {NO_FORKS: [1.0, 1.0, 1.0]} and identical == {NO_FORKS: True}
     timed = [rig.timed[(NO_FORKS, i)] for i in range(3)]
     primers = [g for g in rig.captures if all(g is not t for t in timed)]
     if placement == "private":
-        assert primers == [] and [g.pool for g in timed] == [None] * 3
+        assert primers == [] and [g.pool for g in timed] == [None] * 3 and allocated == []
         return
     assert [g.pool for g in primers] == [0, 1, 2] and [g.pool for g in timed] == [0, 1, 2]
     assert [rig.captures.index(p) for p in primers] == [0, 2, 4]   # each before its pool's
+    assert all(g.spacers == [] for g in timed)
+    sizes = [tuple(p.spacers) for p in primers]
+    assert all(len(s) == 2 and s[0] < 2 ** 20 <= s[1] < 10 * 2 ** 20 and s[0] % 512 == 0
+               and s[1] % 512 == 0 for s in sizes), sizes
+    assert len(set(sizes)) == 3
+    assert all(ref() is None for _, ref in allocated)   # freed once the group is measured
+    backend.measure(1, {NO_FORKS: Arm()}, 3)
+    again = [tuple(g.spacers) for g in rig.captures[6:] if g.spacers]
+    assert len(again) == 3 and not set(again) & set(sizes)
 
 
 @pytest.mark.parametrize("step_us, rounds", [(1850.0, 20), (2050.0, 20), (2133.0, 19),
@@ -781,6 +810,7 @@ def test_graph_backend_replays_about_40_ms_of_a_step_per_instance(step_us, round
     backend.shared_placement, backend.switches = False, False
     backend._captured, backend._outputs, backend._rounds_at = 0, {}, {}
     backend.step = lambda batch: torch.ones(2)
+    backend._placements = random.Random(0)
     backend.rig = rig = FakeRig()
     prepared = backend.prepare(8)
     assert prepared.step_us == step_us and prepared.rounds == rounds

@@ -126,7 +126,11 @@ static const struct { int code; const char *name, *desc; } errors[] = {
     X(cuStreamSynchronize, 2000, 1) X(cuPointerGetAttribute, 4000, 1)                  \
     X(cuStreamUpdateCaptureDependencies, 12030, 1) X(cuGraphNodeGetType, 10000, 1)      \
     X(cuGraphGetNodes, 10000, 1) X(cuGraphKernelNodeGetParams, 12000, 1)                \
-    X(cuGraphNodeSetEnabled, 11060, 1) X(cuGraphExecKernelNodeSetParams, 12000, 1)
+    X(cuGraphNodeSetEnabled, 11060, 1) X(cuGraphExecKernelNodeSetParams, 12000, 1)      \
+    X(cuGraphGetEdges, 10000, 1) X(cuGraphClone, 10000, 1)                              \
+    X(cuGraphNodeFindInClone, 10000, 1) X(cuGraphDestroyNode, 10000, 1)                 \
+    X(cuGraphDestroy, 10000, 1) X(cuGraphInstantiateWithFlags, 11040, 1)                \
+    X(cuGraphLaunch, 10000, 1) X(cuGraphExecDestroy, 10000, 1)
 
 #define X_ENUM(n, v, i) EP_##n,
 enum { ENTRY_POINTS(X_ENUM) EP_COUNT };
@@ -135,7 +139,7 @@ static const struct { const char *name; int version, needs_init; } meta[EP_COUNT
 
 /* ---- state ---------------------------------------------------------------- */
 
-enum { K_CTX = 1, K_MODULE, K_FUNC, K_STREAM, K_EVENT, K_GRAPH, K_NODE, K_COUNT };
+enum { K_CTX = 1, K_MODULE, K_FUNC, K_STREAM, K_EVENT, K_GRAPH, K_NODE, K_EXEC, K_COUNT };
 #define MAX_DEPS 32
 
 typedef struct { unsigned char from_port, to_port, type, reserved[5]; } EdgeData;
@@ -154,6 +158,8 @@ typedef struct {
     void *func;                               /* kernel nodes: the function launched */
     uint64_t table[2 + 2 * 8];                /* kernel nodes: their table's first bytes */
     void *kernel_params[1];                   /* kernel nodes: -> table */
+    void *deps[8];                            /* nodes: the capture's set when made */
+    size_t ndeps;                             /*   (the edges into it; at most 8 kept) */
 } Obj;
 
 /* CUDA_KERNEL_NODE_PARAMS_v2 (x86-64 layout). */
@@ -595,6 +601,7 @@ static int capture_add_node(Call *c, int type) {
     Obj *o = new_obj(K_NODE, 0, &h);
     if (!o) return 0;
     o->node_type = type;
+    for (size_t i = 0; i < S.ndeps && o->ndeps < 8; i++) o->deps[o->ndeps++] = S.dep_nodes[i];
     if (c) {
         addf(c, " node=%zu", node_index(h));
         log_deps(c);
@@ -778,6 +785,71 @@ EXPORT CUresult cuGraphExecKernelNodeSetParams(void *exec, void *node, const Ker
     return end(&c, OK);
 }
 
+/* Every node's edges from the set it was captured on.  A clone (cuGraphClone) is a
+ * graph object that shares the one graph's nodes: FindInClone returns the node itself
+ * and DestroyNode only checks it; instantiating makes an exec object to destroy. */
+EXPORT CUresult cuGraphGetEdges(void *graph, void **from, void **to, size_t *n) {
+    BEGIN(cuGraphGetEdges, "graph=0x%llx", H(graph));
+    if (!n || (!from) != (!to)) return end(&c, E_INVALID_VALUE);
+    size_t k = 0;
+    for (size_t i = 0; i < S.objs[K_NODE].n; i++)
+        for (size_t j = 0; j < S.objs[K_NODE].v[i].ndeps; j++, k++)
+            if (from && k < *n) {
+                from[k] = S.objs[K_NODE].v[i].deps[j];
+                to[k] = mkhandle(K_NODE, i);
+            }
+    if (from && k > *n) k = *n;
+    *n = k;
+    addf(&c, " n=%zu", k);
+    return end(&c, OK);
+}
+
+EXPORT CUresult cuGraphClone(void **clone, void *graph) {
+    BEGIN(cuGraphClone, "graph=0x%llx", H(graph));
+    if (!clone || !graph) return end(&c, E_INVALID_VALUE);
+    if (!new_obj(K_GRAPH, 0, clone)) return end(&c, E_OUT_OF_MEMORY);
+    addf(&c, " clone=0x%llx", H(*clone));
+    return end(&c, OK);
+}
+
+EXPORT CUresult cuGraphNodeFindInClone(void **out, void *node, void *clone) {
+    BEGIN(cuGraphNodeFindInClone, "node=%zu clone=0x%llx", node_index(node), H(clone));
+    Obj *g = find(K_GRAPH, clone);
+    if (!out || !g || !g->live || !find(K_NODE, node)) return end(&c, E_INVALID_VALUE);
+    *out = node;
+    return end(&c, OK);
+}
+
+EXPORT CUresult cuGraphDestroyNode(void *node) {
+    BEGIN(cuGraphDestroyNode, "node=%zu", node_index(node));
+    return end(&c, find(K_NODE, node) ? OK : E_INVALID_HANDLE);
+}
+
+EXPORT CUresult cuGraphDestroy(void *graph) {
+    BEGIN(cuGraphDestroy, "graph=0x%llx", H(graph));
+    return end(&c, destroy_obj(K_GRAPH, graph));
+}
+
+EXPORT CUresult cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags) {
+    BEGIN(cuGraphInstantiateWithFlags, "graph=0x%llx flags=%llu", H(graph), flags);
+    Obj *g = find(K_GRAPH, graph);
+    if (!exec || !g || !g->live) return end(&c, E_INVALID_VALUE);
+    if (!new_obj(K_EXEC, 0, exec)) return end(&c, E_OUT_OF_MEMORY);
+    addf(&c, " exec=0x%llx", H(*exec));
+    return end(&c, OK);
+}
+
+EXPORT CUresult cuGraphLaunch(void *exec, CUstream s) {
+    BEGIN(cuGraphLaunch, "exec=0x%llx stream=0x%llx", H(exec), H(s));
+    Obj *e = find(K_EXEC, exec);
+    return end(&c, e && e->live ? OK : E_INVALID_HANDLE);
+}
+
+EXPORT CUresult cuGraphExecDestroy(void *exec) {
+    BEGIN(cuGraphExecDestroy, "exec=0x%llx", H(exec));
+    return end(&c, destroy_obj(K_EXEC, exec));
+}
+
 EXPORT CUresult cuEventCreate(CUevent *pe, unsigned flags) {
     BEGIN(cuEventCreate, "flags=0x%x", flags);
     if (!pe || (flags & ~0xfu)) return end(&c, E_INVALID_VALUE);
@@ -934,6 +1006,8 @@ EXPORT long fake_live(const char *kind) { /* -1 for an unknown kind */
     if (!strcmp(kind, "stream")) n = S.objs[K_STREAM].live;
     else if (!strcmp(kind, "event")) n = S.objs[K_EVENT].live;
     else if (!strcmp(kind, "module")) n = S.objs[K_MODULE].live;
+    else if (!strcmp(kind, "graph")) n = S.objs[K_GRAPH].live;
+    else if (!strcmp(kind, "exec")) n = S.objs[K_EXEC].live;
     else if (!strcmp(kind, "context")) {
         n = 0;
         for (int d = 0; d < MAX_DEVICES; d++) n += S.ctx_refs[d];

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Optional
 
@@ -20,7 +21,8 @@ from ..mechanisms import DEFAULT_GRAPH_FORK
 from .discovery import Role, describe_bytes
 
 __all__ = ["ARM_KINDS", "Arm", "Backend", "DEFAULT_GRID", "EMPTY", "LOADS", "NO_FORKS", "PLAN",
-           "Prepared", "Probe", "Setting", "StepError", "arm_key", "parse_arm_key"]
+           "Prepared", "Probe", "Setting", "StepError", "arm_key", "no_forks_of",
+           "parse_arm_key"]
 
 #: The loader's CTAs in a role's default setting.
 DEFAULT_GRID = 32
@@ -98,6 +100,14 @@ def arm_key(kind: str, *tags: object) -> str:
     if any(not part or ":" in part for part in parts):
         raise ValueError(f"arm tags must be non-empty and hold no ':', got {tags!r}")
     return ":".join((kind, *parts))
+
+
+def no_forks_of(key: str) -> str:
+    """The key of arm ``key``'s own step without forks, where a backend measures one
+    (:attr:`Backend.references`): ``no_forks_of('b:leaf:4194304')`` is
+    ``'a:of:b:leaf:4194304'``."""
+    kind, tags = parse_arm_key(key)
+    return arm_key(NO_FORKS, "of", kind, *tags)
 
 
 def parse_arm_key(key: str) -> tuple[str, tuple[str, ...]]:
@@ -193,6 +203,15 @@ class Backend(abc.ABC):
     #: Whether measure() captures each fork structure once per instance and switches
     #: its tables in place (what the budget estimate assumes); False by default.
     switches: bool = False
+    #: After each measure(): per arm key, the key of that arm's own step without forks
+    #: in the times measure() returned (GraphBackend: the arm's captured graph with its
+    #: loader nodes removed, replayed at the same addresses), which the search takes as
+    #: the arm's (a) instead of :data:`NO_FORKS`'s captures, paired by instance; none
+    #: by default.
+    references: Mapping[str, str] = types.MappingProxyType({})
+    #: Whether measure() returns such a reference for every captured graph with forks
+    #: (the budget estimate replays one more graph per capture); False by default.
+    derives_no_forks: bool = False
 
     def use_roles(self, roles: Sequence[Role], caps_bytes: Sequence[int]) -> None:
         """Called by :func:`~l2prefetch.tuning.tune` once, before the search: the roles

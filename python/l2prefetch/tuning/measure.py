@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -25,8 +26,8 @@ from typing import Any, Optional
 
 from ..mechanisms import GRAPH_FORK_MODES
 from .discovery import Role
-from .rig import Rig
-from .arms import NO_FORKS, Arm, Backend, Prepared, Probe, StepError
+from .rig import NoForks, Rig
+from .arms import NO_FORKS, Arm, Backend, Prepared, Probe, StepError, no_forks_of
 
 __all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "ROUNDS_TARGET_US", "GraphBackend", "check_rounds",
            "rounds_for"]
@@ -194,6 +195,12 @@ class GraphBackend(Backend):
         #: needs torch's raw graph handles (CUDAGraph.raw_cuda_graph_exec).
         self.switches = hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec")
         self.pairs: list[set[str]] = []
+        #: Each captured graph with forks also replays without them, at its addresses
+        #: (tuning.rig.NoForks): the arm's own (a), keyed no_forks_of(unit).
+        self.derives_no_forks = self.switches
+        self.references: dict[str, str] = {}
+        #: Draws each instance's spacers (_spacer_bytes): a fresh placement per instance.
+        self._placements = random.Random(0)
         #: Per batch, buffers outside every graph pool that each capture copies the
         #: step's output into (_fn): a capture then leaves nothing of its own alive in
         #: its pool, so the next capture into a shared pool gets the same addresses
@@ -301,6 +308,9 @@ class GraphBackend(Backend):
         try:
             return self._measure(batch, arms, instances, controllers, graphs)
         finally:
+            for graph in graphs.values():
+                if isinstance(graph, NoForks):
+                    graph.close()
             for controller in controllers.values():
                 controller.close()
             graphs.clear()
@@ -334,37 +344,65 @@ class GraphBackend(Backend):
         # what one instance captures: the unswitched arms (NO_FORKS among them), and each
         # switched group's head
         units = [name for name in arms if name not in in_pairs] + [p[0] for p in paired]
-        primers = []
+        primers, spacers = [], []
+        references: dict[str, str] = {}
         for i in range(instances):
             pool = torch.cuda.graph_pool_handle() if self.shared_placement else None
             if pool is not None:
                 # A new pool's first capture lays out its segments and the captures after
                 # it reuse them; at batch 8 they did not pair (RESULTS run 13), likely because
                 # the first differs: a primer, kept alive, never timed, takes its place.
-                primers.append(self._capture(NO_FORKS, Arm(), controllers, fn,
+                # It first takes spacers of random sizes from the pool, kept alive, so
+                # that each instance is a placement of its own: without them the pools of
+                # every group landed alike, instance i of one group where instance i of
+                # the last one had (RESULTS run 18).
+                primers.append(self._capture(NO_FORKS, Arm(), controllers,
+                                             self._spaced(fn, spacers),
                                              warmup=i == 0, pool=pool)[0])
             k = self._captured % len(units)
             self._captured += 1
             for unit in units[k:] + units[:k]:
                 group = next((p for p in paired if p[0] == unit), None)
+                derive = self.derives_no_forks and bool(arms[unit].roles)
                 graph, out = self._capture(unit, arms[unit], controllers, fn,
-                                           warmup=i == 0, keep_graph=group is not None,
-                                           pool=pool)
+                                           warmup=i == 0,
+                                           keep_graph=group is not None or derive, pool=pool)
+                switch = LoaderSwitch(graph) if group is not None else None
+                if derive:
+                    key = no_forks_of(unit)
+                    graphs[(key, i)] = NoForks(graph, switch.nodes if switch else None)
+                    out_of[(key, i)] = out
+                    references.update({name: key for name in (group[1] if group else [unit])})
                 if group is None:
                     graphs[(unit, i)], out_of[(unit, i)] = graph, out
                     continue
-                switch = LoaderSwitch(graph)
                 _, names, states = group
                 for name in names:
                     graphs[(name, i)] = _Switched(switch, states[name])
                     out_of[(name, i)] = out
         us = self.rig.replays(graphs, self.rounds or self._rounds_at.get(batch, MAX_ROUNDS))
+        measured = list(arms) + sorted(set(references.values()))
         medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
-                   for name in arms}
+                   for name in measured}
         identical = self._check_outputs(batch, graphs, out_of)
-        self.pairs = [set(arms)] if self.shared_placement else \
-            [set(names) for _, names, _ in paired]
+        self.references = references
+        self.pairs = [set(measured)] if self.shared_placement else \
+            [set(names) | {references[names[0]]} if names[0] in references else set(names)
+             for _, names, _ in paired]
         return medians, identical
+
+    def _spaced(self, fn: Callable[[], Any], spacers: list) -> Callable[[], Any]:
+        """``fn`` after two allocations of random sizes, kept in ``spacers``: one under
+        1 MiB (the allocator's small blocks) and one of 1-10 MiB (carved from its 20 MiB
+        segments), each 512-byte aligned, drawn from a seeded generator."""
+        torch, device = self.torch, self.device
+        sizes = [512 * self._placements.randrange(2048),
+                 512 * self._placements.randrange(2048, 20480)]
+
+        def spaced() -> Any:
+            spacers.extend(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes if n)
+            return fn()
+        return spaced
 
     def _check_outputs(self, batch: int, graphs: Mapping[tuple[str, int], Any],
                        out_of: Mapping[tuple[str, int], Any]) -> dict[str, bool]:

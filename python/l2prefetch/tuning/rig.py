@@ -34,8 +34,8 @@ from typing import Any, Optional
 # The runtime builds a plan's controller and its empty-fork control; the rig re-exports them.
 from ..controller import build_controller, empty_controller
 
-__all__ = ["LoaderSwitch", "Measurement", "Rig", "build_controller", "empty_controller",
-           "spin_cycles_per_us"]
+__all__ = ["LoaderSwitch", "Measurement", "NoForks", "Rig", "build_controller",
+           "empty_controller", "orderings_lost", "spin_cycles_per_us"]
 
 
 def spin_cycles_per_us(device: Any = None) -> float:
@@ -311,6 +311,92 @@ class LoaderSwitch:
         else:
             self._C._graph_set_loaders(self._exec, self.nodes, state)
         self._state = state
+
+
+def orderings_lost(edges: Sequence[tuple[int, int]], removed: Sequence[int]
+                   ) -> list[tuple[int, int]]:
+    """What removing nodes from a graph would unorder: the pairs (p, s) of other nodes
+    with a path p -> removed nodes only -> s but no path from p to s through the
+    other nodes.  ``edges``: (from, to) node pairs (``_C._graph_edges``).
+
+    A fork's loader node in any mode (inline, branch, leaf) is such that nothing is
+    lost: the node after an inline fork keeps its own edge from the node before, a
+    branch's join follows the fork's node along the captured stream, and nothing
+    waits for a leaf.  So an empty list is the expected answer, and anything else
+    means the graph is not what the controller captures.
+    """
+    gone = set(removed)
+    after: dict[int, list[int]] = {}
+    for u, v in edges:
+        after.setdefault(u, []).append(v)
+    lost = []
+    for p in sorted({u for u, v in edges if v in gone and u not in gone}):
+        # the other nodes p reaches through removed nodes alone
+        targets, seen, todo = set(), set(), [v for v in after.get(p, ()) if v in gone]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for v in after.get(n, ()):
+                if v in gone:
+                    todo.append(v)
+                else:
+                    targets.add(v)
+        # which of them p reaches without them; most are a node or two down
+        reached, todo = set(), [v for v in after.get(p, ()) if v not in gone]
+        while todo and not targets <= reached:
+            n = todo.pop()
+            if n in reached:
+                continue
+            reached.add(n)
+            todo.extend(v for v in after.get(n, ()) if v not in gone)
+        lost.extend((p, s) for s in sorted(targets - reached))
+    return lost
+
+
+class NoForks:
+    """A captured graph's step without its forks, at the same addresses: the template
+    graph (``Rig.capture(..., keep_graph=True)``) cloned without its loader nodes and
+    instantiated on its own, replayed on the current stream.
+
+    Two captures of a step replay apart by where their buffers land (RESULTS run 18),
+    so the tuner's (a) for an arm is this graph of the arm's own capture.  It raises
+    RuntimeError if removing the loader nodes would unorder other nodes
+    (:func:`orderings_lost`).  Holds ``graph`` (whose pool its nodes read and write);
+    :meth:`close` (or garbage collection) destroys the executable graph.
+    """
+
+    def __init__(self, graph: Any, nodes: Optional[Sequence[int]] = None) -> None:
+        import weakref
+
+        from .. import _C
+
+        self._C = _C
+        self.graph = graph
+        raw = graph.raw_cuda_graph()
+        if nodes is None:
+            nodes = [node for node, _ in _C._graph_loader_nodes(raw)]
+        self.nodes = tuple(nodes)
+        lost = orderings_lost(_C._graph_edges(raw), self.nodes)
+        if lost:
+            raise RuntimeError(f"removing the {len(self.nodes)} loader nodes would unorder "
+                               f"{len(lost)} pairs of other nodes (first: {lost[0]}); the "
+                               f"graph is not one the controller captured")
+        exec_ = _C._graph_instantiate_without(raw, self.nodes)
+        self._close = weakref.finalize(self, _C._graph_exec_destroy, exec_)
+        self._exec = exec_
+
+    def replay(self) -> None:
+        import torch
+
+        if not self._close.alive:
+            raise RuntimeError("this NoForks graph is closed")
+        self._C._graph_exec_launch(self._exec, torch.cuda.current_stream().cuda_stream)
+
+    def close(self) -> None:
+        """Destroy the executable graph (again: nothing)."""
+        self._close()
 
 
 def medians(values: Mapping[Any, Sequence[float]]) -> dict[Any, float]:

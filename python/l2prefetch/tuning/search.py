@@ -73,6 +73,17 @@ pays.  With shared placement
 index are placed alike, but each index is a placement of its own, so (a)'s spread
 across indices is still that of independent captures.
 
+**Which (a).**  Two captures of the step, even into one memory pool, place its
+buffers apart and replay a few us apart, stably, in a pattern of their own per
+pair (RESULTS run 18: up to +-7 us between (a) and the empty forks of one
+instance at deepseek-v3-6l B1, where (d) and (b), switched states of one graph,
+agree to replay noise).  So where the backend returns an arm's own step without
+forks (:attr:`~l2prefetch.tuning.arms.Backend.references`: GraphBackend removes the
+loader nodes from the arm's captured graph and replays the rest at the same
+addresses), every comparison of that arm with (a) takes it instead, paired by
+instance; (a)'s own captures still give the instance spread and the bitwise
+reference.
+
 The budget is shared by the batches.  Before each group the tuner estimates
 its cost from the step's measured capture and replay times; the final
 confirmations are reserved first.  The sweeps leave each promising role's verify one
@@ -188,36 +199,56 @@ class _Check:
 
 class _Measured:
     """The rounds of one measured group: per round each measured arm's times
-    (one per graph instance) and the backend's pairs; outputs' bitwise checks
-    over all rounds."""
+    (one per graph instance), the backend's pairs and references; outputs' bitwise
+    checks over all rounds."""
 
     def __init__(self) -> None:
-        self.rounds: list[tuple[dict[str, list[float]], list[set]]] = []
+        self.rounds: list[tuple[dict[str, list[float]], list[set], dict[str, str]]] = []
         self.identical: dict[str, bool] = {}
 
     def add(self, times: Mapping[str, list[float]], identical: Mapping[str, bool],
-            pairs: Sequence[set]) -> None:
-        self.rounds.append((dict(times), [set(p) for p in pairs]))
+            pairs: Sequence[set], references: Optional[Mapping[str, str]] = None) -> None:
+        self.rounds.append((dict(times), [set(p) for p in pairs], dict(references or {})))
         for name, ok in identical.items():
             self.identical[name] = self.identical.get(name, True) and ok
 
     def values(self, name: str) -> list[float]:
-        return [t for times, _ in self.rounds for t in times.get(name, ())]
+        return [t for times, _, _ in self.rounds for t in times.get(name, ())]
+
+    @staticmethod
+    def _keys(times: Mapping[str, list[float]], references: Mapping[str, str], x: str,
+              y: str) -> tuple[str, str]:
+        """x and y as this round measured them: (a) against an arm is that arm's own
+        step without forks where the round has one (Backend.references)."""
+        if x == NO_FORKS and references.get(y) in times:
+            x = references[y]
+        elif y == NO_FORKS and references.get(x) in times:
+            y = references[x]
+        return x, y
+
+    def _both(self, x: str, y: str) -> list[tuple[list[float], list[float], bool]]:
+        """Per round that measured x and y: their times, and whether paired there."""
+        out = []
+        for times, pairs, references in self.rounds:
+            u, v = self._keys(times, references, x, y)
+            if u in times and v in times:
+                out.append((times[u], times[v], any(u in g and v in g for g in pairs)))
+        return out
 
     def paired(self, x: str, y: str) -> bool:
         """Whether every round that measured both x and y did so in the same graph
         instances (and at least one did)."""
-        both = [pairs for times, pairs in self.rounds if x in times and y in times]
-        return bool(both) and all(any(x in g and y in g for g in pairs) for pairs in both)
+        both = self._both(x, y)
+        return bool(both) and all(p for _, _, p in both)
 
     def diff(self, x: str, y: str) -> Interval:
         """x - y: paired over the rounds that measured both, where each of them did so
         in the same graph instances (then those rounds only), else Welch's interval
         over all their instances."""
-        if self.paired(x, y):
-            both = [times for times, _ in self.rounds if x in times and y in times]
-            return paired_interval([t for times in both for t in times[x]],
-                                   [t for times in both for t in times[y]])
+        both = self._both(x, y)
+        if both and all(p for _, _, p in both):
+            return paired_interval([t for xs, _, _ in both for t in xs],
+                                   [t for _, ys, _ in both for t in ys])
         return diff_interval(self.values(x), self.values(y))
 
 
@@ -241,14 +272,17 @@ class _Batch:
              instances: Optional[int] = None) -> float:
         """Estimated seconds of one group of ``arms`` arms, of which
         ``captures`` (default: all) are captured (the others switched in place),
-        on ``instances`` instances each (default: the first round's)."""
+        on ``instances`` instances each (default: the first round's).  A backend that
+        derives each capture's step without forks (Backend.derives_no_forks) replays
+        one more graph per capture but the first, (a)'s own."""
         p = self.prepared
         captures = arms if captures is None else captures
         instances = self.p.instances if instances is None else instances
         if not p:
             return arms * instances * 1.2 + 0.05
+        replayed = arms + (max(0, captures - 1) if self.backend.derives_no_forks else 0)
         replay = self.rounds * p.step_us * 1e-6
-        return instances * (captures * p.capture_s + arms * replay) * 1.2 + 0.05
+        return instances * (captures * p.capture_s + replayed * replay) * 1.2 + 0.05
 
     @property
     def rounds(self) -> int:
@@ -307,7 +341,7 @@ class _Batch:
         times, identical = self.backend.measure(self.batch, arms, n)
         self.no_forks.append(list(times.get(NO_FORKS, ())))
         out = _Measured() if measured is None else measured
-        out.add(times, identical, self.backend.pairs)
+        out.add(times, identical, self.backend.pairs, self.backend.references)
         return out
 
     def sample(self, label: str, arms: Mapping[str, Arm],
