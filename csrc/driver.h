@@ -59,7 +59,8 @@
     X(cuGraphNodeSetEnabled, 11060, 0, (CUgraphExec, CUgraphNode, unsigned int))        \
     X(cuGraphExecKernelNodeSetParams, 12000, 0,                                        \
       (CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS *))                       \
-    X(cuGraphGetEdges, 10000, 0, (CUgraph, CUgraphNode *, CUgraphNode *, size_t *))     \
+    X(cuGraphGetEdges, 12030, 0,                                                       \
+      (CUgraph, CUgraphNode *, CUgraphNode *, CUgraphEdgeData *, size_t *))              \
     X(cuGraphClone, 10000, 0, (CUgraph *, CUgraph))                                     \
     X(cuGraphNodeFindInClone, 10000, 0, (CUgraphNode *, CUgraphNode, CUgraph))          \
     X(cuGraphDestroyNode, 10000, 0, (CUgraphNode))                                      \

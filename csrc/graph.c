@@ -251,8 +251,8 @@ static int derive_api(l2p_state *st, l2p_driver *d)
         d->fn.cuGraphDestroyNode && d->fn.cuGraphDestroy && d->fn.cuGraphInstantiateWithFlags &&
         d->fn.cuGraphLaunch && d->fn.cuGraphExecDestroy)
         return 0;
-    PyErr_Format(st->error, "a graph without its loader nodes needs driver 11.4 or newer "
-                 "(cuGraphClone, cuGraphInstantiateWithFlags); this one is %d.%d",
+    PyErr_Format(st->error, "a graph without its loader nodes needs driver 12.3 or newer "
+                 "(cuGraphGetEdges with edge data, cuGraphClone); this one is %d.%d",
                  d->version / 1000, d->version % 1000 / 10);
     return -1;
 }
@@ -275,19 +275,21 @@ PyObject *l2p_py_graph_edges(PyObject *module, PyObject *const *args, Py_ssize_t
     size_t n = 0;
     PyObject *out = NULL;
     CUgraphNode *from = NULL, *to = NULL;
-    CUresult r = d->fn.cuGraphGetEdges((CUgraph)g, NULL, NULL, &n);
+    CUgraphEdgeData *data = NULL;   /* asked for: without it a programmatic edge is a lossy query */
+    CUresult r = d->fn.cuGraphGetEdges((CUgraph)g, NULL, NULL, NULL, &n);
     if (r != CUDA_SUCCESS) {
         l2p_raise_cuda(st, d, "cuGraphGetEdges", r);
         goto done;
     }
     from = PyMem_Calloc(n ? n : 1, sizeof(CUgraphNode));
     to = PyMem_Calloc(n ? n : 1, sizeof(CUgraphNode));
-    if (!from || !to) {
+    data = PyMem_Calloc(n ? n : 1, sizeof(CUgraphEdgeData));
+    if (!from || !to || !data) {
         PyErr_NoMemory();
         goto done;
     }
     size_t got = n;
-    if ((r = d->fn.cuGraphGetEdges((CUgraph)g, from, to, &got)) != CUDA_SUCCESS) {
+    if ((r = d->fn.cuGraphGetEdges((CUgraph)g, from, to, data, &got)) != CUDA_SUCCESS) {
         l2p_raise_cuda(st, d, "cuGraphGetEdges", r);
         goto done;
     }
@@ -307,6 +309,7 @@ PyObject *l2p_py_graph_edges(PyObject *module, PyObject *const *args, Py_ssize_t
 done:
     PyMem_Free(from);
     PyMem_Free(to);
+    PyMem_Free(data);
     l2p_driver_decref(d);
     return out;
 }

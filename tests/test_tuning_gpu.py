@@ -166,7 +166,7 @@ def test_each_layers_loads_alone_are_switched_states_of_one_capture(placement):
     # arm's own (a), paired with it, its output bitwise the step's too
     own = no_forks_of(LOADS)
     assert backend.references == {k: own for k in arms if k != NO_FORKS}
-    assert backend.pairs == [set(arms) | {own} - ({NO_FORKS} if placement == "private"
-                                                  else set())]
+    assert backend.pairs == [(set(arms) | {own}) - ({NO_FORKS} if placement == "private"
+                                                    else set())]
     assert all(identical.values()) and own in identical, identical
     assert {k: len(v) for k, v in times.items()} == {k: 2 for k in [*arms, own]}

@@ -105,6 +105,7 @@ static const struct { int code; const char *name, *desc; } errors[] = {
     {900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
     {901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "operation failed due to a previous error during capture"},
     {904, "CUDA_ERROR_STREAM_CAPTURE_UNJOINED", "capture was not joined"},
+    {912, "CUDA_ERROR_LOSSY_QUERY", "attempted introspection would be semantically lossy"},
     {999, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
@@ -127,7 +128,7 @@ static const struct { int code; const char *name, *desc; } errors[] = {
     X(cuStreamUpdateCaptureDependencies, 12030, 1) X(cuGraphNodeGetType, 10000, 1)      \
     X(cuGraphGetNodes, 10000, 1) X(cuGraphKernelNodeGetParams, 12000, 1)                \
     X(cuGraphNodeSetEnabled, 11060, 1) X(cuGraphExecKernelNodeSetParams, 12000, 1)      \
-    X(cuGraphGetEdges, 10000, 1) X(cuGraphClone, 10000, 1)                              \
+    X(cuGraphGetEdges, 12030, 1) X(cuGraphClone, 10000, 1)                              \
     X(cuGraphNodeFindInClone, 10000, 1) X(cuGraphDestroyNode, 10000, 1)                 \
     X(cuGraphDestroy, 10000, 1) X(cuGraphInstantiateWithFlags, 11040, 1)                \
     X(cuGraphLaunch, 10000, 1) X(cuGraphExecDestroy, 10000, 1)
@@ -788,15 +789,17 @@ EXPORT CUresult cuGraphExecKernelNodeSetParams(void *exec, void *node, const Ker
 /* Every node's edges from the set it was captured on.  A clone (cuGraphClone) is a
  * graph object that shares the one graph's nodes: FindInClone returns the node itself
  * and DestroyNode only checks it; instantiating makes an exec object to destroy. */
-EXPORT CUresult cuGraphGetEdges(void *graph, void **from, void **to, size_t *n) {
+EXPORT CUresult cuGraphGetEdges(void *graph, void **from, void **to, EdgeData *data, size_t *n) {
     BEGIN(cuGraphGetEdges, "graph=0x%llx", H(graph));
-    if (!n || (!from) != (!to)) return end(&c, E_INVALID_VALUE);
+    if (!n || (!from) != (!to) || (data && !from)) return end(&c, E_INVALID_VALUE);
+    if (from && !data) return end(&c, 912); /* CUDA_ERROR_LOSSY_QUERY: edges may carry data */
     size_t k = 0;
     for (size_t i = 0; i < S.objs[K_NODE].n; i++)
         for (size_t j = 0; j < S.objs[K_NODE].v[i].ndeps; j++, k++)
             if (from && k < *n) {
                 from[k] = S.objs[K_NODE].v[i].deps[j];
                 to[k] = mkhandle(K_NODE, i);
+                memset(&data[k], 0, sizeof data[k]);
             }
     if (from && k > *n) k = *n;
     *n = k;
