@@ -153,7 +153,8 @@ class GraphBackend(Backend):
     captured in an order rotated by the index, and each capture leaves nothing
     alive in it (its output is copied to a buffer outside, :meth:`_fn`), so their
     buffers land at the same addresses; every arm is then paired with every other
-    by instance, (a) included) or ``"private"`` (every graph its own pool, the
+    by instance, (a) included; each pool starts with spacers of random sizes, so that
+    each instance lands somewhere else) or ``"private"`` (every graph its own pool, the
     instances of all arms independent).  Where the buffers land is what makes
     captures of one step differ (benchmarks/RESULTS.md, run 13: 4.6% between
     captures, 0.12% between captures into one pool).  torch

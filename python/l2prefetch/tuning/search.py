@@ -70,8 +70,9 @@ the search ends with many instances of the step without forks; their spread
 keeping the fastest of k captures would save, which the report recommends where it
 pays.  With shared placement
 (:attr:`~l2prefetch.tuning.arms.Backend.shared_placement`) the arms of one instance
-index are placed alike, but each index is a placement of its own, so (a)'s spread
-across indices is still that of independent captures.
+index are placed alike, but each instance is a placement of its own (GraphBackend
+shifts each pool by spacers of random sizes: RESULTS run 18), so (a)'s spread
+across instances is still that of independent captures.
 
 **Which (a).**  Two captures of the step, even into one memory pool, place its
 buffers apart and replay a few us apart, stably, in a pattern of their own per
