@@ -24,6 +24,17 @@ and with 24 MiB of the layer's gate_proj, ``... loads``):
   memset   cuMemsetD32Async of the flag (a memset node)
   wv       cuStreamWriteValue32_v2 (a memory-operation node)
 
+and two more without R (run 18 found R's residence costing 85-145 us per step):
+
+  kernel alone  the kernel trigger with no R (what six triggers cost by themselves)
+  graph         after each o_proj a one-thread kernel launches that layer's loader graph
+                from the device, fire and forget (a device graph, uploaded, its one
+                kernel node loading the slot): the child runs beside the main stream and
+                the step's graph completes after it, as a leaf fork's loader, for about
+                the cost of one kernel on the main stream.  Its kernel is built with
+                -rdc and linked against libcudadevrt.a (the toolkit's, or
+                $L2PREFETCH_CUDADEVRT); without one the variants are not usable.
+
 beside no forks and the library's own forks after every o_proj as controls (``leaf``:
 a side branch per fork, the loads overlap the window, with its sm_90 ``ring`` loader and,
 ``leaf-ld``, with its ``load`` kernel, R's kind of load; ``inline``: the cheap fork).
@@ -36,7 +47,10 @@ were done (a 40 us window should hold both).
 Every variant is captured into one memory pool per instance (paired by instance, a
 primer capture first); medians of ROUNDS interleaved replays; paired 95% intervals.
 
-    python -m benchmarks.probe_resident [MODEL:SITE:SPIN:BATCH ...]      (on the GPU)
+    python -m benchmarks.probe_resident [--variants MODE,...] [MODEL:SITE:SPIN:BATCH ...]
+
+(on the GPU; MODE: none leaf leaf-ld inline kernel pdl memset wv graph, the first word of
+a variant's name; default: all)
 
 R's loads are ld.global.cg.v4 at every 16 bytes, four in flight per thread (ptxas
 narrows each to the 4 bytes used, as in the library's ``load`` kernel: every sector is
@@ -50,6 +64,7 @@ from __future__ import annotations
 import ctypes
 import statistics
 import sys
+from typing import Optional
 
 from benchmarks.common import bitwise_by_variant, no_gpu, paired
 
@@ -154,6 +169,87 @@ extern "C" __global__ void trigger_pdl(unsigned *flag, unsigned value, u64 *stam
 """
 
 
+# The device-graph variants: built with -rdc, linked against libcudadevrt.a.
+DEVGRAPH_SOURCE = r"""
+typedef unsigned long long u64;
+
+#define LOAD16(r, p) asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" \
+    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p))
+
+// One slot, R's loads: each CTA its share, four 16-byte loads in flight per thread.
+extern "C" __global__ void loader(u64 base, u64 bytes) {
+    const u64 granules = bytes / 16;
+    const u64 per = (granules + gridDim.x - 1) / gridDim.x;
+    const u64 g0 = per * blockIdx.x;
+    const u64 g1 = g0 + per < granules ? g0 + per : granules;
+    const u64 step = blockDim.x;
+    unsigned acc = 0;
+    u64 g = g0 + threadIdx.x;
+    for (; g + 3 * step < g1; g += 4 * step) {
+        unsigned a[4], b[4], c[4], d[4];
+        LOAD16(a, base + 16 * g);
+        LOAD16(b, base + 16 * (g + step));
+        LOAD16(c, base + 16 * (g + 2 * step));
+        LOAD16(d, base + 16 * (g + 3 * step));
+        acc ^= a[0] ^ b[1] ^ c[2] ^ d[3];
+    }
+    for (; g < g1; g += step) {
+        unsigned a[4];
+        LOAD16(a, base + 16 * g);
+        acc ^= a[0];
+    }
+    if (bytes == 1 && acc == 0x9e3779b9u)   // keeps the loads (never taken: bytes % 16 == 0)
+        __trap();
+}
+
+// errors: [0] launches the device runtime refused, [1] calls outside a graph (the eager
+// warm-up: nothing launched), [2] the last refusal's cudaError_t.
+extern "C" __global__ void trigger_graph(u64 exec, unsigned *errors) {
+    if (cudaGetCurrentGraphExec() == 0) {
+        atomicAdd(&errors[1], 1u);
+        return;
+    }
+    cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)exec, cudaStreamGraphFireAndForget);
+    if (e != cudaSuccess) {
+        atomicAdd(&errors[0], 1u);
+        errors[2] = (unsigned)e;
+    }
+}
+"""
+
+
+def cudadevrt() -> Optional[str]:
+    """libcudadevrt.a: $L2PREFETCH_CUDADEVRT, else beside nvcc or in the usual places."""
+    import glob
+    import os
+    import shutil
+
+    found = os.environ.get("L2PREFETCH_CUDADEVRT")
+    if found:
+        return found
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for root in filter(None, roots):
+        for sub in ("lib64", "lib", "targets/*/lib"):
+            hits = glob.glob(os.path.join(root, sub, "libcudadevrt.a"))
+            if hits:
+                return hits[0]
+    return None
+
+
+class _KernelNodeParams(ctypes.Structure):     # CUDA_KERNEL_NODE_PARAMS_v2
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3),
+                ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("params", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+CU_JIT_INPUT_CUBIN, CU_JIT_INPUT_LIBRARY = 0, 4
+CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH = 4
+
+
 class _AttrValue(ctypes.Union):
     _fields_ = [("pad", ctypes.c_char * 64), ("i", ctypes.c_int)]
 
@@ -209,6 +305,48 @@ class Driver:
         self.check(self.cu.cuLaunchKernelEx(ctypes.byref(config), self.fn[name], params, None),
                    f"{name} (programmatic)")
 
+    def link_devgraph(self, image: bytes, library: str) -> None:
+        """Load DEVGRAPH_SOURCE's relocatable cubin linked against libcudadevrt.a."""
+        cu = self.cu
+        state = ctypes.c_void_p()
+        self.check(cu.cuLinkCreate_v2(0, None, None, ctypes.byref(state)), "cuLinkCreate")
+        try:
+            self.check(cu.cuLinkAddData_v2(state, CU_JIT_INPUT_CUBIN, image, ctypes.c_size_t(len(image)),
+                                           b"devgraph", 0, None, None), "cuLinkAddData")
+            self.check(cu.cuLinkAddFile_v2(state, CU_JIT_INPUT_LIBRARY, library.encode(), 0, None,
+                                           None), f"cuLinkAddFile({library})")
+            out, size = ctypes.c_void_p(), ctypes.c_size_t()
+            self.check(cu.cuLinkComplete(state, ctypes.byref(out), ctypes.byref(size)),
+                       "cuLinkComplete")
+            module = ctypes.c_void_p()
+            self.check(cu.cuModuleLoadData(ctypes.byref(module), out), "cuModuleLoadData(devgraph)")
+        finally:
+            cu.cuLinkDestroy(state)
+        for name in ("loader", "trigger_graph"):
+            f = ctypes.c_void_p()
+            self.check(cu.cuModuleGetFunction(ctypes.byref(f), module, name.encode()),
+                       f"cuModuleGetFunction({name})")
+            self.fn[name] = f
+
+    def device_graph(self, base: int, nbytes: int, stream: int) -> int:
+        """A graph of one `loader` kernel node, instantiated for device launch and
+        uploaded; its executable handle (kept for the process)."""
+        cu = self.cu
+        graph, node, exec_ = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(cu.cuGraphCreate(ctypes.byref(graph), 0), "cuGraphCreate")
+        args = [ctypes.c_uint64(base), ctypes.c_uint64(nbytes)]
+        params = self._params(args)
+        p = _KernelNodeParams(self.fn["loader"], (R_GRID, 1, 1), (R_BLOCK, 1, 1), 0,
+                              ctypes.cast(params, ctypes.c_void_p), None, None, None)
+        self.check(cu.cuGraphAddKernelNode_v2(ctypes.byref(node), graph, None, ctypes.c_size_t(0),
+                                              ctypes.byref(p)), "cuGraphAddKernelNode")
+        self.check(cu.cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph,
+                                                  ctypes.c_ulonglong(CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH)),
+                   "cuGraphInstantiateWithFlags(device launch)")
+        self.check(cu.cuGraphUpload(exec_, ctypes.c_void_p(stream)), "cuGraphUpload")
+        cu.cuGraphDestroy(graph)
+        return exec_.value
+
     def memset32(self, address, value, stream):
         self.check(self.cu.cuMemsetD32Async(ctypes.c_uint64(address), ctypes.c_uint(value),
                                             ctypes.c_size_t(1), ctypes.c_void_p(stream)),
@@ -222,7 +360,7 @@ class Driver:
 
 
 
-def run(drv, name, site, spin, batch):
+def run(drv, name, site, spin, batch, modes=None):
     import torch
 
     from benchmarks.sections.planted import _model, _planted
@@ -255,10 +393,22 @@ def run(drv, name, site, spin, batch):
                                          kernel="load") for w in weights]
     variants = ["none", "leaf empty", "leaf loads", "leaf-ld loads", "inline empty"]
     variants += [f"{t} {k}" for t in TRIGGERS for k in ("empty", "loads")]
+    variants += ["kernel alone", "graph empty", "graph loads"]
+    variants = [v for v in variants if v == "none" or modes is None or v.split(" ")[0] in modes]
     for v in variants:
         if v.split(" ")[0] in TRIGGERS:
             counts[v] = torch.zeros(3, dtype=torch.int32, device="cuda")
             stamps[v] = torch.zeros(3 * len(layers), dtype=torch.int64, device="cuda")
+    # the device-graph variants: one loader graph per layer and table, launched from the
+    # device; errors: refused launches, calls outside a graph, the last refusal's code
+    execs, errors = {}, {}
+    if "trigger_graph" in drv.fn:
+        stream = torch.cuda.current_stream().cuda_stream
+        for what in ("empty", "loads"):
+            execs[what] = [drv.device_graph(w.data_ptr(), LOAD_BYTES if what == "loads" else 0,
+                                            stream) for w in weights]
+            errors[f"graph {what}"] = torch.zeros(3, dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()
     with torch.no_grad():
         static = step(batch).clone()
     torch.cuda.synchronize()
@@ -292,14 +442,24 @@ def run(drv, name, site, spin, batch):
                 hooks.append(layer.self_attn.o_proj.register_forward_hook(
                     lambda m, a, o, i=i: (c.fork("p", i, batch), None)[1]))
         elif mode in TRIGGERS:
-            kind, table = mode, slots[what]
+            kind, table = mode, slots.get(what)      # "kernel alone": triggers, no R
             for i, layer in enumerate(layers):
                 hooks.append(layer.self_attn.o_proj.register_forward_hook(
-                    lambda m, a, o, i=i: trigger(variant, kind, i + 1)))
+                    lambda m, a, o, i=i: trigger(variant, mode, i + 1)))
+        elif mode == "graph":
+            if what not in execs:
+                raise RuntimeError("no device-graph kernels (libcudadevrt.a not found or not "
+                                   "linked: see the start of the output)")
+            for i, layer in enumerate(layers):
+                hooks.append(layer.self_attn.o_proj.register_forward_hook(
+                    lambda m, a, o, i=i: drv.launch(
+                        "trigger_graph", 1, 1, torch.cuda.current_stream().cuda_stream,
+                        ctypes.c_uint64(execs[what][i]),
+                        ctypes.c_uint64(errors[variant].data_ptr()))))
 
         def fn():
             main = torch.cuda.current_stream()
-            if kind is not None:
+            if table is not None:
                 flag.zero_()
                 side.wait_stream(main)
                 drv.launch("resident", R_GRID, R_BLOCK, side.cuda_stream,
@@ -311,7 +471,7 @@ def run(drv, name, site, spin, batch):
                 out = step(batch)
             if c is not None:
                 c.join()
-            if kind is not None:
+            if table is not None:
                 main.wait_stream(side)
             static.copy_(out)
             return static
@@ -338,7 +498,7 @@ def run(drv, name, site, spin, batch):
         k = i % len(usable)
         for v in usable[k:] + usable[:k]:
             graphs[(v, i)] = capture(v, pool, 0)
-    for c in counts.values():          # the eager warm-ups and the usability pass not counted
+    for c in [*counts.values(), *errors.values()]:   # the warm-ups and usability pass not counted
         c.zero_()
     med = rig.instance_medians(graphs, ROUNDS)
     for s in stamps.values():          # the stamps of the bitwise pass's replays only
@@ -362,7 +522,7 @@ def run(drv, name, site, spin, batch):
             print(f"   {a:14} gain vs {b}: {d:+7.2f} +-{w:5.2f} us", flush=True)
     # the deciding comparisons: a trigger's cost against the inline fork's, and its loads
     # against the leaf's with the same kind of load (negative: faster than the control)
-    for t in TRIGGERS:
+    for t in (*TRIGGERS, "graph"):
         for x, y in ((f"{t} empty", "inline empty"), (f"{t} loads", "leaf-ld loads")):
             if x in med and y in med:
                 d, w = paired(med[x], med[y])
@@ -372,7 +532,11 @@ def run(drv, name, site, spin, batch):
     def us(pairs):   # per slot, "-" where a stamp is missing (no trigger stamp, a timeout)
         return ", ".join(f"{(b - a) / 1e3:.1f}" if a and b else "-" for a, b in pairs)
 
-    for v in [v for v in usable if v in counts]:
+    for v in [v for v in usable if v in errors]:
+        refused, outside, code = (int(x) for x in errors[v].tolist())
+        print(f"   {v:14} device launches refused: {refused} (last error {code}); trigger "
+              f"calls outside a graph: {outside}", flush=True)
+    for v in [v for v in usable if v in counts and v != "kernel alone"]:
         timeouts, late, runs = (int(x) for x in counts[v].tolist())
         t = stamps[v].tolist()
         trig, wake, end = t[:n], t[n:2 * n], t[2 * n:]
@@ -398,10 +562,28 @@ def main(argv):
     if image[:4] != b"\x7fELF":
         image += b"\0"                             # PTX text: the driver wants it terminated
     drv = Driver(image)
+    modes = None
+    if argv[:1] == ["--variants"] and len(argv) > 1:
+        modes = set(argv[1].split(","))
+        unknown = modes - {"leaf", "leaf-ld", "inline", "graph", *TRIGGERS}
+        if unknown:
+            print(f"probe_resident: --variants: unknown {sorted(unknown)}", file=sys.stderr)
+            return 2
+        argv = argv[2:]
+    if modes is None or "graph" in modes:
+        library = cudadevrt()
+        try:
+            if library is None:
+                raise RuntimeError("libcudadevrt.a not found (set L2PREFETCH_CUDADEVRT)")
+            drv.link_devgraph(_C._compile_source(
+                DEVGRAPH_SOURCE, [f"--gpu-architecture=sm_{major}{minor}", "-rdc=true"]), library)
+            print(f"device-graph kernels linked against {library}", flush=True)
+        except Exception as exc:      # noqa: BLE001 - the other variants still run
+            print(f"device-graph variants not usable: {type(exc).__name__}: {exc}", flush=True)
     specs = argv or ["llama:mlp:40:1", "llama:mlp:40:8", "llama:mlp:0:1", "qwen3:mlp:40:1"]
     for spec in specs:
         name, site, spin, batch = spec.split(":")
-        run(drv, name, site, int(spin), int(batch))
+        run(drv, name, site, int(spin), int(batch), modes)
     return 0
 
 
