@@ -18,7 +18,12 @@
  * pool, place its buffers apart and replay a few us apart, stably (run 18), so
  * (a), the step without forks, is this graph rather than a capture of its own.
  * Whether destroying the nodes keeps every other ordering of the graph is the
- * caller's check (l2prefetch.tuning.rig.NoForks, from _graph_edges).
+ * caller's check (l2prefetch.tuning.rig.NoForks, from _graph_edges).  The clone is
+ * instantiated with no flags: torch's own graphs also use AutoFreeOnLaunch (no
+ * allocation nodes here) and UseNodePriority (nodes captured at the replay stream's
+ * priority); run 18 measured it replaying like a capture without forks.  The exec
+ * comes back as a bare handle, destroyed through the driver in use at that time: a
+ * private call for the tuner, which never swaps drivers in between.
  *
  * A loader node is a kernel node of the template graph whose function is one of
  * the prefetch kernels this driver instance loaded (l2p_device.functions),
@@ -337,6 +342,11 @@ PyObject *l2p_py_graph_instantiate_without(PyObject *module, PyObject *const *ar
         void *node;
         if (handle_arg(PyTuple_GET_ITEM(nodes, i), "each node", &node) < 0)
             return NULL;
+        /* a node named twice would be destroyed twice in the clone */
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(nodes, j)) == (uintptr_t)node)
+                return PyErr_Format(PyExc_ValueError, "nodes[%zd] repeats nodes[%zd]; name "
+                                    "each node once", i, j);
     }
     l2p_driver *d = l2p_use_driver(st);
     if (!d || derive_api(st, d) < 0)

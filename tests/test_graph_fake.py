@@ -138,7 +138,7 @@ def test_a_failed_clone_destroy_destroys_the_exec(fake, captured):
     fake.fail("cuGraphDestroy", code="CUDA_ERROR_UNKNOWN")
     with pytest.raises(l2prefetch.CudaError, match="cuGraphDestroy"):
         _C._graph_instantiate_without(GRAPH, nodes)
-    assert fake.live("exec") == 0
+    assert fake.live("exec") == 0 and fake.bad_destroys() == 0
 
 
 def test_bad_arguments_of_the_graph_without_loaders(fake, captured):
@@ -148,6 +148,9 @@ def test_bad_arguments_of_the_graph_without_loaders(fake, captured):
         _C._graph_instantiate_without(GRAPH, (0,))
     with pytest.raises(TypeError, match="exactly 2 arguments"):
         _C._graph_instantiate_without(GRAPH)
+    nodes = tuple(node for node, _ in _C._graph_loader_nodes(GRAPH))
+    with pytest.raises(ValueError, match=r"nodes\[2\] repeats nodes\[0\]"):
+        _C._graph_instantiate_without(GRAPH, nodes + nodes[:1])
     with pytest.raises(TypeError, match="stream must be an int handle, not str"):
         _C._graph_exec_launch(EXEC, "s")
     with pytest.raises(ValueError, match="exec must be a non-null handle"):

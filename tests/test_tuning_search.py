@@ -697,6 +697,11 @@ def test_each_arm_is_paired_with_its_own_step_without_forks():
     assert narrow < 1.0 < 2.5 < wide, (narrow, wide)
     assert not before.plan and after.confirmed is not None
     assert after.confirmed.gain.low > 0 and abs(after.confirmed.gain.estimate - 2.5) < 0.5
+    # what the report says (a) is, is what the gain was taken against: a - b is the gain
+    conf = after.confirmed
+    assert conf.a.estimate - conf.plan.estimate == pytest.approx(conf.gain.estimate)
+    for t in by_name(after)["A"].trials:
+        assert t.a.estimate - t.b.estimate == pytest.approx(t.gain.estimate), t.stage
     # (a)'s own captures are still measured: the instance spread and the bitwise reference
     assert after.spread is not None and after.spread.instances >= 5
 

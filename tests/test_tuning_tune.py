@@ -732,7 +732,14 @@ def test_graph_backend_primes_each_shared_pool_with_an_untimed_capture(placement
 
         def capture(self, fn, warmup=1, pool=None, keep_graph=False):
             before = len(allocated)
-            fn()
+            for _ in range(warmup):        # eager: no spacer outside the pool
+                fn()
+            assert len(allocated) == before
+            capturing[0] = True
+            try:
+                fn()
+            finally:
+                capturing[0] = False
             g = Graph(pool, [n for n, _ in allocated[before:]])
             self.captures.append(g)
             return g, torch.ones(2)
@@ -748,6 +755,8 @@ def test_graph_backend_primes_each_shared_pool_with_an_untimed_capture(placement
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch, "empty", empty)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     backend = GraphBackend.__new__(GraphBackend)
     backend.torch, backend.device, backend.rounds = torch, torch.device("cpu"), 3
     backend.shared_placement, backend.switches = placement == "shared", False
@@ -880,3 +889,84 @@ def test_the_report_says_the_replays_each_batch_took():
     assert [b.rounds for b in result.batches] == [17, 11]
     assert "replays each by the step's time (17 at batch 1, 11 at batch 8)" in result.markdown()
     assert [b.as_dict()["rounds"] for b in result.batches] == [17, 11]   # the profile's results
+
+
+@pytest.mark.parametrize("case", ["shared", "private", "refused", "not bitwise"])
+def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, monkeypatch,
+                                                                        caplog):
+    """Each captured graph with forks also replays without them (rig.NoForks), keyed
+    no_forks_of(arm) (any arm name), paired with the arm (private placement: the two
+    alone; shared: with every arm), and closed after the group. A NoForks that cannot
+    be made (a driver before 12.3, say) leaves the arm compared with (a)'s captures, with
+    a warning, and none is made again; one whose output is not the step's is not used."""
+    import random
+
+    import l2prefetch.tuning.measure as M
+    from l2prefetch.tuning.arms import NO_FORKS, Arm, Setting, no_forks_of
+
+    made = []
+
+    class Graph:
+        def replay(self):
+            pass
+
+    class FakeNoForks:
+        def __init__(self, graph, nodes=None, *, device=None):
+            if case == "refused":
+                raise RuntimeError("a graph without its loader nodes needs driver 12.3")
+            self.graph, self.closed = graph, False
+            made.append(self)
+
+        def replay(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    class Controller:
+        def close(self):
+            pass
+
+    class FakeRig:
+        def replays(self, graphs, rounds):
+            return {key: [1.0] * rounds for key in graphs}
+
+    monkeypatch.setattr(M, "NoForks", FakeNoForks)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    backend = M.GraphBackend.__new__(M.GraphBackend)
+    backend.torch, backend.device, backend.rounds = torch, torch.device("cpu"), 3
+    backend.shared_placement, backend.switches = case != "private", False
+    backend.derives_no_forks, backend.references = True, {}
+    backend._captured, backend._outputs, backend.step = 0, {}, lambda batch: torch.ones(2)
+    backend._placements = random.Random(0)
+    backend.rig = FakeRig()
+    backend._controller = lambda arm, batch: Controller()
+    backend._capture = lambda *a, **kw: (Graph(), torch.ones(2))
+    checked = {}
+
+    def check(batch, graphs, out_of):
+        checked.update({name: True for name, _ in graphs})
+        if case == "not bitwise":
+            checked[no_forks_of("tuned")] = False
+        return dict(checked)
+    backend._check_outputs = check
+    arms = {NO_FORKS: Arm(), "tuned": Arm((("r", Setting(1 << 20)),))}
+    own = no_forks_of("tuned")
+    assert own == "a:of:tuned"
+    with caplog.at_level(logging.WARNING, "l2prefetch.tuning.measure"):
+        times, identical = backend.measure(1, arms, 2)
+    assert all(f.closed for f in made)
+    if case == "refused":
+        assert set(times) == set(arms) and backend.references == {} and made == []
+        assert "arm tuned: no graph without its forks (RuntimeError" in caplog.text
+        assert backend.derives_no_forks is False
+        assert backend.pairs == [set(arms)]
+        return
+    assert set(times) == {NO_FORKS, "tuned", own} and len(made) == 2
+    if case == "not bitwise":
+        assert backend.references == {} and identical[own] is False
+        assert backend.pairs == [set(arms)]
+        return
+    assert backend.references == {"tuned": own}
+    assert backend.pairs == ([{NO_FORKS, "tuned", own}] if case == "shared" else [{"tuned", own}])

@@ -105,9 +105,8 @@ def arm_key(kind: str, *tags: object) -> str:
 def no_forks_of(key: str) -> str:
     """The key of arm ``key``'s own step without forks, where a backend measures one
     (:attr:`Backend.references`): ``no_forks_of('b:leaf:4194304')`` is
-    ``'a:of:b:leaf:4194304'``."""
-    kind, tags = parse_arm_key(key)
-    return arm_key(NO_FORKS, "of", kind, *tags)
+    ``'a:of:b:leaf:4194304'`` (any key, also one not made by :func:`arm_key`)."""
+    return f"{NO_FORKS}:of:{key}"
 
 
 def parse_arm_key(key: str) -> tuple[str, tuple[str, ...]]:

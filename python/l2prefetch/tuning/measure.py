@@ -16,6 +16,7 @@ time.  The difference is the most a prefetch of it can save.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import random
@@ -309,12 +310,14 @@ class GraphBackend(Backend):
         try:
             return self._measure(batch, arms, instances, controllers, graphs)
         finally:
-            for graph in graphs.values():
-                if isinstance(graph, NoForks):
-                    graph.close()
-            for controller in controllers.values():
-                controller.close()
-            graphs.clear()
+            # every one closed even if one raises (the first error goes on, after)
+            with contextlib.ExitStack() as stack:
+                for graph in graphs.values():
+                    if isinstance(graph, NoForks):
+                        stack.callback(graph.close)
+                for controller in controllers.values():
+                    stack.callback(controller.close)
+                stack.callback(graphs.clear)
 
     def _measure(self, batch: int, arms: Mapping[str, Arm], instances: int,
                  controllers: dict[str, Any], graphs: dict[tuple[str, int], Any]
@@ -347,6 +350,7 @@ class GraphBackend(Backend):
         units = [name for name in arms if name not in in_pairs] + [p[0] for p in paired]
         primers, spacers = [], []
         references: dict[str, str] = {}
+        failed: set[str] = set()       # units whose NoForks could not be made
         for i in range(instances):
             pool = torch.cuda.graph_pool_handle() if self.shared_placement else None
             if pool is not None:
@@ -369,11 +373,20 @@ class GraphBackend(Backend):
                                            warmup=i == 0,
                                            keep_graph=group is not None or derive, pool=pool)
                 switch = LoaderSwitch(graph) if group is not None else None
-                if derive:
-                    key = no_forks_of(unit)
-                    graphs[(key, i)] = NoForks(graph, switch.nodes if switch else None)
-                    out_of[(key, i)] = out
-                    references.update({name: key for name in (group[1] if group else [unit])})
+                key = no_forks_of(unit)
+                if derive and key not in failed:
+                    try:
+                        with torch.cuda.device(self.device):
+                            graphs[(key, i)] = NoForks(graph, switch.nodes if switch else None,
+                                                       device=self.device)
+                    except Exception as exc:    # noqa: BLE001 - (a)'s captures stand in
+                        failed.add(key)
+                        logger.warning("batch %d, arm %s: no graph without its forks (%s: %s); "
+                                       "it is compared with (a)'s own captures", batch, unit,
+                                       type(exc).__name__, exc)
+                    else:
+                        out_of[(key, i)] = out
+                        references.update({n: key for n in (group[1] if group else [unit])})
                 if group is None:
                     graphs[(unit, i)], out_of[(unit, i)] = graph, out
                     continue
@@ -381,15 +394,27 @@ class GraphBackend(Backend):
                 for name in names:
                     graphs[(name, i)] = _Switched(switch, states[name])
                     out_of[(name, i)] = out
+        if failed:
+            # a driver that cannot (before 12.3), or a graph that would lose an ordering:
+            # no reference for those units in any instance, and none asked for again
+            self.derives_no_forks = False
+            for key in [k for k in graphs if k[0] in failed]:
+                graphs.pop(key).close()
+                out_of.pop(key)
+            references = {n: k for n, k in references.items() if k not in failed}
         us = self.rig.replays(graphs, self.rounds or self._rounds_at.get(batch, MAX_ROUNDS))
         measured = list(arms) + sorted(set(references.values()))
         medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
                    for name in measured}
         identical = self._check_outputs(batch, graphs, out_of)
-        self.references = references
-        self.pairs = [set(measured)] if self.shared_placement else \
-            [set(names) | {references[names[0]]} if names[0] in references else set(names)
-             for _, names, _ in paired]
+        # a graph without forks whose output is not the step's is no (a): not used
+        bad = {key for key in set(references.values()) if not identical.get(key, True)}
+        self.references = {n: k for n, k in references.items() if k not in bad}
+        alone = {n: k for n, k in self.references.items() if n not in in_pairs}
+        self.pairs = [set(measured) - bad] if self.shared_placement else \
+            [set(names) | {self.references[names[0]]} if names[0] in self.references
+             else set(names) for _, names, _ in paired] + \
+            [{n, k} for n, k in alone.items()]
         return medians, identical
 
     def _spaced(self, fn: Callable[[], Any], spacers: list) -> Callable[[], Any]:
@@ -401,7 +426,9 @@ class GraphBackend(Backend):
                  512 * self._placements.randrange(2048, 20480)]
 
         def spaced() -> Any:
-            spacers.extend(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes if n)
+            if torch.cuda.is_current_stream_capturing():   # not the eager warm-up's call
+                spacers.extend(torch.empty(n, dtype=torch.uint8, device=device)
+                               for n in sizes if n)
             return fn()
         return spaced
 

@@ -323,7 +323,9 @@ def orderings_lost(edges: Sequence[tuple[int, int]], removed: Sequence[int]
     lost: the node after an inline fork keeps its own edge from the node before, a
     branch's join follows the fork's node along the captured stream, and nothing
     waits for a leaf.  So an empty list is the expected answer, and anything else
-    means the graph is not what the controller captures.
+    means the graph is not what the controller captures.  Every edge counts as an
+    ordering, whatever its type: a programmatic edge standing in for a lost full one
+    is not caught (the controller makes no such graph).
     """
     gone = set(removed)
     after: dict[int, list[int]] = {}
@@ -367,13 +369,18 @@ class NoForks:
     :meth:`close` (or garbage collection) destroys the executable graph.
     """
 
-    def __init__(self, graph: Any, nodes: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, graph: Any, nodes: Optional[Sequence[int]] = None, *,
+                 device: Any = None) -> None:
         import weakref
+
+        import torch
 
         from .. import _C
 
         self._C = _C
         self.graph = graph
+        #: Where it replays (that device's current stream); None: the current device.
+        self.device = None if device is None else torch.device(device)
         raw = graph.raw_cuda_graph()
         if nodes is None:
             nodes = [node for node, _ in _C._graph_loader_nodes(raw)]
@@ -392,7 +399,9 @@ class NoForks:
 
         if not self._close.alive:
             raise RuntimeError("this NoForks graph is closed")
-        self._C._graph_exec_launch(self._exec, torch.cuda.current_stream().cuda_stream)
+        stream = torch.cuda.current_stream(self.device)
+        with torch.cuda.device(stream.device):
+            self._C._graph_exec_launch(self._exec, stream.cuda_stream)
 
     def close(self) -> None:
         """Destroy the executable graph (again: nothing)."""

@@ -216,6 +216,15 @@ class _Measured:
     def values(self, name: str) -> list[float]:
         return [t for times, _, _ in self.rounds for t in times.get(name, ())]
 
+    def reference_values(self, y: str) -> list[float]:
+        """(a)'s times as compared with y: per round, y's own step without forks where
+        the round has one (Backend.references), else (a)'s captures."""
+        out = []
+        for times, _, references in self.rounds:
+            if y in times:
+                out += times[self._keys(times, references, NO_FORKS, y)[0]]
+        return out
+
     @staticmethod
     def _keys(times: Mapping[str, list[float]], references: Mapping[str, str], x: str,
               y: str) -> tuple[str, str]:
@@ -250,7 +259,9 @@ class _Measured:
         if both and all(p for _, _, p in both):
             return paired_interval([t for xs, _, _ in both for t in xs],
                                    [t for _, ys, _ in both for t in ys])
-        return diff_interval(self.values(x), self.values(y))
+        xs = self.reference_values(y) if x == NO_FORKS else self.values(x)
+        ys = self.reference_values(x) if y == NO_FORKS else self.values(y)
+        return diff_interval(xs, ys)
 
 
 class _Batch:
@@ -537,7 +548,7 @@ class _Batch:
                        kernel=self.p.kernels[0], graph_fork=self.p.graph_forks[0])
 
     def trial(self, stage: str, setting: Setting, m: _Measured, b: str, d: str) -> Trial:
-        return Trial(stage, setting, mean_interval(m.values(NO_FORKS)),
+        return Trial(stage, setting, mean_interval(m.reference_values(b)),
                      mean_interval(m.values(b)), mean_interval(m.values(d)),
                      m.diff(NO_FORKS, b), m.diff(d, b),
                      len(m.values(b)))
@@ -722,7 +733,7 @@ class _Batch:
             plan = tuple(chosen)
             measured = self.group(f"confirm {len(plan)} role(s)",
                                   {NO_FORKS: Arm(), PLAN: Arm(plan)})
-            a, with_plan = measured.values(NO_FORKS), measured.values(PLAN)
+            a, with_plan = measured.reference_values(PLAN), measured.values(PLAN)
             conf = Confirmation(plan, mean_interval(a), mean_interval(with_plan),
                                 measured.diff(NO_FORKS, PLAN), measured.identical.get(PLAN, True))
             self.report.confirmations.append(conf)
