@@ -310,14 +310,15 @@ class GraphBackend(Backend):
         try:
             return self._measure(batch, arms, instances, controllers, graphs)
         finally:
-            # every one closed even if one raises (the first error goes on, after)
+            # every one closed even if one raises (the first error goes on, after); the
+            # callbacks run last first: the NoForks graphs, the controllers, then the rest
             with contextlib.ExitStack() as stack:
+                stack.callback(graphs.clear)
+                for controller in controllers.values():
+                    stack.callback(controller.close)
                 for graph in graphs.values():
                     if isinstance(graph, NoForks):
                         stack.callback(graph.close)
-                for controller in controllers.values():
-                    stack.callback(controller.close)
-                stack.callback(graphs.clear)
 
     def _measure(self, batch: int, arms: Mapping[str, Arm], instances: int,
                  controllers: dict[str, Any], graphs: dict[tuple[str, int], Any]
