@@ -17,6 +17,7 @@ from l2prefetch import profile as P
 from l2prefetch.tuning.arms import Backend
 
 import _tuning_fakes as fakes
+import l2prefetch
 from _tuning_fakes import FAKE_DEVICE, DeviceBackend, PerLayer
 from conftest import CXX_THROW_ABORTS
 
@@ -891,14 +892,18 @@ def test_the_report_says_the_replays_each_batch_took():
     assert [b.as_dict()["rounds"] for b in result.batches] == [17, 11]   # the profile's results
 
 
-@pytest.mark.parametrize("case", ["shared", "private", "refused", "not bitwise"])
+@pytest.mark.parametrize("case", ["shared", "private", "refused", "incapable", "not bitwise",
+                                  "close fails", "both fail"])
 def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, monkeypatch,
                                                                         caplog):
     """Each captured graph with forks also replays without them (rig.NoForks), keyed
     no_forks_of(arm) (any arm name), paired with the arm (private placement: the two
     alone; shared: with every arm), and closed after the group. A NoForks that cannot
     be made (a driver before 12.3, say) leaves the arm compared with (a)'s captures, with
-    a warning, and none is made again; one whose output is not the step's is not used."""
+    a warning (a driver before 12.3: none is made again; one graph refused: that one
+    only); one whose output is not the step's is not used. Every graph and controller is
+    closed even when one close raises: that error is raised where measuring went well,
+    and an error of measuring is what comes out where both fail."""
     import random
 
     import l2prefetch.tuning.measure as M
@@ -913,7 +918,9 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
     class FakeNoForks:
         def __init__(self, graph, nodes=None, *, device=None):
             if case == "refused":
-                raise RuntimeError("a graph without its loader nodes needs driver 12.3")
+                raise RuntimeError("removing the 1 loader nodes would unorder 1 pairs")
+            if case == "incapable":
+                raise l2prefetch.Error("a graph without its loader nodes needs driver 12.3")
             self.graph, self.closed = graph, False
             made.append(self)
 
@@ -923,12 +930,18 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
         def close(self):
             self.closed = True
 
+    closed = []
+
     class Controller:
         def close(self):
-            pass
+            closed.append(self)
+            if case in ("close fails", "both fail") and len(closed) == 1:
+                raise l2prefetch.CudaError("cuModuleUnload failed: CUDA_ERROR_UNKNOWN")
 
     class FakeRig:
         def replays(self, graphs, rounds):
+            if case == "both fail":
+                raise l2prefetch.CudaError("cuGraphLaunch failed: CUDA_ERROR_ILLEGAL_ADDRESS")
             return {key: [1.0] * rounds for key in graphs}
 
     monkeypatch.setattr(M, "NoForks", FakeNoForks)
@@ -954,13 +967,23 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
     arms = {NO_FORKS: Arm(), "tuned": Arm((("r", Setting(1 << 20)),))}
     own = no_forks_of("tuned")
     assert own == "a:of:tuned"
+    arms["tuned 2"] = Arm((("r", Setting(2 << 20)),))
+    if case in ("close fails", "both fail"):
+        with caplog.at_level(logging.WARNING, "l2prefetch.tuning.measure"):
+            with pytest.raises(l2prefetch.CudaError,
+                               match="cuModuleUnload" if case == "close fails" else "cuGraphLaunch"):
+                backend.measure(1, arms, 2)
+        assert len(closed) == 2 and made and all(f.closed for f in made)
+        assert ("cuModuleUnload" in caplog.text) == (case == "both fail")
+        return
+    del arms["tuned 2"]
     with caplog.at_level(logging.WARNING, "l2prefetch.tuning.measure"):
         times, identical = backend.measure(1, arms, 2)
     assert all(f.closed for f in made)
-    if case == "refused":
+    if case in ("refused", "incapable"):
         assert set(times) == set(arms) and backend.references == {} and made == []
-        assert "arm tuned: no graph without its forks (RuntimeError" in caplog.text
-        assert backend.derives_no_forks is False
+        assert "arm tuned: no graph without its forks" in caplog.text
+        assert backend.derives_no_forks is (case == "refused")
         assert backend.pairs == [set(arms)]
         return
     assert set(times) == {NO_FORKS, "tuned", own} and len(made) == 2

@@ -16,11 +16,11 @@ time.  The difference is the most a prefetch of it can save.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import numbers
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
@@ -128,6 +128,14 @@ def _max_diff(x: Any, y: Any) -> Optional[float]:
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape:
         return (x.float() - y.float()).abs().max().item()
     return None
+
+
+def _incapable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the driver cannot remove graph nodes at all (l2prefetch.Error,
+    not a CudaError: an entry point it lacks), rather than failing for one graph."""
+    from .. import CudaError, Error
+
+    return isinstance(exc, Error) and not isinstance(exc, CudaError)
 
 
 class _Switched:
@@ -310,15 +318,21 @@ class GraphBackend(Backend):
         try:
             return self._measure(batch, arms, instances, controllers, graphs)
         finally:
-            # every one closed even if one raises (the first error goes on, after); the
-            # callbacks run last first: the NoForks graphs, the controllers, then the rest
-            with contextlib.ExitStack() as stack:
-                stack.callback(graphs.clear)
-                for controller in controllers.values():
-                    stack.callback(controller.close)
-                for graph in graphs.values():
-                    if isinstance(graph, NoForks):
-                        stack.callback(graph.close)
+            # every one closed even if one raises: an error of measuring goes on, and one
+            # of closing is raised only where nothing else is (the others are logged)
+            errors = []
+            for obj in [*(g for g in graphs.values() if isinstance(g, NoForks)),
+                        *controllers.values()]:
+                try:
+                    obj.close()
+                except Exception as exc:        # noqa: BLE001 - the rest still close
+                    errors.append(exc)
+            graphs.clear()
+            for exc in errors[1:] if sys.exc_info()[1] is None else errors:
+                logger.warning("batch %d: closing after a measured group: %s: %s", batch,
+                               type(exc).__name__, exc)
+            if errors and sys.exc_info()[1] is None:
+                raise errors[0]
 
     def _measure(self, batch: int, arms: Mapping[str, Arm], instances: int,
                  controllers: dict[str, Any], graphs: dict[tuple[str, int], Any]
@@ -369,19 +383,21 @@ class GraphBackend(Backend):
             self._captured += 1
             for unit in units[k:] + units[:k]:
                 group = next((p for p in paired if p[0] == unit), None)
-                derive = self.derives_no_forks and bool(arms[unit].roles)
+                key = no_forks_of(unit)
+                derive = self.derives_no_forks and bool(arms[unit].roles) and key not in failed
                 graph, out = self._capture(unit, arms[unit], controllers, fn,
                                            warmup=i == 0,
                                            keep_graph=group is not None or derive, pool=pool)
                 switch = LoaderSwitch(graph) if group is not None else None
-                key = no_forks_of(unit)
-                if derive and key not in failed:
+                if derive:
                     try:
                         with torch.cuda.device(self.device):
                             graphs[(key, i)] = NoForks(graph, switch.nodes if switch else None,
                                                        device=self.device)
-                    except Exception as exc:    # noqa: BLE001 - (a)'s captures stand in
+                    except RuntimeError as exc:    # (a)'s captures stand in for this unit
                         failed.add(key)
+                        if _incapable(exc):        # and for every unit from now on
+                            self.derives_no_forks = False
                         logger.warning("batch %d, arm %s: no graph without its forks (%s: %s); "
                                        "it is compared with (a)'s own captures", batch, unit,
                                        type(exc).__name__, exc)
@@ -396,9 +412,8 @@ class GraphBackend(Backend):
                     graphs[(name, i)] = _Switched(switch, states[name])
                     out_of[(name, i)] = out
         if failed:
-            # a driver that cannot (before 12.3), or a graph that would lose an ordering:
-            # no reference for those units in any instance, and none asked for again
-            self.derives_no_forks = False
+            # a driver that cannot (before 12.3), a graph that would lose an ordering, a
+            # clone the driver refused: no reference for those units in any instance
             for key in [k for k in graphs if k[0] in failed]:
                 graphs.pop(key).close()
                 out_of.pop(key)
