@@ -246,7 +246,7 @@ class _KernelNodeParams(ctypes.Structure):     # CUDA_KERNEL_NODE_PARAMS_v2
                 ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
-CU_JIT_INPUT_CUBIN, CU_JIT_INPUT_LIBRARY = 0, 4
+CU_JIT_INPUT_CUBIN, CU_JIT_INPUT_OBJECT, CU_JIT_INPUT_LIBRARY = 0, 3, 4
 CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH = 4
 
 
@@ -311,8 +311,13 @@ class Driver:
         state = ctypes.c_void_p()
         self.check(cu.cuLinkCreate_v2(0, None, None, ctypes.byref(state)), "cuLinkCreate")
         try:
-            self.check(cu.cuLinkAddData_v2(state, CU_JIT_INPUT_CUBIN, image, ctypes.c_size_t(len(image)),
-                                           b"devgraph", 0, None, None), "cuLinkAddData")
+            # a relocatable cubin (NVRTC -rdc); as an object where the linker wants one
+            rc = cu.cuLinkAddData_v2(state, CU_JIT_INPUT_CUBIN, image, ctypes.c_size_t(len(image)),
+                                     b"devgraph", 0, None, None)
+            if rc != 0:
+                rc = cu.cuLinkAddData_v2(state, CU_JIT_INPUT_OBJECT, image,
+                                         ctypes.c_size_t(len(image)), b"devgraph", 0, None, None)
+            self.check(rc, "cuLinkAddData")
             self.check(cu.cuLinkAddFile_v2(state, CU_JIT_INPUT_LIBRARY, library.encode(), 0, None,
                                            None), f"cuLinkAddFile({library})")
             out, size = ctypes.c_void_p(), ctypes.c_size_t()
