@@ -76,8 +76,40 @@ R_GRID, R_BLOCK = 32, 256       # the library's `load` kernel: grid 32 (its defa
 TIMEOUT_NS = 20_000_000          # R gives up 20 ms after it starts (a step is 1-5 ms)
 TRIGGERS = ("kernel", "pdl", "memset", "wv")
 
-SOURCE = r"""
+# Both modules' loads: this CTA's share of [base, base + bytes), each thread with four
+# 16-byte loads in flight (as the library's `load` kernel); what it returns keeps them.
+COMMON = r"""
 typedef unsigned long long u64;
+
+#define LOAD16(r, p) asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" \
+    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p))
+
+__device__ __forceinline__ unsigned load_share(u64 base, u64 bytes) {
+    const u64 granules = bytes / 16;
+    const u64 per = (granules + gridDim.x - 1) / gridDim.x;
+    const u64 g0 = per * blockIdx.x;
+    const u64 g1 = g0 + per < granules ? g0 + per : granules;
+    const u64 step = blockDim.x;
+    unsigned acc = 0;
+    u64 g = g0 + threadIdx.x;
+    for (; g + 3 * step < g1; g += 4 * step) {
+        unsigned a[4], b[4], c[4], d[4];
+        LOAD16(a, base + 16 * g);
+        LOAD16(b, base + 16 * (g + step));
+        LOAD16(c, base + 16 * (g + 2 * step));
+        LOAD16(d, base + 16 * (g + 3 * step));
+        acc ^= a[0] ^ b[1] ^ c[2] ^ d[3];
+    }
+    for (; g < g1; g += step) {
+        unsigned a[4];
+        LOAD16(a, base + 16 * g);
+        acc ^= a[0];
+    }
+    return acc;
+}
+"""
+
+SOURCE = COMMON + r"""
 
 __device__ __forceinline__ u64 now_ns() {
     u64 t;
@@ -91,8 +123,6 @@ __device__ __forceinline__ unsigned acquire(const unsigned *p) {
     return v;
 }
 
-#define LOAD16(r, p) asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" \
-    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p))
 
 // slots: nslots pairs (address, bytes, a multiple of 16).  Slot s is loaded once
 // *flag > s; every CTA loads its share of each slot, each thread with four 16-byte
@@ -127,25 +157,7 @@ extern "C" __global__ void resident(const u64 *slots, int nslots, const unsigned
         __syncthreads();
         if (!go)
             break;
-        const u64 base = slots[2 * s], granules = slots[2 * s + 1] / 16;
-        const u64 per = (granules + gridDim.x - 1) / gridDim.x;
-        const u64 g0 = per * blockIdx.x;
-        const u64 g1 = g0 + per < granules ? g0 + per : granules;
-        const u64 step = blockDim.x;
-        u64 g = g0 + threadIdx.x;
-        for (; g + 3 * step < g1; g += 4 * step) {
-            unsigned a[4], b[4], c[4], d[4];
-            LOAD16(a, base + 16 * g);
-            LOAD16(b, base + 16 * (g + step));
-            LOAD16(c, base + 16 * (g + 2 * step));
-            LOAD16(d, base + 16 * (g + 3 * step));
-            acc ^= a[0] ^ b[1] ^ c[2] ^ d[3];
-        }
-        for (; g < g1; g += step) {
-            unsigned a[4];
-            LOAD16(a, base + 16 * g);
-            acc ^= a[0];
-        }
+        acc ^= load_share(slots[2 * s], slots[2 * s + 1]);
         __syncthreads();
         if (threadIdx.x == 0)
             atomicMax(&stamps[2 * nslots + s], now_ns());
@@ -170,34 +182,10 @@ extern "C" __global__ void trigger_pdl(unsigned *flag, unsigned value, u64 *stam
 
 
 # The device-graph variants: built with -rdc, linked against libcudadevrt.a.
-DEVGRAPH_SOURCE = r"""
-typedef unsigned long long u64;
-
-#define LOAD16(r, p) asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" \
-    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p))
-
-// One slot, R's loads: each CTA its share, four 16-byte loads in flight per thread.
+DEVGRAPH_SOURCE = COMMON + r"""
+// One slot, R's loads.
 extern "C" __global__ void loader(u64 base, u64 bytes) {
-    const u64 granules = bytes / 16;
-    const u64 per = (granules + gridDim.x - 1) / gridDim.x;
-    const u64 g0 = per * blockIdx.x;
-    const u64 g1 = g0 + per < granules ? g0 + per : granules;
-    const u64 step = blockDim.x;
-    unsigned acc = 0;
-    u64 g = g0 + threadIdx.x;
-    for (; g + 3 * step < g1; g += 4 * step) {
-        unsigned a[4], b[4], c[4], d[4];
-        LOAD16(a, base + 16 * g);
-        LOAD16(b, base + 16 * (g + step));
-        LOAD16(c, base + 16 * (g + 2 * step));
-        LOAD16(d, base + 16 * (g + 3 * step));
-        acc ^= a[0] ^ b[1] ^ c[2] ^ d[3];
-    }
-    for (; g < g1; g += step) {
-        unsigned a[4];
-        LOAD16(a, base + 16 * g);
-        acc ^= a[0];
-    }
+    const unsigned acc = load_share(base, bytes);
     if (bytes == 1 && acc == 0x9e3779b9u)   // keeps the loads (never taken: bytes % 16 == 0)
         __trap();
 }
