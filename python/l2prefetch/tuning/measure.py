@@ -209,7 +209,7 @@ class GraphBackend(Backend):
         #: (tuning.rig.NoForks): the arm's own (a), keyed no_forks_of(unit).
         self.derives_no_forks = self.switches
         self.references: dict[str, str] = {}
-        #: Draws each instance's spacers (_spacer_bytes): a fresh placement per instance.
+        #: Draws each instance's spacers (_spaced): a fresh placement per instance.
         self._placements = random.Random(0)
         #: Per batch, buffers outside every graph pool that each capture copies the
         #: step's output into (_fn): a capture then leaves nothing of its own alive in
