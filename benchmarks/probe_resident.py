@@ -30,10 +30,14 @@ and two more without R (run 18 found R's residence costing 85-145 us per step):
   graph         after each o_proj a one-thread kernel launches that layer's loader graph
                 from the device, fire and forget (a device graph, uploaded, its one
                 kernel node loading the slot): the child runs beside the main stream and
-                the step's graph completes after it, as a leaf fork's loader, for about
-                the cost of one kernel on the main stream.  Its kernel is built with
-                -rdc and linked against libcudadevrt.a (the toolkit's, or
-                $L2PREFETCH_CUDADEVRT); without one the variants are not usable.
+                the step's graph completes after it, as a leaf fork's loader.  Its kernel
+                is built with -rdc and linked against libcudadevrt.a (the toolkit's, or
+                $L2PREFETCH_CUDADEVRT); without one the variants are not usable.  The
+                driver runs the child only from a graph instantiated for device launch, so
+                these steps are (``DeviceLaunched``), and so are the controls ``none@dl``,
+                ``inline empty@dl`` and ``leaf-ld loads@dl`` (the same captures).
+                Run 19: that instantiation costs 10-12 us per step, each launch 3.6-4.9 us.
+  graphpdl      the same, the trigger launched as a programmatic dependent of o_proj
 
 beside no forks and the library's own forks after every o_proj as controls (``leaf``:
 a side branch per fork, the loads overlap the window, with its sm_90 ``ring`` loader and,
@@ -49,8 +53,8 @@ primer capture first); medians of ROUNDS interleaved replays; paired 95% interva
 
     python -m benchmarks.probe_resident [--variants MODE,...] [MODEL:SITE:SPIN:BATCH ...]
 
-(on the GPU; MODE: none leaf leaf-ld inline kernel pdl memset wv graph, the first word of
-a variant's name; default: all)
+(on the GPU; MODE: none leaf leaf-ld inline kernel pdl memset wv graph graphpdl, the first
+word of a variant's name; default: all)
 
 R's loads are ld.global.cg.v4 at every 16 bytes, four in flight per thread (ptxas
 narrows each to the 4 bytes used, as in the library's ``load`` kernel: every sector is
@@ -75,6 +79,8 @@ LOAD_BYTES = 24 * MIB
 R_GRID, R_BLOCK = 32, 256       # the library's `load` kernel: grid 32 (its default), 256
 TIMEOUT_NS = 20_000_000          # R gives up 20 ms after it starts (a step is 1-5 ms)
 TRIGGERS = ("kernel", "pdl", "memset", "wv")
+DEVGRAPH_MODES = ("graph", "graphpdl")
+CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH = 4
 
 # Both modules' loads: this CTA's share of [base, base + bytes), each thread with four
 # 16-byte loads in flight (as the library's `load` kernel); what it returns keeps them.
@@ -235,7 +241,6 @@ class _KernelNodeParams(ctypes.Structure):     # CUDA_KERNEL_NODE_PARAMS_v2
 
 
 CU_JIT_INPUT_CUBIN, CU_JIT_INPUT_OBJECT, CU_JIT_INPUT_LIBRARY = 0, 3, 4
-CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH = 4
 
 
 class _AttrValue(ctypes.Union):
@@ -353,6 +358,31 @@ class Driver:
 
 
 
+class DeviceLaunched:
+    """A captured graph (``keep_graph=True``) instantiated again for device launch and
+    uploaded; ``replay()`` launches it on the current stream.  Holds the torch graph,
+    whose pool its nodes use; the executable lives as long as the process."""
+
+    def __init__(self, drv, graph):
+        import torch
+
+        self.drv, self.graph = drv, graph
+        exec_ = ctypes.c_void_p()
+        drv.check(drv.cu.cuGraphInstantiateWithFlags(
+            ctypes.byref(exec_), ctypes.c_void_p(graph.raw_cuda_graph()),
+            ctypes.c_ulonglong(CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH)),
+            "cuGraphInstantiateWithFlags(the step, device launch)")
+        self.exec = exec_
+        drv.check(drv.cu.cuGraphUpload(exec_, ctypes.c_void_p(
+            torch.cuda.current_stream().cuda_stream)), "cuGraphUpload(the step)")
+
+    def replay(self):
+        import torch
+
+        self.drv.check(self.drv.cu.cuGraphLaunch(self.exec, ctypes.c_void_p(
+            torch.cuda.current_stream().cuda_stream)), "cuGraphLaunch(the step)")
+
+
 def run(drv, name, site, spin, batch, modes=None):
     import torch
 
@@ -386,8 +416,14 @@ def run(drv, name, site, spin, batch, modes=None):
                                          kernel="load") for w in weights]
     variants = ["none", "leaf empty", "leaf loads", "leaf-ld loads", "inline empty"]
     variants += [f"{t} {k}" for t in TRIGGERS for k in ("empty", "loads")]
-    variants += ["kernel alone", "graph empty", "graph loads"]
+    variants += ["kernel alone", "graph empty", "graph loads", "graphpdl empty", "graphpdl loads"]
     variants = [v for v in variants if v == "none" or modes is None or v.split(" ")[0] in modes]
+    # A device-side graph launch works only from a graph instantiated for device launch
+    # (benchmarks/devlaunch/minimal.cu, run 19): the graph variants replay only that way,
+    # and with them some controls replay both ways, from the same capture ("@dl").
+    devgraph = [v for v in variants if v.split(" ")[0] in DEVGRAPH_MODES]
+    dl_controls = [v for v in ("none", "inline empty", "leaf-ld loads") if v in variants] \
+        if devgraph else []
     for v in variants:
         if v.split(" ")[0] in TRIGGERS:
             counts[v] = torch.zeros(3, dtype=torch.int32, device="cuda")
@@ -400,7 +436,8 @@ def run(drv, name, site, spin, batch, modes=None):
         for what in ("empty", "loads"):
             execs[what] = [drv.device_graph(w.data_ptr(), LOAD_BYTES if what == "loads" else 0,
                                             stream) for w in weights]
-            errors[f"graph {what}"] = torch.zeros(3, dtype=torch.int32, device="cuda")
+            for mode in DEVGRAPH_MODES:
+                errors[f"{mode} {what}"] = torch.zeros(3, dtype=torch.int32, device="cuda")
         torch.cuda.synchronize()
     with torch.no_grad():
         static = step(batch).clone()
@@ -439,16 +476,23 @@ def run(drv, name, site, spin, batch, modes=None):
             for i, layer in enumerate(layers):
                 hooks.append(layer.self_attn.o_proj.register_forward_hook(
                     lambda m, a, o, i=i: trigger(variant, mode, i + 1)))
-        elif mode == "graph":
+        elif mode in DEVGRAPH_MODES:
             if what not in execs:
                 raise RuntimeError("no device-graph kernels (libcudadevrt.a not found or not "
                                    "linked: see the start of the output)")
+
+            def launch_graph(i):
+                # the driver refuses the kernel outside a capture (CUDA_ERROR_NOT_SUPPORTED):
+                # the eager warm-up goes without it
+                if torch.cuda.is_current_stream_capturing():
+                    drv.launch("trigger_graph", 1, 1, torch.cuda.current_stream().cuda_stream,
+                               ctypes.c_uint64(execs[what][i]),
+                               ctypes.c_uint64(errors[variant].data_ptr()),
+                               pdl=mode == "graphpdl")
+
             for i, layer in enumerate(layers):
                 hooks.append(layer.self_attn.o_proj.register_forward_hook(
-                    lambda m, a, o, i=i: drv.launch(
-                        "trigger_graph", 1, 1, torch.cuda.current_stream().cuda_stream,
-                        ctypes.c_uint64(execs[what][i]),
-                        ctypes.c_uint64(errors[variant].data_ptr()))))
+                    lambda m, a, o, i=i: launch_graph(i)))
 
         def fn():
             main = torch.cuda.current_stream()
@@ -473,13 +517,18 @@ def run(drv, name, site, spin, batch, modes=None):
         finally:
             for h in hooks:
                 h.remove()
+        if mode in DEVGRAPH_MODES:
+            return DeviceLaunched(drv, graph)
         return graph
 
     # each variant once on its own first: a trigger the capture refuses is dropped, not fatal
     usable = []
-    for v in variants:
+    for v in variants + [f"{v}@dl" for v in dl_controls]:
         try:
-            capture(v, torch.cuda.graph_pool_handle(), 1).replay()
+            if v.endswith("@dl"):
+                DeviceLaunched(drv, capture(v[:-3], torch.cuda.graph_pool_handle(), 1)).replay()
+            else:
+                capture(v, torch.cuda.graph_pool_handle(), 1).replay()
             torch.cuda.synchronize()
             usable.append(v)
         except Exception as exc:      # noqa: BLE001 - report and go on without it
@@ -488,9 +537,12 @@ def run(drv, name, site, spin, batch, modes=None):
     for i in range(INSTANCES):
         pool = torch.cuda.graph_pool_handle()
         primers.append(capture("none", pool, 0))
-        k = i % len(usable)
-        for v in usable[k:] + usable[:k]:
+        own = [v for v in usable if not v.endswith("@dl")]
+        k = i % len(own)
+        for v in own[k:] + own[:k]:
             graphs[(v, i)] = capture(v, pool, 0)
+            if f"{v}@dl" in usable:    # the same capture, instantiated for device launch
+                graphs[(f"{v}@dl", i)] = DeviceLaunched(drv, graphs[(v, i)])
     for c in [*counts.values(), *errors.values()]:   # the warm-ups and usability pass not counted
         c.zero_()
     med = rig.instance_medians(graphs, ROUNDS)
@@ -515,8 +567,15 @@ def run(drv, name, site, spin, batch, modes=None):
             print(f"   {a:14} gain vs {b}: {d:+7.2f} +-{w:5.2f} us", flush=True)
     # the deciding comparisons: a trigger's cost against the inline fork's, and its loads
     # against the leaf's with the same kind of load (negative: faster than the control)
-    for t in (*TRIGGERS, "graph"):
+    for t in TRIGGERS:
         for x, y in ((f"{t} empty", "inline empty"), (f"{t} loads", "leaf-ld loads")):
+            if x in med and y in med:
+                d, w = paired(med[x], med[y])
+                print(f"   {x:14} vs {y:14} {d:+7.2f} +-{w:5.2f} us", flush=True)
+    # the device-graph variants against controls instantiated the same way
+    for x, y in [(f"{c}@dl", c) for c in dl_controls] + [
+            (f"{t} {k}", f"{c}@dl") for t in DEVGRAPH_MODES
+            for k, c in (("empty", "none"), ("empty", "inline empty"), ("loads", "leaf-ld loads"))]:
             if x in med and y in med:
                 d, w = paired(med[x], med[y])
                 print(f"   {x:14} vs {y:14} {d:+7.2f} +-{w:5.2f} us", flush=True)
@@ -558,12 +617,12 @@ def main(argv):
     modes = None
     if argv[:1] == ["--variants"] and len(argv) > 1:
         modes = set(argv[1].split(","))
-        unknown = modes - {"leaf", "leaf-ld", "inline", "graph", *TRIGGERS}
+        unknown = modes - {"leaf", "leaf-ld", "inline", *DEVGRAPH_MODES, *TRIGGERS}
         if unknown:
             print(f"probe_resident: --variants: unknown {sorted(unknown)}", file=sys.stderr)
             return 2
         argv = argv[2:]
-    if modes is None or "graph" in modes:
+    if modes is None or modes & set(DEVGRAPH_MODES):
         library = cudadevrt()
         try:
             if library is None:
