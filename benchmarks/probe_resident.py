@@ -565,20 +565,19 @@ def run(drv, name, site, spin, batch, modes=None):
         if b in med:
             d, w = paired(med[b], med[a])
             print(f"   {a:14} gain vs {b}: {d:+7.2f} +-{w:5.2f} us", flush=True)
-    # the deciding comparisons: a trigger's cost against the inline fork's, and its loads
-    # against the leaf's with the same kind of load (negative: faster than the control)
-    for t in TRIGGERS:
-        for x, y in ((f"{t} empty", "inline empty"), (f"{t} loads", "leaf-ld loads")):
-            if x in med and y in med:
-                d, w = paired(med[x], med[y])
-                print(f"   {x:14} vs {y:14} {d:+7.2f} +-{w:5.2f} us", flush=True)
-    # the device-graph variants against controls instantiated the same way
-    for x, y in [(f"{c}@dl", c) for c in dl_controls] + [
-            (f"{t} {k}", f"{c}@dl") for t in DEVGRAPH_MODES
-            for k, c in (("empty", "none"), ("empty", "inline empty"), ("loads", "leaf-ld loads"))]:
-            if x in med and y in med:
-                d, w = paired(med[x], med[y])
-                print(f"   {x:14} vs {y:14} {d:+7.2f} +-{w:5.2f} us", flush=True)
+    # the deciding comparisons (negative: faster than the control): a trigger's cost against
+    # the inline fork's, and its loads against the leaf's with the same kind of load; the
+    # device-graph variants against controls instantiated the same way
+    deciding = [(f"{t} {x}", y) for t in TRIGGERS
+                for x, y in (("empty", "inline empty"), ("loads", "leaf-ld loads"))]
+    deciding += [(f"{c}@dl", c) for c in dl_controls]
+    deciding += [(f"{t} {x}", f"{y}@dl") for t in DEVGRAPH_MODES
+                 for x, y in (("empty", "none"), ("empty", "inline empty"),
+                              ("loads", "leaf-ld loads"))]
+    for x, y in deciding:
+        if x in med and y in med:
+            d, w = paired(med[x], med[y])
+            print(f"   {x:14} vs {y:14} {d:+7.2f} +-{w:5.2f} us", flush=True)
     torch.cuda.synchronize()
     n = len(layers)
     def us(pairs):   # per slot, "-" where a stamp is missing (no trigger stamp, a timeout)
