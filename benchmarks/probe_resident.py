@@ -39,6 +39,14 @@ and two more without R (run 18 found R's residence costing 85-145 us per step):
                 Run 19: that instantiation costs 10-12 us per step, each launch 3.6-4.9 us.
   graphpdl      the same, the trigger launched as a programmatic dependent of o_proj
 
+and one of the library's own forks placed differently:
+
+  pre           the inline fork (its ring loader) in the first forward pre-hook of each
+                post_attention_layernorm, so before the planted spin: the fork's next
+                kernel is the window's own, the one node an inline loader overlaps (run 12,
+                "Why inline does not overlap"); a site just before a window's long kernel
+                is one of issue 24's candidates for a whole window at inline's cost
+
 beside no forks and the library's own forks after every o_proj as controls (``leaf``:
 a side branch per fork, the loads overlap the window, with its sm_90 ``ring`` loader and,
 ``leaf-ld``, with its ``load`` kernel, R's kind of load; ``inline``: the cheap fork).
@@ -53,8 +61,8 @@ primer capture first); medians of ROUNDS interleaved replays; paired 95% interva
 
     python -m benchmarks.probe_resident [--variants MODE,...] [MODEL:SITE:SPIN:BATCH ...]
 
-(on the GPU; MODE: none leaf leaf-ld inline kernel pdl memset wv graph graphpdl, the first
-word of a variant's name; default: all)
+(on the GPU; MODE: none leaf leaf-ld inline pre kernel pdl memset wv graph graphpdl, the
+first word of a variant's name; default: all)
 
 R's loads are ld.global.cg.v4 at every 16 bytes, four in flight per thread (ptxas
 narrows each to the 4 bytes used, as in the library's ``load`` kernel: every sector is
@@ -414,7 +422,8 @@ def run(drv, name, site, spin, batch, modes=None):
     # the library's `load` kernel is R's kind of load; `ring` is its sm_90 default
     lib_loads_ld = [PreparedWeightRanges([w], byte_cap=LOAD_BYTES, grid=32, device=0,
                                          kernel="load") for w in weights]
-    variants = ["none", "leaf empty", "leaf loads", "leaf-ld loads", "inline empty"]
+    variants = ["none", "leaf empty", "leaf loads", "leaf-ld loads", "inline empty",
+                "pre empty", "pre loads"]
     variants += [f"{t} {k}" for t in TRIGGERS for k in ("empty", "loads")]
     variants += ["kernel alone", "graph empty", "graph loads", "graphpdl empty", "graphpdl loads"]
     variants = [v for v in variants if v == "none" or modes is None or v.split(" ")[0] in modes]
@@ -461,13 +470,20 @@ def run(drv, name, site, spin, batch, modes=None):
     def capture(variant, pool, warmup):
         hooks, c, kind, table = [], None, None, None
         mode, what = variant.split(" ") if " " in variant else (variant, None)
-        if mode in ("leaf", "leaf-ld", "inline"):
-            c = PrefetchController(0, graph_fork="inline" if mode == "inline" else "leaf",
+        if mode in ("leaf", "leaf-ld", "inline", "pre"):
+            c = PrefetchController(0, graph_fork="inline" if mode in ("inline", "pre") else "leaf",
                                    eager=False)
             keep.append(c)
             table_for = lib_loads_ld if mode == "leaf-ld" else lib_loads
             for i, layer in enumerate(layers):
                 c.add("p", i, [batch], table_for[i] if what == "loads" else lib_empty)
+                if mode == "pre":
+                    # first of post_attention_layernorm's pre-hooks, so before the planted
+                    # spin: the fork's next kernel is the window's (the hook returns None,
+                    # the norm's input unchanged)
+                    hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
+                        lambda m, a, i=i: (c.fork("p", i, batch), None)[1], prepend=True))
+                    continue
                 # the hook returns None: a returned False would replace o_proj's output
                 hooks.append(layer.self_attn.o_proj.register_forward_hook(
                     lambda m, a, o, i=i: (c.fork("p", i, batch), None)[1]))
@@ -570,6 +586,7 @@ def run(drv, name, site, spin, batch, modes=None):
     # device-graph variants against controls instantiated the same way
     deciding = [(f"{t} {x}", y) for t in TRIGGERS
                 for x, y in (("empty", "inline empty"), ("loads", "leaf-ld loads"))]
+    deciding += [("pre empty", "inline empty"), ("pre loads", "leaf loads")]
     deciding += [(f"{c}@dl", c) for c in dl_controls]
     deciding += [(f"{t} {x}", f"{y}@dl") for t in DEVGRAPH_MODES
                  for x, y in (("empty", "none"), ("empty", "inline empty"),
@@ -616,7 +633,7 @@ def main(argv):
     modes = None
     if argv[:1] == ["--variants"] and len(argv) > 1:
         modes = set(argv[1].split(","))
-        unknown = modes - {"leaf", "leaf-ld", "inline", *DEVGRAPH_MODES, *TRIGGERS}
+        unknown = modes - {"leaf", "leaf-ld", "inline", "pre", *DEVGRAPH_MODES, *TRIGGERS}
         if unknown:
             print(f"probe_resident: --variants: unknown {sorted(unknown)}", file=sys.stderr)
             return 2
