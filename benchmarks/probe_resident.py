@@ -338,7 +338,7 @@ class Driver:
         """A graph of one `loader` kernel node, instantiated for device launch and
         uploaded; its executable handle (kept for the process)."""
         cu = self.cu
-        graph, node, exec_ = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        graph, node = ctypes.c_void_p(), ctypes.c_void_p()
         self.check(cu.cuGraphCreate(ctypes.byref(graph), 0), "cuGraphCreate")
         args = [ctypes.c_uint64(base), ctypes.c_uint64(nbytes)]
         params = self._params(args)
@@ -346,12 +346,19 @@ class Driver:
                               ctypes.cast(params, ctypes.c_void_p), None, None, None)
         self.check(cu.cuGraphAddKernelNode_v2(ctypes.byref(node), graph, None, ctypes.c_size_t(0),
                                               ctypes.byref(p)), "cuGraphAddKernelNode")
-        self.check(cu.cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph,
-                                                  ctypes.c_ulonglong(CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH)),
-                   "cuGraphInstantiateWithFlags(device launch)")
-        self.check(cu.cuGraphUpload(exec_, ctypes.c_void_p(stream)), "cuGraphUpload")
+        exec_ = self.instantiate_for_device_launch(graph, stream, "the loader")
         cu.cuGraphDestroy(graph)
         return exec_.value
+
+    def instantiate_for_device_launch(self, graph, stream: int, what: str) -> ctypes.c_void_p:
+        """``graph`` (a CUgraph) instantiated for device launch and uploaded on
+        ``stream``; the executable's handle (kept for the process)."""
+        exec_ = ctypes.c_void_p()
+        self.check(self.cu.cuGraphInstantiateWithFlags(
+            ctypes.byref(exec_), graph, ctypes.c_ulonglong(CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH)),
+            f"cuGraphInstantiateWithFlags({what}, device launch)")
+        self.check(self.cu.cuGraphUpload(exec_, ctypes.c_void_p(stream)), f"cuGraphUpload({what})")
+        return exec_
 
     def memset32(self, address, value, stream):
         self.check(self.cu.cuMemsetD32Async(ctypes.c_uint64(address), ctypes.c_uint(value),
@@ -375,14 +382,9 @@ class DeviceLaunched:
         import torch
 
         self.drv, self.graph = drv, graph
-        exec_ = ctypes.c_void_p()
-        drv.check(drv.cu.cuGraphInstantiateWithFlags(
-            ctypes.byref(exec_), ctypes.c_void_p(graph.raw_cuda_graph()),
-            ctypes.c_ulonglong(CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH)),
-            "cuGraphInstantiateWithFlags(the step, device launch)")
-        self.exec = exec_
-        drv.check(drv.cu.cuGraphUpload(exec_, ctypes.c_void_p(
-            torch.cuda.current_stream().cuda_stream)), "cuGraphUpload(the step)")
+        self.exec = drv.instantiate_for_device_launch(
+            ctypes.c_void_p(graph.raw_cuda_graph()), torch.cuda.current_stream().cuda_stream,
+            "the step")
 
     def replay(self):
         import torch
