@@ -1126,7 +1126,12 @@ ROWS = [
     row("hooks.attach", "sites None", lambda e: e.attach(e.ctl, {"attn": None}),
         Raises(TypeError, r"points\['attn'\] must be a list of \(module, layer\) .*got NoneType")),
     row("hooks.attach", "a site that is not a pair", lambda e: e.attach(e.ctl, {"attn": [e.model[0]]}),
-        Raises(TypeError, r"points\['attn'\] must hold \(module, layer\) pairs")),
+        Raises(TypeError, r"points\['attn'\] must hold \(module, layer\) or \(module, layer, "
+                          r"hook\) tuples")),
+    row("hooks.attach", "a site's hook unknown",
+        lambda e: e.attach(e.ctl, {"attn": [(e.model[0], 0, "around")]}),
+        Raises(ValueError, r"points\['attn'\]: a site's hook must be 'after' or 'before', "
+                           r"got 'around'")),
     row("hooks.attach", "site module None", lambda e: e.attach(e.ctl, {"attn": [(None, 0)]}),
         Raises(TypeError, r"points\['attn'\]: NoneType is not an nn.Module")),
     row("hooks.attach", "site layer a str", lambda e: e.attach(e.ctl, {"attn": [(e.model[0], "0")]}),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import operator
 import re
 import shutil
 import subprocess
@@ -283,6 +284,42 @@ def test_batch_fn_under_compile():
     hooks.attach(model, controller, points(model), batch_fn=lambda m, a, k: a[0].shape[0] * 7)
     torch.compile(model, fullgraph=True, backend="aot_eager")(torch.randn(2, 1, 16))
     assert controller.calls == [("fork", "oproj_down", 0, 14), ("join",)]
+
+
+@pytest.mark.parametrize("aot", [False, True], ids=["dynamo", "aot"])
+def test_a_before_site_forks_behind_its_modules_input(aot):
+    """A site hooked before the MLP forks after the o_proj matmul and the residual add
+    that make the MLP's input (``after`` is that input), before the MLP's matmul."""
+    torch.manual_seed(0)
+    model, controller = Model(count=2), Recorder()
+    hooks.attach(model, controller,
+                 {"mlp": [(layer.mlp, i, "before") for i, layer in enumerate(model.layers)]})
+    backend = Graphs(aot=aot)
+    x = torch.randn(BATCH, 1, 16)
+    with torch.no_grad():
+        expected = model(x)
+        controller.calls.clear()
+        out = torch.compile(lambda x: model(x), fullgraph=True, backend=backend)(x)
+    assert torch.equal(out, expected)
+    forks, order = [], []
+    for graph in backend.graphs:
+        for node in graph.nodes:
+            target, args = _op(node)
+            if node.op != "call_function":
+                continue
+            if target in MATMULS:
+                order.append("mm")
+            elif target is FORK:
+                a = _bound(FORK_ARGS, args, node.kwargs)
+                forks.append(a["after"])
+                order.append(("fork", a["point"], a["layer"], a["batch"]))
+            elif target is JOIN:
+                order.append(("join",))
+    assert order == ["mm", ("fork", "mlp", 0, BATCH), "mm", "mm", ("fork", "mlp", 1, BATCH),
+                     "mm", "mm", ("join",)]
+    for after in forks:       # the residual add of the o_proj output: the MLP's input
+        assert _op(after)[0] in (operator.add, aten.add.Tensor), after
+    assert controller.calls == [("fork", "mlp", 0, BATCH), ("fork", "mlp", 1, BATCH), ("join",)]
 
 
 def test_attachment_join_in_compiled_code():

@@ -249,8 +249,11 @@ def test_bad_arguments_attach_nothing():
         attach(model, Recorder(), {"p": [(model.layers[0], 0), ("layers.1", 1)]})
     with pytest.raises(TypeError, match="layer must be an int"):
         attach(model, Recorder(), {"p": [(model.layers[0], 0), (model.layers[1], -1)]})
-    with pytest.raises(TypeError, match=r"\(module, layer\) pairs"):
+    with pytest.raises(TypeError, match=r"\(module, layer\) or \(module, layer, hook\)"):
         attach(model, Recorder(), {"p": [model.layers[0]]})
+    with pytest.raises(ValueError, match="hook must be 'after' or 'before', got 'during'"):
+        attach(model, Recorder(), {"p": [(model.layers[0], 0, "before"),
+                                         (model.layers[1], 1, "during")]})
     with pytest.raises(TypeError, match="non-empty str"):
         attach(model, Recorder(), {"": []})
     with pytest.raises(TypeError, match="must be a list"):
@@ -267,3 +270,43 @@ def test_points_may_be_a_callable_returning_the_mapping():
     assert controller.calls[:2] == [("fork", "oproj_down", 0, 3), ("fork", "next_attention", 0, 3)]
     with pytest.raises(TypeError, match="points must map"):
         attach(model, controller, lambda m: [(m.layers[0], 0)])
+
+
+def test_a_before_site_forks_ahead_of_the_module_and_its_other_pre_hooks():
+    model, controller = Tiny(2), Recorder()
+    # a pre-hook the server registered first (the planted window's spin, say)
+    model.layers[1].mlp.register_forward_pre_hook(lambda m, a: controller.calls.append("pre"))
+    model.layers[1].mlp.register_forward_hook(lambda m, a, o: controller.calls.append("mlp"))
+    model.layers[1].attn.o_proj.register_forward_hook(
+        lambda m, a, o: controller.calls.append("o_proj"))
+    attachment = attach(model, controller, {
+        "before": [(layer.mlp, i, "before") for i, layer in enumerate(model.layers)],
+        "after": [(model.layers[1].attn.o_proj, 1, "after")]})
+    model(torch.zeros(5, 1, H))
+    assert controller.calls == [("fork", "before", 0, 5), "o_proj", ("fork", "after", 1, 5),
+                                ("fork", "before", 1, 5), "pre", "mlp", ("join",)]
+    assert [(p, l) for p, l, _ in attachment.sites] == [("before", 0), ("before", 1),
+                                                        ("after", 1)]
+    attachment.detach()
+    assert not model.layers[1].mlp._forward_pre_hooks_with_kwargs
+    assert len(model.layers[1].mlp._forward_pre_hooks) == 1       # the server's own stays
+
+
+def test_a_before_site_reads_the_batch_from_the_input_and_its_keywords():
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(H, H)
+
+        def forward(self, x):
+            return self.inner(input=x)
+
+    model, controller = Keyword(), Recorder()
+    attach(model, controller, {"p": [(model.inner, 2, "before")]}, join=False)
+    model(torch.zeros(6, 1, H))
+    assert controller.calls == [("fork", "p", 2, 6)]
+    model, controller = Tiny(1), Recorder()
+    attach(model, controller, {"p": [(model.layers[0].mlp, 0, "before")]}, join=False,
+           batch_fn=lambda m, a, k: 0 if m is model.layers[0].mlp else 9)
+    model(torch.zeros(4, H))
+    assert controller.calls == []                       # batch 0 skips, before as after

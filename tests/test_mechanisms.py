@@ -39,6 +39,12 @@ def test_the_registry_is_the_one_list():
     assert mechanisms.graph_fork_choices() == "'inline', 'branch' or 'leaf'"
 
 
+def test_the_site_hooks_are_one_list():
+    assert tuple(mechanisms.SITE_HOOKS) == typing.get_args(mechanisms.SiteHook)
+    assert mechanisms.DEFAULT_SITE_HOOK == "after" and all(mechanisms.SITE_HOOKS.values())
+    assert mechanisms.site_hook_choices() == "'after' or 'before'"
+
+
 def test_the_controller_takes_every_registered_mode(fake):
     assert PC(device=0).graph_fork == DEFAULT_GRAPH_FORK
     for name in GRAPH_FORKS:

@@ -446,3 +446,40 @@ def test_a_leaf_loader_starts_at_its_fork_and_overlaps_the_next_kernels(tmp_path
     assert cli.main(argv) == 0, capsys.readouterr().err
     text = out.read_text()
     assert f"## Fork 2: `{ROLE}`, layer 1, batch 1 (leaf)" in text and "**loader**" in text
+
+
+@pytest.mark.gpu
+def test_an_inline_fork_before_the_window_loads_beside_it(tmp_path):
+    """The "before" site (issue 24): an inline fork hooked ahead of a 20 us spin planted
+    before each MLP starts its loads as the spin starts and ends them inside it; the
+    consumer starts after both."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from l2prefetch.tuning import candidates, discover, hf
+    from l2prefetch.tuning.rig import spin_cycles_per_us
+
+    model = hf.load_model("llama", overrides=GPU_TINY, device="cuda", dtype="bfloat16")
+    step = hf.DecodeStep(model)
+    cycles = int(20 * spin_cycles_per_us())
+    planted = [layer.post_attention_layernorm.register_forward_pre_hook(
+        lambda m, a: torch.cuda._sleep(cycles)) for layer in model.model.layers]
+    try:
+        roles = {r.name: r for r in candidates(model, discover(model, lambda: step(1)))}
+        role = roles["before post_attention_layernorm: mlp.gate_proj"]
+        forks = tr.forks_of_role(model, role, 1, byte_cap=0, mode="inline")
+        result = tr.trace(model, step, 1, forks, replays=5)
+    finally:
+        for handle in planted:
+            handle.remove()
+    print(result.markdown())
+    assert [f.key[1] for f in result.forks] == [0, 1]
+    for fork in result.forks:
+        assert fork.mode == "inline" and fork.found_by == "module", fork.summary()
+        assert fork.consumer_path == f"model.layers.{fork.key[1]}.mlp.gate_proj"
+        spin = next(r.kernel for r in fork.rows if "spin" in r.kernel.name)
+        loader = fork.loader
+        assert 0 <= fork.start_after_fork_us < 5, fork.summary()
+        # the loads run beside the spin, and are done before the spin is
+        assert spin.start < loader.end <= spin.end, fork.summary()
+        assert loader.end <= fork.consumer[0].start, fork.summary()

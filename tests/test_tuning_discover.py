@@ -96,6 +96,39 @@ def test_llama_roles_module_and_block_sites():
         assert len(set(r.layers)) == len(r.layers)
 
 
+def test_llama_roles_before_the_norms():
+    """A "before" site is a part of a layer (or a module outside the layers) that runs
+    between two reads, neither an ancestor of the consumer nor inside the previous read."""
+    model = fakes.llama(n_layers=3, h=1024, i=2048, kv=256)
+    reads = reads_of(model, min_bytes=256 * 1024)
+    assert reads.calls.index("model.layers.0.post_attention_layernorm") < \
+        reads.calls.index("model.layers.0.mlp") < reads.calls.index("model.layers.0.mlp.gate_proj")
+    before = {r.name: r for r in candidates(model, reads) if r.kind == "before"}
+    assert sorted(before) == ["before input_layernorm: self_attn.q_proj",
+                              "before model.norm: lm_head",
+                              "before post_attention_layernorm: mlp.gate_proj"]
+    mlp = before["before post_attention_layernorm: mlp.gate_proj"]
+    assert mlp.layers == (0, 1, 2) and not mlp.next_layer
+    assert [(s.site, s.hook) for s in mlp.sites] == [
+        (f"model.layers.{l}.post_attention_layernorm", "before") for l in range(3)]
+    assert mlp.sites[0].reads[0] == "model.layers.0.mlp.gate_proj"
+    assert mlp.hook_sites(model) == [(layer.post_attention_layernorm, l, "before")
+                                     for l, layer in enumerate(model.model.layers)]
+    assert mlp.sites[1].hook_site() == ("model.layers.1.post_attention_layernorm", 1, "before")
+    # the next layer's q_proj, from the layer it is in (layer 0's has no read before it)
+    attn = before["before input_layernorm: self_attn.q_proj"]
+    assert attn.layers == (1, 2) and not attn.next_layer
+    assert attn.sites[0].reads[0] == "model.layers.1.self_attn.q_proj"
+    head = before["before model.norm: lm_head"]
+    assert head.sites[0].site == "model.norm" and head.sites[0].reads == ("lm_head",)
+    # after-sites keep their pairs
+    after = next(r for r in candidates(model, reads) if r.kind == "module")
+    assert after.sites[0].hook == "after" and len(after.hook_sites(model)[0]) == 2
+    # without the call order (reads that are a plain list) there are no before-sites
+    assert not [r for r in candidates(model, list(reads)) if r.kind == "before"]
+    assert {r.kind for r in candidates(model, reads, kinds=("before",))} == {"before"}
+
+
 def test_cap_chain_stops_at_max_bytes():
     model = fakes.llama(n_layers=3, h=1024, i=2048, kv=256)
     reads = reads_of(model, min_bytes=256 * 1024)

@@ -4,6 +4,10 @@
 hook reads the decode batch from the module's input and calls
 ``controller.fork(point, layer, batch)`` once the module's kernels are queued
 (the controller records its event there, so the prefetch starts after them).
+A site ``(module, layer, "before")`` forks from a forward pre-hook instead,
+ahead of the module's other pre-hooks, so the prefetch starts before the
+module's kernels (:data:`l2prefetch.mechanisms.SITE_HOOKS`): the place for a
+window that a module's forward begins with.
 A forward hook on the root calls ``controller.join()`` at the end of the step.
 Any object with ``fork(point, layer, batch) -> bool`` and ``join()`` serves as
 the controller.
@@ -33,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from . import _torch
+from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_hook_choices
 # The package's one disabled(), also public here: attach() is what it turns off.
 from .controller import disabled
 
@@ -52,8 +57,9 @@ class Controller(Protocol):
     def join(self) -> object: ...
 
 
-#: A fork site: a module and the decoder layer index its forks carry.
-Site = tuple["torch.nn.Module", int]
+#: A fork site: a module and the decoder layer index its forks carry, and optionally
+#: where the hook runs (:data:`l2prefetch.mechanisms.SITE_HOOKS`; default ``"after"``).
+Site = Union[tuple["torch.nn.Module", int], tuple["torch.nn.Module", int, str]]
 #: ``batch_fn(module, args, kwargs) -> batch``: overrides how a hook reads the batch;
 #: a batch of 0 (or None) skips the fork.
 BatchFn = Callable[["torch.nn.Module", tuple, dict], Optional[int]]
@@ -162,56 +168,64 @@ def _unregistered(name: str) -> Callable[..., None]:
     return refuse
 
 
-def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
-               batch_fn: Optional[BatchFn], tensor: type[torch.Tensor], is_compiling: Callable[[], bool],
-               fork_op: Callable[..., None], handle: Optional[int]) -> Callable[..., None]:
-    """The forward hook (with kwargs) of one site; it always returns None.
-
-    Eager: ``fork(point, layer, batch)``.  Being compiled: ``fork_op(handle,
-    point, layer, batch, after=<first tensor of the module's output>)``.
-    """
-
-    if batch_fn is not None:
-        def hook_with_batch_fn(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-            batch = batch_fn(module, args, kwargs)
-            if batch:
-                if is_compiling():
-                    fork_op(handle, point, layer, batch, _first_tensor(output, tensor))
-                else:
-                    fork(point, layer, batch)
-        return hook_with_batch_fn
-
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        # The first tensor argument; decode inputs are [B, 1, H] or [B, H].
-        value: Any
-        for value in args:
+def _batch_of(args: tuple, kwargs: dict, tensor: type) -> int:
+    """The decode batch of a module's input: the product of all but the last dimension
+    of the first tensor argument (decode inputs are [B, 1, H] or [B, H]); 0 without one."""
+    value: Any
+    for value in args:
+        if isinstance(value, tensor):
+            break
+    else:
+        for value in kwargs.values():
             if isinstance(value, tensor):
                 break
         else:
-            for value in kwargs.values():
-                if isinstance(value, tensor):
-                    break
-            else:
-                return
-        if value.dim() == 0:
-            batch = 1
-        else:
-            last = value.shape[-1]
-            if last:
-                batch = value.numel() // last
-            else:
-                batch = 1
-                for n in value.shape[:-1]:
-                    batch *= n
+            return 0
+    if value.dim() == 0:
+        return 1
+    last = value.shape[-1]
+    if last:
+        return value.numel() // last
+    batch = 1
+    for n in value.shape[:-1]:
+        batch *= n
+    return batch
+
+
+def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
+               batch_fn: Optional[BatchFn], tensor: type[torch.Tensor], is_compiling: Callable[[], bool],
+               fork_op: Callable[..., None], handle: Optional[int],
+               before: bool) -> Callable[..., None]:
+    """The forward hook (``before``: pre-hook) with kwargs of one site; it returns None.
+
+    Eager: ``fork(point, layer, batch)``.  Being compiled: ``fork_op(handle, point,
+    layer, batch, after=<first tensor of the module's output>)`` (``before``: of its
+    input, so compiled code keeps the fork behind that input's producer).
+    """
+    batch_of = batch_fn if batch_fn is not None else (
+        lambda module, args, kwargs: _batch_of(args, kwargs, tensor))
+
+    def at(module: Any, args: tuple, kwargs: dict, follows: Any) -> None:
+        batch = batch_of(module, args, kwargs)
         if batch:
             if is_compiling():
-                fork_op(handle, point, layer, batch, _first_tensor(output, tensor))
+                fork_op(handle, point, layer, batch, _first_tensor(follows, tensor))
             else:
                 fork(point, layer, batch)
+
+    if before:
+        def pre_hook(module: Any, args: tuple, kwargs: dict) -> None:
+            at(module, args, kwargs, args if args else kwargs)
+        return pre_hook
+
+    def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        at(module, args, kwargs, output)
     return hook
 
 
-def _sites(model: Any, point: object, spec: Any, module_type: type) -> list[Site]:
+def _sites(model: Any, point: object, spec: Any,
+           module_type: type) -> list[tuple[Any, int, str]]:
+    """The sites of ``point`` as ``(module, layer, hook)``, checked."""
     if not isinstance(point, str) or not point:
         raise TypeError(f"point names must be non-empty str, got {point!r}")
     sites = spec(model) if callable(spec) else spec
@@ -220,15 +234,22 @@ def _sites(model: Any, point: object, spec: Any, module_type: type) -> list[Site
     except TypeError:
         raise TypeError(f"points[{point!r}] must be a list of (module, layer) or a callable "
                         f"returning one, got {type(sites).__name__}") from None
+    resolved = []
     for site in sites:
-        if not (isinstance(site, tuple) and len(site) == 2):
-            raise TypeError(f"points[{point!r}] must hold (module, layer) pairs, got {site!r}")
-        module, layer = site
+        if not (isinstance(site, tuple) and len(site) in (2, 3)):
+            raise TypeError(f"points[{point!r}] must hold (module, layer) or (module, layer, "
+                            f"hook) tuples, got {site!r}")
+        module, layer = site[:2]
+        hook = site[2] if len(site) == 3 else DEFAULT_SITE_HOOK
         if not isinstance(module, module_type):
             raise TypeError(f"points[{point!r}]: {type(module).__name__} is not an nn.Module")
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise TypeError(f"points[{point!r}]: layer must be an int >= 0, got {layer!r}")
-    return sites
+        if not isinstance(hook, str) or hook not in SITE_HOOKS:
+            raise ValueError(f"points[{point!r}]: a site's hook must be {site_hook_choices()}, "
+                             f"got {hook!r}")
+        resolved.append((module, layer, hook))
+    return resolved
 
 
 #: Fork sites per point name: a list of sites, or a callable ``model -> list``.
@@ -241,10 +262,12 @@ def attach(model: torch.nn.Module, controller: Controller,
     """Hook ``controller``'s forks and join into ``model``; returns what to detach.
 
     ``points`` maps each point name to its fork sites: a list of ``(module,
-    layer)`` or a callable ``model -> list``; ``points`` may also be a callable
-    ``model -> mapping``, such as ``deepseek_v3.hook_points``.  Each site gets
-    a forward hook that calls ``controller.fork(point, layer, batch)`` after
-    the module's forward, with ``batch`` the product of all but the last
+    layer)`` (or ``(module, layer, hook)``) or a callable ``model -> list``;
+    ``points`` may also be a callable ``model -> mapping``, such as
+    ``deepseek_v3.hook_points``.  Each site gets a forward hook that calls
+    ``controller.fork(point, layer, batch)`` after the module's forward (with
+    ``hook`` ``"before"``: a forward pre-hook, registered ahead of the module's
+    other pre-hooks, that forks before its forward), with ``batch`` the product of all but the last
     dimension of the first tensor argument (``batch_fn`` overrides that; a
     batch of 0 skips the fork).  With ``join`` the root ``model`` gets a
     forward hook that calls ``controller.join()`` at the end of each forward.
@@ -301,10 +324,15 @@ def attach(model: torch.nn.Module, controller: Controller,
     handles, sites = [], []
     try:
         for point, point_sites in resolved:
-            for module, layer in point_sites:
+            for module, layer, where in point_sites:
+                before = where == "before"
                 hook = _fork_hook(fork, point, layer, batch_fn, torch.Tensor, is_compiling,
-                                  fork_op, op_handle)
-                handles.append(module.register_forward_hook(hook, with_kwargs=True))
+                                  fork_op, op_handle, before)
+                if before:
+                    handles.append(module.register_forward_pre_hook(hook, with_kwargs=True,
+                                                                    prepend=True))
+                else:
+                    handles.append(module.register_forward_hook(hook, with_kwargs=True))
                 sites.append((point, layer, module))
         if join:
             end, tensor = controller.join, torch.Tensor

@@ -1,4 +1,4 @@
-"""The ways a fork goes into a CUDA graph being captured, named once.
+"""The ways a fork goes into a CUDA graph being captured, and where a hook puts it, named once.
 
 A controller's ``graph_fork`` (and a plan entry's, and the tuner's
 ``graph_forks``) is one of these modes.  The C controller implements them
@@ -15,6 +15,12 @@ Adding a mode is its entry here (and its name in ``GraphFork``), its C side
 case in tests/test_mechanisms.py; the tuner then sweeps it.  See
 python/l2prefetch/DESIGN.md.
 
+Where a fork's hook runs relative to its module is a *site hook*
+(:data:`SITE_HOOKS`): ``"after"`` (a forward hook, the default) or ``"before"``
+(a forward pre-hook).  :mod:`l2prefetch.hooks` implements them; a site
+``(module, layer, hook)``, a profile entry's ``hook`` and the tuner's
+discovered ``before`` roles name them from here.
+
 Importing this module imports nothing else (neither torch nor the C extension).
 """
 
@@ -25,8 +31,9 @@ import types
 from collections.abc import Mapping
 from typing import Literal
 
-__all__ = ["DEFAULT_GRAPH_FORK", "GRAPH_FORKS", "GRAPH_FORK_MODES", "GraphFork",
-           "GraphForkMode", "graph_fork_choices"]
+__all__ = ["DEFAULT_GRAPH_FORK", "DEFAULT_SITE_HOOK", "GRAPH_FORKS", "GRAPH_FORK_MODES",
+           "GraphFork", "GraphForkMode", "SITE_HOOKS", "SiteHook", "graph_fork_choices",
+           "site_hook_choices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +75,29 @@ GRAPH_FORKS: tuple[str, ...] = tuple(GRAPH_FORK_MODES)
 DEFAULT_GRAPH_FORK = "inline"
 
 
+def _choices(names: tuple[str, ...]) -> str:
+    quoted = [repr(name) for name in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + f" or {quoted[-1]}"
+
+
 def graph_fork_choices() -> str:
     """The mode names as a message lists them: ``'inline', 'branch' or 'leaf'``."""
-    names = [repr(name) for name in GRAPH_FORKS]
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" or {names[-1]}"
+    return _choices(GRAPH_FORKS)
+
+
+#: Where a site's hook runs, by name: its description (l2prefetch.hooks implements them).
+SITE_HOOKS: Mapping[str, str] = types.MappingProxyType({
+    "after": "a forward hook: the fork follows the kernels the module's forward queued",
+    "before": "a forward pre-hook, ahead of the module's other pre-hooks: the fork precedes "
+              "the module's kernels and those its other pre-hooks queue, so an inline "
+              "fork's loader runs beside the first of them (RESULTS run 20)",
+})
+#: The site hook names, for type checkers (tests/test_mechanisms.py: the registry's).
+SiteHook = Literal["after", "before"]
+#: The hook of a site that names none: ``(module, layer)``.
+DEFAULT_SITE_HOOK = "after"
+
+
+def site_hook_choices() -> str:
+    """The site hook names as a message lists them: ``'after' or 'before'``."""
+    return _choices(tuple(SITE_HOOKS))

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 from ._files import loads_json, read_text
+from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_hook_choices
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "Profile", "ProfileMismatchError",
            "device_fingerprint", "load_profile", "model_fingerprint", "parse_profile",
@@ -40,8 +41,8 @@ PROFILE_FORMAT = "l2prefetch-profile"
 PROFILE_VERSION = 1
 #: Device fields that must match for a profile to apply.
 DEVICE_KEYS = ("name", "sm", "sm_count", "l2_bytes")
-_ENTRY_KEYS = ("point", "layer", "batches", "weights", "site", "byte_cap", "grid", "carveout",
-               "priority", "kernel", "graph_fork")
+_ENTRY_KEYS = ("point", "layer", "batches", "weights", "site", "hook", "byte_cap", "grid",
+               "carveout", "priority", "kernel", "graph_fork")
 
 
 class ProfileMismatchError(ValueError):
@@ -118,6 +119,13 @@ def versions() -> dict:
     return out
 
 
+def _site(path: str, layer: int, hook: str) -> tuple:
+    """A fork site as profiles and tune results list it: ``(path, layer)``, with the
+    hook third where it is not the default (as :func:`l2prefetch.hooks.attach` takes
+    sites)."""
+    return (path, layer) if hook == DEFAULT_SITE_HOOK else (path, layer, hook)
+
+
 @dataclasses.dataclass
 class Profile:
     """A loaded profile: its raw data, the plan resolved in a model and the fork sites.
@@ -132,7 +140,7 @@ class Profile:
 
     data: dict
     plan: list
-    sites: dict[str, list[tuple[str, int]]]
+    sites: dict[str, list[tuple]]
     path: Optional[str] = None
     model: Optional[weakref.ref] = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -183,12 +191,13 @@ class Profile:
                 out[result["batch"]] = spread["recommended_k"]
         return out
 
-    def hook_points(self, model: Any) -> dict[str, list[tuple[Any, int]]]:
-        """``point -> [(module, layer)]`` for :func:`l2prefetch.hooks.attach` (``model``
+    def hook_points(self, model: Any) -> dict[str, list[tuple]]:
+        """``point -> [(module, layer)]`` (``(module, layer, "before")`` for a site
+        hooked before its module) for :func:`l2prefetch.hooks.attach` (``model``
         must be the profile's own: :meth:`check_model`)."""
         self.check_model(model)
-        return {point: [(model.get_submodule(path) if path else model, layer)
-                        for path, layer in sites] for point, sites in self.sites.items()}
+        return {point: [(model.get_submodule(path) if path else model, *rest)
+                        for path, *rest in sites] for point, sites in self.sites.items()}
 
 
 _REPR = reprlib.Repr()
@@ -273,6 +282,10 @@ def _check_entry(i: int, entry: Any, data: dict, owner: dict, where: str) -> Non
     site = entry["site"]
     if not isinstance(site, str):
         raise _fail(where, f"plan[{i}].site must be a module path, got {_show(site)}")
+    hook = entry.get("hook", DEFAULT_SITE_HOOK)
+    if not isinstance(hook, str) or hook not in SITE_HOOKS:
+        raise _fail(where, f"plan[{i}].hook must be {site_hook_choices()} (absent: "
+                    f"{DEFAULT_SITE_HOOK!r}), got {_show(hook)}")
     site_layer = _layer_of(site)[0]
     if site_layer is not None and site_layer != layer:
         raise _fail(where, f"plan[{i}].site {_show(site)} is in layer {site_layer}, but the "
@@ -439,7 +452,7 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     plan, sites = [], {}
     for i, raw in enumerate(data["plan"]):
         if raw["site"] not in modules:
-            raise ProfileMismatchError(f"profile {where}: plan[{i}] forks after "
+            raise ProfileMismatchError(f"profile {where}: plan[{i}] forks at "
                                        f"{raw['site']!r}, which is not a module of this model")
         fields = {k: raw[k] for k in ("byte_cap", "grid", "carveout", "priority", "kernel",
                                       "graph_fork") if k in raw and raw[k] is not None}
@@ -450,8 +463,9 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
             raise _fail(where, f"plan[{i}] is not a valid plan entry: {exc}") from exc
         plan.append(entry)
         point_sites = sites.setdefault(raw["point"], [])
-        if (raw["site"], raw["layer"]) not in point_sites:  # one hook per site and layer
-            point_sites.append((raw["site"], raw["layer"]))
+        site = _site(raw["site"], raw["layer"], raw.get("hook", DEFAULT_SITE_HOOK))
+        if site not in point_sites:  # one hook per site and layer
+            point_sites.append(site)
     mine = versions()
     for key, value in data.get("versions", {}).items():  # checked: str -> str or null
         if key in mine and mine[key] != value:

@@ -11,7 +11,12 @@ needs no GPU and no per-model code.
 ``"module"``) or where the enclosing block before it returns (kind
 ``"block"``: the child of the two modules' common ancestor that holds
 ``R[k-1]``, one level inside the decoder layer when that child is the layer
-itself, e.g. ``self_attn`` or ``mlp``).  The fork loads ``R[k]``'s weights and
+itself, e.g. ``self_attn`` or ``mlp``), or where a module that runs between
+the two begins (kind ``"before"``: a forward pre-hook on a child of the
+decoder layer, or a module outside the layers, called after ``R[k-1]`` and
+before ``R[k]``, such as ``post_attention_layernorm`` before the MLP: an inline
+fork there runs its loader beside the module's first kernel, which may be a
+window's long one; RESULTS run 20).  The fork loads ``R[k]``'s weights and
 those of the following reads, in order, up to a byte cap.  A role is that
 site and consumer relative to the decoder layer ("after self_attn.v_proj:
 self_attn.o_proj"), so it is one candidate per layer and is measured once
@@ -29,6 +34,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
+from ..mechanisms import DEFAULT_SITE_HOOK
 from ..plan import _layer_of  # the runtime's too (profiles name sites by layer)
 
 __all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "discover", "roles_from_plan"]
@@ -36,6 +42,8 @@ __all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "discover", "roles
 MIB = 1 << 20
 #: The largest load a candidate is built for (the tuner's largest cap).
 DEFAULT_MAX_BYTES = 48 * MIB
+#: The kinds of fork site :func:`candidates` knows, in the order it lists a read's.
+KINDS = ("module", "block", "before")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -65,10 +73,12 @@ class Read:
 
 
 class Reads(list):
-    """The reads of one forward (a list of :class:`Read`), plus ``called``: the
-    paths of every module whose forward ran, which :func:`candidates` uses to
-    pick fork sites that really return during the step."""
+    """The reads of one forward (a list of :class:`Read`), plus ``calls``: the
+    paths of every module whose forward ran, in the order of their first calls,
+    and ``called``, the same as a set; :func:`candidates` uses them to pick fork
+    sites that really run during the step, and what runs between two reads."""
 
+    calls: tuple = ()
     called: frozenset = frozenset()
 
 
@@ -148,6 +158,7 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
     finally:
         for handle in handles:
             handle.remove()
+    reads.calls = tuple(called)
     reads.called = frozenset(called)
     if not reads:
         largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
@@ -161,15 +172,24 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
 
 @dataclasses.dataclass(frozen=True)
 class RoleSite:
-    """One layer's instance of a role: fork when ``site`` returns, at ``layer``
-    (the layer the fork carries), loading ``weights`` in order; ``reads`` are
-    the reads those weights belong to (consumer first)."""
+    """One layer's instance of a role: fork when ``site`` returns (``hook``
+    ``"before"``: when it begins), at ``layer`` (the layer the fork carries),
+    loading ``weights`` in order; ``reads`` are the reads those weights belong to
+    (consumer first)."""
 
     layer: int
     site: str
     reads: tuple[str, ...]
     weights: tuple[Any, ...] = dataclasses.field(repr=False)
     nbytes: tuple[int, ...] = dataclasses.field(repr=False)
+    hook: str = DEFAULT_SITE_HOOK
+
+    def hook_site(self) -> tuple:
+        """The site as profiles and tune results list it: ``(path, layer)``, or
+        ``(path, layer, hook)`` where the hook is not the default."""
+        from ..profile import _site
+
+        return _site(self.site, self.layer, self.hook)
 
     @property
     def total_bytes(self) -> int:
@@ -187,8 +207,10 @@ class Role:
 
     ``name`` is the point name its forks use.  ``consumer`` and ``site`` are
     paths relative to the decoder layer (whole paths outside layers);
-    ``kind`` is ``"module"`` (after the previous read's module) or
-    ``"block"`` (after its enclosing block); ``next_layer`` is True when the
+    ``kind`` is ``"module"`` (after the previous read's module),
+    ``"block"`` (after its enclosing block), ``"before"`` (before a module
+    that runs between the two reads) or ``"policy"`` (a policy's point, see
+    :func:`roles_from_plan`); ``next_layer`` is True when the
     consumer is in the layer after the site's.  ``sites`` has one entry per
     layer.  ``defaults`` are settings a policy chose (empty for discovered
     roles): ``byte_cap``, ``grid``, ``carveout``, ``priority``.
@@ -248,13 +270,35 @@ class Role:
                           priority=self.default("priority", False), **extra)
                 for s in self.sites]
 
-    def hook_sites(self, model: Any) -> list[tuple[Any, int]]:
-        """``(module, layer)`` for :func:`l2prefetch.hooks.attach`."""
-        return [(model.get_submodule(s.site) if s.site else model, s.layer) for s in self.sites]
+    def hook_sites(self, model: Any) -> list[tuple]:
+        """``(module, layer)`` (``(module, layer, "before")`` for a site hooked before
+        its module) for :func:`l2prefetch.hooks.attach`."""
+        return [(model.get_submodule(path) if path else model, *rest)
+                for path, *rest in (s.hook_site() for s in self.sites)]
 
 
-def _role_name(site_rel: str, consumer_rel: str, next_layer: bool) -> str:
-    return f"after {site_rel}: {'next ' if next_layer else ''}{consumer_rel}"
+def _role_name(kind: str, site_rel: str, consumer_rel: str, next_layer: bool) -> str:
+    where = "before" if kind == "before" else "after"
+    return f"{where} {site_rel}: {'next ' if next_layer else ''}{consumer_rel}"
+
+
+def _before_sites(calls: Sequence[str], position: dict[str, int], previous: str,
+                  consumer: str) -> list[str]:
+    """The modules a ``"before"`` site can hook for ``consumer``: called after ``previous``
+    and before ``consumer`` (first calls), neither inside ``previous`` nor an ancestor of
+    ``consumer``, and a child of a decoder layer or outside the layers (one of a layer's
+    parts, such as its norms, not a module deep inside a block)."""
+    if previous not in position or consumer not in position:
+        return []
+    out = []
+    for path in calls[position[previous] + 1:position[consumer]]:
+        if path.startswith(previous + ".") or consumer.startswith(path + ".") or not path:
+            continue
+        layer, relative = _layer_of(path)
+        if layer is not None and (not relative or "." in relative):
+            continue
+        out.append(path)
+    return out
 
 
 def _ancestors(path: str) -> list[str]:
@@ -288,21 +332,24 @@ def _chain(reads: Sequence[Read], k: int, max_bytes: int) -> list[Read]:
 
 
 def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MAX_BYTES,
-               kinds: Sequence[str] = ("module", "block")) -> list[Role]:
+               kinds: Sequence[str] = KINDS) -> list[Role]:
     """The candidate roles of ``reads`` (from :func:`discover`), in the order of
     their first fork.
 
     Each role forks at one site per layer and loads the consumer's weights
     and those of the following reads, up to ``max_bytes`` per fork (the cap
     is chosen later, per setting).  Routed reads are never consumers.
-    ``kinds`` selects the sites: ``"module"`` (after the previous read) and
-    ``"block"`` (after its enclosing block).
+    ``kinds`` selects the sites: ``"module"`` (after the previous read),
+    ``"block"`` (after its enclosing block) and ``"before"`` (before a module
+    between the two, which needs the call order that :func:`discover` records).
     """
     import torch
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     called = reads.called if isinstance(reads, Reads) and reads.called else None
+    calls = reads.calls if isinstance(reads, Reads) else ()
+    position = {path: i for i, path in enumerate(calls)}
     reads = list(reads)
     for i, read in enumerate(reads):
         if not isinstance(read, Read):
@@ -310,9 +357,8 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
                             f"{type(read).__name__}")
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
-    unknown = [k for k in kinds if k not in ("module", "block")]
-    if isinstance(kinds, str) or unknown or not kinds:
-        raise ValueError(f"kinds must be a non-empty sequence of 'module' and 'block', "
+    if isinstance(kinds, str) or not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"kinds must be a non-empty sequence of {', '.join(map(repr, KINDS))}, "
                          f"got {kinds!r}")
 
     grouped: dict[tuple, list[RoleSite]] = {}
@@ -332,6 +378,9 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
             if block is not None and block != previous.path and (
                     called is None or block in called):
                 sites.append(("block", block))
+        if "before" in kinds:
+            sites += [("before", path) for path in
+                      _before_sites(calls, position, previous.path, consumer.path)]
         for kind, site in sites:
             site_layer, site_rel = _layer_of(site)
             next_layer = (site_layer is not None and consumer.layer is not None
@@ -343,7 +392,8 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
                 order.append(key)
             grouped[key].append(RoleSite(layer=layer, site=site,
                                          reads=tuple(r.path for r in chain), weights=weights,
-                                         nbytes=nbytes))
+                                         nbytes=nbytes,
+                                         hook="before" if kind == "before" else "after"))
     roles = []
     for key in order:
         kind, site_rel, consumer_rel, next_layer = key
@@ -353,7 +403,7 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
         layers = [s.layer for s in sites]
         if len(set(layers)) != len(layers):
             continue
-        roles.append(Role(name=_role_name(site_rel, consumer_rel, next_layer),
+        roles.append(Role(name=_role_name(kind, site_rel, consumer_rel, next_layer),
                           consumer=consumer_rel, site=site_rel, kind=kind,
                           next_layer=next_layer, sites=tuple(sites)))
     return roles

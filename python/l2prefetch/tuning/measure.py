@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from ..mechanisms import GRAPH_FORK_MODES
-from .discovery import Role
+from .discovery import KINDS, Role
 from .rig import NoForks, Rig
 from .arms import NO_FORKS, Arm, Backend, Prepared, Probe, StepError, no_forks_of
 
@@ -526,7 +526,7 @@ class GraphBackend(Backend):
             logger.info("torch %s cannot record timing events inside a graph capture: "
                         "windows and gaps are not probed", torch.__version__)
             return None
-        discovered = [r for r in roles if r.kind in ("module", "block")]
+        discovered = [r for r in roles if r.kind in KINDS]
         if not discovered:
             return None
         try:
@@ -548,8 +548,9 @@ class GraphBackend(Backend):
             for site in role.sites:
                 consumer = site.reads[0]
                 start = cold["start"].get(consumer)
-                if start is not None and site.site in cold["site"]:
-                    windows.append(start - cold["site"][site.site])
+                at = cold["site"].get((site.site, site.hook))
+                if start is not None and at is not None:
+                    windows.append(start - at)
                 consumer_gap += gap(consumer)
                 loaded = 0
                 for read, nbytes in zip(site.reads, self._read_bytes(site)):
@@ -574,10 +575,10 @@ class GraphBackend(Backend):
 
         torch, model = self.torch, self.model
         reads = sorted({read for role in roles for site in role.sites for read in site.reads})
-        sites = sorted({site.site for role in roles for site in role.sites})
+        sites = sorted({(site.site, site.hook) for role in roles for site in role.sites})
         events: dict[tuple[str, str], Any] = {}
 
-        def event(kind: str, path: str) -> Any:
+        def event(kind: str, path: Any) -> Any:
             ev = events.get((kind, path))
             if ev is None:
                 ev = events[(kind, path)] = torch.cuda.Event(enable_timing=True, external=True)
@@ -605,12 +606,14 @@ class GraphBackend(Backend):
                     event("end", path).record()
                 handles.append(module.register_forward_pre_hook(pre))
                 handles.append(module.register_forward_hook(post))
-            for path in sites:
+            for path, hook in sites:
                 module = model.get_submodule(path) if path else model
 
-                def after(module: Any, args: Any, output: Any, path: str = path) -> None:
-                    event("site", path).record()
-                handles.append(module.register_forward_hook(after))
+                def at(module: Any, *args: Any, path: str = path, hook: str = hook) -> None:
+                    event("site", (path, hook)).record()
+                # as hooks.attach hooks a site: a "before" ahead of the other pre-hooks
+                handles.append(module.register_forward_pre_hook(at, prepend=True)
+                               if hook == "before" else module.register_forward_hook(at))
             inner = self._fn(batch)
 
             def fn() -> Any:

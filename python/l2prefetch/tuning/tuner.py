@@ -46,14 +46,15 @@ class TuneResult:
 
     ``plan`` is the merged plan (one :class:`~l2prefetch.plan.PlanEntry` per
     kept role, layer and setting, holding the batches where it was kept);
-    ``sites`` the fork site of each (point, layer); ``batches`` the
+    ``sites`` the fork site of each (point, layer): ``(path, layer)``, or
+    ``(path, layer, "before")`` for a site hooked before its module; ``batches`` the
     per-batch reports.  An empty plan is a valid, common result.
     """
 
     batches: list[BatchReport]
     roles: list[Role]
     plan: list
-    sites: dict[str, list[tuple[str, int]]]
+    sites: dict[str, list[tuple]]
     budget_s: float
     elapsed_s: float
     settings: dict
@@ -93,8 +94,8 @@ class TuneResult:
         names = {}
         for name, value in _named_tensors(model).items():
             names.setdefault(id(value), name)
-        site_of = {(point, layer): path for point, sites in self.sites.items()
-                   for path, layer in sites}
+        site_of = {(point, layer): (path, *hook) for point, sites in self.sites.items()
+                   for path, layer, *hook in sites}
         entries, weight_paths = [], []
         for entry in self.plan:
             paths = []
@@ -105,9 +106,10 @@ class TuneResult:
                                      "tensor that is not the model's: pass the tuned model")
                 paths.append(path)
             weight_paths += paths
+            site, *hook = site_of[(entry.point, entry.layer)]
             entries.append({"point": entry.point, "layer": entry.layer,
                             "batches": list(entry.batches), "weights": paths,
-                            "site": site_of[(entry.point, entry.layer)],
+                            "site": site, **({"hook": hook[0]} if hook else {}),
                             "byte_cap": entry.byte_cap, "grid": entry.grid,
                             "carveout": entry.carveout, "priority": entry.priority,
                             "kernel": getattr(entry, "kernel", None),
@@ -202,7 +204,8 @@ def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
 def merge_plan(roles: Sequence[Role], reports: Sequence[BatchReport]) -> tuple[list, dict]:
     """One plan for all batches: an entry per kept (role, setting) and layer, holding the
     batches where that setting was confirmed at that layer (a setting for a group of
-    layers covers those only); and each point's (site path, layer), by layer."""
+    layers covers those only); and each point's sites (:meth:`RoleSite.hook_site`), by
+    layer."""
     by_name = {role.name: role for role in roles}
     batches_of: dict[tuple[str, Setting], dict[int, list[int]]] = {}
     for rep in reports:
@@ -223,8 +226,8 @@ def merge_plan(roles: Sequence[Role], reports: Sequence[BatchReport]) -> tuple[l
                                  kernel=setting.kernel, graph_fork=setting.graph_fork)
             point_sites = sites.setdefault(name, [])
             for site in role.sites:
-                if (site.site, site.layer) not in point_sites:
-                    point_sites.append((site.site, site.layer))
+                if site.hook_site() not in point_sites:
+                    point_sites.append(site.hook_site())
     for point_sites in sites.values():
         point_sites.sort(key=lambda site: site[1])
     return plan, sites
