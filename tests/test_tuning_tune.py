@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from l2prefetch import PlanEntry, tuning
+from l2prefetch import PlanEntry, hooks, tuning
 from l2prefetch import profile as P
 from l2prefetch.tuning.arms import Backend
 
@@ -120,6 +120,40 @@ def test_profile_round_trip(tmp_path, monkeypatch):
     assert points[O_PROJ][1] == (model.model.layers[1].self_attn.v_proj, 1)
     # inspecting without the GPU
     assert tuning.load_profile(path, model, check_device=False).batches == [1, 8]
+
+
+BEFORE = "before post_attention_layernorm: mlp.gate_proj"
+
+
+def test_a_before_role_goes_from_tune_to_the_profile_to_pre_hooks(tmp_path, monkeypatch):
+    """A role whose forks are hooked before their module (issue 24) is kept like any other;
+    its sites say so in the result, the profile ("hook": "before") and the hook points,
+    and attach() hooks them ahead of the module's other pre-hooks."""
+    model, result = tuned({BEFORE: lambda s: 9.0 if s.graph_fork == "inline" else -2.0,
+                           O_PROJ: lambda s: -3.0, GATE: lambda s: -3.0}, batches=(1,))
+    assert {e.point for e in result.plan} == {BEFORE}
+    norms = [f"model.layers.{l}.post_attention_layernorm" for l in range(3)]
+    assert result.sites[BEFORE] == [(path, l, "before") for l, path in enumerate(norms)]
+    path = tmp_path / "profile.json"
+    result.save(path, model)
+    data = json.loads(path.read_text())
+    assert {(e["site"], e["hook"]) for e in data["plan"]} == {(n, "before") for n in norms}
+    monkeypatch.setattr(P, "device_fingerprint", lambda device=None: dict(FAKE_DEVICE))
+    profile = tuning.load_profile(path, model)
+    points = profile.hook_points(model)
+    assert points[BEFORE] == [(layer.post_attention_layernorm, l, "before")
+                              for l, layer in enumerate(model.model.layers)]
+    calls = []
+    recorder = type("R", (), {"fork": lambda self, *a: calls.append(a), "join": lambda self: 0})
+    norm = model.model.layers[0].post_attention_layernorm
+    norm.register_forward_pre_hook(lambda m, a: calls.append("window"))
+    with hooks.attach(model, recorder(), points):
+        model(torch.zeros(2, 1, 1024, dtype=torch.bfloat16))
+    assert calls[:2] == [(BEFORE, 0, 2), "window"]
+    # a profile of after-sites only writes no hook (the files written before it stay valid)
+    other, plain = tuned()
+    plain.save(tmp_path / "plain.json", other)
+    assert not any("hook" in e for e in json.loads((tmp_path / "plain.json").read_text())["plan"])
 
 
 def test_a_profile_of_another_device_or_model_is_refused(tmp_path, monkeypatch):
@@ -431,6 +465,9 @@ def entry0(data):
     # two entries for one (point, layer, batch): the last would win
     (lambda d: d["plan"].append(dict(entry0(d))), r"plan\[0\] and plan\[\d+\] both prefetch at "
                                                   r"point '.*', layer 0, batch 1"),
+    # a site hooked neither after nor before its module
+    (lambda d: entry0(d).update(hook="during"),
+     r"plan\[0\].hook must be 'after' or 'before' \(absent: 'after'\), got 'during'"),
     # an entry for a batch the profile was not tuned at
     (lambda d: entry0(d).update(batches=[1, 4]), r"plan\[0\].batches holds 4, which is not one "
                                                  r"of the profile's batches \[1, 8\]"),
