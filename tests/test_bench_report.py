@@ -194,6 +194,23 @@ def test_a_planted_window_goes_before_the_named_layers_only():
     assert len(_planted(Rig(), model, "attention", 10)) == 6
 
 
+@pytest.mark.parametrize("site, kind, name, layers", [
+    ("mlp", "module", "after self_attn.o_proj: mlp.gate_proj", (0, 1, 2)),
+    ("mlp", "before", "before post_attention_layernorm: mlp.gate_proj", (0, 1, 2)),
+    ("attention", "module", "after mlp.down_proj: next self_attn.q_proj", (0, 1)),
+    ("attention", "before", "before input_layernorm: self_attn.q_proj", (1, 2)),
+])
+def test_the_planted_section_measures_both_roles_of_each_window(site, kind, name, layers):
+    """After the read before the window, and before the norm whose pre-hook plants it."""
+    import _tuning_fakes as fakes
+    from benchmarks.sections.planted import _role
+
+    model = fakes.llama(n_layers=3, h=1024, i=2048, kv=256)
+    x = torch.zeros(1, 1, 1024, dtype=torch.bfloat16)
+    role = _role(model, lambda batch: model(x), site, kind)
+    assert (role.name, role.kind, role.layers) == (name, kind, layers)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--site", "none", "--hand", "1"], "--hand compares plans for a planted window"),
     (["--layers", "1,x", "1"], "'1,x' is not comma-separated layer indices"),

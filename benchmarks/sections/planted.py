@@ -3,9 +3,10 @@
 HF Llama- and Qwen3-shaped models (random bf16, 6 layers, ``hf.DecodeStep``), a one-thread
 spin of ``SPINS_US`` before every MLP (a forward pre-hook on ``post_attention_layernorm``)
 or, separately, before every attention (on ``input_layernorm``), and the same models with
-nothing planted.  For the role whose window it is (discovered by ``tuning.discover``: the
-gate_proj after o_proj, the next layer's q_proj after down_proj), per fork mode and cap, side
-by side in one run, through the tuner's own backend (``tuning.measure.GraphBackend``):
+nothing planted.  For the roles whose window it is (discovered by ``tuning.discover``: the
+gate_proj after o_proj and before post_attention_layernorm, the next layer's q_proj after
+down_proj and before input_layernorm), per fork mode and cap, side by side in one run, through
+the tuner's own backend (``tuning.measure.GraphBackend``):
 
 * (a) no forks, (d) the same forks with empty tables, (b) the loads: a mode's (d) and (b)s
   are switched states of shared graph instances (``tuning.rig.LoaderSwitch``), so (d) - (b)
@@ -43,9 +44,14 @@ MODELS = {
     "qwen3": ("Qwen3Config", dict(hidden_size=2560, intermediate_size=9728,
                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128)),
 }
-#: The role that each site's window serves: (its fork site's suffix, its consumer's).
-ROLES = {"mlp": ("self_attn.o_proj", "mlp.gate_proj"),
-         "attention": ("mlp.down_proj", "self_attn.q_proj")}
+#: The roles that each site's window serves: {kind: its fork site's suffix}, its consumer's
+#: suffix.  "module": after the read before the window; "before": hooked ahead of the norm
+#: whose pre-hook is the planted spin, so the fork's next kernel is the window's own.
+ROLES = {"mlp": ({"module": "self_attn.o_proj", "before": "post_attention_layernorm"},
+                 "mlp.gate_proj"),
+         "attention": ({"module": "mlp.down_proj", "before": "input_layernorm"},
+                       "self_attn.q_proj")}
+KINDS = ("module", "before")
 
 
 def _model(name):
@@ -60,15 +66,17 @@ def _model(name):
                                                    attn_implementation="sdpa").eval()
 
 
-def _role(model, step, site):
+def _role(model, step, site, kind="module"):
+    """The discovered role of ``kind`` whose forks serve ``site``'s window."""
     from l2prefetch.tuning import candidates, discover
 
-    fork_after, consumer = ROLES[site]
+    forks, consumer = ROLES[site]
     roles = candidates(model, discover(model, lambda: step(1)))
     for role in roles:
-        if role.site.endswith(fork_after) and role.consumer.endswith(consumer):
+        if (role.kind == kind and role.site.endswith(forks[kind])
+                and role.consumer.endswith(consumer)):
             return role
-    raise RuntimeError(f"no discovered role forks after {fork_after} for {consumer}: "
+    raise RuntimeError(f"no discovered {kind} role forks at {forks[kind]} for {consumer}: "
                        f"{[r.name for r in roles]}")
 
 
@@ -105,13 +113,12 @@ def run(rig, quick):
     for name in MODELS:
         model = _model(name)
         step = DecodeStep(model)
-        roles = {site: _role(model, step, site) for site in sites}
         for site in sites:
-            role = roles[site]
             for spin in (0,) + spins:
                 hooks = _planted(rig, model, site, spin) if spin else []
                 try:
-                    for batch in BATCHES:
+                    for batch, kind in [(b, k) for b in BATCHES for k in KINDS]:
+                        role = _role(model, step, site, kind)
                         backend = GraphBackend(model, step, rounds=30)
                         backend.use_roles([role], [c * MIB for c in CAPS_MIB])
                         backend.prepare(batch)
@@ -132,7 +139,8 @@ def run(rig, quick):
                                 prize = gap * min(1.0, cap * MIB / own) if gap else None
                                 share = (f"{100 * vs_d.estimate / prize:.0f}%"
                                          if prize and prize > 0 else "n/a")
-                                rows.append([name, site, f"{spin}" if spin else "none", batch, mode,
+                                rows.append([name, site, f"{spin}" if spin else "none", batch,
+                                             role.name.split(":")[0], mode,
                                              cap, f"{statistics.mean(a):.1f}", cost.format(1),
                                              vs_d.format(1), vs_a.format(1),
                                              f"{gap:.1f}" if gap is not None else "n/a", share,
@@ -143,13 +151,14 @@ def run(rig, quick):
                         h.remove()
         del model, step
         torch.cuda.empty_cache()
-    head = ["model", "window before", "spin us", "batch", "mode", "cap MiB", "(a) us",
+    head = ["model", "window before", "spin us", "batch", "fork", "mode", "cap MiB", "(a) us",
             "(d) - (a) us", "(d) - (b) us, paired", "(a) - (b) us", "gap us", "recovered",
             "bitwise"]
     return ("### planted: planted idle windows in HF models' graphs\n\n"
             f"6 layers, random bf16, {INSTANCES} graph instances per structure, 30 rounds; "
-            "the role is the window's (gate_proj after o_proj for the MLP, the next q_proj "
-            "after down_proj for the attention); 95% intervals; gap: the consumers' "
+            "the roles are the window's (gate_proj after o_proj and before "
+            "post_attention_layernorm for the MLP, q_proj after the previous layer's down_proj "
+            "and before input_layernorm for the attention); 95% intervals; gap: the consumers' "
             "cold-to-hot gap over all layers (the most all of their bytes can save); "
             "recovered: (d) - (b) over the prize of the bytes loaded (the gap times the share "
             "of the consumer's weights the cap covers).\n\n" + table(head, rows) + "\n")
