@@ -322,6 +322,36 @@ def test_a_before_site_forks_behind_its_modules_input(aot):
     assert controller.calls == [("fork", "mlp", 0, BATCH), ("fork", "mlp", 1, BATCH), ("join",)]
 
 
+def test_a_before_site_whose_input_is_a_keyword_forks_behind_it():
+    """A module called as ``m(3, hidden_states=x)``: the batch and ``after`` are x's."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16, bias=False)
+
+        def forward(self, scale, hidden_states):
+            return self.proj(hidden_states) * scale
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Linear(16, 16, bias=False)
+            self.inner = Scaled()
+
+        def forward(self, x):
+            return self.inner(3, hidden_states=self.first(x))
+
+    torch.manual_seed(0)
+    model, controller = Outer(), Recorder()
+    hooks.attach(model, controller, {"p": [(model.inner, 0, "before")]})
+    backend = Graphs()
+    torch.compile(model, fullgraph=True, backend=backend)(torch.randn(BATCH, 1, 16))
+    forks = [_bound(FORK_ARGS, _op(n)[1], n.kwargs) for g in backend.graphs for n in g.nodes
+             if n.op == "call_function" and _op(n)[0] is FORK]
+    assert [(f["point"], f["batch"]) for f in forks] == [("p", BATCH)]
+    assert _matmul_of(forks[0]["after"]) is not None      # behind first's matmul, not None
+
+
 def test_attachment_join_in_compiled_code():
     torch.manual_seed(0)
     model, controller = Model(), Recorder()

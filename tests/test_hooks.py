@@ -310,3 +310,12 @@ def test_a_before_site_reads_the_batch_from_the_input_and_its_keywords():
            batch_fn=lambda m, a, k: 0 if m is model.layers[0].mlp else 9)
     model(torch.zeros(4, H))
     assert controller.calls == []                       # batch 0 skips, before as after
+
+
+def test_before_sites_on_one_module_fork_in_the_order_given():
+    model, controller = Tiny(1), Recorder()
+    mlp = model.layers[0].mlp
+    attach(model, controller, {"p": [(mlp, 0, "before")], "q": [(mlp, 0, "before")],
+                               "r": [(mlp, 0)], "s": [(mlp, 0)]}, join=False)
+    model(torch.zeros(2, H))
+    assert [c[1] for c in controller.calls] == ["p", "q", "r", "s"]

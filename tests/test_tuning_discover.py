@@ -129,6 +129,41 @@ def test_llama_roles_before_the_norms():
     assert {r.kind for r in candidates(model, reads, kinds=("before",))} == {"before"}
 
 
+def test_a_module_run_twice_is_no_before_site():
+    """Phi's decoder layer runs one resid_dropout after the attention and after the MLP: a
+    pre-hook on it would fork twice per layer, the second time after the consumer."""
+    model = fakes.llama(n_layers=2, h=1024, i=2048, kv=256)
+    for layer in model.model.layers:
+        layer.dropout = torch.nn.Dropout(0.0)
+
+        def forward(x, layer=layer):
+            x = x + layer.dropout(layer.self_attn(layer.input_layernorm(x)))
+            return x + layer.dropout(layer.mlp(layer.post_attention_layernorm(x)))
+        layer.forward = forward
+    reads = reads_of(model, min_bytes=256 * 1024)
+    assert "model.layers.0.dropout" in reads.repeated
+    assert "model.layers.0.post_attention_layernorm" not in reads.repeated
+    names = [r.name for r in candidates(model, reads) if r.kind == "before"]
+    assert "before post_attention_layernorm: mlp.gate_proj" in names
+    assert not [n for n in names if "dropout" in n], names
+
+
+def test_roles_from_plan_keep_a_sites_hook():
+    from l2prefetch import PlanEntry
+
+    model = fakes.llama(n_layers=2, h=1024, i=2048, kv=256)
+    layers = model.model.layers
+    plan = [PlanEntry("mlp", i, (1,), (layer.mlp.gate_proj.weight,)) for i, layer in
+            enumerate(layers)]
+    points = {"mlp": [(layers[0].post_attention_layernorm, 0, "before"),
+                      (layers[1].self_attn.o_proj, 1)]}
+    (role,) = tuning.roles_from_plan(model, plan, points)
+    assert [(s.site, s.hook) for s in role.sites] == [
+        ("model.layers.0.post_attention_layernorm", "before"),
+        ("model.layers.1.self_attn.o_proj", "after")]
+    assert role.hook_sites(model) == points["mlp"]
+
+
 def test_cap_chain_stops_at_max_bytes():
     model = fakes.llama(n_layers=3, h=1024, i=2048, kv=256)
     reads = reads_of(model, min_bytes=256 * 1024)
@@ -245,5 +280,11 @@ def test_hf_models_discover_unchanged():
         roles = {r.name for r in candidates(model, reads)}
         assert "after self_attn.v_proj: self_attn.o_proj" in roles, (model_type, roles)
         assert "after mlp: next self_attn.q_proj" in roles, (model_type, roles)
+        # DecodeStep runs the model twice (a prefill, then the decode step): each module
+        # runs once per forward, so none is taken for a module run twice
+        assert not reads.repeated, (model_type, reads.repeated)
+        assert "before input_layernorm: self_attn.q_proj" in roles, (model_type, roles)
+        dense = "moe" not in model_type and model_type != "mixtral"
+        assert ("before post_attention_layernorm: mlp.gate_proj" in roles) == dense, roles
         if "moe" in model_type or model_type == "mixtral":
             assert any(r.routed for r in reads), model_type

@@ -39,8 +39,12 @@ def test_the_tuner_finds_an_idle_window():
     result = tuning.tune(model, step, [1, 8], budget_s=45, progress=None)
     print(result.markdown())
     for report in result.batches:
-        role = by_role(report)["after a: b"]
-        assert role.kept, role.reason
+        # forked after a or before the window module: the same place in this model, so
+        # either may be kept and the other dropped when combining (H200, RESULTS run 20)
+        kept = [r for name, r in by_role(report).items()
+                if name in ("after a: b", "before window: b") and r.kept]
+        assert len(kept) == 1, [(r.role, r.reason) for r in report.roles]
+        role = kept[0]
         assert report.confirmed is not None and report.confirmed.gain.low > 0
         # Net of the forks' own cost (its empty-table control), the loads recover at
         # least 80% of b's cold-to-hot gap summed over the layers (the probe's).

@@ -461,10 +461,21 @@ def entry0(data):
     return data["plan"][0]
 
 
+def split_hook(data):
+    """plan[0] for batch 1 only, and a copy of it for batch 8 hooked before its site."""
+    entry0(data)["batches"] = [1]
+    data["plan"].append(dict(entry0(data), batches=[8], hook="before"))
+
+
 @pytest.mark.parametrize("change, field", [
     # two entries for one (point, layer, batch): the last would win
     (lambda d: d["plan"].append(dict(entry0(d))), r"plan\[0\] and plan\[\d+\] both prefetch at "
                                                   r"point '.*', layer 0, batch 1"),
+    # one point and layer hooked after its site at batch 1, before it at batch 8: attach()
+    # hooks per point and layer, for every batch, so it would fork twice
+    (split_hook, r"plan\[0\] and plan\[\d+\] fork at point '.*', layer 0 from different "
+                 r"sites \('model.layers.0.self_attn.v_proj' after, "
+                 r"'model.layers.0.self_attn.v_proj' before\)"),
     # a site hooked neither after nor before its module
     (lambda d: entry0(d).update(hook="during"),
      r"plan\[0\].hook must be 'after' or 'before' \(absent: 'after'\), got 'during'"),

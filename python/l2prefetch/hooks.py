@@ -205,17 +205,18 @@ def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
     batch_of = batch_fn if batch_fn is not None else (
         lambda module, args, kwargs: _batch_of(args, kwargs, tensor))
 
-    def at(module: Any, args: tuple, kwargs: dict, follows: Any) -> None:
+    def at(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         batch = batch_of(module, args, kwargs)
         if batch:
             if is_compiling():
+                follows = (args, kwargs) if before else output
                 fork_op(handle, point, layer, batch, _first_tensor(follows, tensor))
             else:
                 fork(point, layer, batch)
 
     if before:
         def pre_hook(module: Any, args: tuple, kwargs: dict) -> None:
-            at(module, args, kwargs, args if args else kwargs)
+            at(module, args, kwargs, None)
         return pre_hook
 
     def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
@@ -321,7 +322,7 @@ def attach(model: torch.nn.Module, controller: Controller,
                        type(controller).__name__)
 
     fork = controller.fork
-    handles, sites = [], []
+    handles, sites, befores = [], [], []
     try:
         for point, point_sites in resolved:
             for module, layer, where in point_sites:
@@ -329,11 +330,15 @@ def attach(model: torch.nn.Module, controller: Controller,
                 hook = _fork_hook(fork, point, layer, batch_fn, torch.Tensor, is_compiling,
                                   fork_op, op_handle, before)
                 if before:
-                    handles.append(module.register_forward_pre_hook(hook, with_kwargs=True,
-                                                                    prepend=True))
+                    befores.append((module, hook))
                 else:
                     handles.append(module.register_forward_hook(hook, with_kwargs=True))
                 sites.append((point, layer, module))
+        # each prepended ahead of the last: in reverse, so that one module's before-sites
+        # fork in the order given, as its after-sites do
+        for module, hook in reversed(befores):
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True,
+                                                            prepend=True))
         if join:
             end, tensor = controller.join, torch.Tensor
 

@@ -251,7 +251,8 @@ def _check_fingerprint(weights: dict, where: str) -> None:
 
 def _check_entry(i: int, entry: Any, data: dict, owner: dict, where: str) -> None:
     """plan[i]: its fields, and that it agrees with the rest of the file.  ``owner`` maps
-    each (point, layer, batch) already planned to the entry that plans it."""
+    each (point, layer, batch) already planned to the entry that plans it, and each
+    (point, layer) to its first entry (one hook per point and layer, whatever the batch)."""
     from .plan import MAX_LAYER
     from .plan import _layer_of
 
@@ -290,6 +291,14 @@ def _check_entry(i: int, entry: Any, data: dict, owner: dict, where: str) -> Non
     if site_layer is not None and site_layer != layer:
         raise _fail(where, f"plan[{i}].site {_show(site)} is in layer {site_layer}, but the "
                     f"entry is for layer {layer}")
+    first = owner.setdefault((point, layer), i)
+    if first != i:
+        theirs = data["plan"][first]
+        if (theirs["site"], theirs.get("hook", DEFAULT_SITE_HOOK)) != (site, hook):
+            raise _fail(where, f"plan[{first}] and plan[{i}] fork at point {_show(point)}, "
+                        f"layer {layer} from different sites ({_show(theirs['site'])} "
+                        f"{theirs.get('hook', DEFAULT_SITE_HOOK)}, {_show(site)} {hook}): the "
+                        "hooks of a point and layer serve all its batches")
     if not isinstance(batches, list) or not batches:
         raise _fail(where, f"plan[{i}].batches must be a non-empty list of the profile's "
                     f"batches, got {_show(batches)}")

@@ -80,6 +80,9 @@ class Reads(list):
 
     calls: tuple = ()
     called: frozenset = frozenset()
+    #: paths of modules whose forward ran more than once in one forward of the model (a
+    #: hook on one forks at every run, so none is a before- or block-site)
+    repeated: frozenset = frozenset()
 
 
 def _own_parameters(module: Any) -> list[tuple[str, Any]]:
@@ -127,12 +130,21 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
 
     reads = Reads()
     called: list[str] = []
+    runs: dict[str, int] = {}          # per forward of the model (run() may make several)
+    repeated: set[str] = set()
     seen_modules: set[int] = set()
     seen_params: set[int] = set()
 
     def pre_hook(module: Any, args: Any) -> None:
         path = names.get(module)
-        if path is None or id(module) in seen_modules:
+        if path is None:
+            return
+        if module is model:            # a forward of the model: count the runs of each anew
+            runs.clear()
+        runs[path] = runs.get(path, 0) + 1
+        if runs[path] > 1:
+            repeated.add(path)
+        if id(module) in seen_modules:
             return
         seen_modules.add(id(module))
         called.append(path)
@@ -160,6 +172,7 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
             handle.remove()
     reads.calls = tuple(called)
     reads.called = frozenset(called)
+    reads.repeated = frozenset(repeated)
     if not reads:
         largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
         raise ValueError(f"no module read a weight of at least min_bytes={min_bytes} in that "
@@ -282,17 +295,18 @@ def _role_name(kind: str, site_rel: str, consumer_rel: str, next_layer: bool) ->
     return f"{where} {site_rel}: {'next ' if next_layer else ''}{consumer_rel}"
 
 
-def _before_sites(calls: Sequence[str], position: dict[str, int], previous: str,
-                  consumer: str) -> list[str]:
+def _before_sites(calls: Sequence[str], position: dict[str, int], repeated: frozenset,
+                  previous: str, consumer: str) -> list[str]:
     """The modules a ``"before"`` site can hook for ``consumer``: called after ``previous``
-    and before ``consumer`` (first calls), neither inside ``previous`` nor an ancestor of
-    ``consumer``, and a child of a decoder layer or outside the layers (one of a layer's
+    and before ``consumer``, once in the step, neither inside ``previous`` nor an ancestor
+    of ``consumer``, and a child of a decoder layer or outside the layers (one of a layer's
     parts, such as its norms, not a module deep inside a block)."""
     if previous not in position or consumer not in position:
         return []
     out = []
     for path in calls[position[previous] + 1:position[consumer]]:
-        if path.startswith(previous + ".") or consumer.startswith(path + ".") or not path:
+        if (path.startswith(previous + ".") or consumer.startswith(path + ".") or not path
+                or path in repeated):
             continue
         layer, relative = _layer_of(path)
         if layer is not None and (not relative or "." in relative):
@@ -349,6 +363,7 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     called = reads.called if isinstance(reads, Reads) and reads.called else None
     calls = reads.calls if isinstance(reads, Reads) else ()
+    repeated = reads.repeated if isinstance(reads, Reads) else frozenset()
     position = {path: i for i, path in enumerate(calls)}
     reads = list(reads)
     for i, read in enumerate(reads):
@@ -375,12 +390,12 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
             sites.append(("module", previous.path))
         if "block" in kinds:
             block = _block_site(previous.path, consumer.path)
-            if block is not None and block != previous.path and (
+            if block is not None and block != previous.path and block not in repeated and (
                     called is None or block in called):
                 sites.append(("block", block))
         if "before" in kinds:
             sites += [("before", path) for path in
-                      _before_sites(calls, position, previous.path, consumer.path)]
+                      _before_sites(calls, position, repeated, previous.path, consumer.path)]
         for kind, site in sites:
             site_layer, site_rel = _layer_of(site)
             next_layer = (site_layer is not None and consumer.layer is not None
@@ -429,14 +444,14 @@ def roles_from_plan(model: Any, plan: Iterable[Any], hook_points: Any) -> list[R
         raise TypeError("hook_points must map point names to [(module, layer)] or be a "
                         f"callable returning that, got {type(points).__name__}")
     names = {module: name for name, module in model.named_modules()}
-    sites_of: dict[tuple[str, int], str] = {}
+    sites_of: dict[tuple[str, int], tuple[str, str]] = {}
     for point, sites in points.items():
         sites = sites(model) if callable(sites) else sites
-        for module, layer in sites:
+        for module, layer, *hook in sites:       # (module, layer) or (module, layer, hook)
             if module not in names:
                 raise ValueError(f"hook_points[{point!r}]: a {type(module).__name__} at layer "
                                  f"{layer} is not a submodule of the model")
-            sites_of[(point, layer)] = names[module]
+            sites_of[(point, layer)] = (names[module], hook[0] if hook else DEFAULT_SITE_HOOK)
     param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     by_point: dict[str, dict[int, PlanEntry]] = {}
     for i, entry in enumerate(plan):
@@ -450,15 +465,16 @@ def roles_from_plan(model: Any, plan: Iterable[Any], hook_points: Any) -> list[R
     for point, layers in by_point.items():
         sites = []
         for layer, entry in sorted(layers.items()):
-            site = sites_of.get((point, layer))
-            if site is None:
+            found = sites_of.get((point, layer))
+            if found is None:
                 raise ValueError(f"plan point {point!r} at layer {layer} has no hook site in "
                                  "hook_points: pass the policy's hook_points with the same "
                                  "points= as its plan")
+            site, hook = found
             nbytes = tuple(t.numel() * t.element_size() for t in entry.weights)
             reads = tuple(param_names.get(id(t), "?") for t in entry.weights)
             sites.append(RoleSite(layer=layer, site=site, reads=reads, weights=entry.weights,
-                                  nbytes=nbytes))
+                                  nbytes=nbytes, hook=hook))
         first = next(iter(layers.values()))
         defaults = (("byte_cap", first.byte_cap), ("grid", first.grid),
                     ("carveout", first.carveout), ("priority", first.priority))
