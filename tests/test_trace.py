@@ -87,11 +87,27 @@ def test_an_inline_loader_on_the_same_stream_holds_the_next_kernel():
     assert "window (kernels on other streams meanwhile): none" in fork.summary()
     add = next(row for row in fork.rows if row.kernel.name == "add")
     assert add.kernel.dur == pytest.approx(19.7, abs=1e-3) and add.control.dur == 2
-    assert add.role == "meanwhile, its stream"
+    assert add.role == "meanwhile, its stream, held"
     text = tr.TraceResult("t", 1, forks).markdown()
     assert "Meanwhile on the loader's stream: `add` ran 11.0-30.7 us (19.7 us; 2.0 us with " \
         "empty tables): the loader held it." in text
     assert fork.consumer_us == fork.consumer_control_us == 12
+
+
+def test_an_inline_loader_beside_the_spin_overlaps_it():
+    # Forked before the window (a before-site): the spin after the loader runs beside it
+    # as long as with empty tables, so the loads overlap it (H200 trace: RESULTS run 20).
+    forks, _ = traced(step((7, 17.2, 12.8)), step((7, 17.2, 1.0)), with_layout=False)
+    (fork,) = forks
+    assert fork.window == [] and fork.overlap == pytest.approx(1.0)
+    spin = next(row for row in fork.rows if row.kernel.name == "spin")
+    assert spin.role == "meanwhile, its stream"
+    text = tr.TraceResult("t", 1, forks).markdown()
+    assert "Meanwhile on the loader's stream: `spin` ran 17.0-57.0 us (40.0 us; 40.0 us " \
+        "with empty tables): it ran beside the loads." in text
+    # without the control there is no telling: held is assumed, nothing overlaps
+    (alone,) = traced(step((7, 17.2, 12.8)), with_layout=False)[0]
+    assert alone.overlap == 0.0
 
 
 def test_the_window_reaches_past_the_consumer_when_the_loader_does():
@@ -482,4 +498,5 @@ def test_an_inline_fork_before_the_window_loads_beside_it(tmp_path):
         assert 0 <= fork.start_after_fork_us < 5, fork.summary()
         # the loads run beside the spin, and are done before the spin is
         assert spin.start < loader.end <= spin.end, fork.summary()
+        assert fork.overlap > 0.5, fork.summary()
         assert loader.end <= fork.consumer[0].start, fork.summary()

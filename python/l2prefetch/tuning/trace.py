@@ -24,7 +24,8 @@ done: its CUPTI start is that early launch, so its loads start no earlier than
 the previous kernel's end, not at the start shown.  Per fork it gives
 the loader's start, end and stream, the window (the kernels that ran on other
 streams while it ran), the overlap (the share of the loader's time during
-which another stream ran a kernel) and the consumer's time with loads and
+which another kernel ran: on another stream, or on its own beside an inline
+loader without being held, :data:`HELD_US`) and the consumer's time with loads and
 with empty tables.  With ``dot=`` the loads graph is also written with
 ``cuGraphDebugDotPrint`` and each loader node's neighbours are listed.
 
@@ -62,6 +63,10 @@ LOADER_PREFIX = "l2p_prefetch_"
 GEMM_NAME = re.compile(r"gemm|gemv|matmul|splitk|cutlass|xmma|nvjet", re.IGNORECASE)
 #: Kernels shown before each fork, and the most rows of one fork's table.
 BEFORE = 3
+#: A kernel on the loader's own stream that ran while it did is *held* by it when it
+#: took this much longer than with empty tables (us); otherwise it ran beside it (an
+#: inline loader and the node after it, such as a window's spin: RESULTS run 20).
+HELD_US = 1.0
 MAX_ROWS = 40
 #: Eager replays before the profiled ones (lazy instantiation, clocks).
 WARM_REPLAYS = 3
@@ -365,17 +370,21 @@ def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
         in_window = {j for j, k in enumerate(step) if k.stream != loader.stream
                      and k.start < loader.end and k.end > loader.start}
         window = [step[j] for j in sorted(in_window)]
-        # On the loader's own stream a kernel can run meanwhile only when the loader
-        # holds it (an inline loader and the node after it).
+        # On the loader's own stream a kernel runs meanwhile only beside an inline loader
+        # (the node after it); it overlaps the loads unless the loader held it (it took
+        # HELD_US longer than with empty tables; without the control, held is assumed).
         beside = {j for j, k in enumerate(step) if k.stream == loader.stream
                   and k.start < loader.end and k.end > loader.start}
-        overlap = _covered(loader, window) / loader.dur if loader.dur > 0 else 0.0
+        held = {j for j in beside if base is None or step[j].dur > base[j].dur + HELD_US}
+        alongside = window + [step[j] for j in sorted(beside - held)]
+        overlap = _covered(loader, alongside) / loader.dur if loader.dur > 0 else 0.0
         last = max([c1, *(j + 1 for j in in_window)])
         first = max(0, after - BEFORE)
         rows = []
         for j in range(first, last):
             role = ", ".join(r for r, on in (("window", j in in_window),
                                              ("meanwhile, its stream", j in beside),
+                                             ("held", j in held),
                                              ("consumer", c0 <= j < c1)) if on)
             rows.append(Row(j, step[j], base[j] if base is not None else None, role))
         lo = step[first].start if first < len(step) else loader.start
@@ -444,7 +453,8 @@ class TraceResult:
                     lines += ["", f"Meanwhile on the loader's stream: {_name(k.name, 60)} ran "
                               f"{k.start:.1f}-{k.end:.1f} us ({k.dur:.1f} us"
                               + (f"; {c.dur:.1f} us with empty tables" if c else "")
-                              + "): the loader held it."]
+                              + ("): the loader held it." if "held" in row.role
+                                 else "): it ran beside the loads.")]
             how = {"module": f"the kernels of `{fork.consumer_path}`, placed by the layout graph",
                    "name": "the first GEMM/GEMV-named kernel after the fork",
                    "none": "none found"}[fork.found_by]
