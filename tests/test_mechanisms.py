@@ -43,6 +43,8 @@ def test_the_site_hooks_are_one_list():
     assert tuple(mechanisms.SITE_HOOKS) == typing.get_args(mechanisms.SiteHook)
     assert mechanisms.DEFAULT_SITE_HOOK == "after" and all(mechanisms.SITE_HOOKS.values())
     assert mechanisms.site_hook_choices() == "'after' or 'before'"
+    assert mechanisms.site_entry("m.n", 3, "after") == ("m.n", 3)
+    assert mechanisms.site_entry("m.n", 3, "before") == ("m.n", 3, "before")
 
 
 def test_the_controller_takes_every_registered_mode(fake):

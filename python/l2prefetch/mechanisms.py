@@ -33,7 +33,7 @@ from typing import Literal
 
 __all__ = ["DEFAULT_GRAPH_FORK", "DEFAULT_SITE_HOOK", "GRAPH_FORKS", "GRAPH_FORK_MODES",
            "GraphFork", "GraphForkMode", "SITE_HOOKS", "SiteHook", "graph_fork_choices",
-           "site_hook_choices"]
+           "site_entry", "site_hook_choices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,3 +101,10 @@ DEFAULT_SITE_HOOK = "after"
 def site_hook_choices() -> str:
     """The site hook names as a message lists them: ``'after' or 'before'``."""
     return _choices(tuple(SITE_HOOKS))
+
+
+def site_entry(where: object, layer: int, hook: str) -> tuple:
+    """A fork site as sites are listed (``hooks.attach``'s points, ``Profile.sites``,
+    ``TuneResult.sites``): ``(where, layer)``, with ``hook`` third only where it is not
+    :data:`DEFAULT_SITE_HOOK`; ``where`` is a module or its path."""
+    return (where, layer) if hook == DEFAULT_SITE_HOOK else (where, layer, hook)

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 from ._files import loads_json, read_text
-from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_hook_choices
+from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_entry, site_hook_choices
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "Profile", "ProfileMismatchError",
            "device_fingerprint", "load_profile", "model_fingerprint", "parse_profile",
@@ -117,13 +117,6 @@ def versions() -> dict:
     except Exception:  # noqa: BLE001 - a profile can be written without NVRTC details
         out["nvrtc"] = None
     return out
-
-
-def _site(path: str, layer: int, hook: str) -> tuple:
-    """A fork site as profiles and tune results list it: ``(path, layer)``, with the
-    hook third where it is not the default (as :func:`l2prefetch.hooks.attach` takes
-    sites)."""
-    return (path, layer) if hook == DEFAULT_SITE_HOOK else (path, layer, hook)
 
 
 @dataclasses.dataclass
@@ -472,7 +465,7 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
             raise _fail(where, f"plan[{i}] is not a valid plan entry: {exc}") from exc
         plan.append(entry)
         point_sites = sites.setdefault(raw["point"], [])
-        site = _site(raw["site"], raw["layer"], raw.get("hook", DEFAULT_SITE_HOOK))
+        site = site_entry(raw["site"], raw["layer"], raw.get("hook", DEFAULT_SITE_HOOK))
         if site not in point_sites:  # one hook per site and layer
             point_sites.append(site)
     mine = versions()

@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
-from ..mechanisms import DEFAULT_SITE_HOOK
+from ..mechanisms import DEFAULT_SITE_HOOK, site_entry
 from ..plan import _layer_of  # the runtime's too (profiles name sites by layer)
 
 __all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "discover", "roles_from_plan"]
@@ -200,9 +200,7 @@ class RoleSite:
     def hook_site(self) -> tuple:
         """The site as profiles and tune results list it: ``(path, layer)``, or
         ``(path, layer, hook)`` where the hook is not the default."""
-        from ..profile import _site
-
-        return _site(self.site, self.layer, self.hook)
+        return site_entry(self.site, self.layer, self.hook)
 
     @property
     def total_bytes(self) -> int:
