@@ -30,7 +30,8 @@ Sections:
   host        host cost of fork + join; controller construction time.
   graph       the cost of an empty fork inside a replayed graph.
   planted     planted idle windows in HF Llama- and Qwen3-shaped models' captured
-              decode steps: every fork mode and cap against no forks, empty forks
+              decode steps: forked after the read before each window and before
+              its norm, every fork mode and cap against no forks, empty forks
               (paired) and the consumers' cold-to-hot gap.
 """
 
