@@ -47,6 +47,13 @@ and one of the library's own forks placed differently:
                 "Why inline does not overlap"); a site just before a window's long kernel
                 is one of issue 24's candidates for a whole window at inline's cost
 
+  post          the inline fork in the first forward hook of each o_proj (prepended), so
+                right after its GEMV: with SITE oproj (the spin in a later forward hook of
+                o_proj, as a tensor-parallel o_proj's all-reduce) the fork's next kernel is
+                the window's, and the kernel before it a cuBLAS GEMV, which lets its
+                programmatic dependents launch early (run 20: ``pre`` follows an add and
+                costs 1.1-1.3 us a fork, inline after o_proj 0.03-0.4 us)
+
 beside no forks and the library's own forks after every o_proj as controls (``leaf``:
 a side branch per fork, the loads overlap the window, with its sm_90 ``ring`` loader and,
 ``leaf-ld``, with its ``load`` kernel, R's kind of load; ``inline``: the cheap fork).
@@ -61,8 +68,10 @@ primer capture first); medians of ROUNDS interleaved replays; paired 95% interva
 
     python -m benchmarks.probe_resident [--variants MODE,...] [MODEL:SITE:SPIN:BATCH ...]
 
-(on the GPU; MODE: none leaf leaf-ld inline pre kernel pdl memset wv graph graphpdl, the
-first word of a variant's name; default: all)
+(on the GPU; MODE: none leaf leaf-ld inline pre post kernel pdl memset wv graph graphpdl,
+the first word of a variant's name; default: all; SITE: mlp or attention, the planted
+section's spin before the norm, or oproj, the spin in a forward hook of o_proj, right after
+its GEMV, where a tensor-parallel o_proj's all-reduce runs)
 
 R's loads are ld.global.cg.v4 at every 16 bytes, four in flight per thread (ptxas
 narrows each to the 4 bytes used, as in the library's ``load`` kernel: every sector is
@@ -405,7 +414,14 @@ def run(drv, name, site, spin, batch, modes=None):
     model = _model(name)
     step = DecodeStep(model)
     layers = model.model.layers
-    planted = _planted(rig, model, site, spin) if spin else []
+    if site == "oproj":
+        # the window right after o_proj's GEMV, inside its forward as a tensor-parallel
+        # RowParallelLinear's all-reduce is: a forward hook of o_proj (returning None)
+        planted = [layer.self_attn.o_proj.register_forward_hook(
+            lambda m, a, o: (rig.spin(spin), None)[1]) for layer in model.model.layers] \
+            if spin else []
+    else:
+        planted = _planted(rig, model, site, spin) if spin else []
     weights = [layer.mlp.gate_proj.weight for layer in layers]
     assert all(w.is_contiguous() and w.numel() * w.element_size() >= LOAD_BYTES for w in weights)
     slots = {
@@ -425,7 +441,7 @@ def run(drv, name, site, spin, batch, modes=None):
     lib_loads_ld = [PreparedWeightRanges([w], byte_cap=LOAD_BYTES, grid=32, device=0,
                                          kernel="load") for w in weights]
     variants = ["none", "leaf empty", "leaf loads", "leaf-ld loads", "inline empty",
-                "pre empty", "pre loads"]
+                "pre empty", "pre loads", "post empty", "post loads"]
     variants += [f"{t} {k}" for t in TRIGGERS for k in ("empty", "loads")]
     variants += ["kernel alone", "graph empty", "graph loads", "graphpdl empty", "graphpdl loads"]
     variants = [v for v in variants if v == "none" or modes is None or v.split(" ")[0] in modes]
@@ -472,9 +488,9 @@ def run(drv, name, site, spin, batch, modes=None):
     def capture(variant, pool, warmup):
         hooks, c, kind, table = [], None, None, None
         mode, what = variant.split(" ") if " " in variant else (variant, None)
-        if mode in ("leaf", "leaf-ld", "inline", "pre"):
-            c = PrefetchController(0, graph_fork="inline" if mode in ("inline", "pre") else "leaf",
-                                   eager=False)
+        if mode in ("leaf", "leaf-ld", "inline", "pre", "post"):
+            c = PrefetchController(0, graph_fork="inline" if mode in ("inline", "pre", "post")
+                                   else "leaf", eager=False)
             keep.append(c)
             table_for = lib_loads_ld if mode == "leaf-ld" else lib_loads
             for i, layer in enumerate(layers):
@@ -485,6 +501,12 @@ def run(drv, name, site, spin, batch, modes=None):
                     # the norm's input unchanged)
                     hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
                         lambda m, a, i=i: (c.fork("p", i, batch), None)[1], prepend=True))
+                    continue
+                if mode == "post":
+                    # first of o_proj's forward hooks: right after its GEMV, before what
+                    # its other hooks queue (site "oproj": the planted spin)
+                    hooks.append(layer.self_attn.o_proj.register_forward_hook(
+                        lambda m, a, o, i=i: (c.fork("p", i, batch), None)[1], prepend=True))
                     continue
                 # the hook returns None: a returned False would replace o_proj's output
                 hooks.append(layer.self_attn.o_proj.register_forward_hook(
@@ -588,7 +610,8 @@ def run(drv, name, site, spin, batch, modes=None):
     # device-graph variants against controls instantiated the same way
     deciding = [(f"{t} {x}", y) for t in TRIGGERS
                 for x, y in (("empty", "inline empty"), ("loads", "leaf-ld loads"))]
-    deciding += [("pre empty", "inline empty"), ("pre loads", "leaf loads")]
+    deciding += [("pre empty", "inline empty"), ("pre loads", "leaf loads"),
+                 ("post empty", "inline empty"), ("post loads", "leaf loads")]
     deciding += [(f"{c}@dl", c) for c in dl_controls]
     deciding += [(f"{t} {x}", f"{y}@dl") for t in DEVGRAPH_MODES
                  for x, y in (("empty", "none"), ("empty", "inline empty"),
@@ -635,7 +658,8 @@ def main(argv):
     modes = None
     if argv[:1] == ["--variants"] and len(argv) > 1:
         modes = set(argv[1].split(","))
-        unknown = modes - {"leaf", "leaf-ld", "inline", "pre", *DEVGRAPH_MODES, *TRIGGERS}
+        unknown = modes - {"leaf", "leaf-ld", "inline", "pre", "post", *DEVGRAPH_MODES,
+                           *TRIGGERS}
         if unknown:
             print(f"probe_resident: --variants: unknown {sorted(unknown)}", file=sys.stderr)
             return 2
