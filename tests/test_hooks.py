@@ -52,6 +52,17 @@ class Tiny(nn.Module):
         return x
 
 
+class Keyword(nn.Module):
+    """Calls its inner linear with the input as a keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.inner(input=x)
+
+
 def points_of(model):
     return {
         "oproj_down": [(layer.attn.o_proj, i) for i, layer in enumerate(model.layers)],
@@ -101,14 +112,6 @@ def test_fork_answer_does_not_matter_to_the_model():
 
 
 def test_batch_from_keyword_input_and_none_without_tensors():
-    class Keyword(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = nn.Linear(H, H)
-
-        def forward(self, x):
-            return self.inner(input=x)
-
     class Untensored(nn.Module):
         def forward(self, n):
             return n
@@ -293,14 +296,6 @@ def test_a_before_site_forks_ahead_of_the_module_and_its_other_pre_hooks():
 
 
 def test_a_before_site_reads_the_batch_from_the_input_and_its_keywords():
-    class Keyword(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = nn.Linear(H, H)
-
-        def forward(self, x):
-            return self.inner(input=x)
-
     model, controller = Keyword(), Recorder()
     attach(model, controller, {"p": [(model.inner, 2, "before")]}, join=False)
     model(torch.zeros(6, 1, H))
