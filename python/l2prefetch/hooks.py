@@ -7,7 +7,9 @@ hook reads the decode batch from the module's input and calls
 A site ``(module, layer, "before")`` forks from a forward pre-hook instead,
 ahead of the module's other pre-hooks, so the prefetch starts before the
 module's kernels (:data:`l2prefetch.mechanisms.SITE_HOOKS`): the place for a
-window that a module's forward begins with.
+window that a module's forward begins with.  "Ahead" holds for the pre-hooks
+registered on the module before :func:`attach`; torch runs global module
+pre-hooks first, and one registered later with ``prepend=True`` goes ahead.
 A forward hook on the root calls ``controller.join()`` at the end of the step.
 Any object with ``fork(point, layer, batch) -> bool`` and ``join()`` serves as
 the controller.
