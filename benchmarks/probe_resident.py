@@ -54,6 +54,11 @@ and one of the library's own forks placed differently:
                 programmatic dependents launch early (run 20: ``pre`` follows an add and
                 costs 1.1-1.3 us a fork, inline after o_proj 0.03-0.4 us)
 
+  beside        the inline fork in a forward pre-hook of each post_attention_layernorm
+                registered after the planted spin's, so right after the window's kernel:
+                the shipped loader waits for that kernel (griddepcontrol.wait) and loads
+                after it; a loader built without the wait (an experiment) loads beside it
+
 beside no forks and the library's own forks after every o_proj as controls (``leaf``:
 a side branch per fork, the loads overlap the window, with its sm_90 ``ring`` loader and,
 ``leaf-ld``, with its ``load`` kernel, R's kind of load; ``inline``: the cheap fork).
@@ -68,7 +73,7 @@ primer capture first); medians of ROUNDS interleaved replays; paired 95% interva
 
     python -m benchmarks.probe_resident [--variants MODE,...] [MODEL:SITE:SPIN:BATCH ...]
 
-(on the GPU; MODE: none leaf leaf-ld inline pre post kernel pdl memset wv graph graphpdl,
+(on the GPU; MODE: none leaf leaf-ld inline pre post beside kernel pdl memset wv graph graphpdl,
 the first word of a variant's name; default: all; SITE: mlp or attention, the planted
 section's spin before the norm, or oproj, the spin in a forward hook of o_proj, right after
 its GEMV, where a tensor-parallel o_proj's all-reduce runs)
@@ -441,7 +446,7 @@ def run(drv, name, site, spin, batch, modes=None):
     lib_loads_ld = [PreparedWeightRanges([w], byte_cap=LOAD_BYTES, grid=32, device=0,
                                          kernel="load") for w in weights]
     variants = ["none", "leaf empty", "leaf loads", "leaf-ld loads", "inline empty",
-                "pre empty", "pre loads", "post empty", "post loads"]
+                "pre empty", "pre loads", "post empty", "post loads", "beside empty", "beside loads"]
     variants += [f"{t} {k}" for t in TRIGGERS for k in ("empty", "loads")]
     variants += ["kernel alone", "graph empty", "graph loads", "graphpdl empty", "graphpdl loads"]
     variants = [v for v in variants if v == "none" or modes is None or v.split(" ")[0] in modes]
@@ -488,8 +493,8 @@ def run(drv, name, site, spin, batch, modes=None):
     def capture(variant, pool, warmup):
         hooks, c, kind, table = [], None, None, None
         mode, what = variant.split(" ") if " " in variant else (variant, None)
-        if mode in ("leaf", "leaf-ld", "inline", "pre", "post"):
-            c = PrefetchController(0, graph_fork="inline" if mode in ("inline", "pre", "post")
+        if mode in ("leaf", "leaf-ld", "inline", "pre", "post", "beside"):
+            c = PrefetchController(0, graph_fork="inline" if mode in ("inline", "pre", "post", "beside")
                                    else "leaf", eager=False)
             keep.append(c)
             table_for = lib_loads_ld if mode == "leaf-ld" else lib_loads
@@ -501,6 +506,11 @@ def run(drv, name, site, spin, batch, modes=None):
                     # the norm's input unchanged)
                     hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
                         lambda m, a, i=i: (c.fork("p", i, batch), None)[1], prepend=True))
+                    continue
+                if mode == "beside":
+                    # after the planted spin's pre-hook (registered before any capture)
+                    hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
+                        lambda m, a, i=i: (c.fork("p", i, batch), None)[1]))
                     continue
                 if mode == "post":
                     # first of o_proj's forward hooks: right after its GEMV, before what
@@ -611,7 +621,8 @@ def run(drv, name, site, spin, batch, modes=None):
     deciding = [(f"{t} {x}", y) for t in TRIGGERS
                 for x, y in (("empty", "inline empty"), ("loads", "leaf-ld loads"))]
     deciding += [("pre empty", "inline empty"), ("pre loads", "leaf loads"),
-                 ("post empty", "inline empty"), ("post loads", "leaf loads")]
+                 ("post empty", "inline empty"), ("post loads", "leaf loads"),
+                 ("beside empty", "inline empty"), ("beside loads", "leaf loads")]
     deciding += [(f"{c}@dl", c) for c in dl_controls]
     deciding += [(f"{t} {x}", f"{y}@dl") for t in DEVGRAPH_MODES
                  for x, y in (("empty", "none"), ("empty", "inline empty"),
@@ -658,7 +669,7 @@ def main(argv):
     modes = None
     if argv[:1] == ["--variants"] and len(argv) > 1:
         modes = set(argv[1].split(","))
-        unknown = modes - {"leaf", "leaf-ld", "inline", "pre", "post", *DEVGRAPH_MODES,
+        unknown = modes - {"leaf", "leaf-ld", "inline", "pre", "post", "beside", *DEVGRAPH_MODES,
                            *TRIGGERS}
         if unknown:
             print(f"probe_resident: --variants: unknown {sorted(unknown)}", file=sys.stderr)

@@ -30,15 +30,18 @@
  * NCCL) inherits the same two edges: its kernel waits for X and for K's
  * launch only (tests/test_capture_edges_gpu.py checks it).
  *
- * K's edges from X's kernel nodes are programmatic (from X's trigger port) and
- * the loader's first instruction is griddepcontrol.wait: K launches while X's
- * last blocks finish (or earlier, if X triggers) and its loads start when X is
- * done, so K's launch is off the main path and Y starts when X is done, as
- * without a fork.  An empty inline fork cost 0.6-1.0 us with an ordinary edge
- * from X and 0.17-0.43 us with the programmatic one, in HF Llama- and
- * Qwen3-shaped graphs (benchmarks/RESULTS.md, run 15).  A launch-order edge
- * from X (K's loads starting while X runs) would let K compete with X for HBM,
- * and with X a bandwidth-bound GEMV that made the step slower (run 7).  X's
+ * K's edges from X's kernel nodes are programmatic, from X's launch-order port,
+ * and the loader's first instruction is griddepcontrol.wait: K launches once
+ * all of X's blocks have begun and its loads start when X is done, so K's
+ * launch is off the main path and Y starts when X is done, as without a fork.
+ * An empty inline fork cost 0.6-1.0 us with an ordinary edge from X and
+ * 0.17-0.43 us with a programmatic one, after a cuBLAS GEMV (which triggers
+ * its dependents early) in HF Llama- and Qwen3-shaped graphs (benchmarks/
+ * RESULTS.md, run 15).  After a kernel that does not trigger (torch's
+ * elementwise add, a spin) the trigger port fires only at X's end, and K's
+ * launch was on the main path: the launch-order port took such a fork from
+ * 1.1-1.4 to 0.7-0.9 us, the same after a GEMV (run 21).  Without the wait K's
+ * loads would compete with X for HBM, which made a GEMV X slower (run 7).  X's
  * other nodes (a memcpy, an event wait) keep their ordinary edges, and so does
  * every edge on a device before compute capability 9.0 (no programmatic launch;
  * the loader there has no griddepcontrol.wait).  Two inline forks back to back:
@@ -137,23 +140,14 @@ static CUresult get_deps(l2p_driver *d, CUstream s, deps *x, size_t extra)
     return CUDA_SUCCESS;
 }
 
+/* Once all of X's blocks have begun; a downstream kernel's griddepcontrol.wait
+ * still waits for X's completion (a programmatic dependency of either port). */
 static CUgraphEdgeData launch_order(void)
 {
     CUgraphEdgeData e;
     memset(&e, 0, sizeof e);
     e.from_port = CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER;
     e.to_port = 0;
-    e.type = CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC;
-    return e;
-}
-
-/* From X's trigger (the end of its blocks when X does not trigger itself); what
- * the downstream kernel waits for in griddepcontrol.wait is X's completion. */
-static CUgraphEdgeData programmatic(void)
-{
-    CUgraphEdgeData e;
-    memset(&e, 0, sizeof e);
-    e.from_port = CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC;
     e.type = CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC;
     return e;
 }
@@ -189,8 +183,9 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
             != CUDA_SUCCESS)
             goto out;
     }
-    /* 'inline' (never chained): K's edges from X's kernel nodes programmatic (NOTE
-     * [inline graph fork]): K launches early and waits for X in griddepcontrol.wait. */
+    /* 'inline' (never chained): K's edges from X's kernel nodes programmatic, from the
+     * launch-order port (NOTE [inline graph fork]): K launches once X's blocks have
+     * begun and waits for X's end in griddepcontrol.wait. */
     if (early && order_edge && !chain && before.n) {
         if ((r = reserve(&next, before.n)) != CUDA_SUCCESS)
             goto out;
@@ -201,7 +196,7 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
             if (before.edges[i].type == CU_GRAPH_DEPENDENCY_TYPE_DEFAULT &&
                 before.edges[i].from_port == CU_GRAPH_KERNEL_NODE_PORT_DEFAULT &&
                 is_kernel(d, before.nodes[i])) {
-                next.edges[i] = programmatic();
+                next.edges[i] = launch_order();
                 reedged = 1;
             }
         }

@@ -1,8 +1,9 @@
 """The edges an inline fork leaves in a captured graph, when another stream joins after it.
 
 csrc/capture.c (NOTE [inline graph fork]) relies on this: the prefetch kernel
-K goes on the captured stream after the last node X with a programmatic edge
-(it launches early and waits for X's end), and the nodes after it get X's own edge plus a programmatic launch-order edge
+K goes on the captured stream after the last node X with a programmatic edge from
+X's launch-order port (it launches once X's blocks have begun and waits for X's
+end), and the nodes after it get X's own edge plus a programmatic launch-order edge
 from K, so nothing in the graph waits for K to finish.  torch's NCCL work,
 and any cross-stream code, records an event on the captured stream and makes
 its own stream wait on it; the kernel N it launches there must inherit the
@@ -25,10 +26,10 @@ from l2prefetch import PrefetchController, PreparedWeightRanges, _C  # noqa: E40
 pytestmark = pytest.mark.gpu
 
 # cuda.h's values: CU_GRAPH_NODE_TYPE_KERNEL, CU_GRAPH_DEPENDENCY_TYPE_DEFAULT and
-# _PROGRAMMATIC, CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC and _LAUNCH_ORDER (#defines).
+# _PROGRAMMATIC, CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER (a #define).
 KERNEL_NODE = 0
 FULL, PROGRAMMATIC = 0, 1
-TRIGGER, LAUNCH_ORDER = 1, 2
+LAUNCH_ORDER = 2
 
 
 def _check(result, what):
@@ -95,10 +96,11 @@ def test_a_joining_stream_waits_for_the_inline_loaders_launch_only():
 
     edges, k = _edges_and_loader(cu, g)
 
-    # K loads when X is done: one programmatic edge in, from X's trigger port (K
-    # launches early and waits for X's end in griddepcontrol.wait).
+    # K loads when X is done: one programmatic edge in, from X's launch-order port
+    # (K launches once X's blocks have begun and waits for X's end in
+    # griddepcontrol.wait).
     into_k = [e for e in edges if e[1] == k]
-    assert len(into_k) == 1 and into_k[0][2:] == (PROGRAMMATIC, TRIGGER), edges
+    assert len(into_k) == 1 and into_k[0][2:] == (PROGRAMMATIC, LAUNCH_ORDER), edges
     x = into_k[0][0]
     # Out of K only launch-order edges, to Y on the captured stream and to N on the
     # stream that joined after the fork: nothing waits for K to finish.

@@ -762,7 +762,7 @@ def test_inline_fork_edges(fake, ctl, upstream_type):
     assert kv(launch)["stream"] == CUR                       # on the captured stream itself
     k = int(kv(launch)["node"])
     kernel = upstream_type == 0
-    assert _deps(launch) == ([(x, 1, 1)] if kernel else [(x, 0, 0)])
+    assert _deps(launch) == ([(x, 1, 2)] if kernel else [(x, 0, 0)])
     updates = fake.log("cuStreamUpdateCaptureDependencies")
     assert len(updates) == (2 if kernel else 1)
     assert all(kv(u)["flags"] == "1" for u in updates)      # SET
@@ -787,7 +787,7 @@ def test_inline_forks_back_to_back_keep_every_launch_edge(fake, ctl):
     assert ctl.fork("mlp", 0, 1, stream=STREAM)
     k1, k2 = (int(kv(line)["node"]) for line in fake.log("cuLaunchKernelEx"))
     # K2 after X (programmatic: X is a kernel) and K1 (its launch, as it was)
-    assert _deps(fake.log("cuLaunchKernelEx")[1]) == [(x, 1, 1), (k1, 1, 2)]
+    assert _deps(fake.log("cuLaunchKernelEx")[1]) == [(x, 1, 2), (k1, 1, 2)]
     assert _deps(fake.log("cuStreamUpdateCaptureDependencies")[-1]) == \
         [(x, 0, 0), (k1, 1, 2), (k2, 1, 2)]
 
@@ -932,7 +932,7 @@ def test_inline_fork_restore_failing_too_says_the_capture_is_unusable(fake, ctl)
     assert ctl.stats()["attn"]["forks"] == 0 and not ctl.pending
     fake.clear_log()
     PWR([arr(5)]).launch(STREAM)
-    assert _deps(fake.log("cuLaunchKernelEx")[-1]) == [(x, 1, 1)]   # what the message warns of
+    assert _deps(fake.log("cuLaunchKernelEx")[-1]) == [(x, 1, 2)]   # what the message warns of
 
 
 def test_inline_fork_before_sm90_keeps_ordinary_edges(fake):

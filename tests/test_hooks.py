@@ -275,9 +275,12 @@ def test_points_may_be_a_callable_returning_the_mapping():
         attach(model, controller, lambda m: [(m.layers[0], 0)])
 
 
-def test_a_before_site_forks_ahead_of_the_module_and_its_other_pre_hooks():
+def test_a_site_forks_ahead_of_the_module_s_other_hooks():
+    """A before-site forks ahead of the module's other pre-hooks, an after-site right
+    after the module's own forward, ahead of its other forward hooks (where a server
+    may queue the window: a tensor-parallel all-reduce, a planted spin)."""
     model, controller = Tiny(2), Recorder()
-    # a pre-hook the server registered first (the planted window's spin, say)
+    # hooks the server registered first
     model.layers[1].mlp.register_forward_pre_hook(lambda m, a: controller.calls.append("pre"))
     model.layers[1].mlp.register_forward_hook(lambda m, a, o: controller.calls.append("mlp"))
     model.layers[1].attn.o_proj.register_forward_hook(
@@ -286,13 +289,17 @@ def test_a_before_site_forks_ahead_of_the_module_and_its_other_pre_hooks():
         "before": [(layer.mlp, i, "before") for i, layer in enumerate(model.layers)],
         "after": [(model.layers[1].attn.o_proj, 1, "after")]})
     model(torch.zeros(5, 1, H))
-    assert controller.calls == [("fork", "before", 0, 5), "o_proj", ("fork", "after", 1, 5),
+    assert controller.calls == [("fork", "before", 0, 5), ("fork", "after", 1, 5), "o_proj",
                                 ("fork", "before", 1, 5), "pre", "mlp", ("join",)]
     assert [(p, l) for p, l, _ in attachment.sites] == [("before", 0), ("before", 1),
                                                         ("after", 1)]
     attachment.detach()
     assert not model.layers[1].mlp._forward_pre_hooks_with_kwargs
     assert len(model.layers[1].mlp._forward_pre_hooks) == 1       # the server's own stays
+    assert len(model.layers[1].attn.o_proj._forward_hooks) == 1
+    controller.calls.clear()
+    model(torch.zeros(5, 1, H))
+    assert controller.calls == ["o_proj", "pre", "mlp"]
 
 
 def test_a_before_site_reads_the_batch_from_the_input_and_its_keywords():
@@ -307,7 +314,7 @@ def test_a_before_site_reads_the_batch_from_the_input_and_its_keywords():
     assert controller.calls == []                       # batch 0 skips, before as after
 
 
-def test_before_sites_on_one_module_fork_in_the_order_given():
+def test_sites_on_one_module_fork_in_the_order_given():
     model, controller = Tiny(1), Recorder()
     mlp = model.layers[0].mlp
     attach(model, controller, {"p": [(mlp, 0, "before")], "q": [(mlp, 0, "before")],

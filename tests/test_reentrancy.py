@@ -607,7 +607,7 @@ def test_inline_capture_fork_stream_property_replaces_the_table(fake, ctl, other
     x = fake.add_capture_node(0)
     assert ctl.fork("attn", 0, 1, stream=Stream(lambda: ctl.add("attn", 0, [1], other)))
     launch, = fake.log("cuLaunchKernelEx")
-    assert kv(launch)["deps"] == f"[{x}:t1/p1]"          # after X, programmatically
+    assert kv(launch)["deps"] == f"[{x}:t1/p2]"          # after X, programmatically
     assert ctl.stats()["attn"]["bytes"] == other.nbytes and not ctl.pending
 
 

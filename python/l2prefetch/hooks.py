@@ -1,15 +1,17 @@
 """Fork and join from forward hooks, for models that are plain ``nn.Module`` trees.
 
-:func:`attach` puts a forward hook on each module where a point forks; the
-hook reads the decode batch from the module's input and calls
-``controller.fork(point, layer, batch)`` once the module's kernels are queued
-(the controller records its event there, so the prefetch starts after them).
-A site ``(module, layer, "before")`` forks from a forward pre-hook instead,
-ahead of the module's other pre-hooks, so the prefetch starts before the
-module's kernels (:data:`l2prefetch.mechanisms.SITE_HOOKS`): the place for a
-window that a module's forward begins with.  "Ahead" holds for the pre-hooks
-registered on the module before :func:`attach`; torch runs global module
-pre-hooks first, and one registered later with ``prepend=True`` goes ahead.
+:func:`attach` puts a forward hook on each module where a point forks, ahead of
+the module's other forward hooks; the hook reads the decode batch from the
+module's input and calls ``controller.fork(point, layer, batch)`` once the
+module's own kernels are queued (the controller records its event there, so the
+prefetch starts after them) and before whatever its other hooks queue (a
+tensor-parallel all-reduce done in a hook, say: the window an inline fork then
+runs beside).  A site ``(module, layer, "before")`` forks from a forward
+pre-hook instead, ahead of the module's other pre-hooks, so the prefetch starts
+before the module's kernels (:data:`l2prefetch.mechanisms.SITE_HOOKS`): the
+place for a window that a module's forward begins with.  "Ahead" holds for the
+hooks registered on the module before :func:`attach`; torch runs global module
+hooks first, and one registered later with ``prepend=True`` goes ahead.
 A forward hook on the root calls ``controller.join()`` at the end of the step.
 Any object with ``fork(point, layer, batch) -> bool`` and ``join()`` serves as
 the controller.
@@ -46,7 +48,8 @@ from .controller import disabled
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Attachment", "BatchFn", "Controller", "Points", "Site", "attach", "disabled"]
+__all__ = ["Attachment", "BatchFn", "Controller", "Points", "Site", "attach", "disabled",
+           "register_site_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +197,16 @@ def _batch_of(args: tuple, kwargs: dict, tensor: type) -> int:
     return batch
 
 
+def register_site_hook(module: Any, where: str, hook: Callable[..., Any], *,
+                       with_kwargs: bool = False) -> Any:
+    """Register ``hook`` where a site of kind ``where`` forks (``"after"``: a forward
+    hook, ``"before"``: a forward pre-hook), ahead of the module's other hooks of that
+    kind, as :func:`attach` does; returns torch's removable handle."""
+    if where == "before":
+        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=True)
+    return module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=True)
+
+
 def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
                batch_fn: Optional[BatchFn], tensor: type[torch.Tensor], is_compiling: Callable[[], bool],
                fork_op: Callable[..., None], handle: Optional[int],
@@ -324,23 +337,18 @@ def attach(model: torch.nn.Module, controller: Controller,
                        type(controller).__name__)
 
     fork = controller.fork
-    handles, sites, befores = [], [], []
+    handles, sites, hooked = [], [], []
     try:
         for point, point_sites in resolved:
             for module, layer, where in point_sites:
-                before = where == "before"
                 hook = _fork_hook(fork, point, layer, batch_fn, torch.Tensor, is_compiling,
-                                  fork_op, op_handle, before)
-                if before:
-                    befores.append((module, hook))
-                else:
-                    handles.append(module.register_forward_hook(hook, with_kwargs=True))
+                                  fork_op, op_handle, where == "before")
+                hooked.append((module, where, hook))
                 sites.append((point, layer, module))
-        # each prepended ahead of the last: in reverse, so that one module's before-sites
-        # fork in the order given, as its after-sites do
-        for module, hook in reversed(befores):
-            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True,
-                                                            prepend=True))
+        # each prepended ahead of the last: in reverse, so that one module's sites fork in
+        # the order given
+        for module, where, hook in reversed(hooked):
+            handles.append(register_site_hook(module, where, hook, with_kwargs=True))
         if join:
             end, tensor = controller.join, torch.Tensor
 

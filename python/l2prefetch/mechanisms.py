@@ -87,7 +87,9 @@ def graph_fork_choices() -> str:
 
 #: Where a site's hook runs, by name: its description (l2prefetch.hooks implements them).
 SITE_HOOKS: Mapping[str, str] = types.MappingProxyType({
-    "after": "a forward hook: the fork follows the kernels the module's forward queued",
+    "after": "a forward hook, ahead of the module's other forward hooks: the fork follows "
+             "the kernels the module's forward queued and precedes those its hooks queue "
+             "(RESULTS run 21)",
     "before": "a forward pre-hook, ahead of the module's other pre-hooks: the fork precedes "
               "the module's kernels and those its other pre-hooks queue, so an inline "
               "fork's loader runs beside the first of them (RESULTS run 20)",

@@ -572,6 +572,7 @@ class GraphBackend(Backend):
 
     def _probe_graph(self, batch: int, roles: Sequence[Role], hot: bool) -> dict[str, dict]:
         from .. import PreparedWeightRanges
+        from ..hooks import register_site_hook
 
         torch, model = self.torch, self.model
         reads = sorted({read for role in roles for site in role.sites for read in site.reads})
@@ -611,9 +612,7 @@ class GraphBackend(Backend):
 
                 def at(module: Any, *args: Any, path: str = path, hook: str = hook) -> None:
                     event("site", (path, hook)).record()
-                # as hooks.attach hooks a site: a "before" ahead of the other pre-hooks
-                handles.append(module.register_forward_pre_hook(at, prepend=True)
-                               if hook == "before" else module.register_forward_hook(at))
+                handles.append(register_site_hook(module, hook, at))   # where attach forks
             inner = self._fn(batch)
 
             def fn() -> Any:

@@ -18,10 +18,11 @@ Each graph is replayed a few times under ``torch.profiler`` (CUPTI records
 every kernel of a graph replay, on the hardware stream the graph executor
 chose); per kernel, the medians over the replays of its start and end,
 relative to the replay's first kernel, make one timeline.  An inline loader
-launches early, as a programmatic dependent of the kernel before it, and
-waits at its first instruction (``griddepcontrol.wait``) until that kernel is
-done: its CUPTI start is that early launch, so its loads start no earlier than
-the previous kernel's end, not at the start shown.  Per fork it gives
+launches early, as a programmatic dependent of the kernel before it (once
+that kernel's blocks have begun), and waits at its first instruction
+(``griddepcontrol.wait``) until that kernel is done: its CUPTI start is that
+early launch, so its loads start no earlier than the previous kernel's end,
+not at the start shown.  Per fork it gives
 the loader's start, end and stream, the window (the kernels that ran on other
 streams while it ran), the overlap (the share of the loader's time during
 which another kernel ran: on another stream, or on its own beside an inline
