@@ -446,7 +446,8 @@ def run(drv, name, site, spin, batch, modes=None):
     lib_loads_ld = [PreparedWeightRanges([w], byte_cap=LOAD_BYTES, grid=32, device=0,
                                          kernel="load") for w in weights]
     variants = ["none", "leaf empty", "leaf loads", "leaf-ld loads", "inline empty",
-                "pre empty", "pre loads", "post empty", "post loads", "beside empty", "beside loads"]
+                "pre empty", "pre loads", "post empty", "post loads", "beside empty",
+                "beside loads"]
     variants += [f"{t} {k}" for t in TRIGGERS for k in ("empty", "loads")]
     variants += ["kernel alone", "graph empty", "graph loads", "graphpdl empty", "graphpdl loads"]
     variants = [v for v in variants if v == "none" or modes is None or v.split(" ")[0] in modes]
@@ -494,8 +495,8 @@ def run(drv, name, site, spin, batch, modes=None):
         hooks, c, kind, table = [], None, None, None
         mode, what = variant.split(" ") if " " in variant else (variant, None)
         if mode in ("leaf", "leaf-ld", "inline", "pre", "post", "beside"):
-            c = PrefetchController(0, graph_fork="inline" if mode in ("inline", "pre", "post", "beside")
-                                   else "leaf", eager=False)
+            inline = mode in ("inline", "pre", "post", "beside")
+            c = PrefetchController(0, graph_fork="inline" if inline else "leaf", eager=False)
             keep.append(c)
             table_for = lib_loads_ld if mode == "leaf-ld" else lib_loads
             for i, layer in enumerate(layers):
