@@ -419,14 +419,7 @@ def run(drv, name, site, spin, batch, modes=None):
     model = _model(name)
     step = DecodeStep(model)
     layers = model.model.layers
-    if site == "oproj":
-        # the window right after o_proj's GEMV, inside its forward as a tensor-parallel
-        # RowParallelLinear's all-reduce is: a forward hook of o_proj (returning None)
-        planted = [layer.self_attn.o_proj.register_forward_hook(
-            lambda m, a, o: (rig.spin(spin), None)[1]) for layer in model.model.layers] \
-            if spin else []
-    else:
-        planted = _planted(rig, model, site, spin) if spin else []
+    planted = _planted(rig, model, site, spin) if spin else []
     weights = [layer.mlp.gate_proj.weight for layer in layers]
     assert all(w.is_contiguous() and w.numel() * w.element_size() >= LOAD_BYTES for w in weights)
     slots = {

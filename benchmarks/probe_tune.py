@@ -7,7 +7,7 @@ roles discovered, every fork mode, the given budget; the GraphBackend's placemen
 (shared: the arms of an instance index share a memory pool and are paired, (a) too).
 Prints the summary (with the instance spread and the best-of-k advice) and the report.
 
-    python -m benchmarks.probe_tune [--model NAME] [--site mlp|attention|none] [--spin US]
+    python -m benchmarks.probe_tune [--model NAME] [--site mlp|attention|oproj|none] [--spin US]
                                     [--layers I,J,..] [--budget S] [--placement private|shared]
                                     [--hand] [--rounds N] [--dump FILE.json] [BATCH ...]
 
@@ -22,7 +22,7 @@ import json
 import torch
 
 from benchmarks.common import hf_model, no_gpu
-from benchmarks.sections.planted import MIB, SITES, _planted, _role
+from benchmarks.sections.planted import MIB, PLANT_SITES, _planted, _role
 from l2prefetch import tuning
 from l2prefetch.tuning.arms import NO_FORKS, Arm, Setting
 from l2prefetch.tuning.stats import diff_interval, paired_interval
@@ -46,8 +46,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.probe_tune")
     parser.add_argument("--model", default="llama", help="llama, qwen3 or a benchmarks/configs "
                         "name (default llama)")
-    parser.add_argument("--site", choices=(*SITES, "none"), default="mlp",
-                        help="where the spin goes (none: nothing planted)")
+    parser.add_argument("--site", choices=(*PLANT_SITES, "none"), default="mlp",
+                        help="where the spin goes: before the MLP's norm, before attention's, "
+                             "in o_proj's forward hook (oproj), none: nothing planted")
     parser.add_argument("--spin", type=float, default=40.0, help="the spin, us (default 40)")
     parser.add_argument("--layers", type=layer_indices, default=None,
                         help="plant in these layers only (comma-separated indices; default all)")
@@ -87,6 +88,7 @@ def main(argv=None):
     step = DecodeStep(model)
     where = "every" if args.layers is None else f"layers {sorted(args.layers)}"
     planted = "nothing planted" if args.site == "none" else \
+        f"{args.spin:g} us after {where} o_proj" if args.site == "oproj" else \
         f"{args.spin:g} us before {where} {args.site}"
     print(f"probe_tune: {args.model}, {planted}, budget {args.budget:g} s, "
           f"{args.placement} placement, batches {args.batches}")

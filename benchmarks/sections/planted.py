@@ -33,6 +33,9 @@ MIB = 1 << 20
 #: The planted windows (us) and where: before the MLP or before the attention.
 SPINS_US = (10, 20, 40)
 SITES = ("mlp", "attention")
+#: Where the probes may also plant: "oproj", in a forward hook of o_proj, right after its
+#: GEMV and before the residual add, where a tensor-parallel o_proj's all-reduce runs.
+PLANT_SITES = SITES + ("oproj",)
 MODES = GRAPH_FORKS
 CAPS_MIB = (24, 48)
 BATCHES = (1, 8)
@@ -49,6 +52,8 @@ MODELS = {
 #: whose pre-hook is the planted spin, so the fork's next kernel is the window's own.
 ROLES = {"mlp": ({"module": "self_attn.o_proj", "before": "post_attention_layernorm"},
                  "mlp.gate_proj"),
+         "oproj": ({"module": "self_attn.o_proj", "before": "post_attention_layernorm"},
+                   "mlp.gate_proj"),
          "attention": ({"module": "mlp.down_proj", "before": "input_layernorm"},
                        "self_attn.q_proj")}
 KINDS = ("module", "before")
@@ -82,10 +87,16 @@ def _role(model, step, site, kind="module"):
 
 def _planted(rig, model, site, spin, layers=None):
     """Hooks that spin ``spin`` us before the MLP or attention of each layer (of the
-    layer indices ``layers`` only, when given); returns them."""
+    layer indices ``layers`` only, when given), or right after its o_proj ("oproj":
+    a forward hook returning None, so o_proj's output is unchanged); returns them."""
+    chosen = [layer for i, layer in enumerate(model.model.layers)
+              if layers is None or i in layers]
+    if site == "oproj":
+        return [layer.self_attn.o_proj.register_forward_hook(
+            lambda m, a, o: (rig.spin(spin), None)[1]) for layer in chosen]
     norm = "post_attention_layernorm" if site == "mlp" else "input_layernorm"
     return [getattr(layer, norm).register_forward_pre_hook(lambda m, a: rig.spin(spin))
-            for i, layer in enumerate(model.model.layers) if layers is None or i in layers]
+            for layer in chosen]
 
 
 def _measure(backend, role, batch, modes, caps):
