@@ -110,6 +110,18 @@ def test_an_inline_loader_beside_the_spin_overlaps_it():
     assert alone.overlap == 0.0
 
 
+def test_an_inline_loader_launched_early_is_shown_from_its_fork():
+    # Launched once o_proj's blocks began (5 us into its 10), it waits for o_proj's end
+    # (griddepcontrol.wait): its loads start at 10, and o_proj is not beside them.
+    forks, _ = traced(step((7, 5.0, 20.0)), step((7, 5.0, 6.0)))
+    (fork,) = forks
+    assert (fork.loader.start, fork.loader.end) == (10.0, 25.0)
+    assert fork.start_after_fork_us == 0.0
+    beside = [row.kernel.name for row in fork.rows if "its stream" in row.role]
+    assert beside == ["add", "norm", "spin"]
+    assert fork.overlap == pytest.approx((2 + 2 + 8) / 15)
+
+
 def test_the_window_reaches_past_the_consumer_when_the_loader_does():
     forks, _ = traced(step((20, 11.0, 62.0)))
     (fork,) = forks

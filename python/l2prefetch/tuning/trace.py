@@ -21,9 +21,9 @@ relative to the replay's first kernel, make one timeline.  An inline loader
 launches early, as a programmatic dependent of the kernel before it (once
 that kernel's blocks have begun), and waits at its first instruction
 (``griddepcontrol.wait``) until that kernel is done: its CUPTI start is that
-early launch, so its loads start no earlier than the previous kernel's end,
-not at the start shown.  Per fork it gives
-the loader's start, end and stream, the window (the kernels that ran on other
+early launch, so where it began before that kernel's end the trace shows it
+from that end, when its loads can start.  Per fork it gives the loader's
+start, end and stream, the window (the kernels that ran on other
 streams while it ran), the overlap (the share of the loader's time during
 which another kernel ran: on another stream, or on its own beside an inline
 loader without being held, :data:`HELD_US`) and the consumer's time with loads and
@@ -367,6 +367,10 @@ def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
             key, after = None, sum(1 for k in step if k.end <= loader.start)
         path = (consumers or {}).get(key) if key is not None else None
         c0, c1, found_by = _consumer(step, after, layout, path)
+        # An inline loader launches once the kernel before its fork has begun and waits
+        # for its end (griddepcontrol.wait): its loads start no earlier than that end.
+        if after > 0 and step[after - 1].start <= loader.start < step[after - 1].end < loader.end:
+            loader = dataclasses.replace(loader, start=step[after - 1].end)
         # The window: the step's kernels on other streams that ran while the loader ran.
         in_window = {j for j, k in enumerate(step) if k.stream != loader.stream
                      and k.start < loader.end and k.end > loader.start}
