@@ -477,10 +477,15 @@ def test_a_leaf_loader_starts_at_its_fork_and_overlaps_the_next_kernels(tmp_path
 
 
 @pytest.mark.gpu
-def test_an_inline_fork_before_the_window_loads_beside_it(tmp_path):
-    """The "before" site (issue 24): an inline fork hooked ahead of a 20 us spin planted
-    before each MLP starts its loads as the spin starts and ends them inside it; the
-    consumer starts after both."""
+@pytest.mark.parametrize("window, role", [
+    ("norm", "before post_attention_layernorm: mlp.gate_proj"),
+    ("o_proj", ROLE)])
+def test_an_inline_fork_just_before_the_window_loads_beside_it(window, role):
+    """An inline fork whose next kernel is a planted 20 us spin starts its loads as the
+    spin starts and ends them inside it; the consumer starts after both (issue 24).
+    norm: the spin in a pre-hook of post_attention_layernorm, the fork hooked ahead of
+    it (a before-site); o_proj: the spin in a forward hook of o_proj (where a tensor-
+    parallel all-reduce runs), the fork after o_proj, hooked ahead of it (run 21)."""
     pytest.importorskip("transformers")
     import torch
 
@@ -490,12 +495,15 @@ def test_an_inline_fork_before_the_window_loads_beside_it(tmp_path):
     model = hf.load_model("llama", overrides=GPU_TINY, device="cuda", dtype="bfloat16")
     step = hf.DecodeStep(model)
     cycles = int(20 * spin_cycles_per_us())
-    planted = [layer.post_attention_layernorm.register_forward_pre_hook(
-        lambda m, a: torch.cuda._sleep(cycles)) for layer in model.model.layers]
+    if window == "norm":
+        planted = [layer.post_attention_layernorm.register_forward_pre_hook(
+            lambda m, a: torch.cuda._sleep(cycles)) for layer in model.model.layers]
+    else:
+        planted = [layer.self_attn.o_proj.register_forward_hook(
+            lambda m, a, o: torch.cuda._sleep(cycles)) for layer in model.model.layers]
     try:
         roles = {r.name: r for r in candidates(model, discover(model, lambda: step(1)))}
-        role = roles["before post_attention_layernorm: mlp.gate_proj"]
-        forks = tr.forks_of_role(model, role, 1, byte_cap=0, mode="inline")
+        forks = tr.forks_of_role(model, roles[role], 1, byte_cap=0, mode="inline")
         result = tr.trace(model, step, 1, forks, replays=5)
     finally:
         for handle in planted:
