@@ -280,7 +280,8 @@ def attach(model: torch.nn.Module, controller: Controller,
     ``points`` maps each point name to its fork sites: a list of ``(module,
     layer)`` (or ``(module, layer, hook)``) or a callable ``model -> list``;
     ``points`` may also be a callable ``model -> mapping``, such as
-    ``deepseek_v3.hook_points``.  Each site gets a forward hook that calls
+    ``deepseek_v3.hook_points``.  Each site gets a forward hook, registered
+    ahead of the module's other forward hooks, that calls
     ``controller.fork(point, layer, batch)`` after the module's forward (with
     ``hook`` ``"before"``: a forward pre-hook, registered ahead of the module's
     other pre-hooks, that forks before its forward), with ``batch`` the product of all but the last
