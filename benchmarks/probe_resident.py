@@ -54,12 +54,15 @@ and one of the library's own forks placed differently:
                 programmatic dependents launch early (run 20: ``pre`` follows an add and
                 costs 1.1-1.3 us a fork, inline after o_proj 0.03-0.4 us)
 
-  beside        the inline fork in a forward pre-hook of each post_attention_layernorm
-                registered after the planted spin's, so right after the window's kernel:
+  beside        (SITE mlp) the inline fork in a forward pre-hook of each
+                post_attention_layernorm registered after the planted spin's, so right
+                after the window's kernel:
                 the shipped loader waits for that kernel (griddepcontrol.wait) and loads
                 after it; a loader built without the wait (an experiment) loads beside it
 
-beside no forks and the library's own forks after every o_proj as controls (``leaf``:
+beside no forks and the library's own forks after every o_proj as controls (hooked after
+o_proj's other forward hooks, so with SITE oproj after the spin: ``post`` is where
+``hooks.attach`` now forks; ``leaf``:
 a side branch per fork, the loads overlap the window, with its sm_90 ``ring`` loader and,
 ``leaf-ld``, with its ``load`` kernel, R's kind of load; ``inline``: the cheap fork).
 Deciding: ``T empty`` against ``inline empty`` (does a step's one fork plus six triggers

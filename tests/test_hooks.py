@@ -314,6 +314,20 @@ def test_a_before_site_reads_the_batch_from_the_input_and_its_keywords():
     assert controller.calls == []                       # batch 0 skips, before as after
 
 
+def test_register_site_hook_checks_where():
+    from l2prefetch.hooks import register_site_hook
+
+    module, calls = torch.nn.Identity(), []
+    register_site_hook(module, "after", lambda m, a, o: calls.append("first"))
+    handle = register_site_hook(module, "after", lambda m, a, o: calls.append("ahead"))
+    module(torch.zeros(1))
+    assert calls == ["ahead", "first"]
+    handle.remove()
+    for where in ("middle", None, 1):
+        with pytest.raises(ValueError, match="where must be 'after' or 'before', got"):
+            register_site_hook(module, where, lambda *a: None)
+
+
 def test_sites_on_one_module_fork_in_the_order_given():
     model, controller = Tiny(1), Recorder()
     mlp = model.layers[0].mlp

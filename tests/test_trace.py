@@ -110,16 +110,38 @@ def test_an_inline_loader_beside_the_spin_overlaps_it():
     assert alone.overlap == 0.0
 
 
-def test_an_inline_loader_launched_early_is_shown_from_its_fork():
+@pytest.mark.parametrize("with_layout", [True, False])
+def test_an_inline_loader_launched_early_is_shown_from_its_fork(with_layout):
     # Launched once o_proj's blocks began (5 us into its 10), it waits for o_proj's end
     # (griddepcontrol.wait): its loads start at 10, and o_proj is not beside them.
-    forks, _ = traced(step((7, 5.0, 20.0)), step((7, 5.0, 6.0)))
+    forks, _ = traced(step((7, 5.0, 20.0)), step((7, 5.0, 6.0)), with_layout=with_layout)
     (fork,) = forks
     assert (fork.loader.start, fork.loader.end) == (10.0, 25.0)
-    assert fork.start_after_fork_us == 0.0
+    assert fork.before.name == "gemv_o_proj" and fork.start_after_fork_us == 0.0
+    assert fork.loader_control.start == 10.0        # the same with empty tables
     beside = [row.kernel.name for row in fork.rows if "its stream" in row.role]
     assert beside == ["add", "norm", "spin"]
     assert fork.overlap == pytest.approx((2 + 2 + 8) / 15)
+    # its own row is the loader as shown, and no other loader's
+    assert [(r.kernel.start, r.role) for r in fork.rows if r.index is None] == \
+        [(10.0, "**loader**")]
+
+
+def test_a_loader_on_another_stream_is_not_moved():
+    # A leaf loader (stream 20, an ordinary edge from o_proj) starting while an
+    # all-reduce queued before the fork runs on stream 9: it is shown as it ran.
+    loads = [kernel("gemv_o_proj", 7, 0, 10), kernel("allreduce", 9, 10.1, 20),
+             kernel("add", 7, 31, 2), kernel("gemv_gate_proj", 7, 34, 12),
+             kernel("l2p_prefetch_32", 20, 11.5, 28.5)]
+    marks = [kernel("gemv_o_proj", 7, 0, 10), kernel("allreduce", 9, 10.1, 20),
+             kernel("l2p_prefetch_8", 7, 10.2, 0.3), kernel("add", 7, 31, 2),
+             kernel("l2p_prefetch_8", 7, 33.5, 0.2), kernel("gemv_gate_proj", 7, 34, 12),
+             kernel("l2p_prefetch_8", 7, 46.2, 0.3)]
+    layout_ = tr.layout_of(tr.timeline({"traceEvents": marks}, 1),
+                           [("fork", KEY), ("begin", CONSUMER), ("end", CONSUMER)])
+    (fork,) = tr.analyze(tr.timeline({"traceEvents": loads}, 1), None, layout_,
+                         {KEY: CONSUMER}, {KEY: "leaf"})
+    assert fork.before.name == "allreduce" and fork.loader.start == 11.5
 
 
 def test_the_window_reaches_past_the_consumer_when_the_loader_does():
@@ -249,9 +271,10 @@ def test_long_tables_and_odd_names_stay_markdown():
     assert f"| ... | {len(result.forks[0].rows) - tr.MAX_ROWS} rows left out" in text
 
 
-def test_the_plot(tmp_path):
+@pytest.mark.parametrize("loader", [(20, 11.5, 28.5), (7, 5.0, 20.0)])   # leaf; early inline
+def test_the_plot(tmp_path, loader):
     pytest.importorskip("matplotlib")
-    forks, timeline = traced(step((20, 11.5, 28.5)))
+    forks, timeline = traced(step(loader))
     path = tmp_path / "trace.png"
     tr.TraceResult("t", 1, forks, kernels=timeline).plot(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

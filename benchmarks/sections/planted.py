@@ -49,7 +49,9 @@ MODELS = {
 }
 #: The roles that each site's window serves: {kind: its fork site's suffix}, its consumer's
 #: suffix.  "module": after the read before the window; "before": hooked ahead of the norm
-#: whose pre-hook is the planted spin, so the fork's next kernel is the window's own.
+#: whose pre-hook is the planted spin, so the fork's next kernel is the window's own.  At
+#: "oproj" the "module" role's fork (hooked ahead of o_proj's other forward hooks) is right
+#: before the window, and the "before" role's comes after it.
 ROLES = {"mlp": ({"module": "self_attn.o_proj", "before": "post_attention_layernorm"},
                  "mlp.gate_proj"),
          "oproj": ({"module": "self_attn.o_proj", "before": "post_attention_layernorm"},

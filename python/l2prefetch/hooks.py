@@ -11,7 +11,8 @@ pre-hook instead, ahead of the module's other pre-hooks, so the prefetch starts
 before the module's kernels (:data:`l2prefetch.mechanisms.SITE_HOOKS`): the
 place for a window that a module's forward begins with.  "Ahead" holds for the
 hooks registered on the module before :func:`attach`; torch runs global module
-hooks first, and one registered later with ``prepend=True`` goes ahead.
+hooks first, and one registered later with ``prepend=True`` (a second
+:func:`attach`'s, say) goes ahead.
 A forward hook on the root calls ``controller.join()`` at the end of the step.
 Any object with ``fork(point, layer, batch) -> bool`` and ``join()`` serves as
 the controller.
@@ -202,6 +203,8 @@ def register_site_hook(module: Any, where: str, hook: Callable[..., Any], *,
     """Register ``hook`` where a site of kind ``where`` forks (``"after"``: a forward
     hook, ``"before"``: a forward pre-hook), ahead of the module's other hooks of that
     kind, as :func:`attach` does; returns torch's removable handle."""
+    if not isinstance(where, str) or where not in SITE_HOOKS:
+        raise ValueError(f"where must be {site_hook_choices()}, got {where!r}")
     if where == "before":
         return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=True)
     return module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=True)

@@ -331,6 +331,15 @@ def _consumer(step: Sequence[Kernel], after: int, layout: Optional[Layout],
     return after, after, "none"
 
 
+def _loads_from(before: Kernel, loader: Kernel) -> Kernel:
+    """``loader`` as its loads ran: an inline loader launches once the kernel before its
+    fork has begun (on that kernel's stream) and waits for its end in
+    griddepcontrol.wait, so its loads start no earlier than that end."""
+    if before.stream == loader.stream and before.start <= loader.start < before.end < loader.end:
+        return dataclasses.replace(loader, start=before.end)
+    return loader
+
+
 def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
             layout: Optional[Layout] = None,
             consumers: Optional[Mapping[tuple, str]] = None,
@@ -363,14 +372,17 @@ def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
         if layout is not None:
             key, after = layout.forks[i]
         else:
-            # Without a layout: the fork follows the kernels that ended before the loader began.
-            key, after = None, sum(1 for k in step if k.end <= loader.start)
+            # Without a layout: the fork follows the kernels that ended before the loader
+            # began, and one on its own stream that was running then (an inline loader's
+            # early launch).
+            key, after = None, sum(1 for k in step if k.end <= loader.start or (
+                k.stream == loader.stream and k.start <= loader.start))
         path = (consumers or {}).get(key) if key is not None else None
         c0, c1, found_by = _consumer(step, after, layout, path)
-        # An inline loader launches once the kernel before its fork has begun and waits
-        # for its end (griddepcontrol.wait): its loads start no earlier than that end.
-        if after > 0 and step[after - 1].start <= loader.start < step[after - 1].end < loader.end:
-            loader = dataclasses.replace(loader, start=step[after - 1].end)
+        if after > 0:
+            loader = _loads_from(step[after - 1], loader)
+            if base_loaders:
+                base_loaders[i] = _loads_from(base[after - 1], base_loaders[i])
         # The window: the step's kernels on other streams that ran while the loader ran.
         in_window = {j for j, k in enumerate(step) if k.stream != loader.stream
                      and k.start < loader.end and k.end > loader.start}
@@ -395,9 +407,10 @@ def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
         lo = step[first].start if first < len(step) else loader.start
         hi = step[last - 1].end if last > first else loader.end
         for n, other in enumerate(loaders):
-            if other is loader or lo <= other.start <= hi:
-                rows.append(Row(None, other, base_loaders[n] if base_loaders else None,
-                                "**loader**" if other is loader else "another fork's loader"))
+            if n == i or lo <= other.start <= hi:
+                rows.append(Row(None, loader if n == i else other,
+                                base_loaders[n] if base_loaders else None,
+                                "**loader**" if n == i else "another fork's loader"))
         rows.sort(key=lambda r: (r.kernel.start, r.index is not None))
         out.append(ForkTrace(
             number=i + 1, key=key, mode=(modes or {}).get(key), consumer_path=path,
@@ -509,6 +522,8 @@ class TraceResult:
             streams = list(dict.fromkeys(str(k.stream) for k in shown))  # first seen on top
             window, consumer = {id(k) for k in fork.window}, {id(k) for k in fork.consumer}
             for k in shown:
+                if k.loader and (k.stream, k.end) == (fork.loader.stream, fork.loader.end):
+                    k = fork.loader                   # drawn from when its loads started
                 color = ("tab:red" if k is fork.loader else "tab:orange" if k.loader else
                          "tab:blue" if id(k) in consumer else
                          "tab:green" if id(k) in window else "0.65")
