@@ -127,6 +127,33 @@ def test_an_inline_loader_launched_early_is_shown_from_its_fork(with_layout):
         [(10.0, "**loader**")]
 
 
+def test_an_empty_forks_delay_against_no_forks(caplog):
+    # With empty tables the kernel after the fork (the add) starts 0.8 us late and the
+    # step ends 0.8 us late; the graph without forks is the same step with no loader.
+    def shifted(lag):
+        return [kernel("gemv_o_proj", 7, 0, 10), kernel("add", 7, 11 + lag, 2),
+                kernel("norm", 7, 14 + lag, 2), kernel("spin", 7, 17 + lag, 40),
+                kernel("gemv_gate_proj", 7, 58 + lag, 12)]
+    control = shifted(0.8) + [kernel("l2p_prefetch_32", 7, 10.2, 0.5)]
+    timelines = [tr.timeline({"traceEvents": e}, 1)
+                 for e in (step((7, 10.2, 19.0)), control, shifted(0))]
+    (fork,) = tr.analyze(timelines[0], timelines[1], layout(), {KEY: CONSUMER},
+                         {KEY: "inline"}, none=timelines[2])
+    assert fork.delay_us == pytest.approx(0.8, abs=1e-3)
+    assert fork.delay_to_next_us == pytest.approx(0.8, abs=1e-3)
+    text = tr.TraceResult("t", 1, [fork], step_us=70, control_step_us=70.8,
+                          none_step_us=70).markdown()
+    assert "70.8 us with empty tables, 70.0 us without forks." in text
+    assert "With empty tables against no forks: the kernel after the fork started +0.80 us " \
+        "later, relative to the one before it; +0.80 us from the fork to the next fork or " \
+        "the step's end." in text
+    # other kernels without forks: no delays, and a warning
+    (fork,) = tr.analyze(timelines[0], timelines[1], layout(), {KEY: CONSUMER},
+                         none=tr.timeline({"traceEvents": shifted(0)[:-1]}, 1))
+    assert fork.delay_us is None and fork.delay_to_next_us is None
+    assert "the graph without forks ran other kernels" in caplog.text
+
+
 def test_a_loader_on_another_stream_is_not_moved():
     # A leaf loader (stream 20, an ordinary edge from o_proj) starting while an
     # all-reduce queued before the fork runs on stream 9: it is shown as it ran.
@@ -486,6 +513,7 @@ def test_a_leaf_loader_starts_at_its_fork_and_overlaps_the_next_kernels(tmp_path
         # to another one (RESULTS.md, run 12): the window runs beside the loader
         assert all(k.stream != fork.loader.stream for k in fork.window), fork.summary()
         assert fork.overlap > 0.5, fork.summary()
+        assert fork.delay_to_next_us is not None        # the graph without forks ran
     # the leaves of one capture form one side chain: the second depends on the first
     # loader, and nothing depends on the last (H200 run: RESULTS.md, run 12)
     assert len(result.graph) == 2 and "a sink of the graph" in result.graph[-1]

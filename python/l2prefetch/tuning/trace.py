@@ -3,15 +3,18 @@
 A loader is a kernel node of the captured decode step; whether its loads pay
 depends on what the GPU runs meanwhile (issue 24: an inline loader held the
 node after it; a leaf or branch loader ran beside the window).  :func:`trace`
-captures the step three times:
+captures the step four times:
 
 * *loads*: the forks with their tables (the role or profile traced);
 * *control*: the same forks with empty tables
   (:func:`~l2prefetch.tuning.rig.empty_controller`), each kernel's baseline;
+* *none*: no forks, against which *control* shows where each empty fork's cost
+  arises (``ForkTrace.delay_us``: how much later the kernel after it started;
+  ``delay_to_next_us``: how much later the step got until the next fork);
 * *layout*: no forks; an empty loader kernel on the captured stream marks
   each fork and the start and end of each consumer module (the module that
   reads the first loaded weight), which places them among the step's kernels
-  by order.  The step's own kernels are the same in all three graphs; where
+  by order.  The step's own kernels are the same in all four graphs; where
   they are not, a fork's consumer is the first GEMM/GEMV-named kernel after it.
 
 Each graph is replayed a few times under ``torch.profiler`` (CUPTI records
@@ -257,6 +260,11 @@ class ForkTrace:
     consumer_control: list[Kernel]
     found_by: str
     rows: list[Row]
+    #: With empty tables against no forks (``analyze``'s ``none``): how much later the
+    #: kernel after the fork started, relative to the kernel before it, and how much
+    #: later the step was from the fork to the next fork (or the step's end).
+    delay_us: Optional[float] = None
+    delay_to_next_us: Optional[float] = None
 
     @property
     def label(self) -> str:
@@ -340,16 +348,34 @@ def _loads_from(before: Kernel, loader: Kernel) -> Kernel:
     return loader
 
 
+def _delays(base: Sequence[Kernel], bare: Sequence[Kernel], afters: Sequence[int],
+            out: Sequence[ForkTrace]) -> None:
+    """Fill each fork's ``delay_us`` and ``delay_to_next_us``: the step with empty tables
+    (``base``) against the step without forks (``bare``, the same kernels), each time
+    relative to its replay's first kernel."""
+    def lag(j: int, edge: str) -> float:   # how much later kernel j's start or end ran
+        return getattr(base[j], edge) - getattr(bare[j], edge) if j >= 0 else 0.0
+
+    for n, (fork, after) in enumerate(zip(out, afters)):
+        at = lag(after - 1, "end")
+        if after < len(base):
+            fork.delay_us = lag(after, "start") - at
+        nxt = next((a for a in afters[n + 1:] if a > after), len(base))
+        fork.delay_to_next_us = lag(nxt - 1, "end") - at
+
+
 def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
             layout: Optional[Layout] = None,
             consumers: Optional[Mapping[tuple, str]] = None,
-            modes: Optional[Mapping[tuple, str]] = None) -> list[ForkTrace]:
+            modes: Optional[Mapping[tuple, str]] = None,
+            none: Optional[Sequence[Kernel]] = None) -> list[ForkTrace]:
     """Per loader kernel of the ``loads`` timeline, its :class:`ForkTrace`.
 
     ``control`` is the timeline with empty tables; ``layout`` places forks and
     consumers (:func:`layout_of`; ignored, with a warning, when its kernels are
     not the step's); ``consumers[key]`` is each fork's consumer module path and
-    ``modes[key]`` its graph fork mode, by ``(point, layer, batch)``.
+    ``modes[key]`` its graph fork mode, by ``(point, layer, batch)``; ``none`` the
+    timeline without forks, against which ``control`` gives each empty fork's delay.
     """
     step = [k for k in loads if not k.loader]
     loaders = [k for k in loads if k.loader]
@@ -367,7 +393,7 @@ def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
                        "%d forks against %d and %d): forks placed by time, consumers by name",
                        len(layout.names), len(layout.forks), len(step), len(loaders))
         layout = None
-    out = []
+    out, afters = [], []
     for i, loader in enumerate(loaders):
         if layout is not None:
             key, after = layout.forks[i]
@@ -418,6 +444,14 @@ def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
             before=step[after - 1] if after > 0 else None, window=window, overlap=overlap,
             consumer=step[c0:c1], consumer_control=base[c0:c1] if base is not None else [],
             found_by=found_by, rows=rows))
+        afters.append(after)
+    if none is not None and base is not None:
+        bare = [k for k in none if not k.loader]
+        if [k.name for k in bare] == [k.name for k in base]:
+            _delays(base, bare, afters, out)
+        else:
+            logger.warning("the graph without forks ran other kernels than the one with "
+                           "empty tables: no delays per fork")
     return out
 
 
@@ -442,6 +476,7 @@ class TraceResult:
     forks: list[ForkTrace]
     step_us: Optional[float] = None
     control_step_us: Optional[float] = None
+    none_step_us: Optional[float] = None
     notes: list[str] = dataclasses.field(default_factory=list)
     graph: list[str] = dataclasses.field(default_factory=list)
     kernels: list[Kernel] = dataclasses.field(default_factory=list, repr=False)
@@ -454,8 +489,10 @@ class TraceResult:
                      f"are `{LOADER_PREFIX}*`; the control is the same graph with empty tables.")
         if self.step_us is not None:
             lines.append(f"The step's kernels span {self.step_us:.1f} us with loads"
-                         + (f", {self.control_step_us:.1f} us with empty tables."
-                            if self.control_step_us is not None else "."))
+                         + (f", {self.control_step_us:.1f} us with empty tables"
+                            if self.control_step_us is not None else "")
+                         + (f", {self.none_step_us:.1f} us without forks"
+                            if self.none_step_us is not None else "") + ".")
         if self.notes:
             lines += [""] + [f"- {note}" for note in self.notes]
         if not self.forks:
@@ -482,6 +519,13 @@ class TraceResult:
                 f"{_name(before.name, 60)} (stream {before.stream}, ends {before.end:.1f} us)"
                 if before is not None else "the step's start")
                 + f"; the loader ran on stream {fork.loader.stream}; consumer: {how}.")
+            if fork.delay_to_next_us is not None:
+                lines.append("With empty tables against no forks: "
+                             + (f"the kernel after the fork started {fork.delay_us:+.2f} us "
+                                "later, relative to the one before it; "
+                                if fork.delay_us is not None else "")
+                             + f"{fork.delay_to_next_us:+.2f} us from the fork to the next "
+                             "fork or the step's end.")
             if fork.number - 1 < len(self.graph):
                 lines.append(f"Graph: {self.graph[fork.number - 1]}")
             lines += ["", "| # | kernel | stream | start | end | dur | dur, empty tables | |",
@@ -770,6 +814,7 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
                     with hooks.attach(model, controller, forks.points):
                         graphs[name] = _capture(torch, fn, stream,
                                                 keep_graph=bool(dot) and name == "loads")
+                graphs["none"] = _capture(torch, fn, stream)      # no forks: their cost
                 # The layout graph: markers where the forks are and around each consumer.
                 for path in sorted(set(forks.consumers.values())):
                     module = model.get_submodule(path)
@@ -801,8 +846,9 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
     result = TraceResult(
         title=title or type(model).__name__, replays=replays,
         forks=analyze(timelines["loads"], timelines["control"], layout, consumers,
-                      markers.modes),
+                      markers.modes, timelines["none"]),
         step_us=_span(timelines["loads"]), control_step_us=_span(timelines["control"]),
+        none_step_us=_span(timelines["none"]),
         graph=neighbours, kernels=timelines["loads"])
     if dot:
         result.notes.append(f"The loads graph's nodes and edges: `{dot}` (cuGraphDebugDotPrint).")
