@@ -137,7 +137,8 @@ def test_measurement_pools_replays_and_spreads_instances():
                                           ("probe_spread", ["--batches", "1,8", "mixtral-4l"]),
                                           ("probe_bestof", ["--k", "2", "llama"]),
                                           ("probe_tune", ["--site", "none", "1"]),
-                                          ("probe_l2", ["cold", "hot"])])
+                                          ("probe_l2", ["cold", "hot"]),
+                                          ("probe_forkcost", ["oproj:module:8"])])
 def test_the_probes_say_they_need_a_gpu(module, argv, capsys):
     import importlib
 
@@ -177,6 +178,8 @@ def test_a_planted_window_goes_before_the_named_layers_only():
             super().__init__()
             self.post_attention_layernorm = torch.nn.Identity()
             self.input_layernorm = torch.nn.Identity()
+            self.self_attn = torch.nn.Module()
+            self.self_attn.o_proj = torch.nn.Linear(2, 2)
 
     model = torch.nn.Module()
     model.model = torch.nn.Module()
@@ -192,6 +195,14 @@ def test_a_planted_window_goes_before_the_named_layers_only():
     for h in hooks:
         h.remove()
     assert len(_planted(Rig(), model, "attention", 10)) == 6
+    # "oproj": in o_proj's forward hook, its output unchanged
+    spins.clear()
+    hooks = _planted(Rig(), model, "oproj", 20, layers={2})
+    o_proj = model.model.layers[2].self_attn.o_proj
+    y = torch.ones(2)
+    assert torch.equal(o_proj(y), torch.nn.functional.linear(y, o_proj.weight, o_proj.bias))
+    model.model.layers[1].self_attn.o_proj(y)
+    assert spins == [20] and len(hooks) == 1
 
 
 @pytest.mark.parametrize("site, kind, name, layers", [
@@ -226,3 +237,19 @@ def test_probe_tune_refuses_bad_options_before_it_needs_a_gpu(argv, message, cap
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert probe_tune.layer_indices("5,1,3") == {1, 3, 5}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["mlp:after:1"], "'mlp:after:1': want SITE:KIND:BATCH"),
+    (["gate:module:1"], "'gate:module:1': want SITE:KIND:BATCH"),
+    (["oproj:module:0"], "'oproj:module:0': want SITE:KIND:BATCH"),
+    (["oproj:module"], "'oproj:module': want SITE:KIND:BATCH"),
+    (["--replays", "0"], "--replays must be >= 1, got 0"),
+])
+def test_probe_forkcost_refuses_bad_specs_before_it_needs_a_gpu(argv, message, capsys):
+    from benchmarks import probe_forkcost
+
+    with pytest.raises(SystemExit) as exc:
+        probe_forkcost.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
