@@ -40,7 +40,7 @@
  * RESULTS.md, run 15).  After a kernel that does not trigger (torch's
  * elementwise add, a spin) the trigger port fires only at X's end, and K's
  * launch was on the main path: the launch-order port took such a fork from
- * 1.1-1.4 to 0.7-0.9 us, the same after a GEMV (run 21).  Without the wait K's
+ * 1.1-1.4 to 0.7-0.9 us, and left it unchanged after a GEMV (run 21).  Without the wait K's
  * loads would compete with X for HBM, which made a GEMV X slower (run 7).  X's
  * other nodes (a memcpy, an event wait) keep their ordinary edges, and so does
  * every edge on a device before compute capability 9.0 (no programmatic launch;
