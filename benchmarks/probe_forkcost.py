@@ -9,10 +9,12 @@ later, with empty tables than without forks, the kernel after it started (relati
 kernel before it) and the step reached the next fork (``ForkTrace.delay_us``,
 ``delay_to_next_us``), then each fork's whole timeline.
 
-Roles: ``module`` (``after self_attn.o_proj: mlp.gate_proj``: after the GEMV) and
-``before`` (``before post_attention_layernorm: mlp.gate_proj``: after the residual add);
-sites as the planted section's (``mlp``: the spin before every MLP's norm, ``oproj``: in
-every o_proj's forward hook, right after the GEMV).
+Roles as the planted section's (``benchmarks/sections/planted.py``, ROLES): for the sites
+``mlp`` (the spin before every MLP's norm) and ``oproj`` (in every o_proj's forward hook,
+right after the GEMV) ``module`` is ``after self_attn.o_proj: mlp.gate_proj`` (after the
+GEMV) and ``before`` is ``before post_attention_layernorm: mlp.gate_proj`` (after the
+residual add); for ``attention`` (the spin before every attention's norm) they are after
+``mlp.down_proj`` and before ``input_layernorm``.
 
     python -m benchmarks.probe_forkcost [--replays N] [SITE:KIND:BATCH ...]
 
@@ -49,15 +51,16 @@ def run(rig, name, site, kind, batch, replays):
     print(f"== {result.title}: the step's kernels span {result.step_us:.1f} us with loads, "
           f"{result.control_step_us:.1f} with empty tables, {result.none_step_us:.1f} without "
           f"forks", flush=True)
+    def us(value):
+        return "-" if value is None else f"{value:+.2f}"
+
     for fork in result.forks:
         before = fork.before.name[:50] if fork.before else "-"
-        rows = [r for r in fork.rows if r.index is not None]
-        after = next((r.kernel.name[:50] for r in rows
-                      if fork.before is None or r.kernel.start >= fork.before.end), "-")
-        delay = "-" if fork.delay_us is None else f"{fork.delay_us:+.2f}"
-        to_next = "-" if fork.delay_to_next_us is None else f"{fork.delay_to_next_us:+.2f}"
+        after = next((r.kernel.name[:50] for r in fork.rows if r.index == fork.after), "-")
         print(f"   fork {fork.number}: after {before} | next {after} | next kernel's start "
-              f"{delay} us | to the next fork {to_next} us", flush=True)
+              f"{us(fork.delay_us)} us (two captures without forks: "
+              f"{us(fork.delay_floor_us)}) | to the next fork {us(fork.delay_to_next_us)} us",
+              flush=True)
     print(result.markdown(), flush=True)
 
 
@@ -69,8 +72,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     specs = []
     for spec in args.specs:
-        site, kind, batch = (spec.split(":") + ["", "", ""])[:3]
-        if site not in ("mlp", "attention", "oproj") or kind not in ("module", "before") \
+        parts = spec.split(":")
+        site, kind, batch = (parts + ["", "", ""])[:3]
+        if len(parts) != 3 or site not in ("mlp", "attention", "oproj") or kind not in ("module", "before") \
                 or not batch.isdigit() or int(batch) < 1:
             parser.error(f"{spec!r}: want SITE:KIND:BATCH, SITE mlp, attention or oproj, "
                          "KIND module or before, BATCH >= 1")

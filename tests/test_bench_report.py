@@ -244,6 +244,7 @@ def test_probe_tune_refuses_bad_options_before_it_needs_a_gpu(argv, message, cap
     (["gate:module:1"], "'gate:module:1': want SITE:KIND:BATCH"),
     (["oproj:module:0"], "'oproj:module:0': want SITE:KIND:BATCH"),
     (["oproj:module"], "'oproj:module': want SITE:KIND:BATCH"),
+    (["mlp:module:1:x"], "'mlp:module:1:x': want SITE:KIND:BATCH"),
     (["--replays", "0"], "--replays must be >= 1, got 0"),
 ])
 def test_probe_forkcost_refuses_bad_specs_before_it_needs_a_gpu(argv, message, capsys):

@@ -136,22 +136,41 @@ def test_an_empty_forks_delay_against_no_forks(caplog):
                 kernel("gemv_gate_proj", 7, 58 + lag, 12)]
     control = shifted(0.8) + [kernel("l2p_prefetch_32", 7, 10.2, 0.5)]
     timelines = [tr.timeline({"traceEvents": e}, 1)
-                 for e in (step((7, 10.2, 19.0)), control, shifted(0))]
+                 for e in (step((7, 10.2, 19.0)), control, shifted(0), shifted(0.1))]
     (fork,) = tr.analyze(timelines[0], timelines[1], layout(), {KEY: CONSUMER},
-                         {KEY: "inline"}, none=timelines[2])
+                         {KEY: "inline"}, none=timelines[2], floor=timelines[3])
+    assert fork.after == 1
     assert fork.delay_us == pytest.approx(0.8, abs=1e-3)
     assert fork.delay_to_next_us == pytest.approx(0.8, abs=1e-3)
+    assert fork.delay_floor_us == pytest.approx(0.1, abs=1e-3)
     text = tr.TraceResult("t", 1, [fork], step_us=70, control_step_us=70.8,
                           none_step_us=70).markdown()
     assert "70.8 us with empty tables, 70.0 us without forks." in text
     assert "With empty tables against no forks: the kernel after the fork started +0.80 us " \
-        "later, relative to the one before it; +0.80 us from the fork to the next fork or " \
-        "the step's end." in text
+        "later, relative to the end of the one before it (two captures without forks: " \
+        "+0.10 us); the step reached the next fork (or its end) +0.80 us later." in text
     # other kernels without forks: no delays, and a warning
     (fork,) = tr.analyze(timelines[0], timelines[1], layout(), {KEY: CONSUMER},
                          none=tr.timeline({"traceEvents": shifted(0)[:-1]}, 1))
     assert fork.delay_us is None and fork.delay_to_next_us is None
     assert "the graph without forks ran other kernels" in caplog.text
+
+
+def test_delays_per_place():
+    # Five kernels; each fork place adds 1 us to the kernel after it.
+    bare = [tr.Kernel(f"k{j}", 7, 10.0 * j, 10.0 * j + 5) for j in range(5)]
+    def base(*places):
+        lag = [sum(1.0 for p in places if p <= j) for j in range(5)]
+        return [tr.Kernel(k.name, 7, k.start + lag[j], k.end + lag[j])
+                for j, k in enumerate(bare)]
+    # in order: each its own 1 us, to the next fork and to the end
+    assert tr._delays(base(1, 3), bare, [1, 3]) == [(1.0, 1.0), (1.0, 1.0)]
+    # placed out of order (forks on several streams): still to the nearest later place
+    assert tr._delays(base(1, 3), bare, [3, 1]) == [(1.0, 1.0), (1.0, 1.0)]
+    # back to back at one place: the first carries the place's delay
+    assert tr._delays(base(2, 2), bare, [2, 2]) == [(2.0, 2.0), (None, None)]
+    # at the step's start or end: nothing to tell
+    assert tr._delays(base(), bare, [0, 5]) == [(None, None), (None, None)]
 
 
 def test_a_loader_on_another_stream_is_not_moved():

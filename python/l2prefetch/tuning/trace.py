@@ -3,18 +3,20 @@
 A loader is a kernel node of the captured decode step; whether its loads pay
 depends on what the GPU runs meanwhile (issue 24: an inline loader held the
 node after it; a leaf or branch loader ran beside the window).  :func:`trace`
-captures the step four times:
+captures the step five times:
 
 * *loads*: the forks with their tables (the role or profile traced);
 * *control*: the same forks with empty tables
   (:func:`~l2prefetch.tuning.rig.empty_controller`), each kernel's baseline;
 * *none*: no forks, against which *control* shows where each empty fork's cost
-  arises (``ForkTrace.delay_us``: how much later the kernel after it started;
-  ``delay_to_next_us``: how much later the step got until the next fork);
+  arises (``ForkTrace.delay_us``: how much later the kernel after it started,
+  relative to the end of the kernel before it; ``delay_to_next_us``: how much
+  later the step reached the next fork), captured twice: the second shows the
+  same measure's noise between captures (``delay_floor_us``);
 * *layout*: no forks; an empty loader kernel on the captured stream marks
   each fork and the start and end of each consumer module (the module that
   reads the first loaded weight), which places them among the step's kernels
-  by order.  The step's own kernels are the same in all four graphs; where
+  by order.  The step's own kernels are the same in all five graphs; where
   they are not, a fork's consumer is the first GEMM/GEMV-named kernel after it.
 
 Each graph is replayed a few times under ``torch.profiler`` (CUPTI records
@@ -260,11 +262,15 @@ class ForkTrace:
     consumer_control: list[Kernel]
     found_by: str
     rows: list[Row]
+    #: The number of the step's kernels before the fork (``rows``' index of the next one).
+    after: Optional[int] = None
     #: With empty tables against no forks (``analyze``'s ``none``): how much later the
-    #: kernel after the fork started, relative to the kernel before it, and how much
-    #: later the step was from the fork to the next fork (or the step's end).
+    #: kernel after the fork started, relative to the end of the kernel before it, and
+    #: how much later the step reached the next fork (or its end), relative to the same;
+    #: ``delay_floor_us``: the first between two captures without forks (the noise).
     delay_us: Optional[float] = None
     delay_to_next_us: Optional[float] = None
+    delay_floor_us: Optional[float] = None
 
     @property
     def label(self) -> str:
@@ -348,34 +354,45 @@ def _loads_from(before: Kernel, loader: Kernel) -> Kernel:
     return loader
 
 
-def _delays(base: Sequence[Kernel], bare: Sequence[Kernel], afters: Sequence[int],
-            out: Sequence[ForkTrace]) -> None:
-    """Fill each fork's ``delay_us`` and ``delay_to_next_us``: the step with empty tables
-    (``base``) against the step without forks (``bare``, the same kernels), each time
-    relative to its replay's first kernel."""
+def _delays(base: Sequence[Kernel], bare: Sequence[Kernel],
+            afters: Sequence[int]) -> list[tuple[Optional[float], Optional[float]]]:
+    """Per fork (``afters``: the step's kernels before each), how much later the step with
+    empty tables (``base``) ran than ``bare`` (the same kernels, no forks): the kernel after
+    the fork's start, relative to the end of the one before it, and the end of the kernel
+    before the next fork (or the step's end), relative to the same.  Forks back to back
+    (one place): the first carries the place's delay, the others None.  A fork at the
+    step's start or end: None (the replay's zero, its first kernel, may be a loader)."""
     def lag(j: int, edge: str) -> float:   # how much later kernel j's start or end ran
-        return getattr(base[j], edge) - getattr(bare[j], edge) if j >= 0 else 0.0
+        return getattr(base[j], edge) - getattr(bare[j], edge)
 
-    for n, (fork, after) in enumerate(zip(out, afters)):
+    n, out = len(base), []
+    for i, after in enumerate(afters):
+        if not 0 < after < n or after in afters[:i]:
+            out.append((None, None))
+            continue
         at = lag(after - 1, "end")
-        if after < len(base):
-            fork.delay_us = lag(after, "start") - at
-        nxt = next((a for a in afters[n + 1:] if a > after), len(base))
-        fork.delay_to_next_us = lag(nxt - 1, "end") - at
+        nxt = min((a for a in afters if a > after), default=None)
+        reach = lag(nxt - 1, "end") if nxt is not None else \
+            max(k.end for k in base) - max(k.end for k in bare)
+        out.append((lag(after, "start") - at, reach - at))
+    return out
 
 
 def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
             layout: Optional[Layout] = None,
             consumers: Optional[Mapping[tuple, str]] = None,
             modes: Optional[Mapping[tuple, str]] = None,
-            none: Optional[Sequence[Kernel]] = None) -> list[ForkTrace]:
+            none: Optional[Sequence[Kernel]] = None,
+            floor: Optional[Sequence[Kernel]] = None) -> list[ForkTrace]:
     """Per loader kernel of the ``loads`` timeline, its :class:`ForkTrace`.
 
     ``control`` is the timeline with empty tables; ``layout`` places forks and
     consumers (:func:`layout_of`; ignored, with a warning, when its kernels are
     not the step's); ``consumers[key]`` is each fork's consumer module path and
     ``modes[key]`` its graph fork mode, by ``(point, layer, batch)``; ``none`` the
-    timeline without forks, against which ``control`` gives each empty fork's delay.
+    timeline without forks, against which ``control`` gives each empty fork's delay, and
+    ``floor`` another capture without forks, against which ``none`` gives that delay's
+    noise between captures.
     """
     step = [k for k in loads if not k.loader]
     loaders = [k for k in loads if k.loader]
@@ -393,22 +410,23 @@ def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
                        "%d forks against %d and %d): forks placed by time, consumers by name",
                        len(layout.names), len(layout.forks), len(step), len(loaders))
         layout = None
-    out, afters = [], []
-    for i, loader in enumerate(loaders):
-        if layout is not None:
-            key, after = layout.forks[i]
-        else:
-            # Without a layout: the fork follows the kernels that ended before the loader
-            # began, and one on its own stream that was running then (an inline loader's
-            # early launch).
-            key, after = None, sum(1 for k in step if k.end <= loader.start or (
-                k.stream == loader.stream and k.start <= loader.start))
-        path = (consumers or {}).get(key) if key is not None else None
-        c0, c1, found_by = _consumer(step, after, layout, path)
+    # Where each fork is: (key, the number of the step's kernels before it).  Without a
+    # layout: after the last kernel that ended before the loader began, or that was
+    # running then on its own stream (an inline loader's early launch).
+    places = layout.forks if layout is not None else [
+        (None, 1 + max((j for j, k in enumerate(step) if k.end <= loader.start or (
+            k.stream == loader.stream and k.start <= loader.start)), default=-1))
+        for loader in loaders]
+    for i, (_, after) in enumerate(places):
         if after > 0:
-            loader = _loads_from(step[after - 1], loader)
+            loaders[i] = _loads_from(step[after - 1], loaders[i])
             if base_loaders:
                 base_loaders[i] = _loads_from(base[after - 1], base_loaders[i])
+    out = []
+    for i, loader in enumerate(loaders):
+        key, after = places[i]
+        path = (consumers or {}).get(key) if key is not None else None
+        c0, c1, found_by = _consumer(step, after, layout, path)
         # The window: the step's kernels on other streams that ran while the loader ran.
         in_window = {j for j, k in enumerate(step) if k.stream != loader.stream
                      and k.start < loader.end and k.end > loader.start}
@@ -443,12 +461,18 @@ def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
             loader=loader, loader_control=base_loaders[i] if base_loaders else None,
             before=step[after - 1] if after > 0 else None, window=window, overlap=overlap,
             consumer=step[c0:c1], consumer_control=base[c0:c1] if base is not None else [],
-            found_by=found_by, rows=rows))
-        afters.append(after)
+            found_by=found_by, rows=rows, after=after))
     if none is not None and base is not None:
         bare = [k for k in none if not k.loader]
         if [k.name for k in bare] == [k.name for k in base]:
-            _delays(base, bare, afters, out)
+            afters = [after for _, after in places]
+            for fork, (delay, reach) in zip(out, _delays(base, bare, afters)):
+                fork.delay_us, fork.delay_to_next_us = delay, reach
+            if floor is not None:
+                again = [k for k in floor if not k.loader]
+                if [k.name for k in again] == [k.name for k in bare]:
+                    for fork, (delay, _) in zip(out, _delays(again, bare, afters)):
+                        fork.delay_floor_us = delay
         else:
             logger.warning("the graph without forks ran other kernels than the one with "
                            "empty tables: no delays per fork")
@@ -519,13 +543,14 @@ class TraceResult:
                 f"{_name(before.name, 60)} (stream {before.stream}, ends {before.end:.1f} us)"
                 if before is not None else "the step's start")
                 + f"; the loader ran on stream {fork.loader.stream}; consumer: {how}.")
-            if fork.delay_to_next_us is not None:
-                lines.append("With empty tables against no forks: "
-                             + (f"the kernel after the fork started {fork.delay_us:+.2f} us "
-                                "later, relative to the one before it; "
-                                if fork.delay_us is not None else "")
-                             + f"{fork.delay_to_next_us:+.2f} us from the fork to the next "
-                             "fork or the step's end.")
+            if fork.delay_us is not None:
+                lines.append(f"With empty tables against no forks: the kernel after the fork "
+                             f"started {fork.delay_us:+.2f} us later, relative to the end of "
+                             f"the one before it"
+                             + (f" (two captures without forks: {fork.delay_floor_us:+.2f} us)"
+                                if fork.delay_floor_us is not None else "")
+                             + f"; the step reached the next fork (or its end) "
+                             f"{fork.delay_to_next_us:+.2f} us later.")
             if fork.number - 1 < len(self.graph):
                 lines.append(f"Graph: {self.graph[fork.number - 1]}")
             lines += ["", "| # | kernel | stream | start | end | dur | dur, empty tables | |",
@@ -814,7 +839,9 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
                     with hooks.attach(model, controller, forks.points):
                         graphs[name] = _capture(torch, fn, stream,
                                                 keep_graph=bool(dot) and name == "loads")
-                graphs["none"] = _capture(torch, fn, stream)      # no forks: their cost
+                # no forks, twice: the empty forks' delays, and that measure's noise
+                graphs["none"] = _capture(torch, fn, stream)
+                graphs["none again"] = _capture(torch, fn, stream)
                 # The layout graph: markers where the forks are and around each consumer.
                 for path in sorted(set(forks.consumers.values())):
                     module = model.get_submodule(path)
@@ -846,7 +873,7 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
     result = TraceResult(
         title=title or type(model).__name__, replays=replays,
         forks=analyze(timelines["loads"], timelines["control"], layout, consumers,
-                      markers.modes, timelines["none"]),
+                      markers.modes, timelines["none"], timelines["none again"]),
         step_us=_span(timelines["loads"]), control_step_us=_span(timelines["control"]),
         none_step_us=_span(timelines["none"]),
         graph=neighbours, kernels=timelines["loads"])
