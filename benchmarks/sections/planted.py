@@ -21,6 +21,7 @@ the tuner's own backend (``tuning.measure.GraphBackend``):
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 
@@ -159,6 +160,15 @@ def run(rig, quick):
                                              f"{gap:.1f}" if gap is not None else "n/a", share,
                                              "yes" if identical.get(arm_key(LOADS, mode, cap))
                                              else "NO"])
+                        # progress, and what survives a run cut short (stderr: the report
+                        # itself goes to stdout or --out)
+                        shown = "n/a" if gap is None else f"{gap:.1f}"
+                        where = f"a {spin} us window at {site}" if spin else "no window"
+                        print(f"planted: {name}, {where}, batch {batch}, {role.name}: "
+                              f"gap {shown} us; "
+                              + "; ".join(f"{r[5]} {r[6]} MiB (d)-(a) {r[8]}, (d)-(b) {r[9]}"
+                                          for r in rows[-len(MODES) * len(CAPS_MIB):]),
+                              file=sys.stderr, flush=True)
                 finally:
                     for h in hooks:
                         h.remove()
