@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable, Mapping
+from typing import Optional
 
 import torch
 from torch import nn
@@ -167,14 +168,18 @@ class PlantedBackend(Backend):
         return times, identical
 
 
-def role(name: str, layers: int = 4, mib: float = 32, site: str = "x") -> Role:
-    """A role with ``layers`` sites, each loading one CPU tensor of ``mib`` MiB."""
+def role(name: str, layers: int = 4, mib: float = 32, site: str = "x",
+         consumer: Optional[str] = None) -> Role:
+    """A role with ``layers`` sites, each loading one CPU tensor of ``mib`` MiB, the
+    weights of read ``{consumer}.{layer}`` (consumer: the role's name by default)."""
+    consumer = name if consumer is None else consumer
     sites = []
     for layer in range(layers):
         t = torch.empty(int(mib * MIB) // 2, dtype=torch.bfloat16)
         sites.append(RoleSite(layer=layer, site=f"layers.{layer}.{site}",
-                              reads=(f"{name}.{layer}",), weights=(t,), nbytes=(t.numel() * 2,)))
-    return Role(name=name, consumer=name, site=site, kind="module", next_layer=False,
+                              reads=(f"{consumer}.{layer}",), weights=(t,),
+                              nbytes=(t.numel() * 2,)))
+    return Role(name=name, consumer=consumer, site=site, kind="module", next_layer=False,
                 sites=tuple(sites))
 
 

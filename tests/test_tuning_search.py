@@ -191,6 +191,36 @@ def test_confirmation_failure_drops_the_weakest_and_never_ships_a_loss():
             assert conf.gain.low > 0
 
 
+def test_roles_that_load_one_consumer_are_not_combined():
+    """A and A2 fork at two sites before the same consumer (their loads start at the same
+    weights: together they pay what one does); B loads another.  The plan holds A, the
+    stronger of the two, and B; A2 never goes into a combined or confirmed plan with A."""
+    backend = PlantedBackend({"A": pays(10.0), "A2": pays(8.0), "B": pays(6.0)},
+                             interference={frozenset({"A", "A2"}): 8.0}, seed=31)
+    (report,), _ = run(backend, [role("A", consumer="G"), role("A2", consumer="G"),
+                                 role("B")])
+    assert sorted(n for n, _ in report.plan) == ["A", "B"]
+    roles_by = by_name(report)
+    assert not roles_by["A2"].kept
+    assert "same weights as A's" in roles_by["A2"].reason
+    for group in backend.groups:
+        for key, arm in group.items():
+            if A.parse_arm_key(key)[0] == A.PLAN:
+                assert not {"A", "A2"} <= {name for name, _ in arm.roles}
+
+
+def test_first_reads_are_the_consumers_at_the_settings_layers():
+    g = role("A", layers=4, consumer="G")
+    every = A.Setting(byte_cap=8 * MIB, grid=32, kernel=None, graph_fork=GRAPH_FORKS[0])
+    assert S._first_reads(g, every) == {"G.0", "G.1", "G.2", "G.3"}
+    low = A.Setting(byte_cap=8 * MIB, grid=32, kernel=None, graph_fork=GRAPH_FORKS[0],
+                    layers=(0, 1))
+    high = A.Setting(byte_cap=8 * MIB, grid=32, kernel=None, graph_fork=GRAPH_FORKS[0],
+                     layers=(2, 3))
+    # one consumer's loads at disjoint layers do not load the same bytes
+    assert S._first_reads(g, low).isdisjoint(S._first_reads(g, high))
+
+
 def test_outputs_that_differ_refuse_the_role():
     backend = PlantedBackend({"A": pays(10.0)}, differs=frozenset({"A"}), seed=8)
     (report,), _ = run(backend, [role("A")])

@@ -39,8 +39,10 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
    by noise, are not a prefetch that pays).  Choosing the best of several
    settings on one set of instances favours noise; verifying on fresh ones
    does not.
-7. **combine**: kept roles in decreasing gain; the plans made of the first
-   1, 2, ... of them in one group; the best one goes on.
+7. **combine**: kept roles in decreasing gain, less those whose forks load a consumer
+   that a role ahead of them already loads (at a layer both fork at: the same bytes
+   twice); the plans made of the first 1, 2, ... of them in one group; the best one
+   goes on.
 8. **confirm**: that plan against (a) on fresh instances (paired by instance
    where the backend pairs them: GraphBackend's ``placement="shared"``); if the interval of
    its gain is not above zero, the weakest role is dropped and the rest is
@@ -706,7 +708,23 @@ class _Batch:
     def combine_and_confirm(self, kept: list[tuple[Role, Trial]],
                             reports: dict[str, RoleReport]) -> None:
         kept = sorted(kept, key=lambda rt: -rt[1].gain.estimate)
-        chosen = [(role.name, trial.setting) for role, trial in kept]
+        # Roles that serve one consumer (discovered at several sites before it) load the
+        # same bytes from its start: together they load them twice and pay no more than
+        # one of them, and they would be dropped one confirmation at a time (RESULTS run
+        # 22).  The one that gained most stands for that consumer.
+        loaded: dict[str, str] = {}
+        distinct = []
+        for role, trial in kept:
+            reads = _first_reads(role, trial.setting)
+            first = next((loaded[r] for r in sorted(reads) if r in loaded), None)
+            if first is not None:
+                reports[role.name].kept = False
+                reports[role.name].reason = (f"dropped when combining: its loads start at the "
+                                             f"same weights as {first}'s, which gained more")
+                continue
+            loaded.update(dict.fromkeys(reads, role.name))
+            distinct.append((role, trial))
+        chosen = [(role.name, trial.setting) for role, trial in distinct]
         if not chosen:
             self.report.reason = "no role paid at this batch"
             return
@@ -747,6 +765,14 @@ class _Batch:
             reports[name].reason = ("dropped at confirmation: the plan with it was not a "
                                     f"confirmed gain ({conf.gain.format(2)} us)")
         self.report.reason = "no combination of the kept roles was confirmed"
+
+
+def _first_reads(role: Role, setting: Setting) -> set[str]:
+    """The reads whose weights ``role``'s forks load first (each fork's consumer), at the
+    layers ``setting`` forks at."""
+    layers = None if setting.layers is None else set(setting.layers)
+    return {s.reads[0] for s in role.sites
+            if s.reads and (layers is None or s.layer in layers)}
 
 
 def search(backend: Backend, roles: Sequence[Role], batches: Sequence[int], *,
