@@ -834,15 +834,18 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
             loads, control = controllers
             markers = _Markers(torch, control, PreparedWeightRanges([], grid=1,
                                                                     device=device.index), marks)
+            what = "with the forks"     # which capture failed, for the error
             try:
                 for name, controller in (("loads", loads), ("control", control)):
                     with hooks.attach(model, controller, forks.points):
                         graphs[name] = _capture(torch, fn, stream,
                                                 keep_graph=bool(dot) and name == "loads")
                 # no forks, twice: the empty forks' delays, and that measure's noise
+                what = "without forks"
                 graphs["none"] = _capture(torch, fn, stream)
                 graphs["none again"] = _capture(torch, fn, stream)
                 # The layout graph: markers where the forks are and around each consumer.
+                what = "with the layout's markers"
                 for path in sorted(set(forks.consumers.values())):
                     module = model.get_submodule(path)
                     handles.append(module.register_forward_pre_hook(
@@ -852,7 +855,7 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
                 with hooks.attach(model, markers, forks.points):
                     graphs["layout"] = _capture(torch, fn, stream)
             except Exception as exc:
-                raise StepError(f"step({batch}) cannot be captured with the forks: "
+                raise StepError(f"step({batch}) cannot be captured {what}: "
                                 f"{type(exc).__name__}: {exc}") from exc
             neighbours = _dump(graphs["loads"], dot) if dot else []
             timelines = {name: timeline(_profile(torch, graph, replays), replays)
