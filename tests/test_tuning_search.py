@@ -191,22 +191,51 @@ def test_confirmation_failure_drops_the_weakest_and_never_ships_a_loss():
             assert conf.gain.low > 0
 
 
-def test_roles_that_load_one_consumer_are_not_combined():
+def test_roles_that_load_one_consumer_are_verified_once():
     """A and A2 fork at two sites before the same consumer (their loads start at the same
-    weights: together they pay what one does); B loads another.  The plan holds A, the
-    stronger of the two, and B; A2 never goes into a combined or confirmed plan with A."""
+    weights: together they pay what one does); B loads another.  A, which gained more in
+    its sweep, is verified and kept; A2 is not verified and never goes into a plan."""
     backend = PlantedBackend({"A": pays(10.0), "A2": pays(8.0), "B": pays(6.0)},
                              interference={frozenset({"A", "A2"}): 8.0}, seed=31)
-    (report,), _ = run(backend, [role("A", consumer="G"), role("A2", consumer="G"),
+    (report,), _ = run(backend, [role("A2", consumer="G"), role("A", consumer="G"),
                                  role("B")])
     assert sorted(n for n, _ in report.plan) == ["A", "B"]
     roles_by = by_name(report)
     assert not roles_by["A2"].kept
-    assert "same weights as A's" in roles_by["A2"].reason
+    assert roles_by["A2"].reason.startswith("not verified: its loads start at the same "
+                                            "weights as A's")
+    assert not any(t.stage == "verify" for t in roles_by["A2"].trials)
     for group in backend.groups:
         for key, arm in group.items():
             if A.parse_arm_key(key)[0] == A.PLAN:
-                assert not {"A", "A2"} <= {name for name, _ in arm.roles}
+                assert "A2" not in {name for name, _ in arm.roles}
+
+
+class VerifyLoses(PlantedBackend):
+    """Role ``loser``'s verify (the group of exactly (a), (b), (d) with its forks) shows
+    no gain: its loads time as its empty forks and as (a).  Every other group is planted."""
+
+    def __init__(self, *args, loser: str, **kw):
+        super().__init__(*args, **kw)
+        self.loser = loser
+
+    def measure(self, batch, arms, instances):
+        times, identical = super().measure(batch, arms, instances)
+        if set(arms) == {A.NO_FORKS, A.LOADS, A.EMPTY} and \
+                {n for n, _ in arms[A.LOADS].roles} == {self.loser}:
+            times = {**times, A.LOADS: list(times[A.NO_FORKS]),
+                     A.EMPTY: list(times[A.NO_FORKS])}
+        return times, identical
+
+
+def test_a_consumers_next_role_is_verified_where_the_first_is_not_kept():
+    backend = VerifyLoses({"A": pays(10.0), "A2": pays(8.0)},
+                          interference={frozenset({"A", "A2"}): 8.0}, seed=32, loser="A")
+    (report,), _ = run(backend, [role("A", consumer="G"), role("A2", consumer="G")])
+    roles_by = by_name(report)
+    assert not roles_by["A"].kept and "not shown on fresh instances" in roles_by["A"].reason
+    assert roles_by["A2"].kept
+    assert [n for n, _ in report.plan] == ["A2"]
 
 
 def test_first_reads_are_the_consumers_at_the_settings_layers():

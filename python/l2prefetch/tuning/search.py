@@ -33,16 +33,16 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
    this first, then those that lost the sweep (in decreasing order of what
    their best loads saved against empty forks), while the budget lasts
    beside every verify's sequential sampling (see the budget below).
-6. **verify**: the chosen setting of each such role on fresh instances:
+6. **verify**: the chosen setting of each such role on fresh instances, in decreasing
+   gain so far, less the roles whose forks load a consumer that a kept role already
+   loads (at a layer both fork at: the same bytes twice):
    kept only if the 95% intervals of its gain over (a) and of its loads
    against (d) both lie above zero (forks that pay with empty tables, or
    by noise, are not a prefetch that pays).  Choosing the best of several
    settings on one set of instances favours noise; verifying on fresh ones
    does not.
-7. **combine**: kept roles in decreasing gain, less those whose forks load a consumer
-   that a role ahead of them already loads (at a layer both fork at: the same bytes
-   twice); the plans made of the first 1, 2, ... of them in one group; the best one
-   goes on.
+7. **combine**: kept roles in decreasing gain; the plans made of the first
+   1, 2, ... of them in one group; the best one goes on.
 8. **confirm**: that plan against (a) on fresh instances (paired by instance
    where the backend pairs them: GraphBackend's ``placement="shared"``); if the interval of
    its gain is not above zero, the weakest role is dropped and the rest is
@@ -502,9 +502,22 @@ class _Batch:
             elif any(t.stage == "layer" for t in rep.trials):
                 rep.reason += "; measured per layer, no group of its layers paid"
 
+        # The most promising first, by what each gained against (a) so far.  Roles whose
+        # forks load one consumer (discovered at several sites before it) load the same
+        # bytes from its start: together they pay no more than one of them, and such a plan
+        # lost its confirmation (RESULTS run 22).  So once one is kept, the others are not
+        # verified; where it is not kept, the next one is.
+        promising.sort(key=lambda rt: -rt[1].gain.estimate)
         kept: list[tuple[Role, Trial]] = []
+        loaded: dict[str, str] = {}     # a consumer's read -> the kept role that loads it
         for k, (role, trial) in enumerate(promising):
             rep = reports[role.name]
+            reads = _first_reads(role, trial.setting)
+            other = next((loaded[r] for r in sorted(reads) if r in loaded), None)
+            if other is not None:
+                rep.reason = (f"not verified: its loads start at the same weights as {other}'s, "
+                              "which gained more and was kept")
+                continue
             if not self.fits(3, final_reserve):
                 rep.reason = "not verified: the budget ran out"
                 continue
@@ -517,6 +530,7 @@ class _Batch:
                                    extend_reserve=whole)
             if verified is not None:
                 kept.append((role, verified))
+                loaded.update(dict.fromkeys(reads, role.name))
 
         self.combine_and_confirm(kept, reports)
         self.report.spread = InstanceSpread.of(self.no_forks, self.prepared.capture_s)
@@ -708,23 +722,7 @@ class _Batch:
     def combine_and_confirm(self, kept: list[tuple[Role, Trial]],
                             reports: dict[str, RoleReport]) -> None:
         kept = sorted(kept, key=lambda rt: -rt[1].gain.estimate)
-        # Roles that serve one consumer (discovered at several sites before it) load the
-        # same bytes from its start: together they load them twice and pay no more than
-        # one of them, and they would be dropped one confirmation at a time (RESULTS run
-        # 22).  The one that gained most stands for that consumer.
-        loaded: dict[str, str] = {}
-        distinct = []
-        for role, trial in kept:
-            reads = _first_reads(role, trial.setting)
-            first = next((loaded[r] for r in sorted(reads) if r in loaded), None)
-            if first is not None:
-                reports[role.name].kept = False
-                reports[role.name].reason = (f"dropped when combining: its loads start at the "
-                                             f"same weights as {first}'s, which gained more")
-                continue
-            loaded.update(dict.fromkeys(reads, role.name))
-            distinct.append((role, trial))
-        chosen = [(role.name, trial.setting) for role, trial in distinct]
+        chosen = [(role.name, trial.setting) for role, trial in kept]
         if not chosen:
             self.report.reason = "no role paid at this batch"
             return
