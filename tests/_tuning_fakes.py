@@ -169,18 +169,22 @@ class PlantedBackend(Backend):
 
 
 def role(name: str, layers: int = 4, mib: float = 32, site: str = "x",
-         consumer: Optional[str] = None) -> Role:
+         like: Optional[Role] = None) -> Role:
     """A role with ``layers`` sites, each loading one CPU tensor of ``mib`` MiB, the
-    weights of read ``{consumer}.{layer}`` (consumer: the role's name by default)."""
-    consumer = name if consumer is None else consumer
+    weights of read ``{name}.{layer}``; with ``like``, its consumer's weights and reads
+    instead (a role at another site before the same consumer)."""
     sites = []
     for layer in range(layers):
-        t = torch.empty(int(mib * MIB) // 2, dtype=torch.bfloat16)
-        sites.append(RoleSite(layer=layer, site=f"layers.{layer}.{site}",
-                              reads=(f"{consumer}.{layer}",), weights=(t,),
-                              nbytes=(t.numel() * 2,)))
-    return Role(name=name, consumer=consumer, site=site, kind="module", next_layer=False,
-                sites=tuple(sites))
+        if like is not None:
+            same = like.sites[layer]
+            reads, t = same.reads, same.weights[0]
+        else:
+            reads, t = (f"{name}.{layer}",), torch.empty(int(mib * MIB) // 2,
+                                                        dtype=torch.bfloat16)
+        sites.append(RoleSite(layer=layer, site=f"layers.{layer}.{site}", reads=reads,
+                              weights=(t,), nbytes=(t.numel() * 2,)))
+    return Role(name=name, consumer=name if like is None else like.consumer, site=site,
+                kind="module", next_layer=False, sites=tuple(sites))
 
 
 # ------------------------------------------------------------------ module trees

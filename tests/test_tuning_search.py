@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -197,8 +198,8 @@ def test_roles_that_load_one_consumer_are_verified_once():
     its sweep, is verified and kept; A2 is not verified and never goes into a plan."""
     backend = PlantedBackend({"A": pays(10.0), "A2": pays(8.0), "B": pays(6.0)},
                              interference={frozenset({"A", "A2"}): 8.0}, seed=31)
-    (report,), _ = run(backend, [role("A2", consumer="G"), role("A", consumer="G"),
-                                 role("B")])
+    a = role("A")
+    (report,), _ = run(backend, [role("A2", like=a, site="y"), a, role("B")])
     assert sorted(n for n, _ in report.plan) == ["A", "B"]
     roles_by = by_name(report)
     assert not roles_by["A2"].kept
@@ -231,23 +232,27 @@ class VerifyLoses(PlantedBackend):
 def test_a_consumers_next_role_is_verified_where_the_first_is_not_kept():
     backend = VerifyLoses({"A": pays(10.0), "A2": pays(8.0)},
                           interference={frozenset({"A", "A2"}): 8.0}, seed=32, loser="A")
-    (report,), _ = run(backend, [role("A", consumer="G"), role("A2", consumer="G")])
+    a = role("A")
+    (report,), _ = run(backend, [a, role("A2", like=a, site="y")])
     roles_by = by_name(report)
     assert not roles_by["A"].kept and "not shown on fresh instances" in roles_by["A"].reason
     assert roles_by["A2"].kept
     assert [n for n, _ in report.plan] == ["A2"]
 
 
-def test_first_reads_are_the_consumers_at_the_settings_layers():
-    g = role("A", layers=4, consumer="G")
+def test_where_forks_start_is_the_first_weights_address_at_the_settings_layers():
+    g = role("G", layers=4)
+    at_y = role("Y", layers=4, like=g, site="y")
+    other = role("O", layers=4)
     every = A.Setting(byte_cap=8 * MIB, grid=32, kernel=None, graph_fork=GRAPH_FORKS[0])
-    assert S._first_reads(g, every) == {"G.0", "G.1", "G.2", "G.3"}
-    low = A.Setting(byte_cap=8 * MIB, grid=32, kernel=None, graph_fork=GRAPH_FORKS[0],
-                    layers=(0, 1))
-    high = A.Setting(byte_cap=8 * MIB, grid=32, kernel=None, graph_fork=GRAPH_FORKS[0],
-                     layers=(2, 3))
+    starts = S._starts(g, every)
+    assert starts == {s.weights[0].data_ptr() for s in g.sites} and len(starts) == 4
+    assert S._starts(at_y, every) == starts
+    assert S._starts(other, every).isdisjoint(starts)
+    low, high = (dataclasses.replace(every, layers=layers) for layers in ((0, 1), (2, 3)))
     # one consumer's loads at disjoint layers do not load the same bytes
-    assert S._first_reads(g, low).isdisjoint(S._first_reads(g, high))
+    assert S._starts(g, low).isdisjoint(S._starts(at_y, high))
+    assert S._starts(g, low) <= starts
 
 
 def test_outputs_that_differ_refuse_the_role():

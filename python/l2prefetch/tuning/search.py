@@ -509,11 +509,11 @@ class _Batch:
         # verified; where it is not kept, the next one is.
         promising.sort(key=lambda rt: -rt[1].gain.estimate)
         kept: list[tuple[Role, Trial]] = []
-        loaded: dict[str, str] = {}     # a consumer's read -> the kept role that loads it
+        loaded: dict[Any, str] = {}     # where a kept role's forks start -> that role
         for k, (role, trial) in enumerate(promising):
             rep = reports[role.name]
-            reads = _first_reads(role, trial.setting)
-            other = next((loaded[r] for r in sorted(reads) if r in loaded), None)
+            starts = _starts(role, trial.setting)
+            other = next((loaded[a] for a in starts if a in loaded), None)
             if other is not None:
                 rep.reason = (f"not verified: its loads start at the same weights as {other}'s, "
                               "which gained more and was kept")
@@ -530,7 +530,7 @@ class _Batch:
                                    extend_reserve=whole)
             if verified is not None:
                 kept.append((role, verified))
-                loaded.update(dict.fromkeys(reads, role.name))
+                loaded.update(dict.fromkeys(starts, role.name))
 
         self.combine_and_confirm(kept, reports)
         self.report.spread = InstanceSpread.of(self.no_forks, self.prepared.capture_s)
@@ -765,12 +765,18 @@ class _Batch:
         self.report.reason = "no combination of the kept roles was confirmed"
 
 
-def _first_reads(role: Role, setting: Setting) -> set[str]:
-    """The reads whose weights ``role``'s forks load first (each fork's consumer), at the
-    layers ``setting`` forks at."""
+def _starts(role: Role, setting: Setting) -> set:
+    """Where ``role``'s forks start loading (each one's first weight, its consumer's), at
+    the layers ``setting`` forks at: the first weights' addresses (a weight without one,
+    or empty: the object), not their names, which a plan's roles may not know."""
+    def start(weight: Any) -> Any:
+        data_ptr = getattr(weight, "data_ptr", None)
+        address = data_ptr() if callable(data_ptr) else 0
+        return address if isinstance(address, int) and address else id(weight)
+
     layers = None if setting.layers is None else set(setting.layers)
-    return {s.reads[0] for s in role.sites
-            if s.reads and (layers is None or s.layer in layers)}
+    return {start(s.weights[0]) for s in role.sites
+            if s.weights and (layers is None or s.layer in layers)}
 
 
 def search(backend: Backend, roles: Sequence[Role], batches: Sequence[int], *,
