@@ -229,7 +229,33 @@ class VerifyLoses(PlantedBackend):
         return times, identical
 
 
+def _resited(r, name, consumer, **site_fields):
+    """Role ``r`` renamed, with ``consumer``, and each of its sites' fields replaced by
+    ``site_fields[f](site)``."""
+    sites = tuple(dataclasses.replace(s, **{f: fn(s) for f, fn in site_fields.items()})
+                  for s in r.sites)
+    return dataclasses.replace(r, name=name, consumer=consumer, sites=sites)
+
+
+def test_roles_alike_are_those_whose_forks_start_at_one_address_not_one_name():
+    """V loads A's weights through other tensor objects (views) and under other read names:
+    it is A's alternative.  N names A's reads but loads its own tensors: it is not."""
+    a = role("A")
+    v = _resited(a, "V", "?", weights=lambda s: (s.weights[0][:],), reads=lambda s: ("?",))
+    n = _resited(role("N"), "N", a.consumer, reads=lambda s: a.sites[s.layer].reads)
+    backend = PlantedBackend({"A": pays(10.0), "V": pays(8.0), "N": pays(6.0)},
+                             interference={frozenset({"A", "V"}): 8.0}, seed=33)
+    (report,), _ = run(backend, [v, a, n])
+    roles_by = by_name(report)
+    assert sorted(name for name, _ in report.plan) == ["A", "N"]
+    assert roles_by["V"].reason.startswith("not verified: its loads start at the same "
+                                           "weights as A's")
+    assert any(t.stage == "verify" for t in roles_by["N"].trials)
+
+
 def test_a_consumers_next_role_is_verified_where_the_first_is_not_kept():
+    """A role stands for its consumer only once kept: A fails its verify, so A2, which
+    loads the same weights, is verified and kept."""
     backend = VerifyLoses({"A": pays(10.0), "A2": pays(8.0)},
                           interference={frozenset({"A", "A2"}): 8.0}, seed=32, loser="A")
     a = role("A")

@@ -34,8 +34,11 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
    their best loads saved against empty forks), while the budget lasts
    beside every verify's sequential sampling (see the budget below).
 6. **verify**: the chosen setting of each such role on fresh instances, in decreasing
-   gain so far, less the roles whose forks load a consumer that a kept role already
-   loads (at a layer both fork at: the same bytes twice):
+   gain so far, less the roles whose forks start at a weight where a kept role's forks
+   start (at the layers of each one's setting): roles at several sites before one
+   consumer are alternatives, since together they load its first bytes twice (a
+   policy's points too: kimi_k3's ``oproj_down`` and ``attention_moe`` both start at
+   the MoE front, so only the stronger is verified):
    kept only if the 95% intervals of its gain over (a) and of its loads
    against (d) both lie above zero (forks that pay with empty tables, or
    by noise, are not a prefetch that pays).  Choosing the best of several
@@ -94,7 +97,7 @@ round; refine and the layers step leave each verify to come the most its sequent
 sampling can take (up to ``max_instances``: a worst case, so where verifies decide
 early some budget goes unused; at the default budget on deepseek-v3-6l B1 the layers
 step of lost roles had left two verifies one round of 5 instances, RESULTS run 16);
-where that is more than is left, the verifies go in the sweep's order, the most
+where that is more than is left, the verifies go in decreasing gain so far, the most
 promising first.  A lead sampled past ``max_instances`` for the resolution alone
 (up to twice that) gets those rounds only where every verify that may still come
 keeps its whole sampling (in the sweep: the later roles' too); the verify reserve
@@ -513,10 +516,10 @@ class _Batch:
         for k, (role, trial) in enumerate(promising):
             rep = reports[role.name]
             starts = _starts(role, trial.setting)
-            other = next((loaded[a] for a in starts if a in loaded), None)
+            other = next((loaded[a] for a in sorted(starts) if a in loaded), None)
             if other is not None:
                 rep.reason = (f"not verified: its loads start at the same weights as {other}'s, "
-                              "which gained more and was kept")
+                              "which gained more and passed its verify")
                 continue
             if not self.fits(3, final_reserve):
                 rep.reason = "not verified: the budget ran out"
@@ -524,8 +527,11 @@ class _Batch:
             # one round each: where refine and layers ran, their reserves left every verify
             # its whole sampling; where the sweep left less, the first (most promising)
             # verifies come first
-            later = (len(promising) - k - 1) * self.cost(3)
-            whole = final_reserve + (len(promising) - k - 1) * self.verify_cost()
+            # (not counting the roles after it that a kept role already stands for)
+            rest = sum(1 for r, t in promising[k + 1:] if loaded.keys().isdisjoint(
+                _starts(r, t.setting)))
+            later = rest * self.cost(3)
+            whole = final_reserve + rest * self.verify_cost()
             verified = self.verify(role, trial.setting, rep, final_reserve + later,
                                    extend_reserve=whole)
             if verified is not None:
