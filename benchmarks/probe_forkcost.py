@@ -7,7 +7,10 @@ bf16, ``hf.DecodeStep``) with the inline forks of one role with loads, with empt
 and without forks, and prints per fork the kernel before it and after it and how much
 later, with empty tables than without forks, the kernel after it started (relative to the
 kernel before it) and the step reached the next fork (``ForkTrace.delay_us``,
-``delay_to_next_us``), then each fork's whole timeline.
+``delay_to_next_us``), the kernels on the way where that delay grew or shrank most
+(``lags_us``: run 22 found the next kernel 0.5-1.0 us late at every site, but the next
+fork 0.4-0.5 us late after o_proj and 1.0 us after the add), then each fork's whole
+timeline.
 
 Roles as the planted section's (``benchmarks/sections/planted.py``, ROLES): for the sites
 ``mlp`` (the spin before every MLP's norm) and ``oproj`` (in every o_proj's forward hook,
@@ -32,6 +35,25 @@ SPIN_US = 40
 MIB = 1 << 20
 
 
+def changes(fork, names, min_us=0.15, most=4):
+    """Where along the way from ``fork`` to the next fork its empty tables' delay grew or
+    shrank by ``min_us`` or more (``ForkTrace.lags_us``; ``names``: the step's kernel names
+    by index), the ``most`` largest changes in step order, as text: ``#index name (lag
+    before -> lag; the two captures without forks: before -> after)``."""
+    lags, floor = fork.lags_us, fork.lags_floor_us
+    steps = [(abs(lags[j] - lags[j - 1]), j) for j in range(1, len(lags))
+             if abs(lags[j] - lags[j - 1]) >= min_us]
+    chosen = sorted(j for _, j in sorted(steps, reverse=True)[:most])
+    out = []
+    for j in chosen:
+        index = fork.after + j
+        text = f"#{index} {names[index][:40]} ({lags[j - 1]:+.2f} -> {lags[j]:+.2f}"
+        if len(floor) == len(lags):
+            text += f"; without forks twice: {floor[j - 1]:+.2f} -> {floor[j]:+.2f}"
+        out.append(text + ")")
+    return ", ".join(out) if out else f"none by {min_us} us or more"
+
+
 def run(rig, name, site, kind, batch, replays):
     from benchmarks.sections.planted import _model, _planted, _role
     from l2prefetch.tuning import trace as tr
@@ -54,6 +76,7 @@ def run(rig, name, site, kind, batch, replays):
     def us(value):
         return "-" if value is None else f"{value:+.2f}"
 
+    names = [k.name for k in result.kernels if not k.loader]
     for fork in result.forks:
         before = fork.before.name[:50] if fork.before else "-"
         after = next((r.kernel.name[:50] for r in fork.rows if r.index == fork.after), "-")
@@ -61,6 +84,8 @@ def run(rig, name, site, kind, batch, replays):
               f"{us(fork.delay_us)} us (two captures without forks: "
               f"{us(fork.delay_floor_us)}) | to the next fork {us(fork.delay_to_next_us)} us",
               flush=True)
+        if fork.lags_us:
+            print(f"      the delay changed at: {changes(fork, names)}", flush=True)
     print(result.markdown(), flush=True)
 
 

@@ -254,3 +254,25 @@ def test_probe_forkcost_refuses_bad_specs_before_it_needs_a_gpu(argv, message, c
         probe_forkcost.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_probe_forkcost_names_where_the_delay_changed():
+    from types import SimpleNamespace
+
+    from benchmarks.probe_forkcost import changes
+
+    names = [f"k{j}" for j in range(10)]
+    # the fork before kernel 3; its delay grows at 4, holds, and shrinks at 6 and 8
+    fork = SimpleNamespace(after=3, lags_us=(0.7, 0.9, 0.9, 0.3, 0.3, 0.1),
+                           lags_floor_us=(0.0, 0.05, 0.0, 0.0, 0.1, 0.0))
+    assert changes(fork, names) == (
+        "#4 k4 (+0.70 -> +0.90; without forks twice: +0.00 -> +0.05), "
+        "#6 k6 (+0.90 -> +0.30; without forks twice: +0.00 -> +0.00), "
+        "#8 k8 (+0.30 -> +0.10; without forks twice: +0.10 -> +0.00)")
+    assert changes(fork, names, most=1) == \
+        "#6 k6 (+0.90 -> +0.30; without forks twice: +0.00 -> +0.00)"
+    # no floor measured; nothing that changed by min_us
+    fork.lags_floor_us = ()
+    assert changes(fork, names, min_us=0.5) == "#6 k6 (+0.90 -> +0.30)"
+    fork.lags_us = (0.7, 0.75)
+    assert changes(fork, names) == "none by 0.15 us or more"

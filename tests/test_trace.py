@@ -143,6 +143,9 @@ def test_an_empty_forks_delay_against_no_forks(caplog):
     assert fork.delay_us == pytest.approx(0.8, abs=1e-3)
     assert fork.delay_to_next_us == pytest.approx(0.8, abs=1e-3)
     assert fork.delay_floor_us == pytest.approx(0.1, abs=1e-3)
+    # each kernel from the add to the consumer, 0.8 us late (0.1 between the captures)
+    assert fork.lags_us == pytest.approx((0.8,) * 4, abs=1e-3)
+    assert fork.lags_floor_us == pytest.approx((0.1,) * 4, abs=1e-3)
     text = tr.TraceResult("t", 1, [fork], step_us=70, control_step_us=70.8,
                           none_step_us=70).markdown()
     assert "70.8 us with empty tables, 70.0 us without forks." in text
@@ -163,14 +166,23 @@ def test_delays_per_place():
         lag = [sum(1.0 for p in places if p <= j) for j in range(5)]
         return [tr.Kernel(k.name, 7, k.start + lag[j], k.end + lag[j])
                 for j, k in enumerate(bare)]
-    # in order: each its own 1 us, to the next fork and to the end
-    assert tr._delays(base(1, 3), bare, [1, 3]) == [(1.0, 1.0), (1.0, 1.0)]
+    # in order: each its own 1 us, to the next fork and to the end; per kernel up to the
+    # next fork (kernels 1-2, then 3-4)
+    assert tr._delays(base(1, 3), bare, [1, 3]) == [(1.0, 1.0, (1.0, 1.0)),
+                                                    (1.0, 1.0, (1.0, 1.0))]
     # placed out of order (forks on several streams): still to the nearest later place
-    assert tr._delays(base(1, 3), bare, [3, 1]) == [(1.0, 1.0), (1.0, 1.0)]
+    assert tr._delays(base(1, 3), bare, [3, 1]) == [(1.0, 1.0, (1.0, 1.0)),
+                                                    (1.0, 1.0, (1.0, 1.0))]
     # back to back at one place: the first carries the place's delay
-    assert tr._delays(base(2, 2), bare, [2, 2]) == [(2.0, 2.0), (None, None)]
+    assert tr._delays(base(2, 2), bare, [2, 2]) == [(2.0, 2.0, (2.0, 2.0, 2.0)),
+                                                    (None, None, ())]
     # at the step's start or end: nothing to tell
-    assert tr._delays(base(), bare, [0, 5]) == [(None, None), (None, None)]
+    assert tr._delays(base(), bare, [0, 5]) == [(None, None, ()), (None, None, ())]
+    # a delay that a later kernel absorbs: the lags show where
+    absorbed = base(1)
+    absorbed[3] = tr.Kernel("k3", 7, bare[3].start, bare[3].end)
+    absorbed[4] = tr.Kernel("k4", 7, bare[4].start, bare[4].end)
+    assert tr._delays(absorbed, bare, [1]) == [(1.0, 0.0, (1.0, 1.0, 0.0, 0.0))]
 
 
 def test_a_loader_on_another_stream_is_not_moved():

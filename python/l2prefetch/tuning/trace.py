@@ -271,6 +271,12 @@ class ForkTrace:
     delay_us: Optional[float] = None
     delay_to_next_us: Optional[float] = None
     delay_floor_us: Optional[float] = None
+    #: Per kernel from the one after the fork (``rows``' index ``after``) to the one before
+    #: the next fork: how much later it started with empty tables than without forks,
+    #: relative to the end of the kernel before the fork (the first is ``delay_us``), and
+    #: the same between the two captures without forks.
+    lags_us: tuple[float, ...] = ()
+    lags_floor_us: tuple[float, ...] = ()
 
     @property
     def label(self) -> str:
@@ -354,27 +360,31 @@ def _loads_from(before: Kernel, loader: Kernel) -> Kernel:
     return loader
 
 
-def _delays(base: Sequence[Kernel], bare: Sequence[Kernel],
-            afters: Sequence[int]) -> list[tuple[Optional[float], Optional[float]]]:
+def _delays(base: Sequence[Kernel], bare: Sequence[Kernel], afters: Sequence[int]
+            ) -> list[tuple[Optional[float], Optional[float], tuple[float, ...]]]:
     """Per fork (``afters``: the step's kernels before each), how much later the step with
     empty tables (``base``) ran than ``bare`` (the same kernels, no forks): the kernel after
-    the fork's start, relative to the end of the one before it, and the end of the kernel
-    before the next fork (or the step's end), relative to the same.  Forks back to back
-    (one place): the first carries the place's delay, the others None.  A fork at the
-    step's start or end: None (the replay's zero, its first kernel, may be a loader)."""
+    the fork's start, relative to the end of the one before it; the end of the kernel
+    before the next fork (or the step's end), relative to the same; and the start of each
+    kernel from the one after the fork to the one before the next fork, relative to the
+    same (its first is the first delay: where along the way the delay grew or shrank).
+    Forks back to back (one place): the first carries the place's delay, the others None.
+    A fork at the step's start or end: None (the replay's zero, its first kernel, may be
+    a loader)."""
     def lag(j: int, edge: str) -> float:   # how much later kernel j's start or end ran
         return getattr(base[j], edge) - getattr(bare[j], edge)
 
     n, out = len(base), []
     for i, after in enumerate(afters):
         if not 0 < after < n or after in afters[:i]:
-            out.append((None, None))
+            out.append((None, None, ()))
             continue
         at = lag(after - 1, "end")
         nxt = min((a for a in afters if a > after), default=None)
         reach = lag(nxt - 1, "end") if nxt is not None else \
             max(k.end for k in base) - max(k.end for k in bare)
-        out.append((lag(after, "start") - at, reach - at))
+        lags = tuple(lag(j, "start") - at for j in range(after, n if nxt is None else nxt))
+        out.append((lags[0], reach - at, lags))
     return out
 
 
@@ -466,13 +476,13 @@ def analyze(loads: Sequence[Kernel], control: Optional[Sequence[Kernel]] = None,
         bare = [k for k in none if not k.loader]
         if [k.name for k in bare] == [k.name for k in base]:
             afters = [after for _, after in places]
-            for fork, (delay, reach) in zip(out, _delays(base, bare, afters)):
-                fork.delay_us, fork.delay_to_next_us = delay, reach
+            for fork, (delay, reach, lags) in zip(out, _delays(base, bare, afters)):
+                fork.delay_us, fork.delay_to_next_us, fork.lags_us = delay, reach, lags
             if floor is not None:
                 again = [k for k in floor if not k.loader]
                 if [k.name for k in again] == [k.name for k in bare]:
-                    for fork, (delay, _) in zip(out, _delays(again, bare, afters)):
-                        fork.delay_floor_us = delay
+                    for fork, (delay, _, lags) in zip(out, _delays(again, bare, afters)):
+                        fork.delay_floor_us, fork.lags_floor_us = delay, lags
         else:
             logger.warning("the graph without forks ran other kernels than the one with "
                            "empty tables: no delays per fork")
