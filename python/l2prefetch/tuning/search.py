@@ -513,9 +513,10 @@ class _Batch:
         promising.sort(key=lambda rt: -rt[1].gain.estimate)
         kept: list[tuple[Role, Trial]] = []
         loaded: dict[Any, str] = {}     # where a kept role's forks start -> that role
+        starts_of = [_starts(role, trial.setting) for role, trial in promising]
         for k, (role, trial) in enumerate(promising):
             rep = reports[role.name]
-            starts = _starts(role, trial.setting)
+            starts = starts_of[k]
             other = next((loaded[a] for a in sorted(starts) if a in loaded), None)
             if other is not None:
                 rep.reason = (f"not verified: its loads start at the same weights as {other}'s, "
@@ -528,8 +529,7 @@ class _Batch:
             # its whole sampling; where the sweep left less, the first (most promising)
             # verifies come first
             # (not counting the roles after it that a kept role already stands for)
-            rest = sum(1 for r, t in promising[k + 1:] if loaded.keys().isdisjoint(
-                _starts(r, t.setting)))
+            rest = sum(1 for later in starts_of[k + 1:] if loaded.keys().isdisjoint(later))
             later = rest * self.cost(3)
             whole = final_reserve + rest * self.verify_cost()
             verified = self.verify(role, trial.setting, rep, final_reserve + later,
