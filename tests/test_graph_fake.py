@@ -192,3 +192,38 @@ def test_no_forks_refuses_a_graph_whose_loaders_order_other_nodes(fake, monkeypa
     assert fake.live("exec") == 1
     without.close()
     assert fake.live("exec") == 0
+
+
+def test_many_loader_nodes_keep_their_ranges(fake):
+    """Issue 38.1: the stand-in's node table grows (realloc) as a capture adds nodes; the
+    parameters it handed out at capture stay valid (the real driver's copy does), so
+    every node of a long capture reads back its own ranges (ASan: no use after free)."""
+    layers = 300   # several reallocs of the node table, past the size malloc maps apart
+    tables = [PWR([arr(i % 50), arr(i % 50 + 1, n=256 + i)]) for i in range(layers)]
+    c = PC(device=0, graph_fork="leaf")
+    for layer, t in enumerate(tables):
+        c.add("p", layer, 1, t)
+    fake.set_capture(7)
+    fake.add_capture_node(1)
+    for layer in range(layers):
+        assert c.fork("p", layer, 1, stream=STREAM)
+        fake.add_capture_node(1)   # the layer's own work between forks
+    found = _C._graph_loader_nodes(GRAPH)
+    assert [ranges for _, ranges in found] == [t.ranges for t in tables]
+    c.close()
+
+
+@pytest.mark.parametrize("n", [9, 32, 33, 128])
+def test_a_node_of_more_than_8_ranges_reads_back_whole(fake, n):
+    """Issue 38.1: a table of n ranges (the loader of capacity 32 or 128) reads back all n
+    ranges from its node, not 8 and then whatever followed the stand-in's copy."""
+    table = PWR([arr(2 * i) for i in range(n)])
+    assert len(table.ranges) == n
+    c = PC(device=0, graph_fork="leaf")
+    c.add("p", 0, 1, table)
+    fake.set_capture(7)
+    fake.add_capture_node(1)
+    assert c.fork("p", 0, 1, stream=STREAM)
+    (_, ranges), = _C._graph_loader_nodes(GRAPH)
+    assert ranges == table.ranges
+    c.close()

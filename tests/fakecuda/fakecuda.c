@@ -25,7 +25,9 @@
  *     with fake_set_capture(): while it is on, every stream reports ACTIVE and
  *     shares one dependency set of graph nodes; a successful launch adds a
  *     kernel node that depends on the set and becomes it (the log line shows
- *     " node=N deps=[M:tT/pP,...]": node indices, edge type and from-port);
+ *     " node=N deps=[M:tT/pP,...]": node indices, edge type and from-port) and
+ *     keeps a copy of the launch's parameter (a loader's whole table) valid
+ *     until fake_reset, as the driver keeps the node's;
  *     fake_add_capture_node() adds a node of another type (a memcpy, say);
  *     cuStreamUpdateCaptureDependencies replaces or extends the set and checks
  *     that a programmatic edge leaves a kernel node through port 1 or 2.
@@ -157,8 +159,7 @@ typedef struct {
     size_t module;                            /* functions: index of their module */
     char *name;                               /* functions: kernel name */
     void *func;                               /* kernel nodes: the function launched */
-    uint64_t table[2 + 2 * 8];                /* kernel nodes: their table's first bytes */
-    void *kernel_params[1];                   /* kernel nodes: -> table */
+    struct NodeParams *params;                /* kernel nodes: their parameters' copy */
     void *deps[8];                            /* nodes: the capture's set when made */
     size_t ndeps;                             /*   (the edges into it; at most 8 kept) */
 } Obj;
@@ -173,6 +174,17 @@ typedef struct {
 _Static_assert(sizeof(KernelNodeParams) == 72, "CUDA_KERNEL_NODE_PARAMS_v2 layout");
 
 typedef struct { Obj *v; size_t n, cap; long live; } Table; /* every object of one kind */
+
+/* A kernel node's parameters as cuGraphKernelNodeGetParams hands them out: kernelParams
+ * -> {table}.  A heap block of its own, not part of the node's Obj, so that it stays
+ * where it is when the node table grows (realloc), as long as the node exists (until
+ * fake_reset), as the real driver keeps the copy it made at capture.  table is the
+ * loader's parameter (L2pTable: count, granules, then ranges) at its whole capacity. */
+typedef struct NodeParams {
+    void *kernel_params[1];
+    size_t capacity;                          /* ranges that table holds */
+    uint64_t table[];
+} NodeParams;
 
 #define DEFAULTS .device_count = 1, .cc_major = 9, .cc_minor = 0, .driver_version = 13000
 
@@ -651,10 +663,20 @@ EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction fn, void 
         if (!capture_add_node(&c, 0)) return end(&c, E_OUT_OF_MEMORY);
         Obj *node = find(K_NODE, S.dep_nodes[0]);
         node->func = fn;
-        if (params && params[0]) memcpy(node->table, params[0], 16);
-        uint64_t count = node->table[0] > 8 ? 8 : node->table[0];
-        if (count) memcpy(node->table + 2, (const char *)params[0] + 16, 16 * count);
-        node->kernel_params[0] = node->table;
+        /* A copy of the parameter, as the driver copies a kernel's parameters into
+         * the node: a loader's (l2p_prefetch_CAP) is an L2pTable of CAP ranges; any
+         * other kernel's, its first 16 bytes.  Only the count's ranges are read from
+         * the caller (the rest of a table is zero). */
+        unsigned cap = 0;
+        if (sscanf(f->name, "l2p_prefetch_%u", &cap) != 1 || cap > 4096) cap = 0;
+        NodeParams *np = calloc(1, sizeof *np + 16 + 16 * (size_t)cap);
+        if (!np) return end(&c, E_OUT_OF_MEMORY);
+        np->capacity = cap;
+        if (params && params[0]) memcpy(np->table, params[0], 16);
+        uint64_t count = np->table[0] > cap ? cap : np->table[0];
+        if (count) memcpy(np->table + 2, (const char *)params[0] + 16, 16 * count);
+        np->kernel_params[0] = np->table;
+        node->params = np;
     }
     return end(&c, OK);
 }
@@ -766,7 +788,7 @@ EXPORT CUresult cuGraphKernelNodeGetParams(void *node, KernelNodeParams *p) {
     memset(p, 0, sizeof *p);
     p->func = o->func;
     p->gridDimX = p->gridDimY = p->gridDimZ = p->blockDimX = p->blockDimY = p->blockDimZ = 1;
-    p->kernelParams = o->kernel_params;
+    p->kernelParams = o->params ? o->params->kernel_params : NULL;
     return end(&c, OK);
 }
 
@@ -938,7 +960,10 @@ EXPORT void fake_reset(void) {
     pthread_mutex_lock(&mu);
     free(S.log);
     for (int k = 0; k < K_COUNT; k++) {
-        for (size_t i = 0; i < S.objs[k].n; i++) free(S.objs[k].v[i].name);
+        for (size_t i = 0; i < S.objs[k].n; i++) {
+            free(S.objs[k].v[i].name);
+            free(S.objs[k].v[i].params);
+        }
         free(S.objs[k].v);
     }
     /* a new generation: old handles become foreign, every thread's context stack empties */
