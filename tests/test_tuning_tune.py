@@ -193,6 +193,38 @@ def test_corrupted_profiles(tmp_path, mutate, message):
         tuning.load_profile(path, model, check_device=False)
 
 
+def test_a_mismatch_message_cuts_a_huge_field(tmp_path, monkeypatch):
+    """Issue 38.6: a ProfileMismatchError names what differs, each value cut at about 200
+    characters as parse_profile's errors are, not a 100 kB field echoed whole."""
+    model, result = tuned()
+    path = tmp_path / "p.json"
+    result.save(path, model)
+    data = json.loads(path.read_text())
+    huge = "x" * 100_000
+    first = next(iter(data["model"]["weights"]))
+    cases = []
+    dtype = json.loads(json.dumps(data))
+    dtype["model"]["weights"][first][1] = huge                     # another dtype
+    cases.append((dtype, "bfloat16 here"))
+    named = json.loads(json.dumps(data))
+    named["model"]["weights"][huge] = named["model"]["weights"][first]  # a weight not here
+    cases.append((named, "is not in this model"))
+    site = json.loads(json.dumps(data))
+    site["plan"][0]["site"] = huge                                 # a site not here
+    cases.append((site, "which is not a module of this model"))
+    device = json.loads(json.dumps(data))
+    device["device"]["name"] = huge                                # another GPU
+    cases.append((device, "was tuned on another GPU"))
+    monkeypatch.setattr(P, "device_fingerprint", lambda device=None: dict(FAKE_DEVICE))
+    for n, (mutated, message) in enumerate(cases):
+        one = tmp_path / f"huge{n}.json"
+        one.write_text(json.dumps(mutated))
+        with pytest.raises(tuning.ProfileMismatchError, match=message) as caught:
+            tuning.load_profile(one, model)
+        assert len(str(caught.value)) < 1000, (message, len(str(caught.value)))
+        assert "xxx...xxx" in str(caught.value)
+
+
 def test_a_profile_holds_a_line_per_interval_not_per_number(tmp_path, monkeypatch):
     model, result = tuned()
     path = tmp_path / "p.json"

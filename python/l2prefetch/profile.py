@@ -156,7 +156,7 @@ class Profile:
         mine = {id(t) for t in _named_tensors(model).values()}
         for i, entry in enumerate(self.plan):
             if any(id(w) not in mine for w in entry.weights):
-                raise ProfileMismatchError(f"{where}: plan[{i}] ({entry.point!r}, layer "
+                raise ProfileMismatchError(f"{where}: plan[{i}] ({_show(entry.point)}, layer "
                                            f"{entry.layer}) holds weights that are not this "
                                            f"{type(model).__name__}'s: {fix}")
 
@@ -201,6 +201,13 @@ _REPR.maxlong = 40
 def _show(value: Any) -> str:
     """A value for a message: its repr, shortened (a field may hold megabytes)."""
     return _REPR.repr(value)
+
+
+def _cut(value: Any, limit: int = 200) -> str:
+    """``str(value)`` for a message, cut to about ``limit`` characters as :func:`_show`
+    cuts a repr (a profile's path, shape or dtype may hold megabytes)."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-(limit // 2):]}"
 
 
 def _fail(where: str, what: str) -> ValueError:
@@ -389,7 +396,7 @@ def _check_capture_k(data: dict, where: str) -> None:
 def _check_device(data: dict, device: Any, where: str) -> None:
     here = device_fingerprint(device)
     theirs = data["device"]
-    diffs = [f"{key}: profile {theirs[key]!r}, this device {here[key]!r}"
+    diffs = [f"{key}: profile {_show(theirs[key])}, this device {_show(here[key])}"
              for key in DEVICE_KEYS if theirs[key] != here[key]]
     if diffs:
         raise ProfileMismatchError(
@@ -408,17 +415,18 @@ def _check_model(data: dict, model: Any, where: str) -> None:
     here_layers = decoder_layers(model)
     diffs = []
     if fp["layers"] != here_layers:
-        diffs.append(f"{fp['layers']} decoder layers in the profile, {here_layers} in this model")
+        diffs.append(f"{_show(fp['layers'])} decoder layers in the profile, {here_layers} in "
+                     "this model")
     tensors = _named_tensors(model)
     for path, described in fp["weights"].items():
         t = tensors.get(path)
         if t is None:
-            diffs.append(f"{path} is not in this model")
+            diffs.append(f"{_cut(path)} is not in this model")
             continue
         shape, dtype = list(t.shape), str(t.dtype).replace("torch.", "")
         if [shape, dtype] != list(described):
-            diffs.append(f"{path} is {shape} {dtype} here, {described[0]} {described[1]} in "
-                         "the profile")
+            diffs.append(f"{_cut(path)} is {shape} {dtype} here, {_cut(described[0])} "
+                         f"{_cut(described[1])} in the profile")
         if len(diffs) >= 5:
             diffs.append("...")
             break
@@ -455,7 +463,8 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     for i, raw in enumerate(data["plan"]):
         if raw["site"] not in modules:
             raise ProfileMismatchError(f"profile {where}: plan[{i}] forks at "
-                                       f"{raw['site']!r}, which is not a module of this model")
+                                       f"{_show(raw['site'])}, which is not a module of this "
+                                       "model")
         fields = {k: raw[k] for k in ("byte_cap", "grid", "carveout", "priority", "kernel",
                                       "graph_fork") if k in raw and raw[k] is not None}
         try:
