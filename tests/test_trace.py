@@ -12,6 +12,7 @@ import types
 
 import pytest
 
+import _tuning_fakes as fakes
 from l2prefetch import cli
 from l2prefetch.tuning import trace as tr
 from l2prefetch.tuning import trace_cli
@@ -433,7 +434,7 @@ def test_trace_is_a_command(capsys):
      "--mode set with --profile: a profile's entries carry their own settings"),
     (["trace", "llama", "--role", ROLE, "--kernel", "nope"], "--kernel 'nope' is not a loader"),
     (["trace", "llama", "--role", ROLE, "--out", "/no/such/dir/t.md"],
-     "--out /no/such/dir/t.md: the directory /no/such/dir does not exist"),
+     "--out /no/such/dir/t.md cannot be written: /no/such/dir is not a directory"),
 ])
 def test_bad_options_exit_2_with_one_line(capsys, argv, message):
     one_line_error(capsys, argv, message)
@@ -465,6 +466,26 @@ def test_a_missing_model_exits_2(capsys, monkeypatch):
     one_line_error(capsys, ["trace", "llama", "--set", "oops", "--role", ROLE], "KEY=VALUE")
 
 
+def fake_profile(tmp_path):
+    """A profile as tune writes it, of the tuner's stand-in llama (tests/_tuning_fakes.py):
+    its o_proj role forks at batches 1 and 8."""
+    import torch
+    from l2prefetch import tuning
+
+    model = fakes.llama(n_layers=2, h=256, i=512, kv=64)
+    xs = {}
+
+    def step(batch):
+        return model(xs.setdefault(batch, torch.zeros(batch, 1, 256, dtype=torch.bfloat16)))
+    backend = fakes.DeviceBackend({"after self_attn.v_proj: self_attn.o_proj": lambda s: 9.0},
+                                  seed=1)
+    result = tuning.tune(model, step, [1, 8], backend=backend, progress=None,
+                         min_bytes=16 * 1024)
+    path = tmp_path / "profile.json"
+    result.save(path, model)
+    return str(path)
+
+
 def tiny_model():
     from l2prefetch.tuning import hf
 
@@ -485,20 +506,50 @@ def test_roles_and_profiles_are_checked_against_the_model(tmp_path, monkeypatch)
     with pytest.raises(trace_cli._Bad, match=r"--role 'nope' is not a role of this model; its "
                        r"roles: .*'after self_attn.o_proj: mlp.gate_proj'"):
         trace_cli._forks(namespace(role="nope"), model, step, tr)
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"plan": []}))
-    with pytest.raises(trace_cli._Bad, match="--profile: profile .*is not an l2prefetch profile"):
-        trace_cli._forks(namespace(profile=str(bad)), model, step, tr)
-
+    # a profile of another model (the tuner's stand-in llama) is refused once it is built
     from l2prefetch import profile as profile_module
 
-    loaded = profile_module.Profile(data={"batches": [8], "plan": []}, plan=[], sites={})
-    monkeypatch.setattr(profile_module, "load_profile", lambda path, model: loaded)
-    with pytest.raises(trace_cli._Bad, match="its plan is empty, so nothing forks"):
-        trace_cli._forks(namespace(profile=str(bad)), model, step, tr)
-    loaded.plan.append(types.SimpleNamespace(batches=(8,)))
-    with pytest.raises(trace_cli._Bad, match=r"--batch 1: the profile forks at batches \[8\]"):
-        trace_cli._forks(namespace(profile=str(bad), batch=1), model, step, tr)
+    monkeypatch.setattr(profile_module, "device_fingerprint",
+                        lambda device=None: dict(fakes.FAKE_DEVICE))
+    with pytest.raises(trace_cli._Bad, match="--profile: profile .* was tuned on another model"):
+        trace_cli._forks(namespace(profile=fake_profile(tmp_path)), model, step, tr)
+
+
+def test_a_profile_is_checked_before_the_gpu(tmp_path, capsys, monkeypatch):
+    """Issue 41.5: the profile is read (through _files) and checked (parse_profile), and
+    its batch, before torch is asked for a GPU: here torch sees none, and each bad
+    profile is still named for what it is."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"plan": []}))
+    one_line_error(capsys, ["trace", "llama", "--profile", str(bad)],
+                   f"--profile: profile {bad}: is not an l2prefetch profile")
+    good = fake_profile(tmp_path)
+    data = json.loads(open(good).read())
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(open(good).read()[:200])
+    one_line_error(capsys, ["trace", "llama", "--profile", str(truncated)],
+                   "is not valid JSON")
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({**data, "plan": [], "results": []}))
+    one_line_error(capsys, ["trace", "llama", "--profile", str(empty)],
+                   "its plan is empty, so nothing forks")
+    one_line_error(capsys, ["trace", "llama", "--profile", good, "--batch", "2"],
+                   "--batch 2: the profile forks at batches [1, 8] only")
+    # a good profile gets as far as the GPU
+    one_line_error(capsys, ["trace", "llama", "--profile", good], "trace needs a CUDA GPU")
+
+
+def test_a_profile_that_is_not_a_regular_file_is_named_so(tmp_path, capsys):
+    """Issue 38.6: --profile DIR and --profile FIFO exist: they are not 'no such file'."""
+    one_line_error(capsys, ["trace", "llama", "--profile", str(tmp_path)],
+                   f"--profile: profile {tmp_path} is a directory, not a regular file")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    one_line_error(capsys, ["trace", "llama", "--profile", str(fifo)],
+                   f"--profile: profile {fifo} is a FIFO, not a regular file")
 
 
 def test_a_role_becomes_forks_with_its_consumers():
@@ -602,3 +653,138 @@ def test_an_inline_fork_just_before_the_window_loads_beside_it(window, role):
         assert spin.start < loader.end <= spin.end, fork.summary()
         assert fork.overlap > 0.5, fork.summary()
         assert loader.end <= fork.consumer[0].start, fork.summary()
+
+
+# -- the outputs (issue 38.2-4): checked by _files before any work, written atomically -----
+
+def no_gpu_asked(monkeypatch):
+    import torch
+
+    def asked():
+        pytest.fail("trace asked torch for a GPU before refusing its outputs")
+    monkeypatch.setattr(torch.cuda, "is_available", asked)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--out", "{dir}"], "--out {dir} is a directory: name a file to write"),
+    (["--plot", "{dir}"], "--plot {dir} is a directory: name a file to write"),
+    (["--dot", "{dir}"], "--dot {dir} is a directory: name a file to write"),
+    (["--out", "{p}"], "--out {p} is the file --profile reads"),
+    (["--plot", "{p}"], "--plot {p} is the file --profile reads"),
+    (["--dot", "{link}"], "--dot {link} is the file --profile reads"),   # a link to it
+    (["--out", "{t}", "--plot", "{t}"], "--plot {t} is the file --out names too"),
+    (["--out", "{t}", "--dot", "{dir}/../t.md"], "is the file --out names too"),
+    (["--dot", "{dir}/none/t.dot"], "--dot {dir}/none/t.dot cannot be written: "
+     "{dir}/none is not a directory"),
+])
+def test_every_output_is_checked_before_the_gpu(tmp_path, capsys, monkeypatch, options,
+                                                 message):
+    profile = fake_profile(tmp_path)
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    os.symlink(profile, tmp_path / "link")
+    names = dict(dir=str(sub), p=profile, link=str(tmp_path / "link"), t=str(tmp_path / "t.md"))
+    no_gpu_asked(monkeypatch)
+    one_line_error(capsys, ["trace", "llama", "--profile", profile,
+                            *(o.format(**names) for o in options)], message.format(**names))
+    assert json.loads(open(profile).read())["plan"]            # the profile is untouched
+
+
+def stub_trace(monkeypatch, result):
+    """trace_cli.run as far as its outputs, without a GPU: the model, the forks and the
+    trace itself stand-ins; ``result`` is the TraceResult the trace returns."""
+    import torch
+
+    from l2prefetch.tuning import hf
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(name="a stand-in GPU"))
+    monkeypatch.setattr(hf, "load_model", lambda *a, **kw: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(hf, "DecodeStep", lambda *a, **kw: None)
+    monkeypatch.setattr(trace_cli, "_forks", lambda args, model, step, trace: (None, 1, "x"))
+    monkeypatch.setattr(tr, "trace", lambda *a, **kw: result)
+
+
+def test_outputs_replace_a_planted_link_never_write_through_it(tmp_path, capsys, monkeypatch):
+    """Issue 38.2: --out and --plot at a planted link replace the link (atomically, by
+    _files.write_atomic); the file it pointed at is untouched."""
+    pytest.importorskip("matplotlib")
+    forks, timeline = traced(step((20, 11.5, 28.5)))
+    stub_trace(monkeypatch, tr.TraceResult("t", 1, forks, kernels=timeline))
+    victims = {}
+    for name in ("out.md", "plot.png"):
+        victims[name] = tmp_path / f"victim-{name}"
+        victims[name].write_text("precious")
+        os.symlink(victims[name], tmp_path / name)
+    argv = ["trace", "llama", "--role", ROLE, "--out", str(tmp_path / "out.md"),
+            "--plot", str(tmp_path / "plot.png")]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    for name, victim in victims.items():
+        assert victim.read_text() == "precious"
+        assert not os.path.islink(tmp_path / name)
+    assert (tmp_path / "out.md").read_text().startswith("# l2prefetch trace: t\n")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == sorted(["out.md", "plot.png", *(
+        v.name for v in victims.values())])                    # no temporary left behind
+
+
+def test_an_output_that_became_unwritable_after_the_checks_is_exit_1(tmp_path, capsys,
+                                                                     monkeypatch):
+    forks, timeline = traced(step((20, 11.5, 28.5)))
+    stub_trace(monkeypatch, tr.TraceResult("t", 1, forks, kernels=timeline))
+    out = tmp_path / "sub" / "out.md"
+    out.parent.mkdir()
+    real = tr.trace
+
+    def trace_then_remove(*a, **kw):
+        out.parent.rmdir()          # gone while the GPU traced
+        return real(*a, **kw)
+    monkeypatch.setattr(tr, "trace", trace_then_remove)
+    one_line_error(capsys, ["trace", "llama", "--role", ROLE, "--out", str(out)],
+                   "traced, but the outputs could not be written", code=1)
+
+
+class DumpingGraph:
+    """A captured graph's stand-in: debug_dump writes a dot text where it is told, as
+    cuGraphDebugDotPrint does (a plain open, following links)."""
+
+    def __init__(self, text):
+        self.text, self.dumped_to = text, None
+
+    def instantiate(self):
+        pass
+
+    def debug_dump(self, path):
+        self.dumped_to = path
+        with open(path, "w") as f:
+            f.write(self.text)
+
+
+def test_the_dot_goes_through_a_private_file_to_an_atomic_write(tmp_path):
+    """Issue 38.2-4: the driver dumps into a private directory; the dot is read back
+    through _files and written atomically over --dot (a planted link replaced)."""
+    text = dot((0, 1, 0), (0, 2, 0))
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "graph.dot"
+    os.symlink(victim, target)
+    graph = DumpingGraph(text)
+    neighbours = tr._dump(graph, str(target))
+    assert neighbours == tr.dot_neighbours(text) and len(neighbours) == 1
+    assert victim.read_text() == "precious" and not os.path.islink(target)
+    assert target.read_text() == text
+    assert not os.path.dirname(graph.dumped_to).startswith(str(tmp_path))
+    assert not os.path.exists(graph.dumped_to)                 # the private copy is gone
+    assert sorted(os.listdir(tmp_path)) == ["graph.dot", "victim"]
+
+
+def test_trace_refuses_a_dot_it_cannot_write_before_capturing(tmp_path):
+    """The library's trace() checks dot= before anything runs (no model is touched)."""
+    pytest.importorskip("torch")
+
+    class Untouchable:
+        def parameters(self):
+            pytest.fail("trace() looked at the model before checking dot=")
+    with pytest.raises(ValueError, match=f"dot {tmp_path} is a directory"):
+        tr.trace(Untouchable(), None, 1, None, dot=str(tmp_path))

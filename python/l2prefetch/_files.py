@@ -11,6 +11,9 @@ Every path the Python side opens for a user goes through here:
   output (its directory exists and takes a new file; nothing but a regular
   file or a link is in the way), by creating and removing the temporary file
   :func:`write_atomic` would use.
+* :func:`check_outputs` is :func:`check_output` for each output of a command,
+  refusing two outputs that name one file, or an output that names a file the
+  command reads (``trace --profile P --out P`` would replace the profile).
 * :func:`write_atomic` writes a new file beside the target with
   ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a link planted at the temporary name is
   refused, never written through) and renames it over the target, so a reader
@@ -30,10 +33,11 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Sequence
 from typing import Any, Union
 
-__all__ = ["check_output", "check_regular", "loads_json", "open_regular", "read_bytes", "read_text",
-           "write_atomic"]
+__all__ = ["check_output", "check_outputs", "check_regular", "loads_json", "open_regular",
+           "read_bytes", "read_text", "write_atomic"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -162,6 +166,31 @@ def check_output(path: PathLike, what: str) -> str:
                          f"{directory}") from None
     os.unlink(tmp)
     return target
+
+
+def check_outputs(outputs: Sequence[tuple[str, PathLike]],
+                  inputs: Sequence[tuple[str, PathLike]] = ()) -> list[str]:
+    """:func:`check_output` for each ``(what, path)`` of ``outputs``, and that no two of
+    them, and none of them and an ``(what, path)`` of ``inputs``, name one file (after
+    links: a link to the input is that input); the paths as str, or a ValueError naming
+    both and the fix."""
+    read: dict[str, str] = {}
+    for what, path in inputs:
+        read.setdefault(os.path.realpath(_path(path, what)), what)
+    written: dict[str, str] = {}
+    out = []
+    for what, path in outputs:
+        target = check_output(path, what)
+        real = os.path.realpath(target)
+        if real in read:
+            raise ValueError(f"{what} {target} is the file {read[real]} reads: writing it "
+                             f"would replace what {read[real]} names; name another file")
+        if real in written:
+            raise ValueError(f"{what} {target} is the file {written[real]} names too: give "
+                             "each output its own file")
+        written[real] = what
+        out.append(target)
+    return out
 
 
 def write_atomic(path: PathLike, data: Union[str, bytes], what: str) -> None:

@@ -43,6 +43,7 @@ capturing needs torch with CUDA.  Nothing of this is imported by the runtime
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -55,6 +56,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
+from .._files import check_output, read_bytes, write_atomic
 from ..mechanisms import DEFAULT_GRAPH_FORK
 
 __all__ = ["Forks", "ForkTrace", "Kernel", "Layout", "TraceError", "TraceResult", "analyze",
@@ -74,6 +76,10 @@ BEFORE = 3
 #: inline loader and the node after it, such as a window's spin: RESULTS run 20).
 HELD_US = 1.0
 MAX_ROWS = 40
+#: The most the files this module reads back may be (the profiler's chrome trace, the
+#: graph's cuGraphDebugDotPrint): both are written by torch or the driver into a
+#: private temporary directory.
+MAX_FILE_BYTES = 1 << 30
 #: Eager replays before the profiled ones (lazy instantiation, clocks).
 WARM_REPLAYS = 3
 
@@ -618,7 +624,9 @@ class TraceResult:
                          "consumer, orange: other loaders)", fontsize=8)
         fig.axes[-1].set_xlabel("us from the replay's first kernel")
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        image = io.BytesIO()   # written by l2prefetch, not matplotlib: atomically (_files)
+        fig.savefig(image, format="png", dpi=110)
+        write_atomic(path, image.getvalue(), "plot")
 
 
 # ------------------------------------------------------------------ the graph's nodes
@@ -762,18 +770,23 @@ def _capture(torch: Any, fn: Callable[[], Any], stream: Any, keep_graph: bool = 
 
 def _dump(graph: Any, path: str) -> list[str]:
     """Write ``graph`` (captured with ``keep_graph``) to ``path`` with cuGraphDebugDotPrint;
-    return its loader nodes' neighbours (:func:`dot_neighbours`)."""
+    return its loader nodes' neighbours (:func:`dot_neighbours`).
+
+    The driver writes the file where it is told, following links, so it writes into a
+    private directory; the file is read back through ``_files`` and written to ``path``
+    atomically, as every output (a link at ``path`` is replaced, never written through)."""
     graph.instantiate()   # first: an older torch frees the graph once it has dumped it
-    if os.path.lexists(path):
-        os.unlink(path)
-    with warnings.catch_warnings():  # torch warns "DEBUG: calling debug_dump()"
-        warnings.simplefilter("ignore")
-        graph.debug_dump(path)
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return dot_neighbours(f.read())
-    except OSError as exc:
-        raise OSError(f"cuGraphDebugDotPrint wrote no graph to {path}: {exc}") from exc
+    with tempfile.TemporaryDirectory(prefix="l2prefetch-dot-") as tmp:
+        dumped = os.path.join(tmp, "graph.dot")
+        with warnings.catch_warnings():  # torch warns "DEBUG: calling debug_dump()"
+            warnings.simplefilter("ignore")
+            graph.debug_dump(dumped)
+        try:
+            data = read_bytes(dumped, "cuGraphDebugDotPrint's graph", limit=MAX_FILE_BYTES)
+        except (OSError, ValueError) as exc:
+            raise OSError(f"cuGraphDebugDotPrint wrote no graph for {path}: {exc}") from exc
+    write_atomic(path, data, "dot")
+    return dot_neighbours(data.decode("utf-8", errors="replace"))
 
 
 def _profile(torch: Any, graph: Any, replays: int) -> Any:
@@ -792,8 +805,7 @@ def _profile(torch: Any, graph: Any, replays: int) -> Any:
     with tempfile.TemporaryDirectory(prefix="l2prefetch-trace-") as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(read_bytes(path, "the profiler's chrome trace", limit=MAX_FILE_BYTES))
 
 
 def _span(kernels: Sequence[Kernel]) -> Optional[float]:
@@ -817,6 +829,8 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
 
     if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
         raise ValueError(f"replays must be an int >= 1, got {replays!r}")
+    if dot:
+        dot = check_output(dot, "dot")   # before anything is captured
     if hooks.disabled():
         raise ValueError("L2PREFETCH_DISABLE is set, so nothing forks: unset it to trace")
     device = next(model.parameters()).device

@@ -10,8 +10,13 @@ class name or a model type, with ``--set`` overrides).  The forks are a
 profile written by ``tune`` or one role of the model (``tune MODEL
 --list-roles`` names them) with its settings.  Writes a Markdown timeline per
 fork (:mod:`l2prefetch.tuning.trace`) to ``--out`` (default stdout).  Exit
-status: 0 traced, 2 a bad option, model, profile or role, or no GPU (one line
-on stderr), 1 when CUDA fails or the step cannot be captured.  Importing this
+status: 0 traced, 2 a bad option, model, profile, role or output, or no GPU
+(one line on stderr), 1 when CUDA fails or the step cannot be captured.  The
+options, the profile as a file (``parse_profile``) and every output (``_files``,
+as ``tune``'s: no directory, no output naming the profile or another output) are
+checked before torch is asked for a GPU; the profile's fit to the model and the
+GPU once the model is built, before anything is captured.  Outputs are written
+atomically, replacing a link rather than writing through it.  Importing this
 module and ``--help`` need no torch.
 """
 
@@ -19,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
 from typing import Any
 
@@ -111,35 +115,56 @@ def _one_line(text: Any) -> str:
     return " ".join(str(text).split())
 
 
-def _check_output(option: str, path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise _Bad(f"{option} {path}: the directory {folder} does not exist")
+def _check_profile(args: argparse.Namespace) -> None:
+    """The profile as a file, read through ``_files`` and checked by ``parse_profile``
+    (not yet against the model or the GPU), and the batch it forks at."""
+    from .._files import read_text
+    from ..profile import parse_profile
+
+    given = [f"--{o.replace('_', '-')}" for o in ("cap_mib", "mode", "grid", "kernel")
+             if getattr(args, o) is not None]
+    if given:
+        raise _Bad(f"{', '.join(given)} set with --profile: a profile's entries carry "
+                   "their own settings (use --role to choose them)")
+    try:
+        data = parse_profile(read_text(args.profile, "profile"), args.profile)
+    except FileNotFoundError:
+        raise _Bad(f"--profile {args.profile}: no such file (write one with `python -m "
+                   "l2prefetch tune MODEL --out PROFILE.json`)") from None
+    except (OSError, ValueError) as exc:   # a directory, a FIFO, not a profile
+        raise _Bad(f"--profile: {exc}") from None
+    if not data["plan"]:
+        raise _Bad(f"--profile {args.profile}: its plan is empty, so nothing forks (the "
+                   "tuner found no prefetch that pays); trace a role with --role")
+    forked = sorted({b for entry in data["plan"] for b in entry["batches"]})
+    if args.batch is None:
+        args.batch = data["batches"][0]
+    if args.batch not in forked:
+        raise _Bad(f"--batch {args.batch}: the profile forks at batches {forked} only")
 
 
 def _check(args: argparse.Namespace) -> None:
-    """Everything that can be checked before torch sees the GPU."""
+    """Everything that can be checked before torch sees the GPU: the options, the
+    profile as a file and every output (as ``tune`` checks its own, by ``_files``)."""
+    from .._files import check_outputs
+
     if not str(args.device).startswith("cuda"):
         raise _Bad(f"trace needs a CUDA GPU: --device must be a CUDA device, got "
                    f"{args.device!r}")
     if args.profile is not None:
-        given = [f"--{o.replace('_', '-')}" for o in ("cap_mib", "mode", "grid", "kernel")
-                 if getattr(args, o) is not None]
-        if given:
-            raise _Bad(f"{', '.join(given)} set with --profile: a profile's entries carry "
-                       "their own settings (use --role to choose them)")
-        if not os.path.isfile(args.profile):
-            raise _Bad(f"--profile {args.profile}: no such file (write one with `python -m "
-                       "l2prefetch tune MODEL --out PROFILE.json`)")
+        _check_profile(args)
     if args.kernel is not None:
         from .. import _C
 
         if args.kernel not in _C.kernel_variants():
             raise _Bad(f"--kernel {args.kernel!r} is not a loader variant; known: "
                        f"{', '.join(sorted(_C.kernel_variants()))}")
-    for option in ("out", "plot", "dot"):
-        if getattr(args, option) is not None:
-            _check_output(f"--{option}", getattr(args, option))
+    outputs = [(f"--{o}", getattr(args, o)) for o in ("out", "plot", "dot")
+               if getattr(args, o) is not None]
+    try:
+        check_outputs(outputs, [("--profile", args.profile)] if args.profile else [])
+    except (OSError, ValueError) as exc:
+        raise _Bad(exc) from None
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise _Bad("--plot needs matplotlib, which is not installed: pip install matplotlib "
                    "(or leave out --plot)")
@@ -151,18 +176,12 @@ def _forks(args: argparse.Namespace, model: Any, step: Any, trace: Any) -> tuple
     from ..profile import load_profile
 
     if args.profile is not None:
+        # _check read the file and its batches; here its fit to the model and the GPU.
         try:
             profile = load_profile(args.profile, model)
         except (ValueError, OSError) as exc:
             raise _Bad(f"--profile: {exc}") from None
-        if profile.empty:
-            raise _Bad(f"--profile {args.profile}: its plan is empty, so nothing forks (the "
-                       "tuner found no prefetch that pays); trace a role with --role")
-        batch = args.batch if args.batch is not None else profile.batches[0]
-        if batch not in {b for entry in profile.plan for b in entry.batches}:
-            raise _Bad(f"--batch {batch}: the profile forks at batches "
-                       f"{sorted({b for e in profile.plan for b in e.batches})} only")
-        return trace.forks_of_profile(model, profile), batch, f"profile {args.profile}"
+        return trace.forks_of_profile(model, profile), args.batch, f"profile {args.profile}"
     batch = args.batch if args.batch is not None else 1
     try:
         reads = discover(model, lambda: step(batch),
@@ -199,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
         import torch
     except ImportError:
         raise _Bad("needs torch (pip install 'l2prefetch[torch]')") from None
-    from .. import _C, hooks
+    from .. import _C, _files, hooks
     from . import hf, trace
     from .arms import StepError
 
@@ -229,13 +248,17 @@ def _run(args: argparse.Namespace) -> int:
     result.notes.insert(0, f"{props.name}, torch {torch.__version__}; {len(result.forks)} "
                         "loader kernels in the step.")
     text = result.markdown()
-    if args.out is None:
-        sys.stdout.write(text)
-    else:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-        print(f"trace: {args.out}")
-    if args.plot is not None:
-        result.plot(args.plot)
-        print(f"plot: {args.plot}")
+    try:   # checked before the trace; what changed since is exit status 1
+        if args.out is None:
+            sys.stdout.write(text)
+        else:
+            _files.write_atomic(args.out, text, "--out")
+            print(f"trace: {args.out}")
+        if args.plot is not None:
+            result.plot(args.plot)
+            print(f"plot: {args.plot}")
+    except (OSError, ValueError) as exc:
+        print(f"l2prefetch trace: traced, but the outputs could not be written: "
+              f"{_one_line(exc)}", file=sys.stderr)
+        return 1
     return 0
