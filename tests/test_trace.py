@@ -284,6 +284,69 @@ def test_malformed_traces_raise_a_clear_error(data, message):
         tr.timeline(data, 2 if "replay" in message else 1)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"ts": 10**400}, "a finite 'ts'"),                            # OverflowError before
+    ({"ts": -10**400}, "a finite 'ts'"),
+    ({"ts": 1.7e308, "dur": 1.7e308}, "their sum within 1e\\+18 us"),   # end=inf before
+    ({"ts": 1e18, "dur": 1e18}, "their sum within"),
+    ({"dur": 10**400}, "'dur' >= 0"),
+    ({"ts": True}, "a finite 'ts'"),
+    ({"args": {"stream": [1, 2]}}, "whose stream .* is not an int of 64 bits"),  # TypeError
+    ({"args": {"stream": {"a": 1}}}, "whose stream"),
+    ({"args": {"stream": 10**400}}, r"whose stream .*<a 1329-bit int>"),
+    ({"args": {}, "tid": "s" * 1000}, "whose stream"),
+    ({"name": 10**5000}, r"without a name.*'name': <a 16610-bit int>"),
+])
+def test_hostile_kernel_events_raise_a_trace_error(change, message):
+    """Issue 38.5: every malformed kernel event is the documented TraceError (a message
+    that can always be printed), never OverflowError, TypeError or an infinite end."""
+    events = step((20, 11.5, 28.5))
+    events[2] = {**events[2], **change}
+    with pytest.raises(tr.TraceError, match=message) as caught:
+        tr.timeline({"traceEvents": events}, 1)
+    assert len(str(caught.value)) < 1000
+
+
+def test_the_largest_times_still_give_finite_spans():
+    events = [kernel("a", 7, 0, 1), kernel("b", 7, 2, 1)]
+    events[0]["ts"], events[1]["ts"] = -1e18 + 1, 1e18 - 2
+    (a, b) = tr.timeline(events, 1)
+    assert a.start == 0 and b.start == pytest.approx(2e18)   # relative to the replay's first
+    assert all(abs(t) < float("inf") for k in (a, b) for t in (k.start, k.end, k.dur))
+
+
+HOSTILE_DOTS = {
+    "blank lines": "\n" * 100_000 + "x",                   # 0.77 s at 8000 before
+    "a long name": "a" * 100_000,
+    "a long name in a node": '"n' + "1" * 100_000 + '" [label="l2p_prefetch_8"];\n',
+    "unclosed labels": 'a [label="l2p_prefetch_8\n' * 4000,
+    "an unclosed record": '"n" [label="{ID | 1 | l2p_prefetch_8' + "|" * 100_000,
+    "IDs in one label": '"n" [label="l2p_prefetch_8 ' + "{ID " * 25_000 + '"];\n',
+    "a mangled length of 5000 digits":
+        '"n" [label="{ID | 1 | _Z' + "9" * 5000 + 'a l2p_prefetch_8"];\n',
+}
+
+
+@pytest.mark.parametrize("shape", HOSTILE_DOTS)
+def test_dot_neighbours_is_linear_and_never_raises(shape):
+    """Issue 38.5: dot_neighbours takes any text in time linear in its size (these took
+    seconds to minutes, or raised ValueError: Exceeds the limit (4300 digits))."""
+    import time
+
+    text = HOSTILE_DOTS[shape]
+    t0 = time.perf_counter()
+    lines = tr.dot_neighbours(text)
+    assert time.perf_counter() - t0 < 2.0
+    assert all(isinstance(line, str) and len(line) < 1000 for line in lines)
+
+
+def test_demangling_reads_a_length_only_where_it_fits():
+    assert tr._demangle("_ZN2at6native6kernelIiEEvv") == "at::native::kernel"
+    assert tr._demangle("_Z" + "9" * 5000 + "abc") == "_Z" + "9" * 5000 + "abc"
+    assert tr._demangle("_Z3ab") == "_Z3ab"                  # a length past the end
+    assert tr._demangle("l2p_prefetch_8") == "l2p_prefetch_8"
+
+
 def test_a_layout_with_the_wrong_marks_raises():
     events = tr.timeline(step((7, 10.5, 0.3)), 1)
     with pytest.raises(tr.TraceError, match="1 marker kernels for 2 marks"):

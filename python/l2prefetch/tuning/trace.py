@@ -46,7 +46,6 @@ import dataclasses
 import io
 import json
 import logging
-import math
 import os
 import re
 import statistics
@@ -106,9 +105,47 @@ class Kernel:
         return self.name.startswith(LOADER_PREFIX)
 
 
-def _finite(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+#: The most a kernel event's ``ts`` or its end may be from zero, in us (31,000 years):
+#: every difference of two times stays finite.
+MAX_US = 1e18
+
+
+def _within(value: Any, low: float) -> bool:
+    """Whether ``value`` is a number (not a bool) in ``low..MAX_US``; an int too large
+    for a float is not (math.isfinite would raise OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return low <= value <= MAX_US      # False for NaN; compares a huge int exactly
+
+
+def _stream(value: Any) -> bool:
+    """A stream as CUPTI names it: an int of 64 bits or a short str (it is counted, keyed
+    and written in the Markdown)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return -2**63 <= value < 2**64
+    return isinstance(value, str) and len(value) <= 200
+
+
+def _brief(value: Any, depth: int = 0) -> str:
+    """A short, always printable account of a JSON value for a message (``repr`` of an
+    int of more than 4300 digits raises; a field may hold megabytes)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"<a {value.bit_length()}-bit int>"
+    if isinstance(value, str):
+        return repr(value if len(value) <= 60 else value[:57] + "...")
+    if isinstance(value, (dict, list)):
+        if depth >= 2:
+            return "{...}" if isinstance(value, dict) else "[...]"
+        items = list(value.items() if isinstance(value, dict) else enumerate(value))
+        shown = [f"{_brief(k, 2)}: {_brief(v, depth + 1)}" if isinstance(value, dict)
+                 else _brief(v, depth + 1) for k, v in items[:8]]
+        more = ", ..." if len(items) > 8 else ""
+        return ("{%s%s}" if isinstance(value, dict) else "[%s%s]") % (", ".join(shown), more)
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    return f"<{type(value).__name__}>"
 
 
 def kernel_events(data: Any) -> list[Kernel]:
@@ -116,8 +153,10 @@ def kernel_events(data: Any) -> list[Kernel]:
 
     Kernel events are ``"ph": "X"``, ``"cat": "kernel"`` with ``ts`` and ``dur``
     in us; the stream is ``args.stream`` (else ``tid``).  Other events are
-    skipped; a kernel event without a name, a finite ``ts`` or a ``dur >= 0``
-    raises :class:`TraceError`.
+    skipped; a kernel event without a name (a str), a ``ts`` and a ``dur >= 0``
+    whose sum lie within :data:`MAX_US` of zero, or a stream (an int of 64 bits or
+    a str) raises :class:`TraceError`, as does anything but such a list; the time
+    taken is linear in the number of events.
     """
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
@@ -128,12 +167,18 @@ def kernel_events(data: Any) -> list[Kernel]:
         if not isinstance(event, dict) or event.get("ph") != "X" or event.get("cat") != "kernel":
             continue
         name, ts, dur = event.get("name"), event.get("ts"), event.get("dur")
-        if not isinstance(name, str) or not _finite(ts) or not _finite(dur) or dur < 0:
+        if not isinstance(name, str) or not _within(ts, -MAX_US) or not _within(dur, 0) \
+                or not _within(ts + dur, -MAX_US):
             raise TraceError(f"traceEvents[{i}] is a kernel event without a name, a finite "
-                             f"'ts' and a finite 'dur' >= 0: {str(event)[:200]}")
+                             f"'ts' and a finite 'dur' >= 0 (their sum within {MAX_US:g} us "
+                             f"of zero): {_brief(event)}")
         args = event.get("args")
         stream = args.get("stream", event.get("tid")) if isinstance(args, dict) else \
             event.get("tid")
+        if not _stream(stream):
+            raise TraceError(f"traceEvents[{i}] is a kernel event whose stream ('args.stream', "
+                             f"else 'tid') is not an int of 64 bits or a short str: "
+                             f"{_brief(stream)}")
         out.append(Kernel(name, stream, float(ts), float(ts) + float(dur)))
     out.sort(key=lambda k: (k.start, k.end))
     return out
@@ -631,49 +676,86 @@ class TraceResult:
 
 # ------------------------------------------------------------------ the graph's nodes
 
-_DOT_NODE = re.compile(r'^\s*"?([\w.]+)"?\s*\[(.*?)\];?\s*$', re.S | re.M)
-_DOT_EDGE = re.compile(r'"?([\w.]+)"?\s*->\s*"?([\w.]+)"?')
+# Every pattern here is linear in the text: a node starts at a line's start, an edge at a
+# name's start, and nothing spans a line but a node's label, which is searched for once.
+_DOT_NODE = re.compile(r'^[ \t]*"?([\w.]+)"?[ \t]*\[', re.M)
+_DOT_NODE_END = re.compile(r'\];?[ \t\r\f\v]*$', re.M)
+_DOT_EDGE = re.compile(r'(?<![\w."])"?([\w.]+)"?[ \t]*->[ \t]*"?([\w.]+)"?')
+# A kernel node's record label: {KERNEL | {ID | 53 (topoId: 4) | NAME\<\<\<grid...
+_DOT_KERNEL = re.compile(r"\{ID\s*\|[^|]*\|\s*([^|{}<>\\\s]+)")
+_DIGITS = re.compile(r"\d+")
 
 
 def _demangle(name: str) -> str:
     """The qualified name of an Itanium-mangled function (``_ZN2at6native6kernelI...`` ->
-    ``at::native::kernel``), enough to tell kernels apart; other names as they are."""
-    m = re.match(r"_ZN?((?:\d+\w+?)+)", name)
-    if not m:
+    ``at::native::kernel``), enough to tell kernels apart; other names as they are.
+    Linear in the name: a length is read only where it can fit in what follows."""
+    if not re.match(r"_ZN?\d", name):
         return name
-    parts, rest = [], name[2 + (name[2:3] == "N"):]
-    while (num := re.match(r"\d+", rest)) and int(num.group()) <= len(rest) - len(num.group()):
-        size = int(num.group())
-        parts.append(rest[len(num.group()):len(num.group()) + size])
-        rest = rest[len(num.group()) + size:]
+    parts, pos = [], 2 + (name[2:3] == "N")
+    room = len(str(len(name)))   # a length of more digits than this cannot fit
+    while (num := _DIGITS.match(name, pos)) and len(num.group()) <= room:
+        size, pos = int(num.group()), num.end()
+        if size == 0 or size > len(name) - pos:
+            break
+        parts.append(name[pos:pos + size])
+        pos += size
     return "::".join(parts) or name
+
+
+def _dot_nodes(text: str) -> dict[str, str]:
+    """``name -> label`` of a dot text's node statements (``NAME [ ... ];``), the first
+    statement of each name; a statement that is never closed ends the search."""
+    nodes: dict[str, str] = {}
+    pos = 0
+    while (m := _DOT_NODE.search(text, pos)) is not None:
+        end = _DOT_NODE_END.search(text, m.end())
+        if end is None:        # unclosed: no later statement can close either
+            break
+        if "->" not in text[m.start():m.end()]:
+            nodes.setdefault(m.group(1), text[m.end():end.start()])
+        pos = end.end()
+    return nodes
+
+
+def _node_order(node: str) -> tuple:
+    """Nodes by the numbers in their names (``graph_1_node_10`` after ``..._node_9``),
+    compared as digit strings: a 5000-digit number is never converted to an int."""
+    return tuple((len(d.lstrip("0")), d.lstrip("0")) for d in _DIGITS.findall(node)), node
 
 
 def dot_neighbours(text: str) -> list[str]:
     """Per loader node of a ``cuGraphDebugDotPrint`` graph, in node order, a line naming
-    the nodes it depends on and those that depend on it."""
-    nodes: dict[str, str] = {}
-    for m in _DOT_NODE.finditer(text):
-        if "->" not in m.group(0):
-            nodes.setdefault(m.group(1), m.group(2))
-    edges = [(a, b) for a, b in _DOT_EDGE.findall(text) if a in nodes and b in nodes]
+    the nodes it depends on and those that depend on it.
+
+    Text that is not such a graph gives the lines of what it holds (none for most), never
+    an error, in time linear in its length (and in the lines written)."""
+    nodes = _dot_nodes(text)
+    preds: dict[str, list[str]] = {}
+    succs: dict[str, list[str]] = {}
+    for a, b in _DOT_EDGE.findall(text):
+        if a in nodes and b in nodes:
+            succs.setdefault(a, []).append(b)
+            preds.setdefault(b, []).append(a)
+    shorts: dict[str, str] = {}
 
     def short(node: str) -> str:
-        # A kernel node's record label: {KERNEL | {ID | 53 (topoId: 4) | NAME\<\<\<grid...
-        found = re.search(r"\{ID\s*\|[^|]*\|\s*([^|{}<>\\\s]+)", nodes[node])
-        return f"{node} ({_demangle(found.group(1))[:60]})" if found else node
-
-    def order(node: str) -> tuple:
-        digits = re.findall(r"\d+", node)
-        return tuple(int(d) for d in digits), node
+        if node not in shorts:
+            label = nodes[node]
+            at = label.find("{ID")    # the record's first ID field only (one search)
+            found = _DOT_KERNEL.match(label, at) if at >= 0 else None
+            name = node if len(node) <= 80 else node[:77] + "..."
+            shorts[node] = f"{name} ({_demangle(found.group(1))[:60]})" if found else name
+        return shorts[node]
 
     out = []
-    for node in sorted((n for n, label in nodes.items() if LOADER_PREFIX in label), key=order):
-        preds = [short(a) for a, b in edges if b == node]
-        succs = [short(b) for a, b in edges if a == node]
-        out.append(f"node {short(node)} depends on {', '.join(preds) or 'nothing'}; "
-                   f"{', '.join(succs) or 'nothing (a sink of the graph)'} depend"
-                   f"{'s' if len(succs) <= 1 else ''} on it.")
+    for node in sorted((n for n, label in nodes.items() if LOADER_PREFIX in label),
+                       key=_node_order):
+        before = [short(a) for a in preds.get(node, [])]
+        after = [short(b) for b in succs.get(node, [])]
+        out.append(f"node {short(node)} depends on {', '.join(before) or 'nothing'}; "
+                   f"{', '.join(after) or 'nothing (a sink of the graph)'} depend"
+                   f"{'s' if len(after) <= 1 else ''} on it.")
     return out
 
 
