@@ -223,7 +223,7 @@ def test_attach_logs_a_summary_at_info(caplog):
     model, controller = Tiny(3), Recorder()
     with caplog.at_level(logging.INFO, logger="l2prefetch"):
         attachment = attach(model, controller, points_of(model))
-        attach(model, controller, {"next_attention": [(model.layers[0].mlp, 0)]}, join=False)
+        attach(model, Recorder(), {"next_attention": [(model.layers[0].mlp, 0)]}, join=False)
     records = [r for r in caplog.records if r.name == "l2prefetch.hooks"]
     assert [r.levelno for r in records] == [logging.INFO, logging.INFO]
     assert records[0].getMessage() == (
@@ -233,7 +233,7 @@ def test_attach_logs_a_summary_at_info(caplog):
         "attach: 1 fork hook on Tiny (next_attention: 1 site); no join hook; ops handle ")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="l2prefetch"):
-        attach(model, controller, points_of(model))
+        attach(model, Recorder(), points_of(model))
     assert caplog.records == []
 
 
@@ -335,3 +335,50 @@ def test_sites_on_one_module_fork_in_the_order_given():
                                "r": [(mlp, 0)], "s": [(mlp, 0)]}, join=False)
     model(torch.zeros(2, H))
     assert [c[1] for c in controller.calls] == ["p", "q", "r", "s"]
+
+
+def test_one_controller_attaches_to_one_model_once():
+    """Issue 38.7: a second attach of the same controller to the same model (the first not
+    detached, kept or not) would fork twice a step and join twice; it is refused before
+    any hook is added, and the steps fork once."""
+    model, controller = Tiny(1), Recorder()
+    first = attach(model, controller, points_of(model))
+    hooks_before = all_hooks(model)
+    for again in (lambda: attach(model, controller, points_of(model)),
+                  lambda: attach(model, controller, points_of(model), join=False),
+                  lambda: attach(model, controller, {"other": [(model.layers[0].mlp, 0)]}),
+                  lambda: attach(model.layers[0], controller,          # a submodule of it
+                                 {"oproj_down": [(model.layers[0].attn.o_proj, 0)]})):
+        with pytest.raises(ValueError, match="this Recorder is already attached to this "
+                           r".* and would fork twice a step: detach the first attachment"):
+            again()
+        assert all_hooks(model) == hooks_before
+    model(torch.zeros(2, 1, H))
+    assert controller.calls == [("fork", "oproj_down", 0, 2), ("join",)]
+    # detached, it attaches again; a dropped attachment that was never detached still counts
+    first.detach()
+    attach(model, controller, points_of(model))
+    with pytest.raises(ValueError, match="already attached"):
+        attach(model, controller, points_of(model))
+
+
+def test_other_controllers_and_other_models_attach_as_before():
+    model, first, second = Tiny(1), Recorder(), Recorder()
+    attach(model, first, points_of(model))
+    attach(model, second, points_of(model))          # another controller on the same model
+    other = Tiny(1)
+    attach(other, first, points_of(other))           # the same controller on another model
+    model(torch.zeros(1, 1, H))
+    assert first.calls == second.calls == [("fork", "oproj_down", 0, 1), ("join",)]
+
+
+def test_a_refused_attach_registers_nothing_with_the_ops(monkeypatch):
+    from l2prefetch import ops
+
+    model, controller = Tiny(1), Recorder()
+    attach(model, controller, points_of(model))
+    registered = []
+    monkeypatch.setattr(ops, "register", lambda c: registered.append(c) or 1)
+    with pytest.raises(ValueError, match="already attached"):
+        attach(model, controller, points_of(model))
+    assert registered == []

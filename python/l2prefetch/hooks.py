@@ -303,6 +303,13 @@ def attach(model: torch.nn.Module, controller: Controller,
     ``l2prefetch::fork`` / ``join`` ops into the graph; for that the
     controller is registered with :func:`l2prefetch.ops.register` (so it must
     support weak references) until :meth:`Attachment.detach`.
+
+    One controller attaches to one model once: while its hooks are on a module of
+    ``model`` (an earlier attachment not detached, kept or not, or one to a submodule),
+    attaching it again is a ValueError, since every site would fork twice a step and
+    the step join twice.  Detach the first attachment, or attach once with all the
+    points in one mapping.  Other controllers, and this one on another model, attach
+    as before.
     """
     global _disabled_logged
     if disabled():
@@ -325,6 +332,21 @@ def attach(model: torch.nn.Module, controller: Controller,
         raise TypeError(f"points must map point names to fork sites, got {type(points).__name__}")
     resolved = [(point, _sites(model, point, spec, torch.nn.Module))
                 for point, spec in points.items()]
+    # Attached already: one of this controller's hooks (tagged below) on a module of the
+    # model.  Read from the modules' own dicts, so that no user code (a hook object's or
+    # module's __getattr__) runs; a detached attachment's hooks are gone from them.
+    tag, function = "_l2prefetch_controller", type(attach)   # our hooks are functions
+    for module in model.modules():
+        state = vars(module)
+        for kind in ("_forward_hooks", "_forward_pre_hooks"):
+            for hook in (state.get(kind) or {}).values():
+                if type(hook) is function and hook.__dict__.get(tag) is controller:
+                    raise ValueError(
+                        f"this {type(controller).__name__} is already attached to this "
+                        f"{type(model).__name__} (its hooks are on a "
+                        f"{type(module).__name__} of it) and would fork twice a step: "
+                        "detach the first attachment (Attachment.detach(), or leave its "
+                        "with-block) or attach once with all the points in one mapping")
 
     from . import ops
 
@@ -347,6 +369,7 @@ def attach(model: torch.nn.Module, controller: Controller,
             for module, layer, where in point_sites:
                 hook = _fork_hook(fork, point, layer, batch_fn, torch.Tensor, is_compiling,
                                   fork_op, op_handle, where == "before")
+                setattr(hook, tag, controller)   # what the check above finds
                 hooked.append((module, where, hook))
                 sites.append((point, layer, module))
         # each prepended ahead of the last: in reverse, so that one module's sites fork in
@@ -361,6 +384,7 @@ def attach(model: torch.nn.Module, controller: Controller,
                     join_op(op_handle, _first_tensor(output, tensor))
                 else:
                     end()
+            setattr(join_hook, tag, controller)
             handles.append(model.register_forward_hook(join_hook))
     except BaseException:
         for handle in handles:
