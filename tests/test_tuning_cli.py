@@ -485,3 +485,48 @@ def test_every_parser_refuses_abbreviations(capsys):
             code = exc.code
         assert code == 2, argv
         assert words in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("entry", ["l2prefetch", "l2prefetch.tuning.cli"])
+def test_ctrl_c_while_tuning_is_one_line_exit_130_and_writes_nothing(tmp_path, monkeypatch,
+                                                                      capsys, entry):
+    """Issue 38.7: Ctrl-C in the middle of measuring (here a stand-in backend's third
+    group) ends `tune` with one line and exit status 130, through either entry point, and
+    no profile, report or temporary file is written."""
+    import torch
+
+    import _tuning_fakes as fakes
+    from l2prefetch import cli as main_cli
+    from l2prefetch.tuning import tuner
+
+    model = fakes.llama(n_layers=3, h=1024, i=2048, kv=256)
+    inputs = {}
+
+    def step(batch):
+        return model(inputs.setdefault(batch, torch.zeros(batch, 1, 1024, dtype=torch.bfloat16)))
+
+    class Interrupting(fakes.DeviceBackend):
+        measured = 0
+
+        def measure(self, batch, arms, instances):
+            self.measured += 1
+            if self.measured == 3:
+                raise KeyboardInterrupt
+            return super().measure(batch, arms, instances)
+
+    real_tune = tuner.tune
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hf, "device_of", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(hf, "load_model", lambda *args, **kwargs: model)
+    monkeypatch.setattr(hf, "DecodeStep", lambda *args, **kwargs: step)
+    monkeypatch.setattr(tuner, "tune", lambda model, step, batches, **kw: real_tune(
+        model, step, batches, **{**kw, "kernels": None, "min_bytes": 256 * 1024,
+                                 "backend": Interrupting({}, seed=1)}))
+    argv = ["llama", "--out", str(tmp_path / "p.json"), "--quiet"]
+    if entry == "l2prefetch":
+        code = main_cli.main(["tune", *argv])
+    else:
+        code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 130 and one_line(err) == "l2prefetch tune: interrupted", err
+    assert list(tmp_path.iterdir()) == []

@@ -1073,3 +1073,217 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
         return
     assert backend.references == {"tuned": own}
     assert backend.pairs == ([{NO_FORKS, "tuned", own}] if case == "shared" else [{"tuned", own}])
+
+
+# -- interrupted, and two writers at once (issue 38.7) -----------------------------------------
+
+class Interrupting(DeviceBackend):
+    """A DeviceBackend whose ``at``-th measured group is interrupted (Ctrl-C)."""
+
+    def __init__(self, *args, at=3, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at, self.measured = at, 0
+
+    def measure(self, batch, arms, instances):
+        self.measured += 1
+        if self.measured == self.at:
+            raise KeyboardInterrupt
+        return super().measure(batch, arms, instances)
+
+
+def module_hooks(model):
+    return [(name, kind) for name, module in model.named_modules()
+            for kind in ("_forward_hooks", "_forward_pre_hooks") if getattr(module, kind)]
+
+
+@pytest.mark.parametrize("where", ["measuring", "discovering"])
+def test_a_keyboard_interrupt_during_tune_propagates_and_leaves_the_model_as_it_was(where):
+    """Ctrl-C in the middle of tune() is a KeyboardInterrupt out of it (never a StepError,
+    a partial result or swallowed), and the model keeps no hook of the tuner's."""
+    model, step = model_and_step()
+    gains = {O_PROJ: lambda s: 9.0, GATE: lambda s: -4.0}
+    backend = Interrupting(gains, seed=11, at=3)
+    calls = []
+
+    def interrupted_step(batch):
+        calls.append(batch)
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        tuning.tune(model, interrupted_step if where == "discovering" else step, [1, 8],
+                    backend=backend, progress=None, min_bytes=256 * 1024)
+    assert module_hooks(model) == []
+    if where == "measuring":
+        assert backend.measured == 3
+    else:
+        assert calls == [1] and backend.measured == 0
+    # the same model tunes as ever afterwards
+    result = tuning.tune(model, step, [1], backend=DeviceBackend(gains, seed=11),
+                         progress=None, min_bytes=256 * 1024)
+    assert not result.empty and module_hooks(model) == []
+
+
+def test_a_keyboard_interrupt_while_measuring_on_the_gpu_closes_every_graph_and_controller(
+        monkeypatch):
+    """GraphBackend.measure interrupted while replaying: every controller it made (their
+    tables, streams and events) and every graph without forks is closed, then the
+    KeyboardInterrupt goes on."""
+    import random
+
+    import l2prefetch.tuning.measure as M
+    from l2prefetch.tuning.arms import NO_FORKS, Arm, Setting
+
+    closed = []
+
+    class Closing:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def replay(self):
+            pass
+
+        def close(self):
+            closed.append(self)
+
+    class InterruptedRig:
+        def replays(self, graphs, rounds):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(M, "NoForks", Closing)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    backend = M.GraphBackend.__new__(M.GraphBackend)
+    backend.torch, backend.device, backend.rounds = torch, torch.device("cpu"), 3
+    backend.shared_placement, backend.switches = True, False
+    backend.derives_no_forks, backend.references = True, {}
+    backend._captured, backend._outputs, backend.step = 0, {}, lambda batch: torch.ones(2)
+    backend._placements = random.Random(0)
+    backend.rig = InterruptedRig()
+    made = []
+    backend._controller = lambda arm, batch: made.append(Closing()) or made[-1]
+    backend._capture = lambda *a, **kw: (Closing(), torch.ones(2))
+    backend._check_outputs = lambda batch, graphs, out_of: {}
+    arms = {NO_FORKS: Arm(), "tuned": Arm((("r", Setting(1 << 20)),))}
+    with pytest.raises(KeyboardInterrupt):
+        backend.measure(1, arms, 2)
+    assert made and all(c in closed for c in made)
+    assert len(closed) > len(made)                    # the graphs without forks too
+
+
+def test_an_interrupted_save_leaves_the_old_profile_whole(tmp_path, monkeypatch):
+    """Ctrl-C while the profile is written: the file there before is as it was, and no
+    temporary file is left (write_atomic writes beside it and renames)."""
+    import os
+
+    from l2prefetch import _files
+
+    model, result = tuned()
+    path = tmp_path / "p.json"
+    result.save(path, model)
+    before = path.read_bytes()
+    other_model, other = tuned(batches=(1,))
+    real_write = os.write
+
+    def half_then_interrupt(fd, data):
+        real_write(fd, bytes(data[:len(data) // 2]))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(_files.os, "write", half_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        other.save(path, other_model)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+CONCURRENT_SAVE = """
+import os, sys, time
+sys.path[:0] = sys.argv[4].split("|")
+import torch
+import _tuning_fakes as fakes
+from l2prefetch import tuning
+
+batches = [int(b) for b in sys.argv[2].split(",")]
+model = fakes.llama(n_layers=3, h=1024, i=2048, kv=256)
+x = {}
+def step(batch):
+    return model(x.setdefault(batch, torch.zeros(batch, 1, 1024, dtype=torch.bfloat16)))
+result = tuning.tune(model, step, batches, progress=None, min_bytes=256 * 1024,
+                     backend=fakes.DeviceBackend({"after self_attn.v_proj: self_attn.o_proj":
+                                                  lambda s: 9.0}, seed=11))
+print("ready", flush=True)
+while not os.path.exists(sys.argv[3]):   # the go: both are ready
+    time.sleep(0.001)
+for _ in range(60):
+    result.save(sys.argv[1], model)
+print("saved")
+"""
+
+
+def test_two_processes_saving_one_profile_at_once_leave_one_whole_profile(tmp_path):
+    """Two processes save their profiles to one path at once, over and over: each save is
+    whole (a reader meanwhile sees one profile or the other, never a mix or half), none
+    fails, and no temporary file is left."""
+    import os
+    import subprocess
+
+    from l2prefetch import _files
+
+    path = tmp_path / "p.json"
+    here = os.path.dirname(os.path.abspath(__file__))
+    where = "|".join([here, os.path.join(os.path.dirname(here), "python"), *sys.path])
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT_SAVE, str(path), batches,
+                               str(go), where], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for batches in ("1", "1,8")]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready", p.communicate(timeout=120)[1]
+    go.write_text("")
+    seen = set()
+    while any(p.poll() is None for p in procs):
+        try:
+            text = _files.read_text(path, "profile")
+        except FileNotFoundError:
+            continue
+        seen.add(tuple(P.parse_profile(text, str(path))["batches"]))   # whole, or it raises
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.strip() == "saved", err
+    assert tuple(P.parse_profile(path.read_text(), str(path))["batches"]) in {(1,), (1, 8)}
+    assert seen <= {(1,), (1, 8)} and seen
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "p.json"]
+
+
+def test_two_threads_saving_one_profile_at_once_both_succeed(tmp_path):
+    """Two threads of one process save to one path at once: neither takes the other's
+    temporary file for one left behind (before, the second failed 'is in the way')."""
+    import threading
+
+    from l2prefetch import _files
+
+    model, result = tuned()
+    path = tmp_path / "p.json"
+    errors, barrier = [], threading.Barrier(2)
+    original_create = _files._create
+
+    def slow_create(tmp):
+        fd = original_create(tmp)
+        barrier.wait(timeout=10)       # both temporaries exist at once
+        return fd
+
+    def save():
+        try:
+            result.save(path, model)
+        except BaseException as exc:   # noqa: BLE001 - reported below
+            errors.append(exc)
+    _files._create = slow_create
+    try:
+        threads = [threading.Thread(target=save) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        _files._create = original_create
+    assert errors == []
+    assert json.loads(path.read_text())["format"] == P.PROFILE_FORMAT
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -130,8 +131,15 @@ def check_regular(path: PathLike, what: str) -> None:
 
 
 def _temporary(target: str) -> str:
+    """The temporary name beside ``target``: its process's (``.NAME.PID.tmp``), and in
+    a thread other than the main one also its thread's (``.NAME.PID-TID.tmp``), so
+    that two writers of one file, processes or threads, never take each other's for a
+    file left behind; the rename makes the last one whole in place."""
     head, tail = os.path.split(target)
-    return os.path.join(head, f".{tail}.{os.getpid()}.tmp")
+    who = str(os.getpid())
+    if threading.current_thread() is not threading.main_thread():
+        who += f"-{threading.get_ident()}"
+    return os.path.join(head, f".{tail}.{who}.tmp")
 
 
 def _create(tmp: str) -> int:

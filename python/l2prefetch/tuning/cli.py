@@ -285,7 +285,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = _Parser(prog="l2prefetch tune", description=__doc__.split("\n\n")[0],
                      allow_abbrev=False)
     configure(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:   # as `python -m l2prefetch tune` ends: one line, 130
+        print("l2prefetch tune: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover
