@@ -15,7 +15,7 @@ import pytest
 import _tuning_fakes as fakes
 from l2prefetch import cli
 from l2prefetch.tuning import trace as tr
-from l2prefetch.tuning import trace_cli
+from l2prefetch.tuning import trace_analysis, trace_capture, trace_cli, trace_dot
 
 T0 = 1.7e12      # CUPTI's clock: absolute microseconds
 KEY = ("after self_attn.o_proj: mlp.gate_proj", 0, 1)
@@ -169,21 +169,21 @@ def test_delays_per_place():
                 for j, k in enumerate(bare)]
     # in order: each its own 1 us, to the next fork and to the end; per kernel up to the
     # next fork (kernels 1-2, then 3-4)
-    assert tr._delays(base(1, 3), bare, [1, 3]) == [(1.0, 1.0, (1.0, 1.0)),
+    assert trace_analysis._delays(base(1, 3), bare, [1, 3]) == [(1.0, 1.0, (1.0, 1.0)),
                                                     (1.0, 1.0, (1.0, 1.0))]
     # placed out of order (forks on several streams): still to the nearest later place
-    assert tr._delays(base(1, 3), bare, [3, 1]) == [(1.0, 1.0, (1.0, 1.0)),
+    assert trace_analysis._delays(base(1, 3), bare, [3, 1]) == [(1.0, 1.0, (1.0, 1.0)),
                                                     (1.0, 1.0, (1.0, 1.0))]
     # back to back at one place: the first carries the place's delay
-    assert tr._delays(base(2, 2), bare, [2, 2]) == [(2.0, 2.0, (2.0, 2.0, 2.0)),
+    assert trace_analysis._delays(base(2, 2), bare, [2, 2]) == [(2.0, 2.0, (2.0, 2.0, 2.0)),
                                                     (None, None, ())]
     # at the step's start or end: nothing to tell
-    assert tr._delays(base(), bare, [0, 5]) == [(None, None, ()), (None, None, ())]
+    assert trace_analysis._delays(base(), bare, [0, 5]) == [(None, None, ()), (None, None, ())]
     # a delay that a later kernel absorbs: the lags show where
     absorbed = base(1)
     absorbed[3] = tr.Kernel("k3", 7, bare[3].start, bare[3].end)
     absorbed[4] = tr.Kernel("k4", 7, bare[4].start, bare[4].end)
-    assert tr._delays(absorbed, bare, [1]) == [(1.0, 0.0, (1.0, 1.0, 0.0, 0.0))]
+    assert trace_analysis._delays(absorbed, bare, [1]) == [(1.0, 0.0, (1.0, 1.0, 0.0, 0.0))]
 
 
 def test_a_loader_on_another_stream_is_not_moved():
@@ -341,10 +341,10 @@ def test_dot_neighbours_is_linear_and_never_raises(shape):
 
 
 def test_demangling_reads_a_length_only_where_it_fits():
-    assert tr._demangle("_ZN2at6native6kernelIiEEvv") == "at::native::kernel"
-    assert tr._demangle("_Z" + "9" * 5000 + "abc") == "_Z" + "9" * 5000 + "abc"
-    assert tr._demangle("_Z3ab") == "_Z3ab"                  # a length past the end
-    assert tr._demangle("l2p_prefetch_8") == "l2p_prefetch_8"
+    assert trace_dot._demangle("_ZN2at6native6kernelIiEEvv") == "at::native::kernel"
+    assert trace_dot._demangle("_Z" + "9" * 5000 + "abc") == "_Z" + "9" * 5000 + "abc"
+    assert trace_dot._demangle("_Z3ab") == "_Z3ab"                  # a length past the end
+    assert trace_dot._demangle("l2p_prefetch_8") == "l2p_prefetch_8"
 
 
 def test_a_layout_with_the_wrong_marks_raises():
@@ -460,7 +460,7 @@ def test_help_works_without_torch_and_the_runtime_never_imports_trace():
             "try:\n    cli.main(['trace', '--help'])\n"
             "except SystemExit as exc:\n    assert not exc.code, exc.code\n"
             "import l2prefetch, l2prefetch.controller, l2prefetch.hooks, l2prefetch.plan\n"
-            "print(sorted(m for m in sys.modules if m.endswith(('.trace', 'trace_cli'))))\n")
+            "print(sorted(m for m in sys.modules if m.startswith('l2prefetch.tuning.trace')))\n")
     # the l2prefetch this suite imports (installed, or the tree's with its built _C)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -474,6 +474,23 @@ def test_help_works_without_torch_and_the_runtime_never_imports_trace():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_the_trace_api_is_one_module_over_five_jobs():
+    """Issue 39.2: l2prefetch.tuning.trace keeps every name it had, each the object of the
+    one module of its job (events, analysis, rendering, dot, captures)."""
+    from l2prefetch.tuning import trace_events, trace_render
+
+    before = {"Forks", "ForkTrace", "Kernel", "Layout", "TraceError", "TraceResult", "analyze",
+              "forks_of_profile", "forks_of_role", "kernel_events", "layout_of",
+              "median_timeline", "split_replays", "timeline", "trace", "dot_neighbours",
+              "GEMM_NAME", "MAX_ROWS", "LOADER_PREFIX", "HELD_US", "BEFORE", "WARM_REPLAYS"}
+    assert before <= set(tr.__all__)
+    jobs = (trace_events, trace_analysis, trace_render, trace_dot, trace_capture)
+    for name in tr.__all__:
+        owners = [job for job in jobs if name in job.__all__]
+        assert len(owners) == 1 and getattr(owners[0], name) is getattr(tr, name), name
+    assert set(tr.__all__) == {name for job in jobs for name in job.__all__}
 
 
 def test_trace_is_a_command(capsys):
@@ -833,7 +850,7 @@ def test_the_dot_goes_through_a_private_file_to_an_atomic_write(tmp_path):
     target = tmp_path / "graph.dot"
     os.symlink(victim, target)
     graph = DumpingGraph(text)
-    neighbours = tr._dump(graph, str(target))
+    neighbours = trace_capture._dump(graph, str(target))
     assert neighbours == tr.dot_neighbours(text) and len(neighbours) == 1
     assert victim.read_text() == "precious" and not os.path.islink(target)
     assert target.read_text() == text
