@@ -179,10 +179,10 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
     the step fails or cannot be captured, :class:`TraceError` for a trace that
     cannot be read.
     """
-    import torch
-
-    from .. import PreparedWeightRanges, hooks
+    from .. import PreparedWeightRanges, _torch, hooks
     from .arms import StepError
+
+    torch = _torch.require("l2prefetch.tuning.trace")
 
     if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
         raise ValueError(f"replays must be an int >= 1, got {replays!r}")
