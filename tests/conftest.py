@@ -5,7 +5,9 @@ torch; elsewhere they are skipped with the reason (pytest -ra prints it).
 """
 
 import gc
+import inspect
 import os
+import re
 import sys
 
 import pytest
@@ -42,7 +44,54 @@ _PRELOAD = os.environ.get("LD_PRELOAD", "")
 CXX_THROW_ABORTS = "libasan" in _PRELOAD and "libstdc++" not in _PRELOAD
 
 
+#: The fixtures of the fake CUDA driver (tests/fakecuda): a test using one, directly or
+#: through another fixture, reaches the C extension.
+C_FIXTURES = frozenset({"fake", "fakecuda_path"})
+#: What a test module's source names when it tests what FLOOR_PINS (dev.sh) hold at their
+#: oldest: the tune extra's transformers and matplotlib, NVRTC compiling the kernel.
+FLOOR_NAMES = re.compile(r"\btransformers\b|\bmatplotlib\b|\b_C\.compile\(")
+
+
+def _reaches_c_module(module):
+    """Whether a test module holds the C extension, one of its functions or types, the
+    fake driver (tests/_fakecuda.py) or conftest's stand-ins that exist to feed C
+    (FakeArray, device_ptr, cuda_tensor, Raising): then each of its tests reaches C."""
+    for value in vars(module).values():
+        if value is _C or getattr(value, "__name__", None) == "_fakecuda":
+            return True
+        if getattr(value, "__module__", None) in ("l2prefetch._C", "_fakecuda", "conftest") \
+                and callable(value):
+            return True
+    return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "reaches_c: the test runs the C extension (set by conftest for tests that "
+        "use the fake driver or whose module imports _C or the fakes; the ASan/UBSan pass "
+        "of dev.sh runs these); mark a test that reaches C only through the public API")
+    config.addinivalue_line(
+        "markers", "floor: the test exercises what dev.sh's FLOOR_PINS hold at their oldest "
+        "(set by conftest for modules that name transformers, matplotlib or _C.compile)")
+
+
 def pytest_collection_modifyitems(config, items):
+    modules = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        if module not in modules:
+            try:
+                source = inspect.getsource(module)
+            except (OSError, TypeError):
+                source = ""
+            modules[module] = (_reaches_c_module(module), bool(FLOOR_NAMES.search(source)))
+        reaches_c, floor = modules[module]
+        if reaches_c or C_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.reaches_c)
+        if floor:
+            item.add_marker(pytest.mark.floor)
     if GPU_REASON is None:
         return
     skip = pytest.mark.skip(reason=f"needs a GPU: {GPU_REASON}")
@@ -71,8 +120,12 @@ def fake(fakecuda_path, monkeypatch, tmp_path):
     monkeypatch.setenv("L2PREFETCH_CACHE_DIR", str(tmp_path / "kcache"))
     monkeypatch.delenv("L2PREFETCH_DISABLE", raising=False)
     # Garbage of earlier tests (a controller in a reference cycle, say) is destroyed
-    # now, against the earlier recording, not in the middle of this test's.
+    # now, against the earlier recording, not in the middle of this test's.  What
+    # survives is alive, and frozen (gc.freeze) so that the collections here and in
+    # the test walk only what was made since: with torch and transformers loaded each
+    # full collection took 0.3 s, twice per test, 228 s of the suite's 640 (issue 41).
     gc.collect()
+    gc.freeze()
     drv = FakeCuda(fakecuda_path)
     drv.reset()
     _C._use_driver(fakecuda_path)

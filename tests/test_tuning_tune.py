@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
+import os
 import random
 import sys
 import re
+import tempfile
 
 import pytest
 import torch
@@ -185,9 +188,7 @@ def test_a_profile_of_another_device_or_model_is_refused(tmp_path, monkeypatch):
      "unknown fields \\['sight'\\]"),
 ])
 def test_corrupted_profiles(tmp_path, mutate, message):
-    model, result = tuned()
-    path = tmp_path / "p.json"
-    result.save(path, model)
+    model, path, _ = saved(tmp_path)
     path.write_text(mutate(path.read_text()))
     with pytest.raises(ValueError, match=message):
         tuning.load_profile(path, model, check_device=False)
@@ -477,11 +478,30 @@ def test_merge_plan_per_layer():
     assert [layer for _, layer in sites["A"]] == [0, 1, 2, 3]
 # -- issue 21: a profile must agree with itself, and is bound to the model it was loaded for ---
 
-def saved(tmp_path):
+@functools.lru_cache(maxsize=None)
+def _saved_once():
+    """tuned()'s model and the text of its saved profile, made once (a tune() takes ~4 s,
+    most of it in its t quantiles): the tests that only load edited copies of it share
+    them (loading a profile that is refused leaves the model as it was)."""
     model, result = tuned()
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "p.json")
+        result.save(path, model)
+        with open(path) as f:
+            return model, f.read()
+
+
+def saved(tmp_path, fresh=False):
+    """tuned()'s model, its profile saved as tmp_path/p.json, and that file's JSON;
+    ``fresh``: a model of this test's own (one it may drop)."""
+    if fresh:
+        model, result = tuned()
+        result.save(tmp_path / "p.json", model)
+        return model, tmp_path / "p.json", json.loads((tmp_path / "p.json").read_text())
+    model, text = _saved_once()
     path = tmp_path / "p.json"
-    result.save(path, model)
-    return model, path, json.loads(path.read_text())
+    path.write_text(text)
+    return model, path, json.loads(text)
 
 
 def duplicate_plan_key(text):
@@ -650,7 +670,7 @@ def test_a_profile_is_bound_to_the_model_it_was_loaded_for(tmp_path, monkeypatch
     from l2prefetch import PrefetchController
     from l2prefetch import controller as rig   # from_profile's builder (the runtime's)
 
-    model, path, _ = saved(tmp_path)
+    model, path, _ = saved(tmp_path, fresh=True)             # dropped below
     twin = fakes.llama(n_layers=3, h=1024, i=2048, kv=256)   # the same shapes
     profile = tuning.load_profile(path, model, check_device=False)
     built = []
