@@ -40,6 +40,11 @@ def test_list_roles_on_the_cpu(capsys):
     assert code == 0, err
     assert "| after self_attn.v_proj: self_attn.o_proj | 2 |" in out
     assert "| after mlp: next self_attn.q_proj | 1 |" in out
+    # the column says what it counts (issue 41.7: after gate_proj it showed 24.3 MiB where
+    # up_proj is 1.5 MiB): the consumer's weights and those read after it
+    assert out.splitlines()[-1] == (
+        "largest load: the most one fork of the role can load: its consumer's weights and "
+        "those of the reads after it, up to 48 MiB (--caps-mib caps it)")
 
 
 def test_config_json_and_class_name_sources(tmp_path, capsys):
@@ -123,9 +128,10 @@ def test_list_roles_says_what_it_builds_and_how_big(capsys):
                           dtype="float32")
     count = sum(p.numel() for p in model.parameters())
     lines = err.splitlines()
-    assert lines[0] == (f"[l2prefetch tune] LlamaForCausalLM, 2 layers, {count / 1e6:.1f} M "
-                        f"parameters ({count * 4 / 2**30:.2f} GiB of float32): building it "
-                        "with random weights on cpu"), err
+    assert lines[0] == (f"[l2prefetch tune] LlamaForCausalLM, 2 layers, {count / 1e6:.1f} "
+                        f"million parameters ({count * 4 / 2**30:.2f} GiB of float32) from "
+                        "the model type llama (LlamaConfig): building it with random weights "
+                        "on cpu"), err
     assert lines[1].startswith("[l2prefetch tune] model ready in ")
     assert "discovering the roles" in lines[2] and len(lines) == 3
     assert run([*argv, "--quiet"], capsys) == (0, out, "")
@@ -299,6 +305,37 @@ def test_a_model_type_transformers_lacks_is_refused_without_running_its_code(tmp
     (["llama", *SMALL, "--batches", "1,70000"], r"--batches must be integers <= 65535"),
     (["llama", *SMALL, "--seed", str(2**70)], r"--seed must be in 0..4294967295"),
     (["llama", *SMALL, "--grids", "70000"], r"--grids must be integers <= 65535"),
+    # issue 41.4: an empty item, a misspelt mode or kernel, a role that is no role name, an
+    # output that cannot be written: refused in every mode (here --list-roles), before any
+    # work, where they were dropped or ignored
+    (["llama", *SMALL, "--batches", "1,,2"], r"--batches must be comma-separated integers "
+                                             r"with none empty, got '1,,2'"),
+    (["llama", *SMALL, "--batches", "1,"], r"--batches must be .* with none empty"),
+    (["llama", *SMALL, "--caps-mib", "4,,8"], r"--caps-mib must be comma-separated numbers "
+                                              r"with none empty"),
+    (["llama", *SMALL, "--graph-forks", "inlin"], r"--graph-forks: unknown 'inlin'; the choices "
+                                                  r"are inline, branch, leaf$"),
+    (["llama", *SMALL, "--graph-forks", "inline,"], r"--graph-forks must be comma-separated "
+                                                    r"names of inline, branch, leaf, none empty"),
+    (["llama", *SMALL, "--kernels", "nope"], r"--kernels: unknown 'nope'; the choices are "
+                                             r"default, .*\bload\b.*ring"),
+    (["llama", *SMALL, "--kernels", "ring,,load"], r"--kernels must be .* none empty"),
+    (["llama", *SMALL, "--roles", "o_proj"], r"--roles 'o_proj' is not a role name: a role is "
+                                             r"'after SITE: CONSUMER' or 'before SITE: "
+                                             r"CONSUMER', as --list-roles prints them"),
+    (["llama", *SMALL, "--roles", "after mlp: x", "--roles", "after mlp: x"],
+     r"--roles names 'after mlp: x' more than once"),
+    (["llama", *SMALL, "--out", "/nonexistent/dir/p.json"],
+     r"--out /nonexistent/dir/p.json cannot be written: /nonexistent/dir is not a directory"),
+    (["llama", *SMALL, "--plot", "/nonexistent/dir/p.png"], r"--plot /nonexistent/dir/p.png "
+                                                            r"cannot be written"),
+    (["llama", *SMALL, "--report", "/nonexistent/dir/p.md"], r"--report /nonexistent/dir/p.md "
+                                                             r"cannot be written"),
+    # a role name this model lacks: refused once discovery knows its roles
+    (["llama", *SMALL, "--min-bytes-mib", "0.001", "--roles", "after nothing: x", "--roles",
+      "after self_attn.v_proj: self_attn.o_prj", "--quiet"],
+     r"--roles: this model has no role 'after nothing: x', 'after self_attn.v_proj: "
+     r"self_attn.o_prj' \(closest: 'after self_attn.v_proj: self_attn.o_proj'"),
 ])
 def test_bad_tune_input_is_one_line_and_exit_2(argv, words, capsys):
     pytest.importorskip("transformers")
@@ -324,9 +361,10 @@ def test_a_model_too_large_for_the_device_is_refused_before_it_is_built(monkeypa
     code, _, err = status(["llama", *SMALL, "--dtype", "float32", "--list-roles", "--device",
                            "cpu"], capsys)
     assert code == 2
-    assert re.search(r"LlamaForCausalLM with 2 layers in float32 is \d+\.\d\d K parameters, "
-                     r"\d+\.\d\d KiB, more than the 100\.00 KiB free on cpu: make it smaller "
-                     r"\(e\.g\. --set num_hidden_layers=4", one_line(err)), err
+    assert re.search(r"LlamaForCausalLM with 2 layers in float32 is \d+\.\d\d thousand "
+                     r"parameters, \d+\.\d\d KiB; building it and running its steps take about "
+                     r"1\.00 GiB, more than the 100\.00 KiB free on cpu: make it smaller \(e\.g\. "
+                     r"--set num_hidden_layers=1 and smaller sizes", one_line(err)), err
     # the size is the model's own: parameters times the dtype's bytes, from the config
     transformers = pytest.importorskip("transformers")
     import torch
@@ -530,3 +568,117 @@ def test_ctrl_c_while_tuning_is_one_line_exit_130_and_writes_nothing(tmp_path, m
     out, err = capsys.readouterr()
     assert code == 130 and one_line(err) == "l2prefetch tune: interrupted", err
     assert list(tmp_path.iterdir()) == []
+
+
+# -- issue 41.2: the fit check leaves room for building and running, and says the fix --------
+
+GIB = 1 << 30
+
+
+def machine(monkeypatch, total_gib, free_gib):
+    """The CPU's memory as a machine of total_gib with free_gib available."""
+    monkeypatch.setattr(hf, "_cpu_memory", lambda: (int(total_gib * GIB), int(free_gib * GIB)))
+
+
+def test_the_default_llama_is_refused_on_a_24_gib_machine_before_it_is_built(monkeypatch,
+                                                                              capsys):
+    """The default LlamaConfig (6.74 B parameters, 12.55 GiB of bf16) passed the check
+    against the 22 GiB free of a 24 GiB machine and was OOM-killed 260 s into its build
+    (exit 137, no message).  Now: exit 2 at once, one line, with the fix."""
+    pytest.importorskip("transformers")
+    machine(monkeypatch, 24, 22)
+    code, out, err = status(["llama", "--list-roles", "--device", "cpu"], capsys)
+    assert code == 2 and out == ""
+    line = one_line(err)                              # no "building it" line: nothing built
+    assert re.search(r"LlamaForCausalLM with 32 layers in bfloat16 is 6\.74 billion parameters, "
+                     r"12\.55 GiB; building it and running its steps take about 14\.8\d GiB, "
+                     r"more than the 12\.00 GiB a model may take on cpu \(half of the machine's "
+                     r"24\.00 GiB", line), line
+    assert "make it smaller (e.g. --set num_hidden_layers=4;" in line
+    # that fix fits there: 4 layers, 2.0 GiB, pass the same check
+    import torch
+    import transformers
+
+    small_config = transformers.LlamaConfig(num_hidden_layers=4)
+    count, nbytes = hf.model_bytes(transformers.LlamaForCausalLM, small_config, torch.bfloat16)
+    hf._check_fits("4 layers", count, nbytes, torch.device("cpu"), 4)
+    # on a 32 GiB machine with 30 GiB free the default Llama has room (16 GiB is half)
+    config = transformers.LlamaConfig()
+    count, nbytes = hf.model_bytes(transformers.LlamaForCausalLM, config, torch.bfloat16)
+    machine(monkeypatch, 32, 30)
+    hf._check_fits("default", count, nbytes, torch.device("cpu"), 32)
+    # but not with only 14 GiB of them free: the weights plus 10% plus 1 GiB
+    machine(monkeypatch, 32, 14)
+    with pytest.raises(ValueError, match=r"more than the 14\.00 GiB free on cpu"):
+        hf._check_fits("default", count, nbytes, torch.device("cpu"), 32)
+
+
+def test_the_fit_check_names_a_layer_count_that_fits(monkeypatch):
+    pytest.importorskip("transformers")
+    import torch
+
+    # 12.55 GiB in 32 layers, ~0.39 GiB a layer: with 2.1 GiB a model may take, 2 fit
+    # (1 GiB and 10% for building and the step), not 4
+    machine(monkeypatch, 4.2, 4)
+    with pytest.raises(ValueError, match=r"\(e\.g\. --set num_hidden_layers=2; the tuner needs "
+                                         r"a few layers"):
+        hf._check_fits("default", 6_738_415_616, 13_476_831_232, torch.device("cpu"), 32)
+
+
+def test_a_gpu_gives_all_its_free_memory_and_a_checkpoint_staged_on_the_cpu_too(monkeypatch):
+    import torch
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(hf, "available_bytes", lambda device: 20 * GIB)
+    monkeypatch.setattr(hf, "total_bytes", lambda device: 24 * GIB)
+    hf._check_fits("m", 1, 12 * GIB, cuda, 32)            # 14.2 GiB of 20: no half rule
+    hf._check_fits("m", 1, 12 * GIB, torch.device("cpu"), 32, staging=True)
+    with pytest.raises(ValueError, match=r"more than the 12\.00 GiB a model may take on cpu"):
+        hf._check_fits("m", 1, 12 * GIB, torch.device("cpu"), 32)
+    with pytest.raises(ValueError, match=r"more than the 20\.00 GiB free on cuda:0"):
+        hf._check_fits("m", 1, 18 * GIB, cuda, 32)
+
+
+def test_the_memory_table_reads_total_and_available():
+    total, free = hf._cpu_memory()
+    assert total is not None and free is not None and 0 < free <= total
+    assert total <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_parameter_counts_read_as_counts_not_bytes():
+    """"84003.28 B parameters" read as bytes (issue 41.7)."""
+    assert hf._count(84_003.28e9) == "84.00 trillion"
+    assert hf._count(6_738_415_616) == "6.74 billion"
+    assert hf._count(90_450) == "90.45 thousand" and hf._count(912) == "912"
+
+
+# -- issue 41.3: the first progress line names the source used, and what it shadows ----------
+
+def test_a_local_directory_that_shadows_a_model_type_is_named(tmp_path, monkeypatch, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**dict(LLAMA, num_hidden_layers=1))
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    capsys.readouterr()                               # transformers' progress bars
+    monkeypatch.chdir(tmp_path)
+    argv = ["--list-roles", "--device", "cpu", "--min-bytes-mib", "0.001"]
+    code, out, err = status(["llama", *argv], capsys)
+    assert code == 0 and "| after" in out, err
+    first = err.splitlines()[0]
+    assert first.startswith("[l2prefetch tune] LlamaForCausalLM, 1 layers, "), first
+    assert first.endswith(" from the checkpoint directory llama (it shadows the model type "
+                          "llama: name it LlamaConfig to build that instead): loading it on "
+                          "cpu"), first
+    # the other one, as that line says: the model type's random weights, here 2 layers
+    code, out, err = status(["LlamaConfig", *SMALL, *argv], capsys)
+    assert code == 0, err
+    assert err.splitlines()[0].startswith("[l2prefetch tune] LlamaForCausalLM, 2 layers, ")
+    assert " from the config class LlamaConfig: building it with random weights" in err
+    # a path with a directory part names only the path: nothing is shadowed
+    code, out, err = status(["./llama", *argv], capsys)
+    assert code == 0 and " from the checkpoint directory ./llama: loading it on cpu" in err, err
+    # a config class name shadowed by a directory points to the model type
+    (tmp_path / "llama").rename(tmp_path / "LlamaConfig")
+    code, out, err = status(["LlamaConfig", *argv], capsys)
+    assert code == 0, err
+    assert ("from the checkpoint directory LlamaConfig (it shadows the config class "
+            "LlamaConfig: name it llama to build that instead)") in err, err

@@ -6,16 +6,19 @@
 MODEL is a local checkpoint directory, a config.json, a config class name
 (LlamaConfig) or a model type (llama); the last three get random weights.
 ``--list-roles`` only discovers the candidate roles (works on the CPU with
-``--device cpu``).  Exit status: 0 when tuning finished (an empty plan is a
-result), 2 for a bad option, ``--set``, model, checkpoint or output, or no GPU
-(one line on stderr, checked before anything is built or measured), 1 when
-the step fails or cannot be captured.  Options cannot be abbreviated.
+``--device cpu``); every option is checked in either mode, before anything is
+built (a ``--roles`` name against the roles, once discovered).  Exit status: 0
+when tuning finished (an empty plan is a result), 2 for a bad option, ``--set``,
+model, checkpoint or output, or no GPU (one line on stderr, checked before
+anything is built or measured), 1 when the step fails or cannot be captured.
+Options cannot be abbreviated.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Any, Optional
 
@@ -28,6 +31,8 @@ from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
 __all__ = ["add_parser", "main", "run"]
 
 HELP = "measure which prefetches pay for a Hugging Face model on this GPU; write a profile"
+#: --out's default (a --list-roles run checks only the outputs given: it writes none).
+DEFAULT_OUT = "l2prefetch-profile.json"
 
 
 def _list(text: str, what: str, kind: type = int, low: float = 0,
@@ -35,8 +40,11 @@ def _list(text: str, what: str, kind: type = int, low: float = 0,
     """A comma-separated list of ``kind`` values > 0, at least ``low`` and at most
     ``high``, or an argparse error naming ``what``."""
     noun = "integers" if kind is int else "numbers"
+    if text.strip() and any(not x.strip() for x in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated {noun} with none "
+                                         f"empty, got {text!r}")
     try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
+        values = [kind(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{what} must be comma-separated {noun}, got "
                                          f"{text!r}") from None
@@ -64,6 +72,39 @@ def _positive(kind: type, what: str, low: float = 0.0, high: float = 1e9) -> Any
     return parse
 
 
+def _names(text: str, what: str, known: Any, default: Optional[str] = None) -> str:
+    """``text``, comma-separated names each in ``known`` (or ``default``), none empty; or
+    an argparse error naming ``what`` and the choices.  Returns ``text`` itself."""
+    names = [x.strip() for x in text.split(",")]
+    choices = ", ".join(([default] if default else []) + list(known))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated names of {choices}, "
+                                         f"none empty, got {text!r}")
+    bad = [n for n in names if n not in known and n != default]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{what}: unknown {', '.join(map(repr, bad))}; the "
+                                         f"choices are {choices}")
+    return text
+
+
+def _kernel_names(text: str) -> str:
+    from .. import _C
+
+    return _names(text, "--kernels", sorted(_C.kernel_variants()), default="default")
+
+
+#: How a discovered role is named (tuning.discovery): its site, then its consumer.
+ROLE_NAME = re.compile(r"(after|before) \S[^:]*: \S.*")
+
+
+def _role_name(text: str) -> str:
+    if not ROLE_NAME.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(
+            f"--roles {text!r} is not a role name: a role is 'after SITE: CONSUMER' or "
+            "'before SITE: CONSUMER', as --list-roles prints them")
+    return text.strip()
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a local checkpoint directory, a config.json, a config "
                         "class name (LlamaConfig) or a model type (llama)")
@@ -75,7 +116,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="decode batches to tune, comma-separated (default 1,8)")
     parser.add_argument("--budget", type=_positive(float, "--budget", 0, 86400), default=300.0,
                         help="seconds of measuring, all batches together (default 300)")
-    parser.add_argument("--out", default="l2prefetch-profile.json",
+    parser.add_argument("--out", default=DEFAULT_OUT,
                         help="the profile to write (default l2prefetch-profile.json)")
     parser.add_argument("--report", default=None,
                         help="the Markdown report (default: the profile's name with .md)")
@@ -87,9 +128,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=_positive(int, "--seed", -1, MAX_SEED), default=0,
                         help="random-weight seed (default 0)")
     parser.add_argument("--roles", action="append", default=None, metavar="NAME",
+                        type=_role_name,
                         help="measure only this role (repeatable; see --list-roles)")
     parser.add_argument("--list-roles", action="store_true",
-                        help="only discover and list the candidate roles (no measuring)")
+                        help="only discover and list the candidate roles (no measuring; "
+                        "every other option is still checked)")
     parser.add_argument("--instances", type=_positive(int, "--instances", 4, 1000), default=5,
                         help="graph instances per variant (>= 5, default 5)")
     parser.add_argument("--max-instances", type=_positive(int, "--max-instances", 4, 1000),
@@ -111,10 +154,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grids", type=lambda t: _list(t, "--grids", high=65535),
                         default=[16, 32, 64],
                         help="loader CTA counts to try (default 16,32,64)")
-    parser.add_argument("--kernels", default=None,
+    parser.add_argument("--kernels", default=None, type=_kernel_names,
                         help="kernel variants to try, comma-separated; 'default' is the "
                         "device's (default: the device's, then the other loaders it supports)")
     parser.add_argument("--graph-forks", default=",".join(GRAPH_FORKS),
+                        type=lambda t: _names(t, "--graph-forks", GRAPH_FORKS),
                         help=f"how forks go into the graph, comma-separated: any of "
                         f"{', '.join(GRAPH_FORKS)} (default: every one)")
     parser.add_argument("--min-gain-us", type=_positive(float, "--min-gain-us", -1, 1e6),
@@ -148,14 +192,18 @@ def _kernels(text: Optional[str]) -> Optional[list[Optional[str]]]:
     return [None if k.strip() in ("default", "") else k.strip() for k in text.split(",")]
 
 
-def _outputs(args: argparse.Namespace) -> Optional[str]:
+def _outputs(args: argparse.Namespace, given_only: bool = False) -> Optional[str]:
     """Check, before anything is built or measured, that the profile, the report and the
-    plot can be written (and are three files); the message of the first that cannot."""
+    plot can be written (and are three files); the message of the first that cannot.
+    ``given_only``: only those named on the command line (--list-roles writes none)."""
     from .._files import check_output
 
     report = args.report or os.path.splitext(args.out)[0] + ".md"
     named = [("--out", args.out), ("--report" if args.report else "the report (--report)",
                                    report)]
+    if given_only:
+        named = [(option, path) for option, path in named
+                 if (option == "--out" and path != DEFAULT_OUT) or option == "--report"]
     if args.plot:
         named.append(("--plot", args.plot))
     seen: dict[str, str] = {}
@@ -172,6 +220,29 @@ def _outputs(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _largest_load(max_bytes: int) -> str:
+    """What --list-roles' "largest load" column counts (the line under its table)."""
+    return ("\nlargest load: the most one fork of the role can load: its consumer's weights "
+            f"and those of the reads after it, up to {max_bytes >> 20} MiB (--caps-mib caps "
+            "it)")
+
+
+def _unknown_roles(wanted: Optional[list[str]], names: list[str]) -> Optional[str]:
+    """--roles' names this model lacks, with the closest it has; None where all are known."""
+    import difflib
+
+    unknown = [name for name in wanted or () if name not in names]
+    if not unknown:
+        return None
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, names, n=2)
+        hints.append(f"{name!r}" + (f" (closest: {', '.join(map(repr, close))})" if close
+                                    else ""))
+    return (f"--roles: this model has no role {', '.join(hints)}; --list-roles without "
+            "--roles lists its roles")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``tune`` with parsed arguments; returns the exit status."""
     try:
@@ -180,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("needs torch (pip install 'l2prefetch[torch]')")
     from .. import _files
     from . import hf
-    from .discovery import candidates, discover
+    from .discovery import DEFAULT_MAX_BYTES, candidates, discover
     from .arms import StepError
     from .tuner import describe_roles, tune
 
@@ -206,10 +277,13 @@ def run(args: argparse.Namespace) -> int:
     if args.max_instances is not None and args.max_instances < args.instances:
         return _fail(f"--max-instances must be >= --instances ({args.instances}), got "
                      f"{args.max_instances}")
-    if not args.list_roles:
-        problem = _outputs(args)
-        if problem is not None:
-            return _fail(problem)
+    if args.roles and len(set(args.roles)) < len(args.roles):
+        twice = sorted({r for r in args.roles if args.roles.count(r) > 1})
+        return _fail(f"--roles names {', '.join(map(repr, twice))} more than once: give each "
+                     "role once")
+    problem = _outputs(args, given_only=args.list_roles)
+    if problem is not None:
+        return _fail(problem)
     try:
         overrides = hf.parse_overrides(args.overrides)
         model = hf.load_model(args.model, overrides=overrides, device=device,
@@ -245,7 +319,12 @@ def run(args: argparse.Namespace) -> int:
             return 1
         except ValueError as exc:
             return _fail(str(exc))
-        print(describe_roles(candidates(model, reads)), end="")
+        roles = candidates(model, reads)
+        problem = _unknown_roles(args.roles, [role.name for role in roles])
+        if problem is not None:
+            return _fail(problem)
+        print(describe_roles(roles), end="")
+        print(_largest_load(DEFAULT_MAX_BYTES))
         return 0
     kernels = _kernels(args.kernels)
     forks = [g.strip() for g in args.graph_forks.split(",") if g.strip()]

@@ -18,7 +18,11 @@ keyword arguments (``trust_remote_code`` is no field).  Weights are loaded only
 from safetensors files whose headers were checked against the file; a
 checkpoint with only pickled weights is refused.  Before anything is built
 the model is made on the meta device to count its bytes, and refused where
-they exceed the memory free on the device (:func:`available_bytes`).
+they, with the headroom that building and running it take (:func:`needed_bytes`),
+exceed the memory free on the device (:func:`available_bytes`) or, on the CPU, half
+of the machine's memory (:data:`CPU_SHARE`).  The first progress line names the
+source used: a checkpoint directory or config file, a config class or a model type
+(and what a local path of the same name shadows, with the name that builds that).
 
 :class:`DecodeStep` is ``step(batch)`` for :func:`l2prefetch.tuning.tune`:
 per batch a ``StaticCache`` filled by a prompt of ``prompt_len`` random
@@ -51,7 +55,8 @@ from typing import Any, Optional
 from .._files import check_regular, loads_json, open_regular, read_text
 
 __all__ = ["DecodeStep", "OverrideError", "available_bytes", "config_fields", "device_of",
-           "dtype_of", "load_model", "model_bytes", "parse_overrides"]
+           "dtype_of", "load_model", "model_bytes", "needed_bytes", "parse_overrides",
+           "total_bytes"]
 
 PROMPT_LEN = 8
 MAX_CACHE_LEN = 64
@@ -61,6 +66,19 @@ PICKLE_FILES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 #: negative or zero one builds an empty or broken model instead of failing).
 SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+#: What building a model and its decode steps take beyond its weights (needed_bytes):
+#: on the CPU the peak resident memory of ``tune --list-roles`` grew by the weights and
+#: under 0.4 GiB more (Llama layers of 0.38 GiB: 1.22, 1.60 and 2.35 GiB at 1, 2 and 4
+#: layers, transformers 5.24, torch 2.13), so a share for the allocator and the caches
+#: and one GiB for the step.
+HEADROOM_SHARE = 0.10
+HEADROOM_BYTES = 1 << 30
+#: The most of the machine's memory a model built on the CPU may take: a random-weight
+#: build takes minutes there (4.5 s per 0.38 GiB Llama layer on 2 cores), during which
+#: the rest of the machine needs memory too (issue 41: the default LlamaConfig, 12.55
+#: GiB, passed a check against MemAvailable on a 24 GiB machine and was OOM-killed
+#: 260 s later, exit 137 and no message).
+CPU_SHARE = 0.5
 #: At most this many decoder layers: a controller's layers are 0..65535.
 MAX_LAYERS = 65536
 #: The largest seed: DecodeStep seeds each batch's prompt with seed * 1000 + batch,
@@ -173,22 +191,20 @@ def device_of(device: Any) -> Any:
     return found
 
 
-def available_bytes(device: Any) -> Optional[int]:
-    """The bytes a model can take on ``device`` (a torch.device): a CUDA device's free
-    memory, the CPU's available memory (MemAvailable, and the cgroup's limit where it is
-    lower); None where this cannot be read."""
-    import torch
-
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.mem_get_info(index)[0])
-    found = []
+def _cpu_memory() -> tuple[Optional[int], Optional[int]]:
+    """(total, available) bytes of the CPU's memory: MemTotal and MemAvailable, each
+    lowered to the cgroup's limit (and what the limit leaves) where that is lower; None
+    where it cannot be read."""
+    table = {}
     try:
         for line in read_text("/proc/meminfo", "memory table").splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable") and rest.split():
+                table[key] = int(rest.split()[0]) * 1024
     except (OSError, ValueError):
         pass
+    totals = [table["MemTotal"]] if "MemTotal" in table else []
+    free = [table["MemAvailable"]] if "MemAvailable" in table else []
     for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                          ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                           "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
@@ -198,8 +214,32 @@ def available_bytes(device: Any) -> Optional[int]:
         except (OSError, ValueError):
             continue
         if most.isdigit() and used.isdigit():
-            found.append(max(0, int(most) - int(used)))
-    return min(found) if found else None
+            totals.append(int(most))
+            free.append(max(0, int(most) - int(used)))
+    return (min(totals) if totals else None), (min(free) if free else None)
+
+
+def available_bytes(device: Any) -> Optional[int]:
+    """The bytes a model can take on ``device`` (a torch.device): a CUDA device's free
+    memory, the CPU's available memory (MemAvailable, and the cgroup's limit where it is
+    lower); None where this cannot be read."""
+    import torch
+
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.mem_get_info(index)[0])
+    return _cpu_memory()[1]
+
+
+def total_bytes(device: Any) -> Optional[int]:
+    """All the memory of ``device``: a CUDA device's, or the CPU's (MemTotal, or the
+    cgroup's limit where it is lower); None where this cannot be read."""
+    import torch
+
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.mem_get_info(index)[1])
+    return _cpu_memory()[0]
 
 
 def _config_class(tf: Any, model_type: Any, where: str) -> type:
@@ -446,10 +486,30 @@ def _checkpoint_files(directory: str) -> list[str]:
     return weights
 
 
-def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[str]]:
-    """(config, checkpoint directory or None)."""
+def _shadowed(tf: Any, source: str) -> Optional[str]:
+    """Where ``source``, a path, is also a config class name or a model type (a bare
+    name: ``llama`` with a directory ``./llama`` here): what that path shadows and how to
+    name it instead; None where it shadows nothing."""
+    if os.path.dirname(source) or source in (".", ".."):
+        return None     # a path with a directory part names only the path
+    cls = _config_class_named(tf, source)
+    if cls is not None:
+        other, what = cls.model_type, f"the config class {source}"
+    elif source in tf.CONFIG_MAPPING:
+        other, what = tf.CONFIG_MAPPING[source].__name__, f"the model type {source}"
+    else:
+        return None
+    if os.path.lexists(other):
+        return f"it shadows {what} (run from another directory to build that)"
+    return f"it shadows {what}: name it {other} to build that instead"
+
+
+def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[str], str]:
+    """(config, checkpoint directory or None, which source was used: a phrase for the
+    progress line, saying what a path of that name shadows)."""
     tf = _transformers()
     checkpoint = None
+    shadow = _shadowed(tf, source) if os.path.lexists(source) else None
     if os.path.isdir(source):
         config_path = os.path.join(source, "config.json")
         if not os.path.lexists(config_path):
@@ -457,20 +517,28 @@ def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[st
                              "directory, a config.json path, or a config class name")
         if _checkpoint_files(source):
             checkpoint = source
+        used = (f"the checkpoint directory {source}" if checkpoint is not None
+                else f"the directory {source} (its config.json)")
         source = config_path
+    else:
+        used = f"the config file {source}"
     if os.path.lexists(source):
         data = _read_config(source)
         data.pop("auto_map", None)   # a checkpoint's own code: never imported
         cls = _config_class(tf, data.pop("model_type"), source)
-        return _make_config(tf, cls, data, overrides, source), checkpoint
+        used += f" ({shadow})" if shadow else ""
+        return _make_config(tf, cls, data, overrides, source), checkpoint, used
     cls = _config_class_named(tf, source)
-    if cls is None and source in tf.CONFIG_MAPPING:
+    if cls is not None:
+        used = f"the config class {source}"
+    elif source in tf.CONFIG_MAPPING:
         cls = tf.CONFIG_MAPPING[source]
-    if cls is None:
+        used = f"the model type {source} ({cls.__name__})"
+    else:
         raise ValueError(f"{source!r} is neither a checkpoint directory, a config.json path, a "
                          "transformers config class (e.g. LlamaConfig) nor a model type (e.g. "
                          "llama)")
-    return _make_config(tf, cls, {}, overrides, None), None
+    return _make_config(tf, cls, {}, overrides, None), None, used
 
 
 def _causal_lm_class(tf: Any, config: Any) -> type:
@@ -506,15 +574,53 @@ def _amount(n: float, units: tuple[str, ...], step: float) -> str:
     return f"{n / step ** unit:.{0 if unit == 0 else 2}f} {units[unit]}".rstrip()
 
 
-def _check_fits(what: str, count: int, nbytes: int, device: Any) -> None:
+def _bytes(n: float) -> str:
+    return _amount(n, ("bytes", "KiB", "MiB", "GiB", "TiB"), 1024)
+
+
+def _count(n: float) -> str:
+    """A parameter count in words ('6.74 billion'): 'B' would read as bytes."""
+    return _amount(n, ("", "thousand", "million", "billion", "trillion"), 1000)
+
+
+def needed_bytes(nbytes: int) -> int:
+    """What building a model of ``nbytes`` of weights and running its decode steps take:
+    the weights plus HEADROOM_SHARE of them plus HEADROOM_BYTES."""
+    return int(nbytes * (1 + HEADROOM_SHARE)) + HEADROOM_BYTES
+
+
+def _check_fits(what: str, count: int, nbytes: int, device: Any, layers: Any = None,
+                staging: bool = False) -> None:
+    """Refuse a model whose :func:`needed_bytes` exceed what ``device`` can give: its free
+    memory and, where the model is to live on the CPU (not ``staging``: a checkpoint read
+    there on its way to a GPU), at most CPU_SHARE of the machine's memory."""
     free = available_bytes(device)
-    if free is not None and nbytes > free:
-        raise ValueError(
-            f"{what} is {_amount(count, ('', 'K', 'M', 'B'), 1000)} parameters, "
-            f"{_amount(nbytes, ('bytes', 'KiB', 'MiB', 'GiB', 'TiB'), 1024)}, more than the "
-            f"{_amount(free, ('bytes', 'KiB', 'MiB', 'GiB', 'TiB'), 1024)} free on {device}: "
-            "make it smaller (e.g. --set num_hidden_layers=4; the tuner needs a few layers, "
-            "not the whole model) or use a larger device")
+    total = total_bytes(device) if device.type == "cpu" and not staging else None
+    limits = [(free, f"the {_bytes(free)} free on {device}")] if free is not None else []
+    if total is not None:
+        limits.append((int(total * CPU_SHARE),
+                       f"the {_bytes(int(total * CPU_SHARE))} a model may take on {device} "
+                       f"(half of the machine's {_bytes(total)}: the rest needs memory "
+                       "during the minutes such a build takes)"))
+    if not limits:
+        return
+    limit, said = min(limits)
+    need = needed_bytes(nbytes)
+    if need <= limit:
+        return
+    hint = "--set num_hidden_layers=4"
+    if isinstance(layers, int) and layers > 1:
+        # the layers' share of the weights scaled down to what fits (the embeddings and
+        # the head count as layers here, so it errs small)
+        fit = int((limit - HEADROOM_BYTES) / (1 + HEADROOM_SHARE) / (nbytes / layers))
+        if 1 <= fit < 4:
+            hint = f"--set num_hidden_layers={fit}"
+        elif fit < 1:
+            hint = "--set num_hidden_layers=1 and smaller sizes"
+    raise ValueError(
+        f"{what} is {_count(count)} parameters, {_bytes(nbytes)}; building it and running "
+        f"its steps take about {_bytes(need)}, more than {said}: make it smaller (e.g. "
+        f"{hint}; the tuner needs a few layers, not the whole model) or use a larger device")
 
 
 def _check_seed(seed: Any) -> None:
@@ -529,11 +635,13 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
 
     Before anything is built: ``overrides`` must name fields of the config class (with
     values of their types), ``device`` must be the CPU or a CUDA device torch sees,
-    ``dtype`` a floating-point dtype, and the model must fit in the memory free on
-    ``device`` (and on the CPU, where a checkpoint is read first); each is a ValueError
+    ``dtype`` a floating-point dtype, and the model with its headroom
+    (:func:`needed_bytes`) must fit in the memory free on ``device``, on the CPU in half
+    its memory too (and in the CPU's free memory, where a checkpoint is read first);
+    each is a ValueError
     that names it, as is a checkpoint whose weights are pickles or corrupt.
-    ``progress``: a text stream (stderr) for a line before the build, naming the model
-    and its size, and one after it with the time it took; None: quiet.
+    ``progress``: a text stream (stderr) for a line before the build, naming the model,
+    its size and the source used, and one after it with the time it took; None: quiet.
     """
     import torch
 
@@ -546,24 +654,24 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
     if overrides is not None and not isinstance(overrides, Mapping):
         raise TypeError(f"overrides must be a mapping of config fields, got "
                         f"{type(overrides).__name__}")
-    config, checkpoint = _config(source, dict(overrides or {}))
+    config, checkpoint, used = _config(source, dict(overrides or {}))
     model_cls = _causal_lm_class(tf, config)
     count, nbytes = model_bytes(model_cls, config, torch_dtype)
     layers = getattr(config, "num_hidden_layers", None)
     what = (f"{model_cls.__name__}" + (f" with {layers} layers" if isinstance(layers, int) else "")
             + f" in {str(torch_dtype).removeprefix('torch.')}")
-    _check_fits(what, count, nbytes, where)
+    _check_fits(what, count, nbytes, where, layers)
+    if checkpoint is not None and where.type != "cpu":
+        # read into the CPU first
+        _check_fits(what, count, nbytes, torch.device("cpu"), layers, staging=True)
     t0 = time.monotonic()
     if progress is not None:
-        how = (f"loading {checkpoint}" if checkpoint is not None
-               else "building it with random weights")
-        number = f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.1f} M"
+        how = "loading it" if checkpoint is not None else "building it with random weights"
+        number = f"{count / 1e9:.2f} billion" if count >= 1e9 else f"{count / 1e6:.1f} million"
         print(f"[l2prefetch tune] {model_cls.__name__}, {layers} layers, {number} parameters "
-              f"({nbytes / 2**30:.2f} GiB of {str(torch_dtype).removeprefix('torch.')}): "
-              f"{how} on {device}", file=progress, flush=True)
+              f"({nbytes / 2**30:.2f} GiB of {str(torch_dtype).removeprefix('torch.')}) from "
+              f"{used}: {how} on {device}", file=progress, flush=True)
     if checkpoint is not None:
-        if where.type != "cpu":
-            _check_fits(what, count, nbytes, torch.device("cpu"))  # read into the CPU first
         try:
             model = model_cls.from_pretrained(
                 checkpoint, config=config, dtype=torch_dtype, attn_implementation="sdpa",
