@@ -121,12 +121,18 @@ def test_shapes_file_and_options(tmp_path, capsys):
     ('{"mla_heads": 12}', "mla_heads=12 does not split over tp=8"),
     ('{"dtype": "bfloat17"}', "not a torch dtype"),
     ("{", "Expecting"),
+    # which file is not JSON, not only where in it (issue 41.7)
+    ('{"hidden": 4096,\n', "is not JSON (Expecting property name enclosed in double quotes: "
+                           "line 2 column 1 (char 17)): it must hold a JSON object"),
 ])
 def test_bad_shapes_are_usage_errors(tmp_path, capsys, content, words):
     shapes = tmp_path / "shapes.json"
     shapes.write_text(content)
     assert plan_main(["--shapes", str(shapes)]) == 2
-    assert words in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert words in err and len(err.splitlines()) == 1, err
+    if "JSON (" in words:
+        assert err.startswith(f"l2prefetch plan: --shapes {shapes} is not JSON"), err
 
 
 def test_usage(capsys):

@@ -468,9 +468,11 @@ def _load_shapes(path: str) -> dict[str, Any]:
     try:
         loaded = loads_json(read_text(path, "--shapes file"), f"--shapes {path}")
     except RecursionError:
-        raise UsageError(f"{path}: JSON nested too deeply for a dimensions object") from None
+        raise UsageError(f"--shapes {path}: JSON nested too deeply for a dimensions object") \
+            from None
     except json.JSONDecodeError as exc:
-        raise UsageError(f"{path}: {exc}") from None
+        raise UsageError(f"--shapes {path} is not JSON ({exc}): it must hold a JSON object "
+                         "of dimensions") from None
     except (OSError, ValueError) as exc:  # ValueError: not a regular file, not UTF-8, a key twice
         raise UsageError(str(exc)) from None
     if not isinstance(loaded, dict):

@@ -286,7 +286,7 @@ class PrefetchController(_C.PrefetchController):
 
         ``profile`` is the path of a profile written by ``python -m l2prefetch
         tune`` (or :meth:`l2prefetch.tuning.TuneResult.save`), or one already
-        read with :func:`l2prefetch.tuning.load_profile` for this ``model``
+        read with :func:`l2prefetch.profile.load_profile` for this ``model``
         (one loaded for another model object, even of the same shapes, is
         refused: its plan holds that model's weights).  A profile tuned on
         another GPU or another model is refused
