@@ -682,3 +682,29 @@ def test_a_local_directory_that_shadows_a_model_type_is_named(tmp_path, monkeypa
     assert code == 0, err
     assert ("from the checkpoint directory LlamaConfig (it shadows the config class "
             "LlamaConfig: name it llama to build that instead)") in err, err
+
+
+# -- issue 41.7: the README's step(batch) for a model not from Hugging Face -------------------
+
+def test_the_readmes_hand_written_model_discovers_its_merged_projections():
+    """The README's vLLM-style module (merged qkv_proj and gate_up_proj) and its step, run
+    as the README says up to tune() (which needs a GPU), with device = "cpu"."""
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "README.md")
+    if not os.path.exists(readme):
+        pytest.skip("no README.md beside tests/ (an installed copy of the tests)")
+    with open(readme) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    (block,) = [b for b in blocks if "gate_up_proj" in b and "def step(batch)" in b]
+    assert 'device = "cuda"\n' in block and "result = tuning.tune(model, step, [1, 8])" in block
+    code = block.replace('device = "cuda"\n', 'device = "cpu"\n').split("result = tuning.tune")[0]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)        # noqa: S102 - our own README
+    names = [role.name for role in scope["roles"]]
+    assert names == ["after self_attn.qkv_proj: self_attn.o_proj",
+                     "after self_attn.o_proj: mlp.gate_up_proj",
+                     "after self_attn: mlp.gate_up_proj",
+                     "after mlp.gate_up_proj: mlp.down_proj",
+                     "after mlp.down_proj: next self_attn.qkv_proj",
+                     "after mlp: next self_attn.qkv_proj"]
+    assert [len(role.sites) for role in scope["roles"]] == [4, 4, 4, 4, 3, 3]
