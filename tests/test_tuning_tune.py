@@ -1249,7 +1249,9 @@ def test_two_processes_saving_one_profile_at_once_leave_one_whole_profile(tmp_pa
 
     path = tmp_path / "p.json"
     here = os.path.dirname(os.path.abspath(__file__))
-    where = "|".join([here, os.path.join(os.path.dirname(here), "python"), *sys.path])
+    # the l2prefetch this process imported (an installed one, as under dev.sh, has its
+    # _C; a fresh clone's python/ has none built in place)
+    where = "|".join([here, os.path.dirname(os.path.dirname(l2prefetch.__file__)), *sys.path])
     go = tmp_path / "go"
     procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT_SAVE, str(path), batches,
                                str(go), where], stdout=subprocess.PIPE,
