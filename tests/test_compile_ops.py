@@ -418,6 +418,69 @@ def test_inductor_keeps_each_fork_behind_its_matmul(kind):
     assert events == expected_events(2, BATCH)
 
 
+class NormBlock(torch.nn.Module):
+    """A Llama-like layer in bf16: o_proj, the residual add, an RMSNorm that computes in
+    float32 (Inductor inlines the add into the norm's kernel, unrounded), then a GEMV."""
+
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.o_proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.norm = RMSNorm(hidden)
+        self.up = torch.nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x, residual):
+        h = residual + self.o_proj(x)
+        return h + self.up(self.norm(h))
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(hidden) + 0.5)
+
+    def forward(self, x):
+        v = x.float()
+        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * v.to(x.dtype)
+
+
+@pytest.mark.skipif(not _CXX, reason="Inductor's CPU backend needs a C++ compiler")
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_fork_on_a_fused_input_leaves_inductor_fusing_as_without_it(where):
+    """A fork before the norm (its input: the residual add) or after it: Inductor
+    generates the same kernels as without the fork and the output is bitwise the
+    same; the fork still follows the matmul the add reads (ops._lower_off_the_data_path).
+    Realizing the add for the op instead split the add from the norm and changed the
+    bf16 output (the compiled-profile logits of issue 40)."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    block = NormBlock().to(torch.bfloat16)
+    x, residual = torch.randn(2, 1, 64).bfloat16(), torch.randn(2, 1, 64).bfloat16()
+
+    def kernels(code):
+        return re.findall(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+)\(", code, re.M)
+
+    with torch.no_grad(), config.patch(compile_threads=1):
+        torch._dynamo.reset()
+        expected, (plain,) = run_and_get_code(torch.compile(block, fullgraph=True), x,
+                                              residual)
+        controller = Recorder()
+        with hooks.attach(block, controller, {"p": [(block.norm, 0, where)]}, join=False):
+            torch._dynamo.reset()
+            out, (forked,) = run_and_get_code(torch.compile(block, fullgraph=True), x,
+                                              residual)
+        torch._dynamo.reset()
+    assert controller.calls == [("fork", "p", 0, 2)]
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert kernels(forked) == kernels(plain)
+    lines = [line.strip() for line in forked.splitlines()]
+    at = next(i for i, line in enumerate(lines) if line.startswith("torch.ops.l2prefetch.fork"))
+    first_mm = next(i for i, line in enumerate(lines) if line.startswith("extern_kernels.mm"))
+    assert first_mm < at
+
+
 # ---- the registry ----
 
 def test_register_lookup_unregister():

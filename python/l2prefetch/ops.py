@@ -35,6 +35,7 @@ l2prefetch`` does not import it (``hooks.attach`` does, lazily).
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import weakref
 from typing import Any, Optional
@@ -129,12 +130,87 @@ the join must follow in compiled code, such as the step's output."""
 @fork.register_fake
 def _fork_fake(handle: int, point: str, layer: int, batch: int,
                after: Optional[torch.Tensor] = None) -> None:
+    _lower_off_the_data_path()
     return None
 
 
 @join.register_fake
 def _join_fake(handle: int, after: Optional[torch.Tensor] = None) -> None:
+    _lower_off_the_data_path()
     return None
+
+
+_lowered = False
+
+
+def _lower_off_the_data_path() -> None:
+    """Register the ops' Inductor lowering, once, when Inductor is in this process.
+
+    Inductor lowers an op's tensor argument by realizing it: where ``after`` is
+    a pointwise result that Inductor would otherwise inline into its consumer
+    (a residual add into the RMSNorm after it, the input of a before-site),
+    the consumer then reads the add back rounded to bf16 instead of computing
+    on its float32 value, and the logits change (python/l2prefetch/DESIGN.md,
+    "How the custom ops stay in place").  The lowering hands the op, in place
+    of an ``after`` not yet realized, the last buffer that ``after`` reads: the
+    op still follows the work that ``after`` waits for, and Inductor fuses as
+    it would without the op.  Called from the fake implementations, which run
+    while Dynamo and AOTAutograd trace, before Inductor lowers; importing
+    Inductor here only when something already did keeps ``import
+    l2prefetch.ops`` and eager use free of it.
+    """
+    global _lowered
+    if _lowered or "torch._inductor" not in sys.modules:
+        return
+    with _lock:
+        if _lowered:
+            return
+        from torch._inductor import ir
+        from torch._inductor.lowering import register_lowering
+        from torch._inductor.virtualized import V
+
+        def settled(after: Any) -> Any:
+            """``after`` where a kernel Inductor never fuses made it (an extern kernel:
+            cuBLAS's GEMM, attention, a fallback op), else the latest such buffer that
+            its computation reads, through the buffers Inductor may fuse (a pointwise
+            or reduction kernel, a GEMM template with its epilogue); None where it
+            reads only the graph's inputs."""
+            if not isinstance(after, ir.TensorBox):
+                return after
+            node = after.data
+            while isinstance(node, ir.BaseView):
+                node = node.data
+            if isinstance(node, ir.StorageBox):
+                node = node.data
+            if isinstance(node, ir.ExternKernel):
+                return after
+            made = {buf.get_name(): i for i, buf in enumerate(V.graph.buffers)}
+            latest, todo, seen = None, [node], set()
+            while todo:
+                for name in todo.pop().get_read_names():
+                    if name in seen or name not in made:   # seen, or a graph input
+                        continue
+                    seen.add(name)
+                    buf = V.graph.get_buffer(name)
+                    if not isinstance(buf, ir.ExternKernel):
+                        todo.append(buf)
+                    elif latest is None or made[name] > made[latest]:
+                        latest = name
+            return None if latest is None else ir.TensorBox.create(V.graph.get_buffer(latest))
+
+        fork_op, join_op = fork._opoverload, join._opoverload
+
+        @register_lowering(fork_op, type_promotion_kind=None)
+        def _fork_lowering(handle: int, point: str, layer: int, batch: Any,
+                           after: Any = None) -> Any:
+            return ir.FallbackKernel.create(fork_op, handle, point, layer, batch,
+                                            settled(after))
+
+        @register_lowering(join_op, type_promotion_kind=None)
+        def _join_lowering(handle: int, after: Any = None) -> Any:
+            return ir.FallbackKernel.create(join_op, handle, settled(after))
+
+        _lowered = True
 
 
 def _mark_effectful() -> None:
