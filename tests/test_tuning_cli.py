@@ -47,6 +47,37 @@ def test_list_roles_on_the_cpu(capsys):
         "those of the reads after it, up to 48 MiB (--caps-mib caps it)")
 
 
+def test_list_roles_of_the_compiled_step_on_the_cpu(capsys):
+    """--compile --list-roles --device cpu: the compiled step runs (Inductor's CPU
+    backend), and the roles are the eager step's (issue 40)."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    import torch
+
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("Inductor's CPU backend needs a C++ compiler")
+    argv = ["llama", *TINY, "--device", "cpu", "--list-roles", "--min-bytes-mib", "0.25"]
+    code, eager, _ = run(argv, capsys)
+    assert code == 0
+    try:
+        code, compiled, err = run([*argv, "--compile"], capsys)
+    finally:
+        torch._dynamo.reset()
+    assert code == 0, err
+    assert compiled == eager
+    assert "compiled with torch.compile (Inductor, mode default)" in err
+    assert re.search(r"the compiled step ran at batch 1 in [\d.]+ s", err)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", "nope"])
+def test_compile_modes_that_capture_their_own_graphs_are_refused(mode, capsys):
+    code, _, err = status(["llama", *TINY, "--device", "cpu", "--list-roles", "--compile",
+                           mode], capsys)
+    assert code == 2
+    assert "--compile" in err and "max-autotune-no-cudagraphs" in err
+
+
 def test_config_json_and_class_name_sources(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024,

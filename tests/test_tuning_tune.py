@@ -1309,3 +1309,31 @@ def test_two_threads_saving_one_profile_at_once_both_succeed(tmp_path):
     assert errors == []
     assert json.loads(path.read_text())["format"] == P.PROFILE_FORMAT
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+# ---- how the tuned step ran (issue 40) ----
+
+@pytest.mark.parametrize("compiled, step", [
+    (None, {"compiled": False, "mode": None}), (False, {"compiled": False, "mode": None}),
+    (True, {"compiled": True, "mode": None}),
+    ("max-autotune-no-cudagraphs", {"compiled": True, "mode": "max-autotune-no-cudagraphs"})])
+def test_the_result_and_its_profile_record_how_the_step_ran(compiled, step, tmp_path):
+    model, result = tuned(batches=(1,), compiled=compiled)
+    assert {k: result.step[k] for k in ("compiled", "mode")} == step
+    assert result.step["torch"] == torch.__version__
+    profile = result.to_profile(model)
+    assert profile["step"] == result.step
+    say = "compiled steps only" if step["compiled"] else "eager steps only"
+    assert say in result.summary().splitlines()[0]
+    assert say in result.markdown()
+    path = tmp_path / "p.json"
+    result.save(path, model)
+    assert tuning.load_profile(path, model, check_device=False).step == result.step
+
+
+@pytest.mark.parametrize("bad", [0, "", "  ", 1.5, ["default"]])
+def test_tune_refuses_a_bad_compiled(bad):
+    model, step = model_and_step()
+    with pytest.raises(TypeError, match="compiled must be None"):
+        tuning.tune(model, step, [1], backend=DeviceBackend({}, seed=1), progress=None,
+                    compiled=bad)

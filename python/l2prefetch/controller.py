@@ -202,7 +202,11 @@ class PrefetchController(_C.PrefetchController):
     (a controller holds this process's CUDA stream, events and tables).
     """
 
-    __slots__ = ()
+    #: ``tuned_step``: how the step ran that this controller's profile was tuned on
+    #: (:attr:`l2prefetch.profile.Profile.step`), set by :meth:`from_profile`; unset
+    #: (None to ``getattr``) for a controller made otherwise.  Forks check it against
+    #: how they run (:func:`l2prefetch.profile.check_step`).
+    __slots__ = ("tuned_step",)
 
     if TYPE_CHECKING:  # the C type's signature, for type checkers
         def __init__(self, device: DeviceLike = None, *, graph_fork: GraphFork = "inline",
@@ -293,7 +297,11 @@ class PrefetchController(_C.PrefetchController):
         (:class:`~l2prefetch.tuning.ProfileMismatchError`, naming what
         differs).  ``eager=False`` by default: the tuner measured captured
         steps.  Attach the forks with ``hooks.attach(model, controller,
-        profile.hook_points)``.
+        profile.hook_points)``.  The controller records how the tuned step ran
+        (:attr:`tuned_step`: eager, or compiled by torch.compile), and a fork that
+        runs the other way raises :class:`~l2prefetch.profile.StepMismatchError`
+        (a fork in compiled code is the ``l2prefetch::fork`` op, an eager one is
+        the hook's own call).
         """
         from .profile import Profile, load_profile
 
@@ -307,6 +315,7 @@ class PrefetchController(_C.PrefetchController):
         if not isinstance(controller, cls):  # pragma: no cover - a subclass asked for itself
             controller.close()
             raise TypeError(f"from_profile builds a PrefetchController, not a {cls.__name__}")
+        controller.tuned_step = profile.step
         return controller
 
 

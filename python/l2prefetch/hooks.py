@@ -45,12 +45,13 @@ from . import _torch
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_hook_choices
 # The package's one disabled(), also public here: attach() is what it turns off.
 from .controller import disabled
+from .profile import check_step
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Attachment", "BatchFn", "Controller", "Points", "Site", "attach", "disabled",
-           "register_site_hook"]
+__all__ = ["Attachment", "BatchFn", "Controller", "Points", "Site", "attach", "default_batch",
+           "disabled", "first_tensor", "register_site_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,14 @@ class Attachment:
         return f"<Attachment {state}, {len(self.sites)} fork sites>"
 
 
+def first_tensor(value: Any) -> Any:
+    """The first tensor in a module's output or input (a tensor, or tuples, lists and
+    mappings of them, four levels deep), or None: what the hooks pass as ``after``."""
+    import torch
+
+    return _first_tensor(value, torch.Tensor)
+
+
 def _first_tensor(value: Any, tensor: type, depth: int = 0) -> Any:
     """The first tensor in a module output (a tensor, tuple, list or mapping), or None."""
     if isinstance(value, tensor):
@@ -198,6 +207,14 @@ def _batch_of(args: tuple, kwargs: dict, tensor: type) -> int:
     return batch
 
 
+def default_batch(module: Any, args: tuple, kwargs: dict) -> int:
+    """The :data:`BatchFn` that :func:`attach` uses by default: the product of all but
+    the last dimension of the module's first tensor argument (0 without one)."""
+    import torch
+
+    return _batch_of(args, kwargs, torch.Tensor)
+
+
 def register_site_hook(module: Any, where: str, hook: Callable[..., Any], *,
                        with_kwargs: bool = False) -> Any:
     """Register ``hook`` where a site of kind ``where`` forks (``"after"``: a forward
@@ -213,13 +230,16 @@ def register_site_hook(module: Any, where: str, hook: Callable[..., Any], *,
 def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
                batch_fn: Optional[BatchFn], tensor: type[torch.Tensor], is_compiling: Callable[[], bool],
                fork_op: Callable[..., None], handle: Optional[int],
-               before: bool) -> Callable[..., None]:
+               before: bool, tuned_step: Optional[dict] = None) -> Callable[..., None]:
     """The forward hook (``before``: pre-hook) with kwargs of one site; it returns None.
 
     Eager: ``fork(point, layer, batch)``.  Being compiled: ``fork_op(handle, point,
     layer, batch, after=<first tensor of the module's output>)`` (``before``: of its
-    input, so compiled code keeps the fork behind that input's producer).
+    input, so compiled code keeps the fork behind that input's producer).  With
+    ``tuned_step`` compiled (a profile's controller), an eager fork raises
+    :class:`~l2prefetch.profile.StepMismatchError`.
     """
+    refuse_eager = tuned_step is not None and bool(tuned_step.get("compiled"))
     batch_of = batch_fn if batch_fn is not None else (
         lambda module, args, kwargs: _batch_of(args, kwargs, tensor))
 
@@ -230,6 +250,8 @@ def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
                 follows = (args, kwargs) if before else output
                 fork_op(handle, point, layer, batch, _first_tensor(follows, tensor))
             else:
+                if refuse_eager:
+                    check_step(tuned_step, compiled=False)
                 fork(point, layer, batch)
 
     if before:
@@ -363,12 +385,13 @@ def attach(model: torch.nn.Module, controller: Controller,
                        type(controller).__name__)
 
     fork = controller.fork
+    tuned_step = getattr(controller, "tuned_step", None)
     handles, sites, hooked = [], [], []
     try:
         for point, point_sites in resolved:
             for module, layer, where in point_sites:
                 hook = _fork_hook(fork, point, layer, batch_fn, torch.Tensor, is_compiling,
-                                  fork_op, op_handle, where == "before")
+                                  fork_op, op_handle, where == "before", tuned_step)
                 setattr(hook, tag, controller)   # what the check above finds
                 hooked.append((module, where, hook))
                 sites.append((point, layer, module))

@@ -41,6 +41,7 @@ import weakref
 from typing import Any, Optional
 
 from ._torch import require
+from .profile import check_step
 
 torch = require("l2prefetch.ops")
 
@@ -100,7 +101,11 @@ def lookup(handle: int) -> Any:
 
 def _fork(handle: int, point: str, layer: int, batch: int,
           after: Optional[torch.Tensor] = None) -> None:
-    lookup(handle).fork(point, layer, batch)
+    controller = lookup(handle)
+    step = getattr(controller, "tuned_step", None)
+    if step is not None:   # a profile's controller: tuned on a compiled step?
+        check_step(step, compiled=True)
+    controller.fork(point, layer, batch)
 
 
 def _join(handle: int, after: Optional[torch.Tensor] = None) -> None:

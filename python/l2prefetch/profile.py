@@ -7,8 +7,11 @@ A profile is JSON written by :meth:`TuneResult.save`: the device it was
 tuned on (name, compute capability, SMs, L2 size, driver), the versions
 (l2prefetch, torch, NVRTC), a fingerprint of the model (its class, its
 decoder layer count, and the path, shape and dtype of every weight the plan
-names), the batches, the plan (weights and fork sites by module path, every
-per-entry setting) and every measurement behind it.
+names), how the tuned step ran (``"step"``: eager, or compiled by
+``torch.compile`` with its Inductor mode, and the torch version), the batches,
+the plan (weights and fork sites by module path, every per-entry setting) and
+every measurement behind it.  A profile without ``"step"`` was written before
+the tuner measured compiled steps, so it was tuned eagerly.
 
 :func:`load_profile` checks the fingerprints before anything is prepared:
 another GPU or another model is a :class:`ProfileMismatchError` that says
@@ -31,9 +34,10 @@ from typing import Any, Optional, Union
 from ._files import loads_json, read_text
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_entry, site_hook_choices
 
-__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "Profile", "ProfileMismatchError",
-           "device_fingerprint", "load_profile", "model_fingerprint", "parse_profile",
-           "save_profile"]
+__all__ = ["EAGER_STEP", "PROFILE_FORMAT", "PROFILE_VERSION", "Profile",
+           "ProfileMismatchError", "StepMismatchError", "check_step", "describe_step", "device_fingerprint",
+           "load_profile", "model_fingerprint", "parse_profile", "save_profile",
+           "step_record"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,64 @@ _ENTRY_KEYS = ("point", "layer", "batches", "weights", "site", "hook", "byte_cap
 
 class ProfileMismatchError(ValueError):
     """A profile was tuned on another device or another model."""
+
+
+class StepMismatchError(ProfileMismatchError):
+    """A profile tuned on an eager step forks in compiled code, or the reverse.
+
+    Raised where the library can tell how the step runs: by where a fork runs.  A
+    fork that ``torch.compile`` traced runs as the ``l2prefetch::fork`` op in the
+    compiled code (:mod:`l2prefetch.ops`); a fork from a hook that ran eagerly is
+    an eager step's (a graph break that leaves a hooked module outside the
+    compiled code makes its forks eager ones).  The Inductor mode is recorded and
+    shown, not checked: nothing at a fork tells one mode from another.
+    """
+
+
+#: How a step ran that a profile without a ``"step"`` field was tuned on.
+EAGER_STEP = {"compiled": False, "mode": None, "torch": None}
+
+
+def step_record(compiled: bool, mode: Optional[str] = None) -> dict:
+    """The profile's ``"step"`` field: eager or compiled, the Inductor mode (None:
+    eager, or not known), this torch's version."""
+    try:
+        import torch
+
+        version: Optional[str] = torch.__version__
+    except ImportError:  # pragma: no cover - the tuner needs torch
+        version = None
+    return {"compiled": bool(compiled), "mode": mode if compiled else None,
+            "torch": version}
+
+
+def describe_step(step: Mapping) -> str:
+    """``"eager"`` or ``"compiled (torch.compile, mode default, torch 2.11.0)"``."""
+    if not step.get("compiled"):
+        return "eager"
+    mode = step.get("mode")
+    return ("compiled (torch.compile, mode " + (mode if mode else "not recorded")
+            + (f", torch {step['torch']}" if step.get("torch") else "") + ")")
+
+
+def check_step(step: Optional[Mapping], compiled: bool) -> None:
+    """Raise :class:`StepMismatchError` unless a fork that runs ``compiled`` (in code
+    torch.compile made, or eagerly) matches the profile's ``step`` (None: a controller
+    not made from a profile, which is not checked)."""
+    if step is None or bool(step.get("compiled")) == compiled:
+        return
+    if compiled:
+        raise StepMismatchError(
+            "l2prefetch: this controller's profile was tuned on an eager step, but this fork "
+            "runs in code torch.compile made; Inductor fuses away the kernels the eager "
+            "forks were placed between, so the plan can make the compiled step slower: tune "
+            "the compiled step (python -m l2prefetch tune MODEL --compile), or run the step "
+            "eagerly")
+    raise StepMismatchError(
+        f"l2prefetch: this controller's profile was tuned on a {describe_step(step)} step, "
+        "but this fork runs eagerly (its hook was not traced by torch.compile: an eager "
+        "step, or a graph break before the hooked module); tune the eager step (python -m "
+        "l2prefetch tune MODEL, without --compile), or compile the step as it was tuned")
 
 
 def device_fingerprint(device: Any = None) -> dict:
@@ -163,6 +225,12 @@ class Profile:
     @property
     def batches(self) -> list[int]:
         return list(self.data["batches"])
+
+    @property
+    def step(self) -> dict:
+        """How the tuned step ran: ``{"compiled": bool, "mode": str or None, "torch":
+        str or None}`` (:data:`EAGER_STEP` for a profile written before this field)."""
+        return dict(self.data.get("step", EAGER_STEP))
 
     @property
     def device(self) -> dict:
@@ -352,6 +420,8 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
             if value is not None and not isinstance(value, str):
                 raise _fail(where, f"'versions'[{key!r}] must be a version string or null, "
                             f"got {_show(value)}")
+    if "step" in data:
+        _check_step(_require(data, "step", dict, where), where)
     batches = _require(data, "batches", list, where)
     if not batches or not all(_int_in(b, 1, MAX_BATCH) for b in batches):
         raise _fail(where, f"'batches' must be a non-empty list of ints in 1..{MAX_BATCH}, got "
@@ -363,6 +433,18 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
         _check_entry(i, entry, data, owner, where)
     _check_capture_k(data, where)
     return data
+
+
+def _check_step(step: dict, where: str) -> None:
+    compiled = _require(step, "compiled", bool, where, "step.")
+    for key in ("mode", "torch"):
+        _require(step, key, (str, type(None)), where, "step.")
+    if not compiled and step["mode"] is not None:
+        raise _fail(where, f"'step.mode' is {_show(step['mode'])} but 'step.compiled' is "
+                    "false: an eager step has no compile mode")
+    unknown = sorted(set(step) - {"compiled", "mode", "torch"})
+    if unknown:
+        raise _fail(where, f"'step' has unknown fields {_show(unknown)}")
 
 
 #: The most captures a profile may advise keeping the fastest of.
@@ -482,8 +564,9 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
         if key in mine and mine[key] != value:
             logger.warning("profile written with %s %s, this is %s %s", key, value, key,
                            mine[key])
-    logger.info("profile %s: %d entries over %d points for batches %s", where, len(plan),
-                len(sites), data["batches"])
+    logger.info("profile %s: %d entries over %d points for batches %s, tuned on a %s step",
+                where, len(plan), len(sites), data["batches"],
+                describe_step(data.get("step", EAGER_STEP)))
     return Profile(data=data, plan=plan, sites=sites, path=where, model=weakref.ref(model))
 
 

@@ -175,6 +175,9 @@ class Prepared:
     step_us: float
     capture_s: float
     rounds: Optional[int] = None
+    #: Seconds spent compiling the step at this batch (a compiled step: without forks,
+    #: and with a fork at every candidate site); 0 for an eager one.
+    compile_s: float = 0.0
 
 
 class Backend(abc.ABC):
@@ -215,6 +218,10 @@ class Backend(abc.ABC):
     def use_roles(self, roles: Sequence[Role], caps_bytes: Sequence[int]) -> None:
         """Called by :func:`~l2prefetch.tuning.tune` once, before the search: the roles
         the arms will name and the caps (bytes) the search tries.  Default: nothing."""
+
+    def close(self) -> None:
+        """Called by :func:`~l2prefetch.tuning.tune` once, after the search (also when
+        it fails): release what :meth:`use_roles` set up.  Default: nothing."""
 
     def device_fingerprint(self) -> Optional[dict]:
         """The device measured on (:func:`l2prefetch.profile.device_fingerprint`),

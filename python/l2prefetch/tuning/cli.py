@@ -20,6 +20,7 @@ import argparse
 import os
 import re
 import sys
+import time
 from typing import Any, Optional
 
 from ..mechanisms import GRAPH_FORKS
@@ -105,6 +106,19 @@ def _role_name(text: str) -> str:
     return text.strip()
 
 
+#: The Inductor modes --compile takes: those that leave CUDA graphs to the caller (the
+#: tuner captures the step itself, as a server does; "reduce-overhead" and
+#: "max-autotune" capture their own).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def compile_forward(model: Any, mode: str) -> None:
+    """``model.forward = torch.compile(model.forward, mode=...)``: what --compile does."""
+    import torch
+
+    model.forward = torch.compile(model.forward, mode=None if mode == "default" else mode)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a local checkpoint directory, a config.json, a config "
                         "class name (LlamaConfig) or a model type (llama)")
@@ -169,6 +183,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         default=8, help="prompt tokens in the cache before the step (default 8)")
     parser.add_argument("--max-cache-len", type=_positive(int, "--max-cache-len", 1, 1 << 20),
                         default=64, help="StaticCache length (default 64)")
+    parser.add_argument("--compile", nargs="?", const="default", default=None,
+                        choices=COMPILE_MODES, metavar="MODE",
+                        help="tune the step as vLLM and SGLang run it: the model's forward "
+                             "compiled with torch.compile (Inductor; MODE default or "
+                             "max-autotune-no-cudagraphs, default: default) and captured in "
+                             "CUDA graphs by the tuner; the profile then applies to compiled "
+                             "steps only (without --compile: eager steps only)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -301,6 +322,19 @@ def run(args: argparse.Namespace) -> int:
               f"{hf._one_line(exc)}", file=sys.stderr)
         return 1
     min_bytes = max(1, int(args.min_bytes_mib * (1 << 20)))
+    if args.compile is not None:
+        try:
+            for batch in args.batches:   # the prompts run eagerly: no compile of a prefill
+                step.state(batch)
+        except Exception as exc:  # noqa: BLE001 - the model's own failure, named
+            print(f"l2prefetch tune: the prompt at batch {batch} failed: {hf._one_line(exc)}",
+                  file=sys.stderr)
+            return 1
+        compile_forward(model, args.compile)
+        if progress is not None:
+            print(f"[l2prefetch tune] the model's forward compiled with torch.compile "
+                  f"(Inductor, mode {args.compile}); the first step of each batch compiles it",
+                  file=progress, flush=True)
     if args.list_roles:
         if progress is not None:
             print(f"[l2prefetch tune] discovering the roles: the prompt, then one decode step "
@@ -313,7 +347,23 @@ def run(args: argparse.Namespace) -> int:
                 raise StepError(f"step({args.batches[0]}) failed while discovering the weights "
                                 f"it reads: {hf._one_line(exc)}") from exc
         try:
-            reads = discover(model, first_step, min_bytes=min_bytes)
+            if args.compile is not None:
+                # the compiled step runs (Inductor's CPU backend without a GPU); discovery
+                # then reads the eager module tree: the same modules and weights
+                from .compiled import eager_stance
+
+                t0 = time.monotonic()
+                with torch.no_grad():
+                    first_step()
+                if progress is not None:
+                    print(f"[l2prefetch tune] the compiled step ran at batch "
+                          f"{args.batches[0]} in {time.monotonic() - t0:.1f} s, compilation "
+                          f"included; the roles come from the eager module tree",
+                          file=progress, flush=True)
+                with eager_stance():
+                    reads = discover(model, first_step, min_bytes=min_bytes)
+            else:
+                reads = discover(model, first_step, min_bytes=min_bytes)
         except StepError as exc:
             print(f"l2prefetch tune: {exc}", file=sys.stderr)
             return 1
@@ -334,7 +384,8 @@ def run(args: argparse.Namespace) -> int:
                       resolution=args.resolution, rounds=args.rounds, caps_mib=args.caps_mib,
                       grids=args.grids, kernels=kernels, graph_forks=forks,
                       min_gain_us=args.min_gain_us, min_bytes=min_bytes,
-                      progress=progress)
+                      progress=progress,
+                      compiled=args.compile if args.compile is not None else False)
     except StepError as exc:
         print(f"l2prefetch tune: {exc}", file=sys.stderr)
         return 1

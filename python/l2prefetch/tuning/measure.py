@@ -6,6 +6,14 @@ or empty tables for the control) made with ``eager=False`` and attached with
 :func:`l2prefetch.hooks.attach`, the way a server deploys it; the step is captured with its hooks in place, several
 instances per arm, and replayed interleaved (:class:`~l2prefetch.tuning.rig.Rig`).
 
+A compiled step (``compiled=True``: the model runs in code ``torch.compile``
+made) is measured the same way, in the compiled code: one
+:class:`~l2prefetch.tuning.compiled.Switchboard` hooked at every candidate
+site instead of hooks per arm, the step compiled with and without its forks
+once per batch shape in :meth:`GraphBackend.prepare`, each arm's forks
+switched to at capture (tuning/compiled.py says why).  The probe reads the
+eager module tree.
+
 The probe captures two extra graphs with timing events recorded inside
 them (``torch.cuda.Event(external=True)``): in the first, events at each
 fork site and around each consumer give the window from a fork to its
@@ -25,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
-from ..mechanisms import GRAPH_FORK_MODES
+from ..mechanisms import DEFAULT_SITE_HOOK, GRAPH_FORK_MODES
 from .discovery import KINDS, Role
 from .rig import NoForks, Rig
 from .arms import NO_FORKS, Arm, Backend, Prepared, Probe, StepError, no_forks_of
@@ -174,8 +182,13 @@ class GraphBackend(Backend):
     and :meth:`measure` reads each right after its own graph's replay.
     """
 
+    #: A compiled step's switchboard (use_roles), None for an eager step.
+    _board: Any = None
+    compiled = False
+
     def __init__(self, model: Any, step: Callable[[int], Any], *, device: Any = None,
-                 rounds: Optional[int] = None, placement: str = "shared") -> None:
+                 rounds: Optional[int] = None, placement: str = "shared",
+                 compiled: bool = False) -> None:
         import torch
 
         check_rounds(rounds)
@@ -190,6 +203,8 @@ class GraphBackend(Backend):
             raise ValueError(f"tuning measures CUDA graphs: the model is on {device}; move it to "
                              "a CUDA device (discover() works on the CPU)")
         self.torch, self.model, self.step, self.rounds = torch, model, step, rounds
+        #: Whether the step runs in compiled code (then arms fork through self._board).
+        self.compiled = bool(compiled)
         #: Per batch, the replays per instance prepare() chose (where rounds is None).
         self._rounds_at: dict[int, int] = {}
         self.shared_placement = placement == "shared"
@@ -222,13 +237,38 @@ class GraphBackend(Backend):
         """The roles arms name, and the caps the search will try."""
         self._roles = {role.name: role for role in roles}
         self.caps_bytes = tuple(caps_bytes)
+        if self.compiled:
+            from .compiled import Switchboard, recompile
+
+            if self._board is not None:
+                self._board.close()
+            sites = {(module, layer, rest[0] if rest else DEFAULT_SITE_HOOK)
+                     for role in roles for module, layer, *rest in role.hook_sites(self.model)}
+            self._board = Switchboard(self.model, sorted(sites, key=lambda s: (s[1], s[2],
+                                                                              id(s[0]))))
+            recompile()
+
+    def close(self) -> None:
+        """Detach the compiled step's switchboard (and drop the frames holding it)."""
+        board, self._board = self._board, None
+        if board is not None:
+            board.close()
 
     def prepare(self, batch: int) -> Prepared:
         torch = self.torch
+        compile_s = 0.0
         try:
             with torch.cuda.device(self.device), torch.no_grad():
+                t0 = time.perf_counter()
                 self._outputs[batch] = _clone(self.step(batch))
                 torch.cuda.synchronize()
+                if self._board is not None:
+                    # both compiled versions of the step now, not in the middle of a
+                    # capture: with the forks (the board on, forking nowhere) as well
+                    with self._board.selected(None, {}):
+                        self.step(batch)
+                    torch.cuda.synchronize()
+                    compile_s = time.perf_counter() - t0
         except Exception as exc:
             raise StepError(f"step({batch}) failed, so batch {batch} cannot be tuned: "
                             f"{type(exc).__name__}: {exc}") from exc
@@ -246,7 +286,8 @@ class GraphBackend(Backend):
         del graph
         step_us = statistics.median(us)
         rounds = self._rounds_at[batch] = self.rounds or rounds_for(step_us)
-        return Prepared(step_us=step_us, capture_s=capture_s, rounds=rounds)
+        return Prepared(step_us=step_us, capture_s=capture_s, rounds=rounds,
+                        compile_s=compile_s)
 
     def _fn(self, batch: int) -> Callable[[], Any]:
         torch, step = self.torch, self.step
@@ -481,6 +522,13 @@ class GraphBackend(Backend):
                  pool: Any = None) -> tuple:
         from .. import hooks
 
+        if self._board is not None:
+            # the compiled step: its switchboard forks as this arm says (no roles: the
+            # board off, the step compiled without fork ops)
+            points = self._points(arm) if arm.roles else None
+            with self._board.selected(controllers.get(name), points):
+                return self.rig.capture(fn, warmup=1 if warmup else 0, pool=pool,
+                                        keep_graph=keep_graph)
         if not arm.roles:
             return self.rig.capture(fn, warmup=1 if warmup else 0, pool=pool,
                                     keep_graph=keep_graph)
@@ -530,8 +578,9 @@ class GraphBackend(Backend):
         if not discovered:
             return None
         try:
-            cold = self._probe_graph(batch, discovered, hot=False)
-            hot = self._probe_graph(batch, discovered, hot=True)
+            with self._eager():
+                cold = self._probe_graph(batch, discovered, hot=False)
+                hot = self._probe_graph(batch, discovered, hot=True)
         except Exception as exc:  # the probe is advisory: measuring goes on without it
             logger.warning("probing windows at batch %d failed (%s: %s); measuring every role",
                            batch, type(exc).__name__, exc)
@@ -561,6 +610,17 @@ class GraphBackend(Backend):
             out[role.name] = Probe(statistics.fmean(windows) if windows else None,
                                    consumer_gap, chain_gap)
         return out
+
+    def _eager(self) -> Any:
+        """Where the probe's hooks must run: eagerly, also for a compiled step (its
+        windows are then the eager step's: an estimate that orders the roles)."""
+        import contextlib
+
+        if not self.compiled:
+            return contextlib.nullcontext()
+        from .compiled import eager_stance
+
+        return eager_stance()
 
     def _read_bytes(self, site: Any) -> list[int]:
         """Bytes of each read of a site's chain (its weights grouped by module)."""

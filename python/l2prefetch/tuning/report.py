@@ -62,8 +62,16 @@ def _opt(x: Optional[float], digits: int = 1) -> str:
 
 def markdown(result: Any) -> str:
     device = result.device or {}
+    from ..profile import describe_step
+
+    step = getattr(result, "step", None) or {"compiled": False}
     head = [f"# l2prefetch tune: {len(result.roles)} roles, batches "
-            f"{[r.batch for r in result.batches]}", ""]
+            f"{[r.batch for r in result.batches]}", "",
+            f"**Tuned on the {describe_step(step)} step.**  Its profile applies to "
+            + ("compiled steps only: a controller made from it refuses forks that run "
+               "eagerly." if step.get("compiled") else
+               "eager steps only: a controller made from it refuses forks in code "
+               "torch.compile made (tune with --compile for those)."), ""]
     if device:
         head.append(f"Device: {device.get('name')} (sm_{device.get('sm')}, "
                     f"{device.get('sm_count')} SMs, {device.get('l2_bytes', 0) / 2**20:.0f} MiB "

@@ -421,6 +421,11 @@ class _Batch:
         t0 = self.clock()
         self.prepared = self.backend.prepare(self.batch)
         self.report.step_us = self.prepared.step_us
+        if self.prepared.compile_s:
+            self.progress.line(f"batch {self.batch}: compiling the step (without forks, and "
+                               f"with a fork at every candidate site) took "
+                               f"{self.prepared.compile_s:.1f} s; the step takes "
+                               f"{self.prepared.step_us:.1f} us")
         self.report.rounds = self.rounds
         reports = {role.name: RoleReport(role.name, len(role.sites), role.max_bytes)
                    for role in self.roles}

@@ -22,8 +22,8 @@ from typing import Any, Optional, Union
 from ..mechanisms import GRAPH_FORKS, graph_fork_choices
 from ..plan import _check_batches
 from .discovery import Role, candidates as discover_candidates, describe_bytes, discover
-from ..profile import (PROFILE_FORMAT, PROFILE_VERSION, model_fingerprint, save_profile,
-                       versions)
+from ..profile import (EAGER_STEP, PROFILE_FORMAT, PROFILE_VERSION, describe_step,
+                       model_fingerprint, save_profile, step_record, versions)
 from .arms import Backend, Setting, StepError
 from .measure import check_rounds
 from .results import BatchReport
@@ -60,14 +60,19 @@ class TuneResult:
     settings: dict
     device: Optional[dict] = None
     versions: Optional[dict] = None
+    #: How the tuned step ran (:func:`l2prefetch.profile.step_record`): eager, or
+    #: compiled with its Inductor mode; a profile refuses a step run the other way.
+    step: dict = dataclasses.field(default_factory=lambda: dict(EAGER_STEP))
 
     @property
     def empty(self) -> bool:
         return not self.plan
 
     def summary(self) -> str:
-        """One line per batch: what was kept and the confirmed ratio."""
-        lines = []
+        """A line saying how the step ran, then one per batch: what was kept and the
+        confirmed ratio."""
+        lines = [f"tuned on the {describe_step(self.step)} step: its profile applies to "
+                 f"{'compiled steps only' if self.step.get('compiled') else 'eager steps only'}"]
         for rep in self.batches:
             conf = rep.confirmed
             if conf is None:
@@ -117,7 +122,7 @@ class TuneResult:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"),
-                "device": self.device, "versions": self.versions,
+                "device": self.device, "versions": self.versions, "step": dict(self.step),
                 "model": model_fingerprint(model, dict.fromkeys(weight_paths)),
                 "batches": [rep.batch for rep in self.batches], "plan": entries,
                 "tuning": {"budget_s": self.budget_s, "elapsed_s": self.elapsed_s,
@@ -158,8 +163,19 @@ def _check_number(name: str, value: object, low: float, integer: bool = False) -
     return value
 
 
+def _check_compiled(compiled: object) -> Optional[str]:
+    """The Inductor mode ``tune(compiled=...)`` names (None: not named)."""
+    if compiled is None or isinstance(compiled, bool):
+        return None
+    if not isinstance(compiled, str) or not compiled.strip():
+        raise TypeError(f"compiled must be None (found out), a bool, or the Inductor mode "
+                        f"the step was compiled with (e.g. 'default'), got {compiled!r}")
+    return compiled
+
+
 def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
-                        candidates: object, min_bytes: int) -> list[Role]:
+                        candidates: object, min_bytes: int,
+                        compiled: bool = False) -> list[Role]:
     if isinstance(candidates, (str, bytes)):
         raise TypeError("candidates must be None (discover them), a list of role names, or a "
                         f"list of Role objects, got the string {candidates!r}: wrap it in a list")
@@ -171,7 +187,13 @@ def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
             except Exception as exc:
                 raise StepError(f"step({batch}) failed while discovering the weights it "
                                 f"reads: {type(exc).__name__}: {exc}") from exc
-        reads = discover(model, run, min_bytes=min_bytes)
+        if compiled:   # the same modules and weights, read from the eager module tree
+            from .compiled import eager_stance
+
+            with eager_stance():
+                reads = discover(model, run, min_bytes=min_bytes)
+        else:
+            reads = discover(model, run, min_bytes=min_bytes)
         roles = discover_candidates(model, reads)
         if candidates is None:
             return roles
@@ -242,7 +264,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
          graph_forks: Sequence[str] = GRAPH_FORKS,
          min_gain_us: float = DEFAULT_MIN_GAIN_US, min_bytes: int = 1 << 20,
          resolution: float = DEFAULT_RESOLUTION, device: Any = None, progress: Any = sys.stderr,
-         backend: Optional[Backend] = None) -> TuneResult:
+         backend: Optional[Backend] = None,
+         compiled: Union[None, bool, str] = None) -> TuneResult:
     """Measure which prefetches pay for ``model`` on this GPU, and return the confirmed plan.
 
     ``step(batch)`` runs one capturable decode step at that batch on static
@@ -271,6 +294,20 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     ``backend``: None to measure the step on the GPU
     (:class:`~l2prefetch.tuning.measure.GraphBackend`), or any
     :class:`~l2prefetch.tuning.arms.Backend` (the tests' fake one plants effects).
+
+    ``compiled``: how ``step`` runs the model.  None (the default): found out by
+    running it once (:func:`~l2prefetch.tuning.compiled.step_is_compiled`); True, or
+    the Inductor mode it was compiled with (``"default"``,
+    ``"max-autotune-no-cudagraphs"``; recorded in the profile), for a step that runs
+    the model in code ``torch.compile`` made (of the model, its ``forward`` or a
+    function that calls it); False for an eager step.  A compiled step is measured
+    as compiled: discovery reads the eager module tree, every arm runs in the
+    compiled, captured step, which is compiled twice per batch shape (without forks,
+    and with a fork at every candidate site, switched per arm); Dynamo's caches are
+    reset before and after (``torch._dynamo.reset()``: the caller's next call
+    compiles again).  The profile records how the step ran, and a controller made
+    from it refuses forks that run the other way
+    (:class:`~l2prefetch.profile.StepMismatchError`).
 
     Raises TypeError/ValueError for bad arguments (naming them),
     :class:`~l2prefetch.tuning.StepError` when the step fails or cannot be
@@ -339,27 +376,44 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
         raise TypeError(f"backend must be None (measure on the GPU) or a "
                         f"l2prefetch.tuning.arms.Backend (derive from it), got "
                         f"{type(backend).__name__}")
+    mode = _check_compiled(compiled)
     t0 = time.monotonic()
     if backend is None:
+        from .compiled import recompile, step_is_compiled
         from .measure import GraphBackend
 
-        backend = GraphBackend(model, step, device=device, rounds=rounds)
+        found = step_is_compiled(model, step, batches[0])
+        if compiled is not None and bool(compiled) != found:
+            raise ValueError(f"compiled={compiled!r}, but step({batches[0]}) runs the model "
+                             f"{'in compiled code' if found else 'eagerly'}; pass "
+                             f"compiled={found} (or None: found out)")
+        compiled = found
+        if compiled:
+            recompile()   # the detection's hooks may be in a frame compiled just now
+        backend = GraphBackend(model, step, device=device, rounds=rounds, compiled=compiled)
         if kernels is None:
             sm = _C.device_info(backend.device.index)["sm"]
             kernels = (None, *(k for k in ALTERNATIVE_KERNELS
                                if k in known and known[k]["min_sm"] <= sm))
     if kernels is None:
         kernels = (None,)
-    roles = _resolve_candidates(model, step, batches[0], candidates, min_bytes)
-    backend.use_roles(roles, [int(c * (1 << 20)) for c in caps_mib])
-    if progress is not None:
-        print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
-              f"budget {budget_s:.0f} s", file=progress, flush=True)
-    remaining = budget_s - (time.monotonic() - t0)
-    reports = search(backend, roles, batches, budget_s=max(remaining, 1e-3), instances=instances,
-                     max_instances=int(max_instances), caps_mib=caps_mib, grids=grids,
-                     kernels=kernels, graph_forks=graph_forks, min_gain_us=min_gain_us,
-                     resolution=resolution, progress=progress)
+    compiled = bool(compiled)
+    step_info = step_record(compiled, mode if compiled else None)
+    try:
+        roles = _resolve_candidates(model, step, batches[0], candidates, min_bytes, compiled)
+        backend.use_roles(roles, [int(c * (1 << 20)) for c in caps_mib])
+        if progress is not None:
+            print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
+                  f"budget {budget_s:.0f} s, the {describe_step(step_info)} step",
+                  file=progress, flush=True)
+        remaining = budget_s - (time.monotonic() - t0)
+        reports = search(backend, roles, batches, budget_s=max(remaining, 1e-3),
+                         instances=instances, max_instances=int(max_instances),
+                         caps_mib=caps_mib, grids=grids, kernels=kernels,
+                         graph_forks=graph_forks, min_gain_us=min_gain_us,
+                         resolution=resolution, progress=progress)
+    finally:
+        backend.close()
     plan, sites = merge_plan(roles, reports)
     result = TuneResult(
         batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
@@ -371,7 +425,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                   "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
                   "min_bytes": min_bytes, "resolution": resolution, "roles": len(roles)},
         device=backend.device_fingerprint(),
-        versions=versions())
+        versions=versions(), step=step_info)
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
                 result.elapsed_s, "empty plan" if result.empty else
                 f"{len(plan)} entries over {len(sites)} roles")

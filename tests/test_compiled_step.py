@@ -1,0 +1,216 @@
+"""A compiled step, on the CPU: the tuner's switchboard, step detection, and profiles
+that know how their step ran (issue 40).
+
+The switchboard (tuning/compiled.py) is hooked once at every candidate site and
+compiled once with its forks; each measurement arm is a selection of controller and
+points at run time.  Checked with recording controllers: with the board off the
+compiled code holds no fork op; on, each arm's forks reach its controller at its own
+point names, in the order given, with no compilation per arm.  Then step_is_compiled
+on eager, compiled-and-run and compiled-not-yet-run steps, and the step record:
+parse_profile's checks, check_step's refusals, the hooks' and ops' refusals of a
+controller tuned the other way, and tune() recording the step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from _compile_model import Model, expected_calls, points
+from conftest import CXX_THROW_ABORTS
+from l2prefetch import hooks, ops
+from l2prefetch.profile import (EAGER_STEP, StepMismatchError, check_step, describe_step,
+                                parse_profile, step_record)
+from l2prefetch.tuning.compiled import Switchboard, recompile, step_is_compiled
+
+BATCH = 3
+
+throws_through_torch = pytest.mark.skipif(
+    CXX_THROW_ABORTS, reason="a C++ throw aborts under ASan preloaded without libstdc++")
+
+
+class Recorder:
+    def __init__(self, tuned_step=None):
+        self.calls = []
+        if tuned_step is not None:
+            self.tuned_step = tuned_step
+
+    def fork(self, point, layer, batch):
+        self.calls.append(("fork", point, layer, batch))
+        return True
+
+    def join(self):
+        self.calls.append(("join",))
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    recompile()
+    yield
+    recompile()
+
+
+def _all_sites(model):
+    return [(module, layer, "after") for sites in points(model).values()
+            for module, layer in sites]
+
+
+def test_switchboard_off_compiles_no_fork_and_on_routes_each_arm_without_recompiling():
+    torch.manual_seed(0)
+    model = Model().eval()
+    x = torch.randn(BATCH, 1, 16)
+    with torch.no_grad():
+        expected = model(x)
+    board = Switchboard(model, _all_sites(model))
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda v: model(v), backend=counter)
+    try:
+        with torch.no_grad():
+            assert torch.equal(step(x), expected)          # off: no fork op compiled in
+            assert counter.op_count and not any(
+                "l2prefetch" in str(n.target) for g in counter.graphs for n in g.graph.nodes)
+            a, b = Recorder(), Recorder()
+            with board.selected(a, points(model)):
+                assert torch.equal(step(x), expected)
+            with board.selected(b, {"mine": [(model.layers[1].attn.o_proj, 1)]}):
+                step(x)
+            with board.selected(None, None):
+                step(x)
+            frames = counter.frame_count
+            with board.selected(a, points(model)):
+                step(x)
+            assert counter.frame_count == frames == 2       # off and on, once each
+        assert a.calls == expected_calls(2, BATCH) * 2
+        assert b.calls == [("fork", "mine", 1, BATCH), ("join",)]
+    finally:
+        board.close()
+    with torch.no_grad():
+        step(x)                                             # detached: traced anew, no board
+    assert not ops._registry.get(board.attachment.op_handle)
+
+
+def test_switchboard_forks_two_points_of_one_site_in_the_order_given():
+    model = Model().eval()
+    site = model.layers[0].attn.o_proj
+    board = Switchboard(model, [(site, 0, "after")])
+    try:
+        rec = Recorder()
+        board.select(rec, {"second": [(site, 0)], "first": [(site, 0)]})
+        board.fork("after:layers.0.attn.o_proj", 0, 2)
+        assert rec.calls == [("fork", "second", 0, 2), ("fork", "first", 0, 2)]
+        board.fork("after:layers.0.attn.o_proj", 1, 2)     # a layer no route names
+        assert rec.calls[2:] == []
+    finally:
+        board.close()
+
+
+def test_switchboard_refuses_a_site_it_was_not_hooked_at():
+    model = Model().eval()
+    board = Switchboard(model, [(model.layers[0].attn.o_proj, 0, "after")])
+    try:
+        with pytest.raises(ValueError, match="not hooked at"):
+            board.select(Recorder(), {"p": [(model.layers[0].mlp, 0)]})
+        with pytest.raises(ValueError, match="not hooked at"):
+            board.select(Recorder(), {"p": [(model.layers[0].attn.o_proj, 0, "before")]})
+        with pytest.raises(ValueError, match="not a module of"):
+            board.select(Recorder(), {"p": [(torch.nn.Linear(2, 2), 0)]})
+    finally:
+        board.close()
+
+
+@pytest.mark.parametrize("how", ["eager", "forward-compiled-run", "model-compiled-unrun",
+                                 "step-compiled-run"])
+def test_step_is_compiled(how):
+    model = Model().eval()
+    x = torch.randn(BATCH, 1, 16)
+    if how == "eager":
+        step = lambda batch: model(x)                                       # noqa: E731
+    elif how == "forward-compiled-run":
+        model.forward = torch.compile(model.forward, backend="eager")
+        model(x)
+        step = lambda batch: model(x)                                       # noqa: E731
+    elif how == "model-compiled-unrun":
+        compiled = torch.compile(model, backend="eager")
+        step = lambda batch: compiled(x)                                    # noqa: E731
+    else:
+        fn = torch.compile(lambda: model(x), backend="eager")
+        fn()
+        step = lambda batch: fn()                                           # noqa: E731
+    assert step_is_compiled(model, step, BATCH) == (how != "eager")
+    assert all(not m._forward_pre_hooks for m in model.modules())          # hooks removed
+
+
+# ---- the step record ----
+
+def _profile(step=None):
+    data = {"format": "l2prefetch-profile", "version": 1,
+            "device": {"name": "X", "sm": 90, "sm_count": 1, "l2_bytes": 1},
+            "model": {"layers": 0, "weights": {}}, "batches": [1], "plan": []}
+    if step is not None:
+        data["step"] = step
+    return json.dumps(data)
+
+
+def test_parse_profile_reads_and_checks_the_step():
+    assert "step" not in parse_profile(_profile())          # written before: eager
+    good = step_record(True, "max-autotune-no-cudagraphs")
+    assert parse_profile(_profile(good))["step"] == good
+    assert good["torch"] == torch.__version__
+    for bad, match in [({"compiled": "yes", "mode": None, "torch": None}, "step.compiled"),
+                       ({"compiled": True, "torch": None}, "step.mode"),
+                       ({"compiled": False, "mode": "default", "torch": None},
+                        "an eager step has no compile mode"),
+                       ({"compiled": True, "mode": 3, "torch": None}, "step.mode"),
+                       ({"compiled": True, "mode": None, "torch": None, "x": 1},
+                        "unknown fields"),
+                       ([], "'step' must be")]:
+        with pytest.raises(ValueError, match=match):
+            parse_profile(_profile(bad), "p.json")
+
+
+def test_describe_and_check_step():
+    compiled = step_record(True, "default")
+    assert describe_step(EAGER_STEP) == "eager"
+    assert describe_step(compiled) == f"compiled (torch.compile, mode default, torch {torch.__version__})"
+    assert "mode not recorded" in describe_step(step_record(True))
+    check_step(None, True)
+    check_step(EAGER_STEP, False)
+    check_step(compiled, True)
+    with pytest.raises(StepMismatchError, match="tuned on an eager step.*--compile"):
+        check_step(EAGER_STEP, True)
+    with pytest.raises(StepMismatchError, match="tuned on a compiled .* runs eagerly"):
+        check_step(compiled, False)
+
+
+def test_an_eager_fork_of_a_controller_tuned_compiled_is_refused():
+    model = Model().eval()
+    refused = Recorder(tuned_step=step_record(True, "default"))
+    with hooks.attach(model, refused, points(model)):
+        with pytest.raises(StepMismatchError, match="runs eagerly"):
+            model(torch.randn(BATCH, 1, 16))
+    assert refused.calls == []
+    model2 = Model().eval()
+    fine = Recorder(tuned_step=dict(EAGER_STEP))
+    with hooks.attach(model2, fine, points(model2)):
+        model2(torch.randn(BATCH, 1, 16))
+    assert fine.calls == expected_calls(2, BATCH)
+
+
+@throws_through_torch
+def test_a_compiled_fork_of_a_controller_tuned_eagerly_is_refused():
+    model = Model().eval()
+    refused = Recorder(tuned_step=dict(EAGER_STEP))
+    with hooks.attach(model, refused, points(model)):
+        step = torch.compile(lambda v: model(v), backend="aot_eager", fullgraph=True)
+        with pytest.raises(StepMismatchError, match="tuned on an eager step"):
+            step(torch.randn(BATCH, 1, 16))
+    assert refused.calls == []
+    recompile()
+    model2 = Model().eval()
+    fine = Recorder(tuned_step=step_record(True, "default"))
+    with hooks.attach(model2, fine, points(model2)):
+        torch.compile(lambda v: model2(v), backend="aot_eager")(torch.randn(BATCH, 1, 16))
+    assert fine.calls == expected_calls(2, BATCH)
