@@ -1,0 +1,175 @@
+"""A compiled Hugging Face decode step on the GPU (issue 40).  Skipped without a GPU.
+
+A small Llama in bf16, its forward compiled by torch.compile (Inductor, default and
+max-autotune-no-cudagraphs), each step captured in a CUDA graph, as a server runs it:
+
+* forks at every site kind (after a module, before it, q -> k -> v chains, before the
+  layer's input norm and the MLP's norm) in every graph fork mode leave the logits
+  bitwise those of the compiled step without forks, and they do load;
+* tune() on the compiled step finds it compiled, records it, ships a plan whose
+  profile, deployed as a server would (from_profile, attach, compile, capture), keeps
+  the logits bitwise;
+* that profile refuses the same model run eagerly, and an eager profile refuses the
+  compiled step (StepMismatchError), each in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from l2prefetch import PrefetchController, hooks  # noqa: E402
+from l2prefetch.mechanisms import GRAPH_FORKS  # noqa: E402
+from l2prefetch.plan import PlanEntry  # noqa: E402
+from l2prefetch.profile import StepMismatchError, load_profile  # noqa: E402
+from l2prefetch.tuning import tune  # noqa: E402
+from l2prefetch.tuning.cli import compile_forward  # noqa: E402
+from l2prefetch.tuning.compiled import Switchboard, recompile  # noqa: E402
+from l2prefetch.tuning.hf import DecodeStep  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+BATCHES = (1, 4)
+MODES = ["default", "max-autotune-no-cudagraphs"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.delenv("L2PREFETCH_DISABLE", raising=False)
+    recompile()
+    yield
+    recompile()
+
+
+def _llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816,
+                                      num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=2, vocab_size=4096)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    step = DecodeStep(model, prompt_len=16, max_cache_len=32)
+    for batch in BATCHES:
+        step.state(batch)          # the prompts run eagerly, before compiling
+    return model, step
+
+
+def _captured(step, batch):
+    """The logits of a replay of ``step(batch)`` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        step(batch)                                       # compiles, warms up
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step(batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out.clone(), graph
+
+
+def _bitwise(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _sites(model):
+    """point -> sites at every site kind, and the weights each point's fork loads."""
+    points, weights = {}, {}
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for point, site, loads in [
+                ("before_input_norm", (layer.input_layernorm, i, "before"), attn.q_proj),
+                ("q_k", (attn.q_proj, i), attn.k_proj),
+                ("k_v", (attn.k_proj, i), attn.v_proj),
+                ("after_oproj", (attn.o_proj, i), mlp.gate_proj),
+                ("before_norm", (layer.post_attention_layernorm, i, "before"), mlp.up_proj),
+                ("before_mlp", (mlp, i, "before"), mlp.down_proj),
+                ("after_mlp", (mlp, i), None)]:
+            points.setdefault(point, []).append(site)
+            nxt = loads if loads is not None else (
+                model.model.layers[i + 1].self_attn.q_proj if i + 1 < len(model.model.layers)
+                else model.lm_head)
+            weights[(point, i)] = [nxt.weight]
+    return points, weights
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forks_at_every_site_kind_keep_the_compiled_logits_bitwise(mode):
+    model, step = _llama()
+    compile_forward(model, mode)
+    reference = {b: _captured(step, b)[0] for b in BATCHES}
+    points, weights = _sites(model)
+    board = Switchboard(model, [(m, layer, rest[0] if rest else "after")
+                                for sites in points.values() for m, layer, *rest in sites])
+    recompile()
+    try:
+        for fork_mode in GRAPH_FORKS:
+            plan = [PlanEntry(point, layer, list(BATCHES), weights[(point, layer)],
+                              byte_cap=4 << 20)
+                    for point, sites in points.items() for _, layer, *_ in sites]
+            ctrl = PrefetchController.from_plan(plan, 0, graph_fork=fork_mode, eager=False)
+            try:
+                for batch in BATCHES:
+                    with board.selected(ctrl, points):
+                        out, _graph = _captured(step, batch)
+                    assert _bitwise(out, reference[batch]), (fork_mode, batch)
+                    forks = {p: s["forks"] for p, s in ctrl.stats().items()}
+                    assert all(forks[p] >= 1 for p in points), (fork_mode, forks)
+                    ctrl.reset_stats()
+                assert not ctrl.pending
+            finally:
+                ctrl.close()
+        with board.selected(None, None):                  # off: the step as compiled
+            assert _bitwise(_captured(step, BATCHES[0])[0], reference[BATCHES[0]])
+    finally:
+        board.close()
+
+
+def test_tune_a_compiled_step_and_deploy_its_profile(tmp_path):
+    model, step = _llama()
+    compile_forward(model, "default")
+    reference = _captured(step, 1)[0]
+    result = tune(model, step, [1], budget_s=60, progress=None, compiled="default")
+    assert result.step["compiled"] and result.step["mode"] == "default"
+    for rep in result.batches:
+        if rep.confirmed is not None:
+            assert rep.confirmed.gain.low > 0
+    path = tmp_path / "compiled.json"
+    result.save(path, model)
+
+    recompile()
+    profile = load_profile(path, model)
+    ctrl = PrefetchController.from_profile(profile, model)
+    assert ctrl.tuned_step == result.step
+    try:
+        with hooks.attach(model, ctrl, profile.hook_points):
+            recompile()
+            out, _graph = _captured(step, 1)
+            assert _bitwise(out, reference)
+    finally:
+        ctrl.close()
+
+
+def test_a_profile_refuses_a_step_run_the_other_way():
+    model, step = _llama()
+    plan_sites = {"after_oproj": [(layer.self_attn.o_proj, i)
+                                  for i, layer in enumerate(model.model.layers)]}
+    for compiled, mode in ((True, "default"), (False, None)):
+        ctrl = PrefetchController.from_plan(
+            [PlanEntry("after_oproj", i, [1], [layer.mlp.gate_proj.weight], byte_cap=4 << 20)
+             for i, layer in enumerate(model.model.layers)], 0, eager=False)
+        ctrl.tuned_step = {"compiled": compiled, "mode": mode, "torch": torch.__version__}
+        try:
+            with hooks.attach(model, ctrl, plan_sites):
+                if not compiled:
+                    compile_forward(model, "default")     # an eager profile, compiled step
+                recompile()
+                with pytest.raises(StepMismatchError) as info:
+                    _captured(step, 1)
+                assert "\n" not in str(info.value)
+        finally:
+            ctrl.close()
+            model.__dict__.pop("forward", None)          # eager again
