@@ -26,7 +26,7 @@ from l2prefetch.plan import PlanEntry  # noqa: E402
 from l2prefetch.profile import StepMismatchError, load_profile  # noqa: E402
 from l2prefetch.tuning import tune  # noqa: E402
 from l2prefetch.tuning.cli import compile_forward  # noqa: E402
-from l2prefetch.tuning.compiled import Switchboard, recompile  # noqa: E402
+from l2prefetch.tuning.compiled import Switchboard, recompile, screen_sites  # noqa: E402
 from l2prefetch.tuning.hf import DecodeStep  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -97,13 +97,24 @@ def _sites(model):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_forks_at_every_site_kind_keep_the_compiled_logits_bitwise(mode):
+def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bitwise(mode):
+    """The screen names the site kinds whose forks change Inductor's kernels (printed);
+    forks at all the others, in every graph fork mode, leave the logits bitwise."""
     model, step = _llama()
     compile_forward(model, mode)
     reference = {b: _captured(step, b)[0] for b in BATCHES}
     points, weights = _sites(model)
-    board = Switchboard(model, [(m, layer, rest[0] if rest else "after")
-                                for sites in points.values() for m, layer, *rest in sites])
+    point_of = {(id(m), layer, rest[0] if rest else "after"): point
+                for point, sites in points.items() for m, layer, *rest in sites}
+    every = [(m, layer, rest[0] if rest else "after")
+             for sites in points.values() for m, layer, *rest in sites]
+    bad = screen_sites(model, step, 1, every,
+                       lambda site: point_of[(id(site[0]), site[1], site[2])], print)
+    print(f"{mode}: not offered: {sorted(bad)}")
+    assert "after_oproj" not in bad and "q_k" not in bad
+    points = {p: sites for p, sites in points.items() if p not in bad}
+    board = Switchboard(model, [site for site in every
+                                if point_of[(id(site[0]), site[1], site[2])] not in bad])
     recompile()
     try:
         for fork_mode in GRAPH_FORKS:

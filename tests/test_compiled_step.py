@@ -214,3 +214,56 @@ def test_a_compiled_fork_of_a_controller_tuned_eagerly_is_refused():
     with hooks.attach(model2, fine, points(model2)):
         torch.compile(lambda v: model2(v), backend="aot_eager")(torch.randn(BATCH, 1, 16))
     assert fine.calls == expected_calls(2, BATCH)
+
+
+# ---- screening the sites (Inductor's CPU backend) ----
+
+def test_screen_sites_names_the_kinds_that_change_inductors_kernels():
+    """A tiny HF Llama on Inductor's CPU backend: forks before the MLP's norm, before the
+    MLP and after k_proj split or move a fusion there (seen on torch 2.13); after q_proj,
+    o_proj, gate_proj and the MLP they leave the kernels as they were."""
+    import re
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("Inductor's CPU backend needs a C++ compiler")
+    from l2prefetch.tuning.cli import compile_forward
+    from l2prefetch.tuning.compiled import kernel_calls, screen_sites
+    from l2prefetch.tuning.hf import DecodeStep
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=512)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    step = DecodeStep(model, prompt_len=8, max_cache_len=16)
+    step.state(1)
+    compile_forward(model, "default")
+    paths = {id(m): p for p, m in model.named_modules()}
+    sites = []
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        sites += [(attn.q_proj, i, "after"), (attn.k_proj, i, "after"),
+                  (attn.o_proj, i, "after"), (layer.post_attention_layernorm, i, "before"),
+                  (mlp, i, "before"), (mlp.gate_proj, i, "after"), (mlp, i, "after")]
+
+    def kind(site):
+        return re.sub(r"(?<=\.)\d+(?=\.|$)", "#", paths[id(site[0])]) + ":" + site[2]
+
+    lines = []
+    bad = screen_sites(model, step, 1, sites, kind, progress=lines.append)
+    assert set(bad) == {"model.layers.#.post_attention_layernorm:before",
+                        "model.layers.#.mlp:before", "model.layers.#.self_attn.k_proj:after"}
+    assert all("not offered under torch.compile" in why for why in bad.values())
+    assert re.fullmatch(r"\d+ compilations; 3 of 7 site kinds change .*", lines[-1])
+    # what is left compiles as without forks: the forks sit between the same kernels
+    plain = kernel_calls(step, 1)
+    board = Switchboard(model, [s for s in sites if kind(s) not in bad])
+    board.on = True
+    try:
+        forked = kernel_calls(step, 1)
+    finally:
+        board.close()
+    assert [c for c in forked if not c.startswith("fork ")] == plain
+    assert sum(c.startswith("fork ") for c in forked) == 8

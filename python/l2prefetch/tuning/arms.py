@@ -219,6 +219,13 @@ class Backend(abc.ABC):
         """Called by :func:`~l2prefetch.tuning.tune` once, before the search: the roles
         the arms will name and the caps (bytes) the search tries.  Default: nothing."""
 
+    def screen(self, batch: int) -> Mapping[str, str]:
+        """Called by :func:`~l2prefetch.tuning.tune` once, after :meth:`use_roles`: the
+        roles that must not be measured, each with the reason (GraphBackend on a
+        compiled step: a role forking where a fork changes the compiled code; then
+        :meth:`use_roles` is called again without them).  Default: none."""
+        return {}
+
     def close(self) -> None:
         """Called by :func:`~l2prefetch.tuning.tune` once, after the search (also when
         it fails): release what :meth:`use_roles` set up.  Default: nothing."""

@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 from .. import hooks
 from ..mechanisms import DEFAULT_SITE_HOOK
 
-__all__ = ["Switchboard", "eager_stance", "recompile", "step_is_compiled"]
+__all__ = ["Switchboard", "eager_stance", "kernel_calls", "recompile", "screen_sites",
+           "step_is_compiled"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,138 @@ def step_is_compiled(model: Any, step: Callable[[int], Any], batch: int) -> bool
     return not seen or any(seen)
 
 
+_CALL = re.compile(r"^\s+(?:\w+ = )?((?:triton_|cpp_fused_|extern_kernels\.|aten\.|torch\.ops\.)"
+                   r"[\w.]*)\((?:\d+, '([^']*)')?", re.M)
+_FORK = "torch.ops.l2prefetch.fork"
+
+
+def kernel_calls(step: Callable[[int], Any], batch: int) -> Optional[list[str]]:
+    """Compile ``step`` anew and call it at ``batch``: the calls of Inductor's code, in
+    order, kernel numbers dropped (``triton_poi_fused_add_3`` -> ``triton_poi_fused_add``),
+    each fork as ``fork <point>``, joins left out; None where no Inductor code was made
+    (another backend)."""
+    import torch
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    functorch = getattr(torch._functorch, "config", None)
+    with config.patch(fx_graph_cache=False), (      # a cache hit makes no code to read
+            functorch.patch(enable_autograd_cache=False)
+            if functorch is not None and hasattr(functorch, "enable_autograd_cache")
+            else contextlib.nullcontext()), torch.no_grad():
+        _, codes = run_and_get_code(step, batch)
+    if not codes:
+        return None
+    calls = []
+    for code in codes:
+        for name, point in _CALL.findall(code):
+            if name.startswith(_FORK):
+                calls.append(f"fork {point}")
+            elif "l2prefetch" not in name:
+                calls.append(re.sub(r"_\d+$", "", name))
+    return calls
+
+
+def _kernels(calls: Sequence[str]) -> list[str]:
+    return [c for c in calls if not c.startswith("fork ")]
+
+
+def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
+                 sites: Sequence[tuple[Any, int, str]],
+                 kind_of: Callable[[tuple[Any, int, str]], str],
+                 progress: Optional[Callable[[str], None]] = None) -> dict[str, str]:
+    """The site kinds whose forks change the kernels Inductor makes for ``step``.
+
+    Compiles the step without forks, then with a switchboard at every site of ``sites``
+    (forking nowhere).  Where the kernel calls differ, the kinds (``kind_of(site)``:
+    e.g. the module path below the layer and the hook) whose forks sit next to a
+    difference are suspects: each is compiled alone, and the rest together, which
+    must then leave the kernels as they were (else they are bisected).  Returns ``kind
+    -> reason`` for each kind that changes them (a fork there would change what the
+    compiled step computes or how fast), empty where none does or where the code cannot
+    be read (another backend: the tuner's bitwise check is then the only guard).  Every
+    trial is one compilation; a clean step takes two.
+    """
+    base = kernel_calls(step, batch)
+    if base is None:
+        logger.info("no Inductor code to compare (another torch.compile backend): the fork "
+                    "sites are not screened; the bitwise check of each arm still holds")
+        return {}
+    kinds: dict[str, list[tuple[Any, int, str]]] = {}
+    for site in sites:
+        kinds.setdefault(kind_of(site), []).append(site)
+    trials = 0
+
+    def compiled_with(names: Sequence[str]) -> Optional[list[str]]:
+        nonlocal trials
+        trials += 1
+        board = Switchboard(model, [site for name in names for site in kinds[name]])
+        board.on = True
+        try:
+            return kernel_calls(step, batch)
+        finally:
+            board.close()
+
+    def same(names: Sequence[str]) -> bool:
+        return not names or _kernels(compiled_with(names) or []) == base
+
+    reason = ("a fork there changes the kernels Inductor makes for the compiled step (it "
+              "splits or moves a fusion), so it is not offered under torch.compile")
+    everything = sorted(kinds)
+    calls = compiled_with(everything) or []
+    bad: set[str] = set()
+    if _kernels(calls) != base:
+        kind_of_point = {_site_point(Switchboard.path_in(model, m), hook): kind_of((m, l, hook))
+                         for kind in kinds.values() for m, l, hook in kind}
+        suspects = sorted(_next_to_differences(calls, base, kind_of_point))
+        bad = {name for name in suspects if not same([name])}
+        def bisect(names: list[str]) -> None:   # names change the kernels together
+            if len(names) == 1:
+                bad.add(names[0])
+                return
+            for half in (names[:len(names) // 2], names[len(names) // 2:]):
+                if not same(half):
+                    bisect(half)
+
+        rest = [name for name in everything if name not in suspects]
+        if not same(rest):   # a difference no fork sat beside
+            bisect(rest)
+        if not bad:   # only together: none is offered where they are suspected
+            bad = set(suspects)
+    if progress is not None:
+        progress(f"{trials + 1} compilations; {len(bad)} of {len(kinds)} site kinds change "
+                 "Inductor's kernels" + (f": {', '.join(sorted(bad))}" if bad else ""))
+    recompile()
+    return {name: reason for name in sorted(bad)}
+
+
+#: How many kernels on each side of a difference a fork may sit and be suspected.
+NEAR = 2
+
+
+def _next_to_differences(calls: Sequence[str], base: Sequence[str],
+                         kind_of_point: Mapping[str, str]) -> set[str]:
+    """The kinds of the forks in ``calls`` that lie in, or right beside, a stretch of
+    kernels that differs from ``base``."""
+    import difflib
+
+    kernels_at = [i for i, c in enumerate(calls) if not c.startswith("fork ")]
+    matcher = difflib.SequenceMatcher(a=base, b=[calls[i] for i in kernels_at],
+                                      autojunk=False)
+    found: set[str] = set()
+    for tag, _, _, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        lo = kernels_at[j1 - NEAR] if j1 >= NEAR else 0
+        hi = kernels_at[j2 + NEAR - 1] if j2 + NEAR - 1 < len(kernels_at) else len(calls)
+        for call in calls[lo:hi + 1]:
+            if call.startswith("fork "):
+                kind = kind_of_point.get(call[5:])
+                if kind is not None:
+                    found.add(kind)
+    return found
+
+
 def _site_point(path: str, hook: str) -> str:
     return f"{hook}:{path}"
 
@@ -103,7 +237,8 @@ class Switchboard:
         self.on = False
         self._paths = {id(module): path for path, module in model.named_modules()}
         points: dict[str, list[tuple[Any, int, str]]] = {}
-        for module, layer, hook in sites:
+        self._sites = list(dict.fromkeys(sites))
+        for module, layer, hook in self._sites:
             point = _site_point(self._path(module), hook)
             if (module, layer, hook) not in points.setdefault(point, []):
                 points[point].append((module, layer, hook))
@@ -116,6 +251,23 @@ class Switchboard:
         except BaseException:
             self.attachment.detach()
             raise
+
+    def path_of(self, module: Any) -> str:
+        """``module``'s path in the model (ValueError for a module not in it)."""
+        return self._path(module)
+
+    @staticmethod
+    def path_in(model: Any, module: Any) -> str:
+        """``module``'s path in ``model`` (ValueError for a module not in it)."""
+        for path, found in model.named_modules():
+            if found is module:
+                return path
+        raise ValueError(f"a site's module ({type(module).__name__}) is not a module of "
+                         f"the tuned {type(model).__name__}")
+
+    def all_sites(self) -> list[tuple[Any, int, str]]:
+        """Every ``(module, layer, hook)`` hooked, in hook order."""
+        return list(self._sites)
 
     def _path(self, module: Any) -> str:
         path = self._paths.get(id(module))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import numbers
 import random
+import re
 import statistics
 import sys
 import time
@@ -74,6 +75,9 @@ def check_rounds(rounds: object) -> None:
                          f"{type(rounds).__name__} {rounds!r}")
 
 logger = logging.getLogger(__name__)
+
+#: A layer index in a module path (model.layers.3.mlp): a site kind names every layer's.
+_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 #: Replays of each probe graph (medians of the event intervals).
 PROBE_REPLAYS = 20
@@ -247,6 +251,34 @@ class GraphBackend(Backend):
             self._board = Switchboard(self.model, sorted(sites, key=lambda s: (s[1], s[2],
                                                                               id(s[0]))))
             recompile()
+
+    def screen(self, batch: int) -> dict[str, str]:
+        """A compiled step: the roles with a site where a fork changes Inductor's kernels
+        (:func:`~l2prefetch.tuning.compiled.screen_sites`, at ``batch``), with the reason;
+        none for an eager step."""
+        if self._board is None:
+            return {}
+        from .compiled import screen_sites
+
+        def kind_of(site: tuple) -> str:
+            module, _, hook = site
+            return f"{_LAYER_INDEX.sub('#', self._board.path_of(module))}:{hook}"
+
+        sites = self._board.all_sites()
+        self.close()                                # the screen compiles boards of its own
+        with self.torch.cuda.device(self.device):
+            bad = screen_sites(self.model, self.step, batch, sites, kind_of)
+        out = {}
+        for name, role in self._roles.items():
+            for module, layer, *rest in role.hook_sites(self.model):
+                kind = kind_of((module, layer, rest[0] if rest else DEFAULT_SITE_HOOK))
+                if kind in bad:
+                    out[name] = f"not offered under torch.compile: at {kind}, {bad[kind]}"
+                    break
+        if bad:
+            logger.info("batch %d: site kinds not offered under torch.compile: %s", batch,
+                        sorted(bad))
+        return out
 
     def close(self) -> None:
         """Detach the compiled step's switchboard (and drop the frames holding it)."""

@@ -72,6 +72,10 @@ def markdown(result: Any) -> str:
                "eagerly." if step.get("compiled") else
                "eager steps only: a controller made from it refuses forks in code "
                "torch.compile made (tune with --compile for those)."), ""]
+    for name, why in sorted((result.settings or {}).get("not_offered", {}).items()):
+        head.append(f"- {name}: {why}.")
+    if (result.settings or {}).get("not_offered"):
+        head.append("")
     if device:
         head.append(f"Device: {device.get('name')} (sm_{device.get('sm')}, "
                     f"{device.get('sm_count')} SMs, {device.get('l2_bytes', 0) / 2**20:.0f} MiB "

@@ -401,7 +401,22 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     step_info = step_record(compiled, mode if compiled else None)
     try:
         roles = _resolve_candidates(model, step, batches[0], candidates, min_bytes, compiled)
-        backend.use_roles(roles, [int(c * (1 << 20)) for c in caps_mib])
+        caps_bytes = [int(c * (1 << 20)) for c in caps_mib]
+        backend.use_roles(roles, caps_bytes)
+        if compiled and progress is not None:
+            print(f"[l2prefetch tune] screening the fork sites: Inductor's kernels without "
+                  f"forks and with them (compilations)", file=progress, flush=True)
+        t_screen = time.monotonic()
+        not_offered = dict(backend.screen(batches[0]))
+        if not_offered:
+            roles = [role for role in roles if role.name not in not_offered]
+            backend.use_roles(roles, caps_bytes)
+        if compiled and progress is not None:
+            print(f"[l2prefetch tune] screened in {time.monotonic() - t_screen:.1f} s: "
+                  + (f"{len(not_offered)} roles not offered (a fork at their site changes "
+                     f"the compiled code): {', '.join(sorted(not_offered))}" if not_offered
+                     else "every site leaves the compiled code as it was"),
+                  file=progress, flush=True)
         if progress is not None:
             print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
                   f"budget {budget_s:.0f} s, the {describe_step(step_info)} step",
@@ -423,7 +438,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                   "rounds": backend.rounds,
                   "caps_mib": list(caps_mib), "grids": list(grids), "kernels": list(kernels),
                   "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
-                  "min_bytes": min_bytes, "resolution": resolution, "roles": len(roles)},
+                  "min_bytes": min_bytes, "resolution": resolution, "roles": len(roles),
+                  **({"not_offered": not_offered} if not_offered else {})},
         device=backend.device_fingerprint(),
         versions=versions(), step=step_info)
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),

@@ -1,0 +1,129 @@
+"""Eager against compiled, side by side: the step, the tuned plan, the ceiling (issue 40).
+
+For each model (benchmarks.common.hf_model: ``llama``, ``qwen3`` or a
+benchmarks/configs name), each window (a spin of that many us before every MLP,
+planted as a custom op that torch.compile keeps: ``l2p_bench::spin``; 0: nothing
+planted) and each way the step runs (``eager``; ``compiled``: the model's forward
+compiled by torch.compile with ``--mode``, the prompts run eagerly first), tune runs
+unaided (discovered roles, every fork mode, ``--budget`` s) and a row per batch gives:
+the step's us, the tuned plan's ratio with its 95% interval and gain, bitwise equality,
+the tuning time (compilation included) and the ceiling: per role, the probe's cold
+minus hot time of the consumer and the reads its fork could load (the most a prefetch
+of them can save), the best role per consumer, summed over the consumers the kept plan
+loads; tuned / ceiling is the gain over that.
+
+    python -m benchmarks.compiled [--models llama] [--windows 0,40] [--ways eager,compiled]
+                                  [--batches 1] [--budget 120] [--mode default] [--out F.md]
+"""
+import argparse
+import sys
+import time
+
+import torch
+
+from benchmarks.common import hf_model, no_gpu
+from l2prefetch import tuning
+from l2prefetch.tuning.cli import compile_forward
+from l2prefetch.tuning.compiled import recompile
+from l2prefetch.tuning.hf import DecodeStep
+from l2prefetch.tuning.rig import spin_cycles_per_us
+
+
+
+def _spin(after, cycles):
+    torch.cuda._sleep(cycles)
+
+
+spin_op = torch.library.custom_op("l2p_bench::spin", _spin, mutates_args=(),
+                                  schema="(Tensor after, int cycles) -> ()")
+spin_op.register_fake(lambda after, cycles: None)
+# ORDERED-effectful, as l2prefetch.ops' fork and join: Dynamo and AOTAutograd keep it
+from torch._library.effects import EffectType  # noqa: E402
+
+spin_op.register_effect(EffectType.ORDERED)
+
+
+def plant(model, us):
+    """A spin of ``us`` before every layer's post_attention_layernorm (its pre-hook), as
+    an effectful custom op: Dynamo keeps it where it drops ``torch.cuda._sleep``."""
+    cycles = int(us * spin_cycles_per_us())
+    return [layer.post_attention_layernorm.register_forward_pre_hook(
+        lambda m, args: torch.ops.l2p_bench.spin(args[0], cycles))
+        for layer in model.model.layers]
+
+
+def ceiling(rep, kept):
+    """The most the kept plan's consumers can gain (us), from the probe's gaps: per
+    consumer (the role name after ':'), the best chain gap of its roles."""
+    best = {}
+    for role in rep.roles:
+        consumer = role.role.split(": ", 1)[-1]
+        if role.chain_gap_us is not None:
+            best[consumer] = max(best.get(consumer, 0.0), role.chain_gap_us)
+    consumers = {name.split(": ", 1)[-1] for name, _ in kept} or set(best)
+    return sum(best.get(c, 0.0) for c in consumers)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compiled")
+    parser.add_argument("--models", default="llama")
+    parser.add_argument("--windows", default="0,40")
+    parser.add_argument("--ways", default="eager,compiled")
+    parser.add_argument("--batches", default="1")
+    parser.add_argument("--budget", type=float, default=120.0)
+    parser.add_argument("--mode", default="default")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    no_gpu("benchmarks.compiled")
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = ["| model | window | step | batch | step us | tuned ratio (95%) | gain us | "
+            "bitwise | kept | tune s | ceiling us | tuned / ceiling |",
+            "|---|---:|---|---:|---:|---|---:|---|---|---:|---:|---:|"]
+    for name in args.models.split(","):
+        for window in [float(w) for w in args.windows.split(",")]:
+            for way in args.ways.split(","):
+                model = hf_model(name)
+                planted = plant(model, window) if window else []
+                step = DecodeStep(model)
+                for b in batches:
+                    step.state(b)
+                if way == "compiled":
+                    compile_forward(model, args.mode)
+                recompile()
+                t0 = time.monotonic()
+                result = tuning.tune(model, step, batches, budget_s=args.budget,
+                                     progress=sys.stderr,
+                                     compiled=args.mode if way == "compiled" else False)
+                took = time.monotonic() - t0
+                for rep in result.batches:
+                    conf = rep.confirmed
+                    kept = list(rep.plan) if conf is not None else []
+                    top = ceiling(rep, kept)
+                    if conf is None:
+                        ratio, gain, same = "empty plan", "", ""
+                    else:
+                        low, high = conf.ratio_interval
+                        ratio = f"{conf.ratio:.4f} ({low:.4f}-{high:.4f})"
+                        gain, same = conf.gain.format(2), str(conf.identical)
+                    share = (f"{conf.gain.estimate / top:.0%}" if conf is not None and top > 0
+                             else "")
+                    roles = "; ".join(f"{n} [{s.label()}]" for n, s in kept) or "-"
+                    step_name = way if way == "eager" else f"compiled ({args.mode})"
+                    rows.append(f"| {name} | {window:g} | {step_name} | {rep.batch} | "
+                                f"{rep.step_us:.1f} | {ratio} | {gain} | {same} | {roles} | "
+                                f"{took:.0f} | {top:.2f} | {share} |")
+                    print(rows[-1], flush=True)
+                for handle in planted:
+                    handle.remove()
+                del model, step, result
+                recompile()
+                torch.cuda.empty_cache()
+    text = "\n".join(rows) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
