@@ -185,17 +185,19 @@ def _unregistered(name: str) -> Callable[..., None]:
 
 def _batch_of(args: tuple, kwargs: dict, tensor: type) -> int:
     """The decode batch of a module's input: the product of all but the last dimension
-    of the first tensor argument (decode inputs are [B, 1, H] or [B, H]); 0 without one."""
-    value: Any
-    for value in args:
-        if isinstance(value, tensor):
-            break
-    else:
-        for value in kwargs.values():
-            if isinstance(value, tensor):
+    of the first tensor argument of two or more dimensions (decode inputs are [B, 1, H]
+    or [B, H]; a vLLM-style ``forward(positions, hidden_states)`` passes the positions,
+    [B], first), else of the first tensor argument; 0 without one."""
+    value: Any = None
+    for candidate in (*args, *kwargs.values()):
+        if isinstance(candidate, tensor):
+            if candidate.dim() >= 2:
+                value = candidate
                 break
-        else:
-            return 0
+            if value is None:
+                value = candidate
+    if value is None:
+        return 0
     if value.dim() == 0:
         return 1
     last = value.shape[-1]

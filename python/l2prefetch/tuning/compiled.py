@@ -228,7 +228,8 @@ class Switchboard:
     ``sites``: ``(module, layer, hook)`` of every site an arm may fork at.  While
     :attr:`on` is False its hooks add no fork ops to code being compiled; once on
     (and compiled so), each fork goes to the selected controller at the arm's
-    point names, or nowhere.  :meth:`close` detaches it.
+    point names, or nowhere.  Making one drops every compiled frame
+    (:func:`recompile`); :meth:`close` detaches it and drops them again.
     """
 
     def __init__(self, model: Any, sites: Iterable[tuple[Any, int, str]]) -> None:
@@ -251,6 +252,7 @@ class Switchboard:
         except BaseException:
             self.attachment.detach()
             raise
+        recompile()   # frames compiled before the hooks existed would not run them
 
     def path_of(self, module: Any) -> str:
         """``module``'s path in the model (ValueError for a module not in it)."""
