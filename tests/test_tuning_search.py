@@ -10,6 +10,7 @@ import pytest
 
 from l2prefetch.plan import GRAPH_FORKS
 from l2prefetch.tuning import arms as A, results as R, search as S
+from l2prefetch.tuning.sampling import Measured
 from l2prefetch.tuning.stats import diff_interval, mean_interval, t_quantile
 
 from _tuning_fakes import Clock, PerLayer, PlantedBackend, role
@@ -797,10 +798,10 @@ def test_each_arm_is_paired_with_its_own_step_without_forks():
 
 
 def test_measured_pairs_a_with_each_rounds_reference():
-    """_Measured.diff(a, y) takes, round by round, y's own step without forks where the
+    """Measured.diff(a, y) takes, round by round, y's own step without forks where the
     round has one (the keys differ between rounds when the captured head does), and (a)
     itself elsewhere; paired only if every round is."""
-    m = S._Measured()
+    m = Measured()
     m.add({"a": [10.0, 20.0], "b:x": [9.0, 19.0], "a:of:b:x": [12.0, 22.0]}, {},
           [{"a", "b:x", "a:of:b:x"}], {"b:x": "a:of:b:x"})
     m.add({"a": [30.0, 40.0], "b:x": [29.0, 39.0], "a:of:d:x": [33.0, 43.0]}, {},
