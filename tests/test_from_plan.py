@@ -374,7 +374,7 @@ def test_the_tuners_per_layer_arms_switch_from_the_every_layer_capture(fake):
     tables: from the capture that loads at every layer, each layer's loads alone and the
     empty forks are mappings of its ranges; from a capture that loads at one layer only
     they are not (its empty forks' ranges are one key for several tables)."""
-    from l2prefetch.tuning.measure import GraphBackend
+    from l2prefetch.tuning.measure import switch_states
 
     w = [cuda_tensor(i * 65536, 1024) for i in range(3)]
     plan = [PlanEntry("mlp", layer, [1], (w[layer],)) for layer in range(3)]
@@ -382,7 +382,7 @@ def test_the_tuners_per_layer_arms_switch_from_the_every_layer_capture(fake):
     ctl = {"b": build(plan, 0), "d": build(plan, 0, empty=True),
            **{f"b:{k}": build(plan, 0, empty=lambda e, k=k: e.layer != k) for k in range(3)}}
     names = list(ctl)
-    states = GraphBackend._states(names, "b", ctl)
+    states = switch_states(names, "b", ctl)
     captured = {layer: ctl["b"].get("mlp", layer, 1).ranges for layer in range(3)}
     assert len(set(captured.values())) == 3
     for k in range(3):
@@ -391,6 +391,6 @@ def test_the_tuners_per_layer_arms_switch_from_the_every_layer_capture(fake):
             assert table is ctl[f"b:{k}"].get("mlp", layer, 1)
             assert (table.nbytes > 0) == (layer == k)
     assert all(states["d"][r].nbytes == 0 for r in captured.values())
-    assert GraphBackend._states(names, "b:0", ctl) is None
+    assert switch_states(names, "b:0", ctl) is None
     for c in ctl.values():
         c.close()

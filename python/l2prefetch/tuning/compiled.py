@@ -34,9 +34,10 @@ from typing import Any, Optional
 
 from .. import hooks
 from ..mechanisms import DEFAULT_SITE_HOOK
+from .discovery import Role
 
-__all__ = ["Switchboard", "eager_stance", "kernel_calls", "recompile", "screen_sites",
-           "step_is_compiled"]
+__all__ = ["Switchboard", "board_for_roles", "eager_stance", "kernel_calls", "recompile",
+           "screen_roles", "screen_sites", "step_is_compiled"]
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,48 @@ def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
                  "Inductor's kernels" + (f": {', '.join(sorted(bad))}" if bad else ""))
     recompile()
     return {name: reason for name in sorted(bad)}
+
+
+#: A layer index in a module path (model.layers.3.mlp): a site kind names every layer's.
+_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _role_sites(model: Any, role: Role) -> list[tuple[Any, int, str]]:
+    return [(module, layer, rest[0] if rest else DEFAULT_SITE_HOOK)
+            for module, layer, *rest in role.hook_sites(model)]
+
+
+def board_for_roles(model: Any, roles: Iterable[Role]) -> "Switchboard":
+    """A :class:`Switchboard` hooked at every site of ``roles`` (in layer, then hook
+    order), the compiled frames dropped."""
+    sites = {site for role in roles for site in _role_sites(model, role)}
+    board = Switchboard(model, sorted(sites, key=lambda s: (s[1], s[2], id(s[0]))))
+    recompile()
+    return board
+
+
+def screen_roles(model: Any, step: Callable[[int], Any], batch: int,
+                 sites: Sequence[tuple[Any, int, str]], roles: Iterable[Role]
+                 ) -> dict[str, str]:
+    """:func:`screen_sites` over ``sites`` by site kind (the module path below the layer
+    index, and the hook): each role with a site of a kind whose forks change Inductor's
+    kernels, with the reason it is not offered."""
+    def kind_of(site: tuple[Any, int, str]) -> str:
+        module, _, hook = site
+        return f"{_LAYER_INDEX.sub('#', Switchboard.path_in(model, module))}:{hook}"
+
+    bad = screen_sites(model, step, batch, sites, kind_of)
+    out = {}
+    for role in roles:
+        for site in _role_sites(model, role):
+            kind = kind_of(site)
+            if kind in bad:
+                out[role.name] = f"not offered under torch.compile: at {kind}, {bad[kind]}"
+                break
+    if bad:
+        logger.info("batch %d: site kinds not offered under torch.compile: %s", batch,
+                    sorted(bad))
+    return out
 
 
 #: How many kernels on each side of a difference a fork may sit and be suspected.

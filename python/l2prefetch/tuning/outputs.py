@@ -1,0 +1,104 @@
+"""A step's outputs in the measuring rig: copied out of a graph's pool, compared bitwise.
+
+An output is a tensor, or a tuple or list of outputs (None allowed): what a decode
+step returns (its logits), which every measured arm must reproduce bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
+
+from .arms import NO_FORKS
+
+__all__ = ["bitwise_equal", "clone", "compare_outputs", "copy_into", "max_diff"]
+
+logger = logging.getLogger("l2prefetch.tuning.measure")   # the measuring rig's messages
+
+
+def bitwise_equal(x: Any, y: Any) -> bool:
+    """Whether outputs ``x`` and ``y`` have the same structure, shapes, dtypes and bits."""
+    import torch
+
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return (x.shape == y.shape and x.dtype == y.dtype
+                and bool(torch.equal(x.view(torch.uint8) if x.is_contiguous() else x,
+                                     y.view(torch.uint8) if y.is_contiguous() else y)))
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return len(x) == len(y) and all(bitwise_equal(a, b) for a, b in zip(x, y))
+    return x is None and y is None
+
+
+def clone(x: Any) -> Any:
+    """A copy of an output that later replays cannot overwrite."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, (tuple, list)):
+        return type(x)(clone(v) for v in x)
+    return x
+
+
+def copy_into(dst: Any, src: Any) -> bool:
+    """Copy output ``src`` into buffers ``dst`` of the same structure, shapes and
+    dtypes; False (nothing copied) where they differ."""
+    import torch
+
+    def fits(d: Any, s: Any) -> bool:
+        if isinstance(d, torch.Tensor) and isinstance(s, torch.Tensor):
+            return d.shape == s.shape and d.dtype == s.dtype and d.device == s.device
+        if isinstance(d, (tuple, list)) and isinstance(s, (tuple, list)):
+            return len(d) == len(s) and all(fits(a, b) for a, b in zip(d, s))
+        return d is None and s is None
+
+    def copy(d: Any, s: Any) -> None:
+        if isinstance(d, torch.Tensor):
+            d.copy_(s)
+        elif isinstance(d, (tuple, list)):
+            for a, b in zip(d, s):
+                copy(a, b)
+
+    if not fits(dst, src):
+        return False
+    copy(dst, src)
+    return True
+
+
+def max_diff(x: Any, y: Any) -> Optional[float]:
+    """The largest absolute difference of two tensors of one shape (else None)."""
+    import torch
+
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape:
+        return (x.float() - y.float()).abs().max().item()
+    return None
+
+
+def compare_outputs(batch: int, graphs: Mapping[tuple[str, int], Any],
+                  out_of: Mapping[tuple[str, int], Any],
+                  synchronize: Callable[[], None]) -> dict[str, bool]:
+    """Per arm (``graphs`` and ``out_of`` are keyed ``(arm, instance)``), whether the
+    outputs of all its instances are bitwise those of the no-fork step's first instance,
+    ``("a", 0)``.  Each graph is replayed once more and its output compared right after:
+    graphs that share a pool (or a switched graph's states) share buffers, so a later
+    replay overwrites an earlier output.  Differences are logged with their size."""
+    def replay(key: tuple[str, int]) -> Any:
+        graphs[key].replay()
+        synchronize()
+        return out_of[key]
+
+    reference = clone(replay((NO_FORKS, 0))) if (NO_FORKS, 0) in graphs else None
+    differ: dict[str, list[tuple[int, Optional[float]]]] = {}
+    for key in graphs:
+        name, i = key
+        out = replay(key)
+        differ.setdefault(name, [])
+        if not bitwise_equal(reference, out):
+            differ[name].append((i, max_diff(reference, out)))
+    for name, bad in differ.items():
+        if bad:
+            logger.warning("batch %d, arm %s: outputs of instances %s differ from the "
+                           "no-fork step's first instance (max abs diff %s)", batch, name,
+                           [i for i, _ in bad], [d for _, d in bad])
+    return {name: not bad for name, bad in differ.items()}
