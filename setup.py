@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent
 GEN = ROOT / "build" / "gen"
 # The C units, bottom-up as csrc/DESIGN.md lists them.
 SOURCES = ["driver.c", "nvrtc.c", "errors.c", "args.c", "state.c", "ranges.c", "stream.c",
-           "kernels.c", "prepared.c", "capture.c", "graph.c", "controller.c", "bench.c", "module.c"]
+           "kernels.c", "prepared.c", "capture.c", "graphexec.c", "graph.c", "controller.c",
+           "bench.c", "module.c"]
 
 
 def embed_kernel_source():

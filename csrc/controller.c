@@ -724,6 +724,49 @@ static int capture_of(controller *self, CUstream s, unsigned long long *id)
     return 0;
 }
 
+/* The fork's launch on stream cur, capturing capture cap ('inline' or 'leaf',
+ * capture.c): a leaf is chained to the capture's previous leaf.  Nothing is left
+ * pending.  On failure *failed names the driver call. */
+static CUresult fork_in_capture(controller *self, PyObject *ranges, CUstream cur, int mode,
+                                unsigned long long cap, const char **failed)
+{
+    CUgraphNode chain = NULL, node = NULL;
+    if (mode == GRAPH_FORK_LEAF && self->leaf_capture == cap)
+        chain = self->leaf_tail;
+    /* programmatic edges into the loader need sm_90 (NOTE [inline graph fork]) */
+    int inl = mode == GRAPH_FORK_INLINE;
+    CUresult r = l2p_capture_inline_launch(self->drv, cur, ranges, inl,
+                                           inl && self->dev->cc_major >= 9, chain, &node, failed);
+    if (mode == GRAPH_FORK_LEAF && node) {
+        self->leaf_tail = node;
+        self->leaf_capture = cap;
+    }
+    return r;
+}
+
+/* The fork's launch on the side stream after what cur has queued (event ev, the
+ * (point, layer)'s): eager, or a 'branch' in capture cap; pending until join().
+ * On failure *failed names the driver call. */
+static CUresult fork_to_side(controller *self, PyObject *ranges, CUevent ev, CUstream cur,
+                             unsigned long long cap, const char **failed)
+{
+    l2p_driver *d = self->drv;
+    if (!self->pending)
+        self->capture_id = cap;
+    CUresult r = d->fn.cuEventRecord(ev, cur);
+    if (r != CUDA_SUCCESS) {
+        *failed = "cuEventRecord";
+        return r;
+    }
+    if ((r = d->fn.cuStreamWaitEvent(self->side, ev, 0)) != CUDA_SUCCESS) {
+        *failed = "cuStreamWaitEvent";
+        return r;
+    }
+    self->pending = 1;
+    *failed = "cuLaunchKernelEx";
+    return l2p_prepared_launch_raw(ranges, self->side);
+}
+
 PyDoc_STRVAR(fork_doc,
 "fork($self, point, layer, batch, /, stream=None)\n--\n\n"
 "Launch the table registered for (point, layer, batch) on the side stream,\n"
@@ -782,39 +825,13 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     }
     if (!cap && !self->eager)
         Py_RETURN_FALSE;
-    if (cap && inline_ok) {
-        const char *failed;
-        CUgraphNode chain = NULL, node = NULL;
-        if (mode == GRAPH_FORK_LEAF && self->leaf_capture == cap)
-            chain = self->leaf_tail;
-        /* programmatic edges into the loader need sm_90 (NOTE [inline graph fork]) */
-        int inl = mode == GRAPH_FORK_INLINE;
-        CUresult r = l2p_capture_inline_launch(d, cur, e->ranges, inl,
-                                               inl && self->dev->cc_major >= 9, chain, &node,
-                                               &failed);
-        if (mode == GRAPH_FORK_LEAF && node) {
-            self->leaf_tail = node;
-            self->leaf_capture = cap;
-        }
-        if (r != CUDA_SUCCESS)
-            return l2p_raise_cuda(st, d, failed, r);
-        self->points[p].forks++;
-        self->points[p].bytes += l2p_prepared_nbytes(e->ranges);
-        Py_RETURN_TRUE;
-    }
-    if (!self->pending)
-        self->capture_id = cap;
-    CUevent ev = self->points[p].rows[layer]->event;
-    CUresult r = d->fn.cuEventRecord(ev, cur);
+    const char *failed;
+    CUresult r = cap && inline_ok
+                     ? fork_in_capture(self, e->ranges, cur, mode, cap, &failed)
+                     : fork_to_side(self, e->ranges, self->points[p].rows[layer]->event, cur, cap,
+                                    &failed);
     if (r != CUDA_SUCCESS)
-        return l2p_raise_cuda(st, d, "cuEventRecord", r);
-    r = d->fn.cuStreamWaitEvent(self->side, ev, 0);
-    if (r != CUDA_SUCCESS)
-        return l2p_raise_cuda(st, d, "cuStreamWaitEvent", r);
-    self->pending = 1;
-    r = l2p_prepared_launch_raw(e->ranges, self->side);
-    if (r != CUDA_SUCCESS)
-        return l2p_raise_cuda(st, d, "cuLaunchKernelEx", r);
+        return l2p_raise_cuda(st, d, failed, r);
     self->points[p].forks++;
     self->points[p].bytes += l2p_prepared_nbytes(e->ranges);
     Py_RETURN_TRUE;

@@ -2,7 +2,8 @@
  * l2p.h: what the C units of l2prefetch._C share: the module state's layout
  * and the entry points of each unit, in the order the units build on each
  * other (DESIGN.md): errors, args, state, ranges, stream, kernels, prepared,
- * capture, controller, bench; module.c, the top, exports only the module.
+ * capture, graphexec, graph, controller, bench; module.c, the top, exports only
+ * the module.
  */
 #ifndef L2P_H
 #define L2P_H
@@ -19,6 +20,7 @@
 typedef struct {
     PyTypeObject *prepared_type;
     PyTypeObject *controller_type;
+    PyTypeObject *graph_exec_type;
     PyObject *error;             /* l2prefetch.Error(RuntimeError) */
     PyObject *cuda_error;        /* CudaError(Error): .code .name .operation */
     PyObject *nvrtc_error;       /* NvrtcError(Error): .code .name .log .options */
@@ -191,14 +193,18 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
                                    int order_edge, int early, CUgraphNode chain,
                                    CUgraphNode *node, const char **failed);
 
-/* graph.c: loader nodes of a captured graph, switched in place. */
+/* graphexec.c: GraphExec, an executable graph held with the driver that made it. */
+extern PyType_Spec l2p_graph_exec_spec;
+/* A new GraphExec that owns exec and holds d (its own reference); on failure
+ * exec is destroyed through d and NULL returned with the exception. */
+PyObject *l2p_graph_exec_new(l2p_state *st, l2p_driver *d, CUgraphExec exec);
+
+/* graph.c: loader nodes of a captured graph, switched in place; the graph without them. */
 PyObject *l2p_py_graph_loader_nodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *l2p_py_graph_set_loaders(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *l2p_py_graph_edges(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *l2p_py_graph_instantiate_without(PyObject *module, PyObject *const *args,
                                            Py_ssize_t nargs);
-PyObject *l2p_py_graph_exec_launch(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *l2p_py_graph_exec_destroy(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* bench.c */
 PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

@@ -83,14 +83,8 @@ static PyMethodDef module_methods[] = {
     {"_graph_instantiate_without", (PyCFunction)(void (*)(void))l2p_py_graph_instantiate_without,
      METH_FASTCALL,
      "_graph_instantiate_without(graph, nodes)\n--\n\n"
-     "A clone of template graph without those nodes (and their edges), instantiated: a raw\n"
-     "CUgraphExec handle the caller destroys with _graph_exec_destroy()."},
-    {"_graph_exec_launch", (PyCFunction)(void (*)(void))l2p_py_graph_exec_launch, METH_FASTCALL,
-     "_graph_exec_launch(exec, stream)\n--\n\n"
-     "Launch executable graph exec (from _graph_instantiate_without()) on stream."},
-    {"_graph_exec_destroy", (PyCFunction)(void (*)(void))l2p_py_graph_exec_destroy, METH_FASTCALL,
-     "_graph_exec_destroy(exec)\n--\n\n"
-     "Destroy executable graph exec (from _graph_instantiate_without())."},
+     "A clone of template graph without those nodes (and their edges), instantiated: a\n"
+     "GraphExec, which holds the driver that made it (launch(stream), close())."},
     {"_use_driver", l2p_py_use_driver, METH_O, "Testing hook: the driver library new objects use."},
     {"_use_nvrtc", l2p_py_use_nvrtc, METH_O, "Testing hook: the NVRTC library compiles use."},
     {"_set_stream_source", l2p_py_set_stream_source, METH_O,
@@ -139,6 +133,9 @@ static int module_exec(PyObject *module)
     st->controller_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &l2p_controller_spec, NULL);
     if (!st->controller_type || PyModule_AddType(module, st->controller_type) < 0)
         return -1;
+    st->graph_exec_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &l2p_graph_exec_spec, NULL);
+    if (!st->graph_exec_type || PyModule_AddType(module, st->graph_exec_type) < 0)
+        return -1;
     if (PyModule_AddIntConstant(module, "MAX_RANGES", (long)l2p_capacities[L2P_NUM_CAPACITIES - 1]) < 0)
         return -1;
     return 0;
@@ -149,6 +146,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg)
     l2p_state *st = l2p_get_state(module);
     Py_VISIT(st->prepared_type);
     Py_VISIT(st->controller_type);
+    Py_VISIT(st->graph_exec_type);
     Py_VISIT(st->error);
     Py_VISIT(st->cuda_error);
     Py_VISIT(st->nvrtc_error);
@@ -163,6 +161,7 @@ static int module_clear(PyObject *module)
     l2p_state *st = l2p_get_state(module);
     Py_CLEAR(st->prepared_type);
     Py_CLEAR(st->controller_type);
+    Py_CLEAR(st->graph_exec_type);
     Py_CLEAR(st->error);
     Py_CLEAR(st->cuda_error);
     Py_CLEAR(st->nvrtc_error);

@@ -182,6 +182,16 @@ CASES = {
         _C._use_driver(None)
         print("before exit:", live())
     """,
+    # a GraphExec (the tuner's graph without forks) left in a global after the driver was
+    # switched back: it holds the stand-in's instance (and its context) until it goes
+    "graph_exec": """
+        t = l2prefetch.PreparedWeightRanges(weights())
+        ex = _C._graph_instantiate_without(0x7000, ())
+        ex.launch(STREAM)
+        del t
+        _C._use_driver(None)
+        print("before exit:", live())
+    """,
 }
 
 

@@ -6,7 +6,6 @@ import re
 import shutil
 import subprocess
 import threading
-import time
 from ctypes import byref, c_char_p, c_int, c_size_t, c_ulonglong, c_void_p
 
 import pytest
@@ -88,8 +87,10 @@ def launch(drv, fn, grid=(1, 1, 1), block=(128, 1, 1), smem=0, stream=None, attr
 
 def test_build_is_cached_and_warning_free(tmp_path):
     path = build_fakecuda(tmp_path)
+    # a known mtime, newer than the source (so up to date), that a rebuild would replace
+    stamp = os.stat(path).st_mtime_ns + 10**12
+    os.utime(path, ns=(stamp, stamp))
     first = os.stat(path).st_mtime_ns
-    time.sleep(0.01)
     assert build_fakecuda(tmp_path) == path and os.stat(path).st_mtime_ns == first
     os.utime(path, ns=(0, 0))  # older than the source: rebuilt
     build_fakecuda(tmp_path)

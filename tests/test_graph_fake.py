@@ -1,10 +1,17 @@
 """csrc/graph.c against the recording driver stand-in: loader nodes found by function
-handle among a capture's nodes, and switched in place (on, empty, off, other tables)."""
+handle among a capture's nodes, and switched in place (on, empty, off, other tables);
+the graph without them, a GraphExec (csrc/graphexec.c) bound to the driver that made it."""
+
+import gc
+import pickle
+import shutil
+import sys
 
 import pytest
 
 import l2prefetch
 from l2prefetch import _C
+from _fakecuda import FakeCuda
 from conftest import FakeArray, device_ptr
 
 PWR = l2prefetch.PreparedWeightRanges
@@ -106,8 +113,8 @@ def test_edges_are_the_capture_dependencies(fake, captured):
 
 def test_a_graph_without_the_loader_nodes(fake, captured):
     """_graph_instantiate_without: the template cloned, each node found in the clone and
-    destroyed there, the clone instantiated and destroyed; the exec is the caller's,
-    launched on a stream and destroyed by _graph_exec_destroy."""
+    destroyed there, the clone instantiated and destroyed; the exec comes back as a
+    GraphExec, launched on a stream and destroyed by its close()."""
     nodes = tuple(node for node, _ in _C._graph_loader_nodes(GRAPH))
     fake.clear_log()
     ex = _C._graph_instantiate_without(GRAPH, nodes)
@@ -115,12 +122,116 @@ def test_a_graph_without_the_loader_nodes(fake, captured):
     assert calls == ["cuGraphClone"] + ["cuGraphNodeFindInClone", "cuGraphDestroyNode"] * 2 + \
         ["cuGraphInstantiateWithFlags", "cuGraphDestroy"]
     assert fake.live("graph") == 0 and fake.live("exec") == 1
-    _C._graph_exec_launch(ex, STREAM)
-    assert kv(fake.log("cuGraphLaunch")[-1])["stream"] == hex(STREAM)
-    _C._graph_exec_destroy(ex)
+    assert type(ex) is _C.GraphExec and not ex.closed
+    made = kv(fake.log("cuGraphInstantiateWithFlags")[-1])["exec"]
+    assert repr(ex) == f"<GraphExec {made}>"
+    ex.launch(STREAM)
+    assert kv(fake.log("cuGraphLaunch")[-1]) == {"exec": made, "stream": hex(STREAM)}
+    ex.close()
     assert fake.live("exec") == 0 and fake.bad_destroys() == 0
-    with pytest.raises(l2prefetch.CudaError, match="cuGraphLaunch"):
-        _C._graph_exec_launch(ex, STREAM)
+    assert ex.closed and repr(ex) == "<GraphExec closed>"
+    with pytest.raises(l2prefetch.Error, match="this GraphExec is closed"):
+        ex.launch(STREAM)
+    assert len(fake.log("cuGraphLaunch")) == 1   # refused before the driver
+
+
+def test_an_exec_goes_to_the_driver_that_made_it(fake, tmp_path):
+    """The module's driver swapped after instantiating (to a second copy of the stand-in,
+    a library with its own counters, then to none at all): each GraphExec is launched and
+    destroyed, once, through the driver instance that made it, by close() or by dealloc."""
+    other_path = str(tmp_path / "libfakecuda_other.so")
+    shutil.copyfile(fake.path, other_path)
+    other = FakeCuda(other_path)
+    other.reset()
+    first = _C._graph_instantiate_without(GRAPH, ())
+    _C._use_driver(other_path)
+    assert _C.driver_info()["path"] == other_path
+    second = _C._graph_instantiate_without(GRAPH, ())
+    assert (fake.live("exec"), other.live("exec")) == (1, 1)
+    _C._use_driver(None)
+    fake.clear_log()
+    other.clear_log()
+    first.launch(STREAM)
+    second.launch(STREAM)
+    first.close()
+    first.close()          # again: nothing
+    del second             # dealloc: its own driver, not the module's (none now)
+    gc.collect()
+    for drv in (fake, other):
+        assert [line.split()[0] for line in drv.log()] == ["cuGraphLaunch", "cuGraphExecDestroy"]
+        assert drv.live("exec") == 0 and drv.bad_destroys() == 0
+
+
+def test_an_exec_holds_its_driver_instance(fake):
+    """What the driver instance holds (here: cuda:0's primary context, retained for a
+    table) is released only when the last GraphExec made with it goes, after the module
+    dropped it: the exec holds it, and does not leak it."""
+    table = PWR([arr(0)])
+    ex = _C._graph_instantiate_without(GRAPH, ())
+    del table
+    _C._use_driver(None)
+    gc.collect()
+    assert fake.live("context") == 1 and fake.live("exec") == 1
+    del ex
+    assert fake.live("context") == 0 and fake.live("exec") == 0 and fake.bad_destroys() == 0
+
+
+def test_a_failed_close_raises_once_and_is_not_tried_again(fake):
+    ex = _C._graph_instantiate_without(GRAPH, ())
+    fake.fail("cuGraphExecDestroy", code="CUDA_ERROR_INVALID_HANDLE")
+    with pytest.raises(l2prefetch.CudaError) as info:
+        ex.close()
+    assert info.value.operation == "cuGraphExecDestroy"
+    assert info.value.name == "CUDA_ERROR_INVALID_HANDLE"
+    assert ex.closed
+    ex.close()
+    del ex
+    gc.collect()
+    assert fake.calls("cuGraphExecDestroy") == 1
+
+
+def test_dealloc_keeps_a_pending_exception(fake, monkeypatch):
+    """A GraphExec freed while an exception propagates (the list that list() was filling
+    when the generator raised) destroys its exec and leaves the exception as it was; a
+    failed destroy is reported as unraisable, CUDA_ERROR_DEINITIALIZED (interpreter exit)
+    not at all.  Had dealloc cleared the exception, list() would raise SystemError; had it
+    raised, its own exception would replace KeyError."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook",
+                        lambda u: seen.append((u.exc_type, str(u.exc_value), u.object)))
+
+    def execs(fail=None):
+        yield _C._graph_instantiate_without(GRAPH, ())
+        if fail:
+            fake.fail("cuGraphExecDestroy", code=fail)
+        raise KeyError("kept")
+
+    with pytest.raises(KeyError, match="kept"):
+        list(execs())
+    assert fake.live("exec") == 0 and seen == []
+    with pytest.raises(KeyError, match="kept"):
+        list(execs("CUDA_ERROR_DEINITIALIZED"))
+    assert seen == []
+    with pytest.raises(KeyError, match="kept"):
+        list(execs("CUDA_ERROR_INVALID_HANDLE"))
+    assert len(seen) == 1, seen
+    exc_type, message, obj = seen[0]
+    assert exc_type is RuntimeWarning and obj is _C.GraphExec
+    assert "cuGraphExecDestroy" in message and "CUDA_ERROR_INVALID_HANDLE" in message
+    assert fake.calls("cuGraphExecDestroy") == 3 and fake.bad_destroys() == 0
+
+
+def test_a_graph_exec_is_made_only_by_instantiating(fake):
+    with pytest.raises(TypeError, match="cannot create 'l2prefetch._C.GraphExec' instances"):
+        _C.GraphExec()
+    ex = _C._graph_instantiate_without(GRAPH, ())
+    with pytest.raises(TypeError):
+        ex.launch()
+    with pytest.raises(TypeError):
+        ex.launch(STREAM, STREAM)
+    with pytest.raises(TypeError, match="cannot pickle"):
+        pickle.dumps(ex)
+    ex.close()
 
 
 @pytest.mark.parametrize("fails", ["cuGraphClone", "cuGraphNodeFindInClone",
@@ -146,15 +257,19 @@ def test_bad_arguments_of_the_graph_without_loaders(fake, captured):
         _C._graph_instantiate_without(GRAPH, [1])
     with pytest.raises(ValueError, match="each node must be a non-null handle"):
         _C._graph_instantiate_without(GRAPH, (0,))
-    with pytest.raises(TypeError, match="exactly 2 arguments"):
+    with pytest.raises(TypeError, match=r"exactly 2 positional arguments \(1 given\)"):
         _C._graph_instantiate_without(GRAPH)
     nodes = tuple(node for node, _ in _C._graph_loader_nodes(GRAPH))
     with pytest.raises(ValueError, match=r"nodes\[2\] repeats nodes\[0\]"):
         _C._graph_instantiate_without(GRAPH, nodes + nodes[:1])
+    ex = _C._graph_instantiate_without(GRAPH, nodes)
     with pytest.raises(TypeError, match="stream must be an int handle, not str"):
-        _C._graph_exec_launch(EXEC, "s")
+        ex.launch("s")
+    with pytest.raises(OverflowError):
+        ex.launch(-1)
+    ex.close()
     with pytest.raises(ValueError, match="exec must be a non-null handle"):
-        _C._graph_exec_destroy(0)
+        _C._graph_set_loaders(0, nodes, "on")
     with pytest.raises(ValueError, match="graph must be a non-null handle"):
         _C._graph_edges(0)
     assert fake.live("graph") == 0 and fake.live("exec") == 0

@@ -212,6 +212,49 @@ def test_prefetch_controller_loop(two_devices):
     release_all(fake)
 
 
+def test_graph_exec_loop(two_devices):
+    """The graph calls of the tuner's rig (csrc/graph.c) and the GraphExec they make
+    (csrc/graphexec.c): made, launched, closed or dropped, refused (closed, a bad stream,
+    a node named twice, nodes not a tuple): no exec, clone or heap left, and the
+    driver instance the execs held is released with the module's."""
+    fake = two_devices
+    GRAPH = 0x7000
+    table = PWR([arr(0)])   # cuda:0 made ready: a context the driver instance holds
+
+    def once(i):
+        ex = _C._graph_instantiate_without(GRAPH, ())
+        ex.launch(S)
+        assert _C._graph_loader_nodes(GRAPH) == () and _C._graph_edges(GRAPH) == ()
+        k = i % 4
+        try:
+            if k == 0:
+                ex.close()
+                ex.launch(S)
+            elif k == 1:
+                ex.launch("s")
+            elif k == 2:
+                _C._graph_instantiate_without(GRAPH, (16, 16))
+            else:
+                _C._graph_set_loaders(GRAPH, [16], "on")
+        except (l2prefetch.Error, TypeError, ValueError):
+            pass
+        else:
+            raise AssertionError("the bad input was accepted")
+        if i % 2:
+            ex.close()
+
+    start = run_loop(fake, "GraphExec instantiate/launch/close", once)
+    assert start["context"] == 1
+    assert fake.live("exec") == fake.live("graph") == 0
+    kept = _C._graph_instantiate_without(GRAPH, ())   # holds the driver past release_all's swap
+    del table
+    gc.collect()
+    _C._use_driver(None)
+    assert fake.live("context") == 1
+    del kept
+    release_all(fake)
+
+
 def test_compute_ranges_loop(fake):
     torch = pytest.importorskip("torch")
     base = device_ptr(0, 4096)

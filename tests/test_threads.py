@@ -129,8 +129,8 @@ def test_fork_join_against_add_replace_close(fake, python_stream):
     threads = [threading.Thread(target=guarded(f)) for f in (forker, forker, adder, closer)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
-    deadline = time.monotonic() + 60               # a slow machine (ASan) gets longer
+    # until each kind of call has raced the others enough; a slow machine (ASan) gets longer
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (
             counts["forks"] > 100 and counts["adds"] > 10 and len(made) > 10):
         time.sleep(0.1)

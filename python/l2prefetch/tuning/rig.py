@@ -365,19 +365,17 @@ class NoForks:
     Two captures of a step replay apart by where their buffers land (RESULTS run 18),
     so the tuner's (a) for an arm is this graph of the arm's own capture.  It raises
     RuntimeError if removing the loader nodes would unorder other nodes
-    (:func:`orderings_lost`).  Holds ``graph`` (whose pool its nodes read and write);
+    (:func:`orderings_lost`).  Holds ``graph`` (whose pool its nodes read and write)
+    and the executable graph (a ``_C.GraphExec``, which holds the driver that made it);
     :meth:`close` (or garbage collection) destroys the executable graph.
     """
 
     def __init__(self, graph: Any, nodes: Optional[Sequence[int]] = None, *,
                  device: Any = None) -> None:
-        import weakref
-
         import torch
 
         from .. import _C
 
-        self._C = _C
         self.graph = graph
         #: Where it replays (that device's current stream); None: the current device.
         self.device = None if device is None else torch.device(device)
@@ -390,22 +388,20 @@ class NoForks:
             raise RuntimeError(f"removing the {len(self.nodes)} loader nodes would unorder "
                                f"{len(lost)} pairs of other nodes (first: {lost[0]}); the "
                                f"graph is not one the controller captured")
-        exec_ = _C._graph_instantiate_without(raw, self.nodes)
-        self._close = weakref.finalize(self, _C._graph_exec_destroy, exec_)
-        self._exec = exec_
+        self._exec = _C._graph_instantiate_without(raw, self.nodes)
 
     def replay(self) -> None:
         import torch
 
-        if not self._close.alive:
+        if self._exec.closed:
             raise RuntimeError("this NoForks graph is closed")
         stream = torch.cuda.current_stream(self.device)
         with torch.cuda.device(stream.device):
-            self._C._graph_exec_launch(self._exec, stream.cuda_stream)
+            self._exec.launch(stream.cuda_stream)
 
     def close(self) -> None:
         """Destroy the executable graph (again: nothing)."""
-        self._close()
+        self._exec.close()
 
 
 def medians(values: Mapping[Any, Sequence[float]]) -> dict[Any, float]:
