@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
-from . import _C
+from . import _C, _torch
 from ._files import loads_json, read_text, write_atomic
 from ._version import __version__
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_entry, site_hook_choices
@@ -135,9 +135,10 @@ def device_fingerprint(device: Any = None) -> dict:
     ``device`` is what the controller takes (None: torch's current device, an
     index, 'cuda:N', a torch.device): another value is a TypeError/ValueError
     naming it; no driver, or a torch that sees no GPU (the device's name comes
-    from torch), a :class:`l2prefetch.CudaUnavailableError`.
+    from torch), a :class:`l2prefetch.CudaUnavailableError`; without torch, a
+    ModuleNotFoundError naming the extra to install.
     """
-    import torch
+    torch = _torch.require("l2prefetch.profile.device_fingerprint")
 
     # The driver's view first: it checks the argument as the controller does.
     info = _C.device_info(device)
