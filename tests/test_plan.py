@@ -42,6 +42,7 @@ def fake_c(monkeypatch):
     fake.compute_ranges = seed_ranges
     monkeypatch.setitem(sys.modules, "l2prefetch._C", fake)
     monkeypatch.setattr(l2prefetch, "_C", fake, raising=False)
+    monkeypatch.setattr(l2prefetch.plan, "_C", fake)   # plan.py imports _C at its top
     return fake
 
 

@@ -62,6 +62,7 @@ from typing import Any, Optional
 
 from . import _C, _torch, __version__
 from ._parser import Parser as _Parser
+from . import kimi_k3
 from .kimi_k3 import DEFAULT_DIMS, MAX_TENSOR_BYTES, synthetic_model as build_synthetic_kimi
 
 __all__ = ["UsageError", "main", "plan_main"]
@@ -495,7 +496,6 @@ def _run_plan(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
 
-    from . import kimi_k3
     from .plan import format_plan, plan_to_json
 
     caps = None

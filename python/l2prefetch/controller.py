@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 from . import _C
 from .mechanisms import DEFAULT_GRAPH_FORK
-from .plan import GraphFork, KernelName, PlanEntry, _per_batch, compact_batches
+from .plan import GraphFork, KernelName, PlanEntry, compact_batches, mib_by_batch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -191,7 +191,7 @@ def _log_plan(controller: PrefetchController, entries: list[PlanEntry],
         ", ".join(kernels) or "none", controller.graph_fork,
         "".join(f" ({mode!r} for {n} entr{'y' if n == 1 else 'ies'})"
                 for mode, n in own_modes.items()),
-        compact_batches(per_batch) or "none", _per_batch(per_batch) or "none")
+        compact_batches(per_batch) or "none", mib_by_batch(per_batch) or "none")
 
 
 class PrefetchController(_C.PrefetchController):

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from .plan import CapSpec, PlanEntry, _check_batches, cap_groups, select_points
+from .plan import CapSpec, PlanEntry, cap_groups, check_batches, select_points
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -150,7 +150,7 @@ def plan(model: Any, batches: Iterable[int] = range(1, 9),
     """
     wanted = _points(points)
     # The arguments are checked whatever the points.
-    batches = _check_batches(batches, "batches", allow_empty=True)
+    batches = check_batches(batches, "batches", allow_empty=True)
     if not isinstance(include_shared_experts, bool):
         raise TypeError("include_shared_experts must be a bool, got "
                         f"{type(include_shared_experts).__name__} {include_shared_experts!r}")

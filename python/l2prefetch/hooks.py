@@ -38,6 +38,7 @@ attach nothing, which turns prefetching off without a code change.
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
@@ -132,9 +133,7 @@ class Attachment:
             handle.remove()
         op_handle, self._op_handle = self._op_handle, None
         if op_handle is not None:
-            from . import ops
-
-            ops.unregister(op_handle)
+            _ops().unregister(op_handle)
 
     def __enter__(self) -> Attachment:
         return self
@@ -343,7 +342,35 @@ def attach(model: torch.nn.Module, controller: Controller,
         return Attachment()
 
     torch = _torch.require("l2prefetch.hooks.attach")
+    resolved = _check_attach(model, controller, points, torch)
+    op_handle, fork_op, join_op = _register_ops(controller, torch)
+    try:
+        handles, sites = _add_hooks(model, controller, resolved, batch_fn, join, torch,
+                                    op_handle, fork_op, join_op)
+    except BaseException:
+        if op_handle is not None:
+            _ops().unregister(op_handle)
+        raise
+    _log_attach(model, sites, join, op_handle)
+    return Attachment(controller, handles, sites, op_handle)
 
+
+#: The attribute that marks a hook function as one of :func:`attach`'s, naming its controller.
+_TAG = "_l2prefetch_controller"
+
+
+def _ops() -> Any:
+    """:mod:`l2prefetch.ops`, imported on first use: it imports torch, which importing
+    this module must not."""
+    from . import ops
+
+    return ops
+
+
+def _check_attach(model: Any, controller: Any, points: Any,
+                  torch: Any) -> list[tuple[str, list[tuple[Any, int, str]]]]:
+    """attach()'s arguments, checked before any hook is added: per point its sites
+    ``(module, layer, hook)``."""
     for method in ("fork", "join"):
         if not callable(getattr(controller, method, None)):
             raise TypeError(f"controller must have fork(point, layer, batch) and join(); "
@@ -356,36 +383,49 @@ def attach(model: torch.nn.Module, controller: Controller,
         raise TypeError(f"points must map point names to fork sites, got {type(points).__name__}")
     resolved = [(point, _sites(model, point, spec, torch.nn.Module))
                 for point, spec in points.items()]
-    # Attached already: one of this controller's hooks (tagged below) on a module of the
-    # model.  Read from the modules' own dicts, so that no user code (a hook object's or
-    # module's __getattr__) runs; a detached attachment's hooks are gone from them.
-    tag, function = "_l2prefetch_controller", type(attach)   # our hooks are functions
+    # Attached already: one of this controller's hooks (tagged by _add_hooks) on a module
+    # of the model.  Read from the modules' own dicts, so that no user code (a hook
+    # object's or module's __getattr__) runs; a detached attachment's hooks are gone.
     for module in model.modules():
         state = vars(module)
         for kind in ("_forward_hooks", "_forward_pre_hooks"):
             for hook in (state.get(kind) or {}).values():
-                if type(hook) is function and hook.__dict__.get(tag) is controller:
+                if type(hook) is types.FunctionType and hook.__dict__.get(_TAG) is controller:
                     raise ValueError(
                         f"this {type(controller).__name__} is already attached to this "
                         f"{type(model).__name__} (its hooks are on a "
                         f"{type(module).__name__} of it) and would fork twice a step: "
                         "detach the first attachment (Attachment.detach(), or leave its "
                         "with-block) or attach once with all the points in one mapping")
+    return resolved
 
-    from . import ops
 
-    is_compiling = torch.compiler.is_compiling
+def _register_ops(controller: Any, torch: Any) -> tuple[Optional[int], Callable[..., Any],
+                                                        Callable[..., Any]]:
+    """(the controller's ops handle, the fork op, the join op): what compiled code calls.
+    A controller without weak references gets no handle, and ops that refuse."""
+    ops = _ops()   # registers the ops with torch
     fork_op: Callable[..., Any] = torch.ops.l2prefetch.fork.default
     join_op: Callable[..., Any] = torch.ops.l2prefetch.join.default
     try:
-        op_handle: Optional[int] = ops.register(controller)
+        return ops.register(controller), fork_op, join_op
     except TypeError:  # no weak references: eager use still works, compiled code cannot
-        op_handle = None
-        fork_op = join_op = _unregistered(type(controller).__name__)
         logger.warning("l2prefetch: a %s cannot be weakly referenced; its forks work in eager "
                        "mode only (under torch.compile they break the graph)",
                        type(controller).__name__)
+        refuse = _unregistered(type(controller).__name__)
+        return None, refuse, refuse
 
+
+def _add_hooks(model: Any, controller: Any,
+               resolved: list[tuple[str, list[tuple[Any, int, str]]]],
+               batch_fn: Optional[BatchFn], join: bool, torch: Any, op_handle: Optional[int],
+               fork_op: Callable[..., Any],
+               join_op: Callable[..., Any]) -> tuple[list[Any], list[tuple[str, int, Any]]]:
+    """Each site's fork hook and, with ``join``, the root's join hook: (their handles, the
+    ``(point, layer, module)`` of each fork hook).  All or none: a failure removes those
+    added."""
+    is_compiling = torch.compiler.is_compiling
     fork = controller.fork
     tuned_step = getattr(controller, "tuned_step", None)
     handles, sites, hooked = [], [], []
@@ -394,7 +434,7 @@ def attach(model: torch.nn.Module, controller: Controller,
             for module, layer, where in point_sites:
                 hook = _fork_hook(fork, point, layer, batch_fn, torch.Tensor, is_compiling,
                                   fork_op, op_handle, where == "before", tuned_step)
-                setattr(hook, tag, controller)   # what the check above finds
+                setattr(hook, _TAG, controller)   # what _check_attach finds
                 hooked.append((module, where, hook))
                 sites.append((point, layer, module))
         # each prepended ahead of the last: in reverse, so that one module's sites fork in
@@ -409,22 +449,26 @@ def attach(model: torch.nn.Module, controller: Controller,
                     join_op(op_handle, _first_tensor(output, tensor))
                 else:
                     end()
-            setattr(join_hook, tag, controller)
+            setattr(join_hook, _TAG, controller)
             handles.append(model.register_forward_hook(join_hook))
     except BaseException:
         for handle in handles:
             handle.remove()
-        if op_handle is not None:
-            ops.unregister(op_handle)
         raise
-    if logger.isEnabledFor(logging.INFO):
-        per_point: dict[str, int] = {}
-        for point, _, _ in sites:
-            per_point[point] = per_point.get(point, 0) + 1
-        logger.info("attach: %d fork hook%s on %s (%s); %s; ops handle %s", len(sites),
-                    "" if len(sites) == 1 else "s", type(model).__name__,
-                    ", ".join(f"{point}: {n} site{'s' if n != 1 else ''}"
-                              for point, n in per_point.items()) or "no sites",
-                    f"a join hook on the root {type(model).__name__}" if join else "no join hook",
-                    op_handle)
-    return Attachment(controller, handles, sites, op_handle)
+    return handles, sites
+
+
+def _log_attach(model: Any, sites: list[tuple[str, int, Any]], join: bool,
+                op_handle: Optional[int]) -> None:
+    """At INFO: the fork hooks per point, the join hook and the ops handle."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    per_point: dict[str, int] = {}
+    for point, _, _ in sites:
+        per_point[point] = per_point.get(point, 0) + 1
+    logger.info("attach: %d fork hook%s on %s (%s); %s; ops handle %s", len(sites),
+                "" if len(sites) == 1 else "s", type(model).__name__,
+                ", ".join(f"{point}: {n} site{'s' if n != 1 else ''}"
+                          for point, n in per_point.items()) or "no sites",
+                f"a join hook on the root {type(model).__name__}" if join else "no join hook",
+                op_handle)

@@ -16,10 +16,12 @@ as JSON with weights named by their module path, never by pointer
 (:func:`plan_to_json`, :func:`plan_from_json`), so a plan survives a restart
 and can be reviewed or edited by hand.
 
-Importing this module imports neither torch nor the C extension: a plan can
-only hold tensors if torch is already imported, so the type check looks torch
-up in ``sys.modules``, and kernel names are checked against
-``l2prefetch.kernel_variants()`` only when an entry names one.
+Importing this module imports no torch: a plan can only hold tensors if torch
+is already imported, so the type check looks torch up in ``sys.modules``.  The
+C extension, which ``import l2prefetch`` loads anyway (without touching the
+driver), checks kernel names against ``l2prefetch.kernel_variants()`` and
+counts an entry's bytes.  Weights are named by their paths in the model
+through :mod:`l2prefetch.model_paths`.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
+from . import _C
+from ._files import loads_json
 # How a fork goes into a CUDA graph being captured: the modes are named in mechanisms.py.
 from .mechanisms import GRAPH_FORKS, GraphFork, graph_fork_choices
+from .model_paths import named_tensors, tensor_paths
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -53,9 +58,11 @@ __all__ = [
     "PLAN_JSON_VERSION",
     "PlanEntry",
     "cap_groups",
+    "check_batches",
     "compact_batches",
     "format_plan",
     "gate",
+    "mib_by_batch",
     "GATE_BYTES_PER_US",
     "GATE_MIN_BYTES",
     "plan_from_json",
@@ -109,7 +116,7 @@ def _check_int(field: str, value: object, low: int, high: int | None = None) -> 
     return value
 
 
-def _check_batches(value: object, name: str = "PlanEntry.batches", *,
+def check_batches(value: object, name: str = "PlanEntry.batches", *,
                    allow_empty: bool = False) -> tuple[int, ...]:
     """``value`` as decode batches, in the order given: an iterable (not a str) of
     distinct ints (not bools) in 1..MAX_BATCH, at least one unless ``allow_empty``;
@@ -176,8 +183,6 @@ def _check_kernel(value: object) -> None:
     if not isinstance(value, str):
         raise TypeError("PlanEntry.kernel must be a kernel variant name (str) or None (the "
                         f"device's default), got {type(value).__name__} {value!r}")
-    from . import _C  # only here, so that importing this module stays free
-
     known = sorted(_C.kernel_variants())
     if value not in known:
         raise ValueError(f"PlanEntry.kernel {value!r} is not a kernel variant; known: "
@@ -238,7 +243,7 @@ class PlanEntry:
         if self.layer > MAX_LAYER:
             raise ValueError(f"PlanEntry.layer must be at most {MAX_LAYER} (the controller's "
                              f"limit), got {self.layer}")
-        object.__setattr__(self, "batches", tuple(sorted(_check_batches(self.batches))))
+        object.__setattr__(self, "batches", tuple(sorted(check_batches(self.batches))))
         object.__setattr__(self, "weights", _check_weights(self.weights))
         _check_int("byte_cap", self.byte_cap, 0)
         if self.byte_cap >= 2**63:  # what PreparedWeightRanges can take
@@ -266,8 +271,6 @@ class PlanEntry:
         Needs the C extension (``l2prefetch._C.compute_ranges``), which works
         on CPU and meta tensors as well as CUDA ones.
         """
-        from . import _C
-
         return sum(n for _, n in _C.compute_ranges(self.weights, self.byte_cap))
 
     @property
@@ -370,8 +373,9 @@ def compact_batches(batches: Iterable[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _per_batch(totals: Mapping[int, int]) -> str:
-    """``{1: x, 2: x, 3: y}`` -> ``'1-2: x MiB; 3: y MiB'`` (runs of equal totals)."""
+def mib_by_batch(totals: Mapping[int, int]) -> str:
+    """Bytes per batch as MiB, runs of equal totals joined: ``{1: x, 2: x, 3: y}`` ->
+    ``'1-2: x; 3: y'`` (x and y in MiB, two decimals)."""
     parts: list[tuple[list[int], int]] = []
     for batch in sorted(totals):
         value = totals[batch]
@@ -431,49 +435,13 @@ def format_plan(plan: Iterable[PlanEntry], l2_bytes: int | None = None) -> str:
         layers = len({entry.layer for entry, _ in rows})
         largest = max(size for _, size in rows)
         lines.append(f"| {point} | {len(rows)} | {layers} | {compact_batches(per_batch)} | "
-                     f"{_per_batch(per_batch)} | {100 * largest / l2:.1f}% |")
+                     f"{mib_by_batch(per_batch)} | {100 * largest / l2:.1f}% |")
     if plan:
         largest = max(sizes)
         lines.append(f"| all | {len(plan)} | {len({e.layer for e in plan})} | "
-                     f"{compact_batches(everything)} | {_per_batch(everything)} | "
+                     f"{compact_batches(everything)} | {mib_by_batch(everything)} | "
                      f"{100 * largest / l2:.1f}% |")
     return "\n".join(lines) + "\n"
-
-
-def _layer_of(path: str) -> tuple[Optional[int], str]:
-    """(decoder layer index, path below the layer) of a module path.
-
-    The layer is the first all-digit component (``model.layers.3.mlp`` -> 3,
-    ``mlp``); a path with none has no layer and keeps its whole path.
-    """
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return int(part), ".".join(parts[i + 1:])
-    return None, path
-
-
-def _named_tensors(model: Any) -> dict[str, Any]:
-    """Every tensor reachable from model by name, in a stable order.
-
-    Parameters first, then buffers, then plain tensor attributes of submodules
-    (such as an MLA's ``W_UK_T``), each under its dotted path.  Tied tensors
-    appear under every name.
-    """
-    if not callable(getattr(model, "named_parameters", None)):
-        raise TypeError("model must be the nn.Module whose tensors the plan names, "
-                        f"got {type(model).__name__}")
-    tensor = _tensor_type()
-    names: dict[str, Any] = {}
-    for name, value in model.named_parameters(remove_duplicate=False):
-        names.setdefault(name, value)
-    for name, value in model.named_buffers(remove_duplicate=False):
-        names.setdefault(name, value)
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for attribute, value in vars(module).items():
-            if tensor is not None and isinstance(value, tensor):
-                names.setdefault(f"{prefix}.{attribute}" if prefix else attribute, value)
-    return names
 
 
 def plan_to_json(plan: Iterable[PlanEntry], model: Any) -> str:
@@ -484,9 +452,7 @@ def plan_to_json(plan: Iterable[PlanEntry], model: Any) -> str:
     one is a different tensor and cannot be named).  Raises ValueError naming
     the entry and weight otherwise.
     """
-    names: dict[int, str] = {}
-    for name, value in _named_tensors(model).items():
-        names.setdefault(id(value), name)
+    names = tensor_paths(model)
     entries = []
     for i, entry in enumerate(plan):
         weights = []
@@ -518,8 +484,6 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
     not resolve (with the closest names); TypeError/ValueError from
     :class:`PlanEntry` for bad field values, prefixed with the entry.
     """
-    from ._files import loads_json
-
     try:
         data = loads_json(text, "plan JSON")
     except json.JSONDecodeError as exc:
@@ -539,7 +503,7 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
     raw_entries = data.get("entries")
     if not isinstance(raw_entries, list):
         raise ValueError("plan JSON 'entries' must be a list")
-    tensors = _named_tensors(model)
+    tensors = named_tensors(model)
     plan: list[PlanEntry] = []
     owner: dict[tuple, int] = {}   # (point, layer, batch) -> the entry that plans it
     for i, raw in enumerate(raw_entries):

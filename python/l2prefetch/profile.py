@@ -1,8 +1,13 @@
 """Profiles: a tuned plan as a file, refused where it was not measured.
 
-This module owns the format: it writes (:func:`save_profile`, which
-:meth:`l2prefetch.tuning.TuneResult.save` calls), reads, checks and fingerprints it,
+This module owns the format and alone knows its field names: it puts a profile
+together (:func:`profile_document`, from the plan, sites and records the tuner
+hands it), writes it (:func:`save_profile`; both called by
+:meth:`l2prefetch.tuning.TuneResult.save`), reads, checks and fingerprints it,
 and belongs to the runtime: a server that loads a profile imports no tuner code.
+The tuner's settings and measurements (``"tuning"``, ``"results"``) are its own
+records, stored as given; of them the runtime reads only each result's batch and
+``spread.recommended_k`` (:attr:`Profile.capture_k`).
 A profile is JSON written by :meth:`TuneResult.save`: the device it was
 tuned on (name, compute capability, SMs, L2 size, driver), the versions
 (l2prefetch, torch, NVRTC), a fingerprint of the model (its class, its
@@ -23,20 +28,26 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import json
 import logging
 import os
 import reprlib
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
-from ._files import loads_json, read_text
+from . import _C, _torch
+from ._files import loads_json, read_text, write_atomic
+from ._version import __version__
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_entry, site_hook_choices
+from .model_paths import layer_count, layer_of, named_tensors, tensor_paths
+from .plan import MAX_BATCH, MAX_LAYER, PlanEntry
 
 __all__ = ["EAGER_STEP", "PROFILE_FORMAT", "PROFILE_VERSION", "Profile",
            "ProfileMismatchError", "StepMismatchError", "check_step", "describe_step", "device_fingerprint",
-           "load_profile", "model_fingerprint", "parse_profile", "save_profile",
+           "load_profile", "model_fingerprint", "parse_profile", "profile_batches",
+           "profile_document", "save_profile",
            "step_record"]
 
 logger = logging.getLogger(__name__)
@@ -45,8 +56,14 @@ PROFILE_FORMAT = "l2prefetch-profile"
 PROFILE_VERSION = 1
 #: Device fields that must match for a profile to apply.
 DEVICE_KEYS = ("name", "sm", "sm_count", "l2_bytes")
-_ENTRY_KEYS = ("point", "layer", "batches", "weights", "site", "hook", "byte_cap", "grid",
-               "carveout", "priority", "kernel", "graph_fork")
+#: A profile's fields, in the order written (``created``, ``versions``, ``step``,
+#: ``tuning`` and ``results`` may be absent).
+DOCUMENT_KEYS = ("format", "version", "created", "device", "versions", "step", "model",
+                 "batches", "plan", "tuning", "results")
+#: The fields of a plan entry (``hook`` absent: after the module; the settings absent or
+#: null: PlanEntry's defaults).
+ENTRY_KEYS = ("point", "layer", "batches", "weights", "site", "hook", "byte_cap", "grid",
+              "carveout", "priority", "kernel", "graph_fork")
 
 
 class ProfileMismatchError(ValueError):
@@ -118,18 +135,16 @@ def device_fingerprint(device: Any = None) -> dict:
     ``device`` is what the controller takes (None: torch's current device, an
     index, 'cuda:N', a torch.device): another value is a TypeError/ValueError
     naming it; no driver, or a torch that sees no GPU (the device's name comes
-    from torch), a :class:`l2prefetch.CudaUnavailableError`.
+    from torch), a :class:`l2prefetch.CudaUnavailableError`; without torch, a
+    ModuleNotFoundError naming the extra to install.
     """
-    import torch
-
-    from . import _C
-    from ._C import CudaUnavailableError
+    torch = _torch.require("l2prefetch.profile.device_fingerprint")
 
     # The driver's view first: it checks the argument as the controller does.
     info = _C.device_info(device)
     index = info["device"]
     if not torch.cuda.is_available():
-        raise CudaUnavailableError(
+        raise _C.CudaUnavailableError(
             f"torch {torch.__version__} sees no CUDA device (a CPU-only build?), so the name "
             f"of cuda:{index}, which a profile is checked against, cannot be read: use a CUDA "
             "build of torch, or load_profile(..., check_device=False) to read the profile "
@@ -139,33 +154,20 @@ def device_fingerprint(device: Any = None) -> dict:
             "l2_bytes": info["l2_bytes"], "driver_version": info["driver_version"]}
 
 
-def decoder_layers(model: Any) -> int:
-    """How many decoder layers ``model`` has: the distinct indices that appear as
-    the first all-digit component of its module paths."""
-    from .plan import _layer_of
-
-    return len({_layer_of(name)[0] for name, _ in model.named_modules()} - {None})
-
-
 def model_fingerprint(model: Any, weights: Any = ()) -> dict:
     """The model's class, decoder layer count, and path -> [shape, dtype] of ``weights``
     (paths of tensors in the model)."""
-    from .plan import _named_tensors
-
-    tensors = _named_tensors(model)
+    tensors = named_tensors(model)
     described = {}
     for path in weights:
         t = tensors[path]
         described[path] = [list(t.shape), str(t.dtype).replace("torch.", "")]
-    return {"class": type(model).__name__, "layers": decoder_layers(model),
+    return {"class": type(model).__name__, "layers": layer_count(model),
             "weights": described}
 
 
 def versions() -> dict:
     """l2prefetch, torch and NVRTC versions (NVRTC where it can be loaded)."""
-    from . import _C
-    from ._version import __version__
-
     out = {"l2prefetch": __version__}
     try:
         import torch
@@ -202,8 +204,6 @@ class Profile:
     def check_model(self, model: Any) -> None:
         """Raise :class:`ProfileMismatchError` unless ``model`` is the model this profile's
         plan was resolved in."""
-        from .plan import _named_tensors
-
         where = f"profile {self.path}" if self.path else "this profile"
         fix = ("its plan holds that model's weights and its sites are that model's "
                "modules: load the profile for this model (tuning.load_profile(path, model))")
@@ -215,7 +215,7 @@ class Profile:
                 raise ProfileMismatchError(f"{where} was loaded for {what}, not this "
                                            f"{type(model).__name__}: {fix}")
             return
-        mine = {id(t) for t in _named_tensors(model).values()}
+        mine = {id(t) for t in named_tensors(model).values()}
         for i, entry in enumerate(self.plan):
             if any(id(w) not in mine for w in entry.weights):
                 raise ProfileMismatchError(f"{where}: plan[{i}] ({_show(entry.point)}, layer "
@@ -225,6 +225,11 @@ class Profile:
     @property
     def batches(self) -> list[int]:
         return list(self.data["batches"])
+
+    @property
+    def weight_paths(self) -> list[list[str]]:
+        """Each plan entry's weights by their paths in the model, in plan order."""
+        return [list(raw["weights"]) for raw in self.data["plan"]]
 
     @property
     def step(self) -> dict:
@@ -321,13 +326,10 @@ def _check_entry(i: int, entry: Any, data: dict, owner: dict, where: str) -> Non
     """plan[i]: its fields, and that it agrees with the rest of the file.  ``owner`` maps
     each (point, layer, batch) already planned to the entry that plans it, and each
     (point, layer) to its first entry (one hook per point and layer, whatever the batch)."""
-    from .plan import MAX_LAYER
-    from .plan import _layer_of
-
     if not isinstance(entry, dict):
         raise _fail(where, f"plan[{i}] must be an object, got {_show(entry)}")
     missing = [k for k in ("point", "layer", "batches", "weights", "site") if k not in entry]
-    unknown = sorted(set(entry) - set(_ENTRY_KEYS))
+    unknown = sorted(set(entry) - set(ENTRY_KEYS))
     if missing or unknown:
         raise _fail(where, f"plan[{i}]: missing fields {missing}, unknown fields {unknown}")
     point, layer, batches = entry["point"], entry["layer"], entry["batches"]
@@ -355,7 +357,7 @@ def _check_entry(i: int, entry: Any, data: dict, owner: dict, where: str) -> Non
     if not isinstance(hook, str) or hook not in SITE_HOOKS:
         raise _fail(where, f"plan[{i}].hook must be {site_hook_choices()} (absent: "
                     f"{DEFAULT_SITE_HOOK!r}), got {_show(hook)}")
-    site_layer = _layer_of(site)[0]
+    site_layer = layer_of(site)[0]
     if site_layer is not None and site_layer != layer:
         raise _fail(where, f"plan[{i}].site {_show(site)} is in layer {site_layer}, but the "
                     f"entry is for layer {layer}")
@@ -387,8 +389,6 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
     """Check a profile's structure and that it agrees with itself (not its fit to a model
     or device) and return its data.  Every error is a ValueError naming the file
     (``where``) and the field."""
-    from .plan import MAX_BATCH
-
     try:
         data = loads_json(text, f"profile {where}")
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -433,6 +433,13 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
         _check_entry(i, entry, data, owner, where)
     _check_capture_k(data, where)
     return data
+
+
+def profile_batches(data: Mapping) -> tuple[list[int], list[int]]:
+    """(the batches tuned at, the batches the plan forks at, sorted) of a profile's data
+    (:func:`parse_profile`)."""
+    forked = sorted({batch for entry in data["plan"] for batch in entry["batches"]})
+    return list(data["batches"]), forked
 
 
 def _check_step(step: dict, where: str) -> None:
@@ -491,15 +498,13 @@ def _check_device(data: dict, device: Any, where: str) -> None:
 
 
 def _check_model(data: dict, model: Any, where: str) -> None:
-    from .plan import _named_tensors
-
     fp = data["model"]
-    here_layers = decoder_layers(model)
+    here_layers = layer_count(model)
     diffs = []
     if fp["layers"] != here_layers:
         diffs.append(f"{_show(fp['layers'])} decoder layers in the profile, {here_layers} in "
                      "this model")
-    tensors = _named_tensors(model)
+    tensors = named_tensors(model)
     for path, described in fp["weights"].items():
         t = tensors.get(path)
         if t is None:
@@ -532,14 +537,12 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     (see :func:`device_fingerprint`); OSError from reading the file.  The
     profile is bound to ``model`` (:meth:`Profile.check_model`).
     """
-    from .plan import PlanEntry, _named_tensors
-
     where = os.fspath(source)
     data = parse_profile(read_text(where, "profile"), where)
     if check_device:
         _check_device(data, device, where)
     _check_model(data, model, where)
-    tensors = _named_tensors(model)
+    tensors = named_tensors(model)
     modules = dict(model.named_modules())
     plan, sites = [], {}
     for i, raw in enumerate(data["plan"]):
@@ -572,6 +575,54 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
 
 # ---------------------------------------------------------------------- writing
 
+def _entry(entry: PlanEntry, weights: list[str], site: tuple) -> dict:
+    """A plan entry's fields: its weights by path, its fork site ``(path,)`` or
+    ``(path, hook)`` (no ``hook`` written for a site hooked after its module)."""
+    path, *hook = site
+    return {"point": entry.point, "layer": entry.layer, "batches": list(entry.batches),
+            "weights": weights, "site": path, **({"hook": hook[0]} if hook else {}),
+            "byte_cap": entry.byte_cap, "grid": entry.grid, "carveout": entry.carveout,
+            "priority": entry.priority, "kernel": entry.kernel,
+            "graph_fork": entry.graph_fork}
+
+
+def profile_document(model: Any, plan: Sequence[PlanEntry], sites: Mapping[str, Sequence],
+                     *, batches: Sequence[int], device: Optional[Mapping],
+                     versions: Optional[Mapping], step: Mapping, tuning: Mapping,
+                     results: Sequence) -> dict:
+    """A profile's JSON object, for :func:`save_profile`.
+
+    ``plan`` is the tuned plan (its weights must be ``model``'s tensors: they are
+    stored by path), ``sites`` each point's fork sites (``(path, layer)`` or ``(path,
+    layer, hook)``, as :attr:`Profile.sites`), ``batches`` the batches tuned at,
+    ``device`` the :func:`device_fingerprint`, ``versions`` :func:`versions`, ``step``
+    the :func:`step_record`; ``tuning`` (the tuner's settings) and ``results`` (its
+    measurements, one record per batch) are stored as given.  A weight that is not
+    ``model``'s is a ValueError.
+    """
+    paths = tensor_paths(model)
+    site_of = {(point, layer): (path, *hook) for point, point_sites in sites.items()
+               for path, layer, *hook in point_sites}
+    entries, weight_paths = [], []
+    for entry in plan:
+        weights = []
+        for weight in entry.weights:
+            path = paths.get(id(weight))
+            if path is None:
+                raise ValueError(f"plan entry {entry.point!r} layer {entry.layer} holds a "
+                                 "tensor that is not the model's: pass the tuned model")
+            weights.append(path)
+        weight_paths += weights
+        entries.append(_entry(entry, weights, site_of[(entry.point, entry.layer)]))
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"),
+            "device": device, "versions": versions, "step": dict(step),
+            "model": model_fingerprint(model, dict.fromkeys(weight_paths)),
+            "batches": list(batches), "plan": entries, "tuning": dict(tuning),
+            "results": list(results)}
+
+
 def _compact_json(value: Any, indent: str = "") -> str:
     """JSON with a member per line, but a list or object of scalars on one line: the
     profile's thousands of numbers take a line per interval or setting, not per number
@@ -591,11 +642,9 @@ def _compact_json(value: Any, indent: str = "") -> str:
 
 
 def save_profile(path: Union[str, os.PathLike], document: Mapping) -> None:
-    """Write a profile's JSON object (``TuneResult.to_profile``) to ``path``: checked
+    """Write a profile's JSON object (:func:`profile_document`) to ``path``: checked
     against the format it will be read with, compact (:func:`_compact_json`), as a new
     file renamed into place (no planted link followed)."""
-    from ._files import write_atomic
-
     text = _compact_json(document)
     parse_profile(text, os.fspath(path))   # what is written is what load_profile accepts
     write_atomic(path, text + "\n", "profile")

@@ -17,15 +17,22 @@ Options cannot be abbreviated.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import sys
 import time
 from typing import Any, Optional
 
+from .. import _C
+from .._files import check_output, write_atomic
+from .._parser import Parser as _Parser  # usage errors as one line, exit status 2
 from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
-from .hf import MAX_SEED
+from . import hf, tuner
+from .arms import StepError
+from .compiled import eager_stance
+from .discovery import DEFAULT_MAX_BYTES, candidates, discover
 from .measure import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_TARGET_US
 from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
 
@@ -89,8 +96,6 @@ def _names(text: str, what: str, known: Any, default: Optional[str] = None) -> s
 
 
 def _kernel_names(text: str) -> str:
-    from .. import _C
-
     return _names(text, "--kernels", sorted(_C.kernel_variants()), default="default")
 
 
@@ -139,7 +144,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="where to build the model (default cuda)")
     parser.add_argument("--dtype", default="bfloat16", help="weight dtype for random weights "
                         "(default bfloat16)")
-    parser.add_argument("--seed", type=_positive(int, "--seed", -1, MAX_SEED), default=0,
+    parser.add_argument("--seed", type=_positive(int, "--seed", -1, hf.MAX_SEED), default=0,
                         help="random-weight seed (default 0)")
     parser.add_argument("--roles", action="append", default=None, metavar="NAME",
                         type=_role_name,
@@ -202,11 +207,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str) -> int:
-    print(f"l2prefetch tune: {message}", file=sys.stderr)
-    return 2
-
-
 def _kernels(text: Optional[str]) -> Optional[list[Optional[str]]]:
     if text is None:
         return None
@@ -217,8 +217,6 @@ def _outputs(args: argparse.Namespace, given_only: bool = False) -> Optional[str
     """Check, before anything is built or measured, that the profile, the report and the
     plot can be written (and are three files); the message of the first that cannot.
     ``given_only``: only those named on the command line (--list-roles writes none)."""
-    from .._files import check_output
-
     report = args.report or os.path.splitext(args.out)[0] + ".md"
     named = [("--out", args.out), ("--report" if args.report else "the report (--report)",
                                    report)]
@@ -250,8 +248,6 @@ def _largest_load(max_bytes: int) -> str:
 
 def _unknown_roles(wanted: Optional[list[str]], names: list[str]) -> Optional[str]:
     """--roles' names this model lacks, with the closest it has; None where all are known."""
-    import difflib
-
     unknown = [name for name in wanted or () if name not in names]
     if not unknown:
         return None
@@ -264,47 +260,79 @@ def _unknown_roles(wanted: Optional[list[str]], names: list[str]) -> Optional[st
             "--roles lists its roles")
 
 
+class _Exit(Exception):
+    """Ends ``tune``: one line on stderr, and the exit status (2: a bad input, 1: the
+    model or the step failed, or the outputs could not be written)."""
+
+    def __init__(self, message: object, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``tune`` with parsed arguments; returns the exit status."""
     try:
+        return _run(args)
+    except _Exit as exc:
+        print(f"l2prefetch tune: {exc}", file=sys.stderr)
+        return exc.status
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The steps of ``tune``: every option checked, the model built, then either its roles
+    listed or the step tuned and the outputs written."""
+    try:
         import torch
     except ImportError:
-        return _fail("needs torch (pip install 'l2prefetch[torch]')")
-    from .. import _files
-    from . import hf
-    from .discovery import DEFAULT_MAX_BYTES, candidates, discover
-    from .arms import StepError
-    from .tuner import describe_roles, tune
+        raise _Exit("needs torch (pip install 'l2prefetch[torch]')") from None
+    progress = None if args.quiet else sys.stderr
+    device = _check(args, torch)
+    model, step = _build(args, device, torch, progress)
+    min_bytes = max(1, int(args.min_bytes_mib * (1 << 20)))
+    if args.compile is not None:
+        _compile(args, model, step, progress)
+    if args.list_roles:
+        return _list_roles(args, model, step, min_bytes, torch, progress)
+    result = _tune(args, model, step, min_bytes, progress)
+    return _write(args, result, model)
 
+
+def _check(args: argparse.Namespace, torch: Any) -> Any:
+    """Every option that can be checked before anything is built; the device to build on."""
     try:
         hf.dtype_of(args.dtype)
     except ValueError as exc:
-        return _fail(f"--dtype: {exc}")
+        raise _Exit(f"--dtype: {exc}") from None
     try:
-        device = hf._parse_device(args.device)
+        device = hf.parse_device(args.device)
     except ValueError as exc:
-        return _fail(f"--device: {exc}")
+        raise _Exit(f"--device: {exc}") from None
     if not args.list_roles and device.type != "cuda":
-        return _fail(f"tuning measures CUDA graphs: --device must be a CUDA device, got "
-                     f"{args.device!r} (--list-roles works on the CPU)")
+        raise _Exit(f"tuning measures CUDA graphs: --device must be a CUDA device, got "
+                    f"{args.device!r} (--list-roles works on the CPU)")
     if not args.list_roles and not torch.cuda.is_available():
-        return _fail(f"tuning needs a CUDA GPU, and torch {torch.__version__} sees none "
-                     "(--list-roles --device cpu discovers roles without one)")
-    progress = None if args.quiet else sys.stderr
+        raise _Exit(f"tuning needs a CUDA GPU, and torch {torch.__version__} sees none "
+                    "(--list-roles --device cpu discovers roles without one)")
     try:
-        device = hf.device_of(args.device)
+        device = hf.device_of(device)   # against the GPUs torch sees
     except ValueError as exc:
-        return _fail(f"--device: {exc}")
-    if args.max_instances is not None and args.max_instances < args.instances:
-        return _fail(f"--max-instances must be >= --instances ({args.instances}), got "
-                     f"{args.max_instances}")
+        raise _Exit(f"--device: {exc}") from None
+    try:
+        tuner.check_max_instances(args.instances, args.max_instances, options=True)
+    except ValueError as exc:
+        raise _Exit(exc) from None
     if args.roles and len(set(args.roles)) < len(args.roles):
         twice = sorted({r for r in args.roles if args.roles.count(r) > 1})
-        return _fail(f"--roles names {', '.join(map(repr, twice))} more than once: give each "
-                     "role once")
+        raise _Exit(f"--roles names {', '.join(map(repr, twice))} more than once: give each "
+                    "role once")
     problem = _outputs(args, given_only=args.list_roles)
     if problem is not None:
-        return _fail(problem)
+        raise _Exit(problem)
+    return device
+
+
+def _build(args: argparse.Namespace, device: Any, torch: Any, progress: Any) -> tuple[Any, Any]:
+    """The model and its decode step."""
     try:
         overrides = hf.parse_overrides(args.overrides)
         model = hf.load_model(args.model, overrides=overrides, device=device,
@@ -312,94 +340,103 @@ def run(args: argparse.Namespace) -> int:
         step = hf.DecodeStep(model, prompt_len=args.prompt_len, max_cache_len=args.max_cache_len,
                              seed=args.seed)
     except ImportError as exc:
-        return _fail(str(exc))
+        raise _Exit(exc) from None
     except hf.OverrideError as exc:
-        return _fail(exc.option)
+        raise _Exit(exc.option) from None
     except (ValueError, TypeError, OSError) as exc:
-        return _fail(f"cannot build {args.model!r}: {exc}")
+        raise _Exit(f"cannot build {args.model!r}: {exc}") from None
     except torch.OutOfMemoryError as exc:
-        print(f"l2prefetch tune: building {args.model!r} ran out of memory: "
-              f"{hf._one_line(exc)}", file=sys.stderr)
-        return 1
-    min_bytes = max(1, int(args.min_bytes_mib * (1 << 20)))
-    if args.compile is not None:
-        try:
-            for batch in args.batches:   # the prompts run eagerly: no compile of a prefill
-                step.state(batch)
-        except Exception as exc:  # noqa: BLE001 - the model's own failure, named
-            print(f"l2prefetch tune: the prompt at batch {batch} failed: {hf._one_line(exc)}",
-                  file=sys.stderr)
-            return 1
-        compile_forward(model, args.compile)
-        if progress is not None:
-            print(f"[l2prefetch tune] the model's forward compiled with torch.compile "
-                  f"(Inductor, mode {args.compile}); the first step of each batch compiles it",
-                  file=progress, flush=True)
-    if args.list_roles:
-        if progress is not None:
-            print(f"[l2prefetch tune] discovering the roles: the prompt, then one decode step "
-                  f"at batch {args.batches[0]}", file=progress, flush=True)
+        raise _Exit(f"building {args.model!r} ran out of memory: {hf.error_line(exc)}",
+                    1) from None
+    return model, step
 
-        def first_step() -> Any:
-            try:
-                return step(args.batches[0])
-            except Exception as exc:
-                raise StepError(f"step({args.batches[0]}) failed while discovering the weights "
-                                f"it reads: {hf._one_line(exc)}") from exc
-        try:
-            if args.compile is not None:
-                # the compiled step runs (Inductor's CPU backend without a GPU); discovery
-                # then reads the eager module tree: the same modules and weights
-                from .compiled import eager_stance
 
-                t0 = time.monotonic()
-                with torch.no_grad():
-                    first_step()
-                if progress is not None:
-                    print(f"[l2prefetch tune] the compiled step ran at batch "
-                          f"{args.batches[0]} in {time.monotonic() - t0:.1f} s, compilation "
-                          f"included; the roles come from the eager module tree",
-                          file=progress, flush=True)
-                with eager_stance():
-                    reads = discover(model, first_step, min_bytes=min_bytes)
-            else:
-                reads = discover(model, first_step, min_bytes=min_bytes)
-        except StepError as exc:
-            print(f"l2prefetch tune: {exc}", file=sys.stderr)
-            return 1
-        except ValueError as exc:
-            return _fail(str(exc))
-        roles = candidates(model, reads)
-        problem = _unknown_roles(args.roles, [role.name for role in roles])
-        if problem is not None:
-            return _fail(problem)
-        print(describe_roles(roles), end="")
-        print(_largest_load(DEFAULT_MAX_BYTES))
-        return 0
-    kernels = _kernels(args.kernels)
-    forks = [g.strip() for g in args.graph_forks.split(",") if g.strip()]
+def _compile(args: argparse.Namespace, model: Any, step: Any, progress: Any) -> None:
+    """--compile: each batch's prompt run eagerly, then the model's forward compiled."""
     try:
-        result = tune(model, step, args.batches, candidates=args.roles, budget_s=args.budget,
-                      instances=args.instances, max_instances=args.max_instances,
-                      resolution=args.resolution, rounds=args.rounds, caps_mib=args.caps_mib,
-                      grids=args.grids, kernels=kernels, graph_forks=forks,
-                      min_gain_us=args.min_gain_us, min_bytes=min_bytes,
-                      progress=progress,
-                      compiled=args.compile if args.compile is not None else False)
+        for batch in args.batches:   # the prompts run eagerly: no compile of a prefill
+            step.state(batch)
+    except Exception as exc:  # noqa: BLE001 - the model's own failure, named
+        raise _Exit(f"the prompt at batch {batch} failed: {hf.error_line(exc)}", 1) from None
+    compile_forward(model, args.compile)
+    if progress is not None:
+        print(f"[l2prefetch tune] the model's forward compiled with torch.compile "
+              f"(Inductor, mode {args.compile}); the first step of each batch compiles it",
+              file=progress, flush=True)
+
+
+def _list_roles(args: argparse.Namespace, model: Any, step: Any, min_bytes: int, torch: Any,
+                progress: Any) -> int:
+    """--list-roles: discover the roles from one step at the first batch and print them."""
+    batch = args.batches[0]
+    if progress is not None:
+        print(f"[l2prefetch tune] discovering the roles: the prompt, then one decode step "
+              f"at batch {batch}", file=progress, flush=True)
+
+    def first_step() -> Any:
+        try:
+            return step(batch)
+        except Exception as exc:
+            raise StepError(f"step({batch}) failed while discovering the weights "
+                            f"it reads: {hf.error_line(exc)}") from exc
+    try:
+        if args.compile is not None:
+            # the compiled step runs (Inductor's CPU backend without a GPU); discovery
+            # then reads the eager module tree: the same modules and weights
+            t0 = time.monotonic()
+            with torch.no_grad():
+                first_step()
+            if progress is not None:
+                print(f"[l2prefetch tune] the compiled step ran at batch "
+                      f"{batch} in {time.monotonic() - t0:.1f} s, compilation "
+                      f"included; the roles come from the eager module tree",
+                      file=progress, flush=True)
+            with eager_stance():
+                reads = discover(model, first_step, min_bytes=min_bytes)
+        else:
+            reads = discover(model, first_step, min_bytes=min_bytes)
     except StepError as exc:
-        print(f"l2prefetch tune: {exc}", file=sys.stderr)
-        return 1
+        raise _Exit(exc, 1) from None
+    except ValueError as exc:
+        raise _Exit(exc) from None
+    roles = candidates(model, reads)
+    problem = _unknown_roles(args.roles, [role.name for role in roles])
+    if problem is not None:
+        raise _Exit(problem)
+    print(tuner.describe_roles(roles), end="")
+    print(_largest_load(DEFAULT_MAX_BYTES))
+    return 0
+
+
+def _tune(args: argparse.Namespace, model: Any, step: Any, min_bytes: int,
+          progress: Any) -> Any:
+    """tune() with the options; its refusals are exit status 2, a failing step 1."""
+    try:
+        return tuner.tune(model, step, args.batches, candidates=args.roles,
+                          budget_s=args.budget, instances=args.instances,
+                          max_instances=args.max_instances, resolution=args.resolution,
+                          rounds=args.rounds, caps_mib=args.caps_mib, grids=args.grids,
+                          kernels=_kernels(args.kernels),
+                          graph_forks=[g.strip() for g in args.graph_forks.split(",")
+                                       if g.strip()],
+                          min_gain_us=args.min_gain_us, min_bytes=min_bytes,
+                          progress=progress,
+                          compiled=args.compile if args.compile is not None else False)
+    except StepError as exc:
+        raise _Exit(exc, 1) from None
     except (ValueError, TypeError) as exc:
-        return _fail(str(exc))
+        raise _Exit(exc) from None
+
+
+def _write(args: argparse.Namespace, result: Any, model: Any) -> int:
+    """The profile, the report and the plot; what was written, on stdout."""
     report = args.report or os.path.splitext(args.out)[0] + ".md"
     try:
         result.save(args.out, model)
-        _files.write_atomic(report, result.markdown(), "the report")
+        write_atomic(report, result.markdown(), "the report")
         drawn = result.plot(args.plot) if args.plot else None
     except (OSError, ValueError) as exc:  # checked before measuring; changed since
-        print(f"l2prefetch tune: tuned, but the outputs could not be written: {exc}",
-              file=sys.stderr)
-        return 1
+        raise _Exit(f"tuned, but the outputs could not be written: {exc}", 1) from None
     lines = [result.summary(), f"profile: {args.out}", f"report: {report}"]
     if args.plot:
         lines.append(f"plot: {args.plot}" if drawn
@@ -410,8 +447,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m l2prefetch.tuning.cli``: the same as ``python -m l2prefetch tune``."""
-    from .._parser import Parser as _Parser  # usage errors as one line, exit status 2
-
     parser = _Parser(prog="l2prefetch tune", description=__doc__.split("\n\n")[0],
                      allow_abbrev=False)
     configure(parser)

@@ -35,7 +35,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 from ..mechanisms import DEFAULT_SITE_HOOK, site_entry
-from ..plan import _layer_of  # the runtime's too (profiles name sites by layer)
+from ..model_paths import layer_of  # the runtime's too (profiles name sites by layer)
+from ..plan import PlanEntry
 
 __all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "discover", "roles_from_plan"]
 
@@ -69,7 +70,7 @@ class Read:
     @property
     def relative(self) -> str:
         """The path below the decoder layer (the whole path outside layers)."""
-        return _layer_of(self.path)[1]
+        return layer_of(self.path)[1]
 
 
 class Reads(list):
@@ -156,7 +157,7 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
             return
         for _, p in own:
             seen_params.add(id(p))
-        layer, relative = _layer_of(path)
+        layer, relative = layer_of(path)
         tensors = tuple(p for _, p in own)
         reads.append(Read(path=path, layer=layer, nbytes=nbytes, order=len(reads),
                           params=tuple(param_names.get(id(p), f"{path}.{n}") for n, p in own),
@@ -268,8 +269,6 @@ class Role:
     def entries(self, batches: Iterable[int], *, byte_cap: int, grid: int = 32,
                 kernel: Optional[str] = None, graph_fork: Optional[str] = None) -> list:
         """One :class:`~l2prefetch.plan.PlanEntry` per layer with these settings."""
-        from ..plan import PlanEntry
-
         batches = tuple(batches)
         extra = {}
         if kernel is not None:
@@ -306,7 +305,7 @@ def _before_sites(calls: Sequence[str], position: dict[str, int], repeated: froz
         if (path.startswith(previous + ".") or consumer.startswith(path + ".") or not path
                 or path in repeated):
             continue
-        layer, relative = _layer_of(path)
+        layer, relative = layer_of(path)
         if layer is not None and (not relative or "." in relative):
             continue
         out.append(path)
@@ -395,7 +394,7 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
             sites += [("before", path) for path in
                       _before_sites(calls, position, repeated, previous.path, consumer.path)]
         for kind, site in sites:
-            site_layer, site_rel = _layer_of(site)
+            site_layer, site_rel = layer_of(site)
             next_layer = (site_layer is not None and consumer.layer is not None
                           and consumer.layer != site_layer)
             key = (kind, site_rel, consumer.relative, next_layer)
@@ -432,8 +431,6 @@ def roles_from_plan(model: Any, plan: Iterable[Any], hook_points: Any) -> list[R
     point to ``[(module, layer)]`` or a callable ``model -> mapping``.
     """
     import torch
-
-    from ..plan import PlanEntry
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -476,7 +473,7 @@ def roles_from_plan(model: Any, plan: Iterable[Any], hook_points: Any) -> list[R
         first = next(iter(layers.values()))
         defaults = (("byte_cap", first.byte_cap), ("grid", first.grid),
                     ("carveout", first.carveout), ("priority", first.priority))
-        site_rel = _layer_of(sites[0].site)[1]
+        site_rel = layer_of(sites[0].site)[1]
         roles.append(Role(name=point, consumer=point, site=site_rel, kind="policy",
                           next_layer=False, sites=tuple(sites), defaults=defaults))
     return roles

@@ -55,8 +55,8 @@ from typing import Any, Optional
 from .._files import check_regular, loads_json, open_regular, read_text
 
 __all__ = ["DecodeStep", "OverrideError", "available_bytes", "config_fields", "device_of",
-           "dtype_of", "load_model", "model_bytes", "needed_bytes", "parse_overrides",
-           "total_bytes"]
+           "dtype_of", "error_line", "load_model", "model_bytes", "needed_bytes",
+           "parse_device", "parse_overrides", "total_bytes"]
 
 PROMPT_LEN = 8
 MAX_CACHE_LEN = 64
@@ -110,7 +110,7 @@ def cache_keyword(model: Any) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _one_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
     """An exception as one line.  transformers' validation errors span several, the
     last of which is the cause ("ValueError: The hidden size (64) is not a multiple ...")."""
     lines = [part.strip() for part in str(exc).splitlines() if part.strip()]
@@ -156,8 +156,9 @@ def dtype_of(dtype: Any) -> Any:
     return found
 
 
-def _parse_device(device: Any) -> Any:
-    """``device`` as a torch.device of the CPU or CUDA (not checked against the GPUs)."""
+def parse_device(device: Any) -> Any:
+    """``device`` as a torch.device of the CPU or CUDA (not checked against the GPUs:
+    :func:`device_of`); anything else is a ValueError naming the choices."""
     import torch
 
     # A string is checked here first: torch.device throws a C++ exception for a bad one,
@@ -176,10 +177,13 @@ def _parse_device(device: Any) -> Any:
 
 def device_of(device: Any) -> Any:
     """The ``torch.device`` to build on: 'cpu', or a CUDA device torch sees ('cuda',
-    'cuda:N', an index); anything else is a ValueError saying what there is."""
+    'cuda:N', an index, or what :func:`parse_device` returned); anything else is a
+    ValueError saying what there is."""
     import torch
 
-    found = _parse_device(device)
+    found = parse_device(device)
+    if isinstance(device, torch.device):   # parsed already: named as it was given
+        device = str(device)
     if found.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -386,7 +390,7 @@ def _make_config(tf: Any, cls: type, data: Mapping[str, Any], overrides: Mapping
     try:
         config = cls(**merged)
     except Exception as exc:  # noqa: BLE001 - only transformers' config code ran: bad values
-        raise ValueError(f"no valid {cls.__name__} from {source}: {_one_line(exc)}") from None
+        raise ValueError(f"no valid {cls.__name__} from {source}: {error_line(exc)}") from None
     _check_sizes(cls, config, source)
     return config
 
@@ -396,7 +400,7 @@ def _read_config(path: str) -> dict:
     try:
         data = loads_json(text, f"config {path}")
     except (json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"config {path} is not valid JSON: {_one_line(exc)}") from None
+        raise ValueError(f"config {path} is not valid JSON: {error_line(exc)}") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"{path} has no \"model_type\": it is not a transformers config")
     return data
@@ -428,7 +432,7 @@ def _check_safetensors(path: str) -> None:
         header = loads_json(b"".join(chunks), where)
     except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not a safetensors file (its header is not JSON: "
-                         f"{_one_line(exc)}): it is corrupt or truncated") from None
+                         f"{error_line(exc)}): it is corrupt or truncated") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path} is not a safetensors file (its header is not an object)")
     data_bytes = info.st_size - 8 - size
@@ -560,7 +564,7 @@ def model_bytes(model_cls: type, config: Any, dtype: Any) -> tuple[int, int]:
             model = model_cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
     except Exception as exc:  # noqa: BLE001 - on meta nothing but the config can fail
         raise ValueError(f"the {type(config).__name__} does not build a model: "
-                         f"{_one_line(exc)}") from None
+                         f"{error_line(exc)}") from None
     tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     count = sum(t.numel() for t in tensors.values())
     return count, sum(t.numel() * t.element_size() for t in tensors.values())
@@ -680,7 +684,7 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
             raise
         except Exception as exc:  # noqa: BLE001 - transformers reading checked files
             raise ValueError(f"cannot load the weights of {checkpoint}: "
-                             f"{_one_line(exc)}") from None
+                             f"{error_line(exc)}") from None
         model = model.to(where)
     else:
         torch.manual_seed(seed)

@@ -73,9 +73,9 @@ def forks_of_profile(model: Any, profile: Any, device: Any = None) -> Forks:
     from .rig import build_controller
 
     consumers = {}
-    for entry, raw in zip(profile.plan, profile.data["plan"]):
-        if raw["weights"]:
-            consumers.setdefault((entry.point, entry.layer), raw["weights"][0].rpartition(".")[0])
+    for entry, paths in zip(profile.plan, profile.weight_paths):
+        if paths:
+            consumers.setdefault((entry.point, entry.layer), paths[0].rpartition(".")[0])
     return Forks(lambda empty: build_controller(profile.plan, device, empty=empty, eager=False),
                  profile.hook_points(model), consumers)
 

@@ -27,7 +27,13 @@ import importlib.util
 import sys
 from typing import Any
 
+from .. import _C, hooks
+from .._files import check_outputs, read_text, write_atomic
 from ..mechanisms import DEFAULT_GRAPH_FORK, GRAPH_FORKS
+from ..profile import load_profile, parse_profile, profile_batches
+from . import hf
+from .arms import StepError
+from .discovery import candidates, discover
 
 __all__ = ["add_parser", "run"]
 
@@ -118,9 +124,6 @@ def _one_line(text: Any) -> str:
 def _check_profile(args: argparse.Namespace) -> None:
     """The profile as a file, read through ``_files`` and checked by ``parse_profile``
     (not yet against the model or the GPU), and the batch it forks at."""
-    from .._files import read_text
-    from ..profile import parse_profile
-
     given = [f"--{o.replace('_', '-')}" for o in ("cap_mib", "mode", "grid", "kernel")
              if getattr(args, o) is not None]
     if given:
@@ -133,12 +136,12 @@ def _check_profile(args: argparse.Namespace) -> None:
                    "l2prefetch tune MODEL --out PROFILE.json`)") from None
     except (OSError, ValueError) as exc:   # a directory, a FIFO, not a profile
         raise _Bad(f"--profile: {exc}") from None
-    if not data["plan"]:
+    tuned, forked = profile_batches(data)
+    if not forked:
         raise _Bad(f"--profile {args.profile}: its plan is empty, so nothing forks (the "
                    "tuner found no prefetch that pays); trace a role with --role")
-    forked = sorted({b for entry in data["plan"] for b in entry["batches"]})
     if args.batch is None:
-        args.batch = data["batches"][0]
+        args.batch = tuned[0]
     if args.batch not in forked:
         raise _Bad(f"--batch {args.batch}: the profile forks at batches {forked} only")
 
@@ -146,16 +149,12 @@ def _check_profile(args: argparse.Namespace) -> None:
 def _check(args: argparse.Namespace) -> None:
     """Everything that can be checked before torch sees the GPU: the options, the
     profile as a file and every output (as ``tune`` checks its own, by ``_files``)."""
-    from .._files import check_outputs
-
     if not str(args.device).startswith("cuda"):
         raise _Bad(f"trace needs a CUDA GPU: --device must be a CUDA device, got "
                    f"{args.device!r}")
     if args.profile is not None:
         _check_profile(args)
     if args.kernel is not None:
-        from .. import _C
-
         if args.kernel not in _C.kernel_variants():
             raise _Bad(f"--kernel {args.kernel!r} is not a loader variant; known: "
                        f"{', '.join(sorted(_C.kernel_variants()))}")
@@ -172,9 +171,6 @@ def _check(args: argparse.Namespace) -> None:
 
 def _forks(args: argparse.Namespace, model: Any, step: Any, trace: Any) -> tuple[Any, int, str]:
     """(forks, batch, what is traced) from --profile or --role."""
-    from .discovery import candidates, discover
-    from ..profile import load_profile
-
     if args.profile is not None:
         # _check read the file and its batches; here its fit to the model and the GPU.
         try:
@@ -218,9 +214,7 @@ def _run(args: argparse.Namespace) -> int:
         import torch
     except ImportError:
         raise _Bad("needs torch (pip install 'l2prefetch[torch]')") from None
-    from .. import _C, _files, hooks
-    from . import hf, trace
-    from .arms import StepError
+    from . import trace   # here: the parser (and --help) loads none of the trace modules
 
     if hooks.disabled():
         raise _Bad("L2PREFETCH_DISABLE is set, so nothing forks: unset it to trace")
@@ -252,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.out is None:
             sys.stdout.write(text)
         else:
-            _files.write_atomic(args.out, text, "--out")
+            write_atomic(args.out, text, "--out")
             print(f"trace: {args.out}")
         if args.plot is not None:
             result.plot(args.plot)

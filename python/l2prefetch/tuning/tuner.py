@@ -8,7 +8,6 @@ rule, :mod:`l2prefetch.tuning.rig` for how steps are measured, and
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import difflib
 import logging
 import math
@@ -19,18 +18,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
+from .. import _C
 from ..mechanisms import GRAPH_FORKS, graph_fork_choices
-from ..plan import _check_batches
+from ..plan import check_batches
 from .discovery import Role, candidates as discover_candidates, describe_bytes, discover
-from ..profile import (EAGER_STEP, PROFILE_FORMAT, PROFILE_VERSION, describe_step,
-                       model_fingerprint, save_profile, step_record, versions)
+from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile, step_record,
+                       versions)
+from . import measure  # GraphBackend looked up when tune() runs (the tests replace it)
 from .arms import Backend, Setting, StepError
-from .measure import check_rounds
+from .compiled import eager_stance, recompile, step_is_compiled
+from .report import markdown, plot
 from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
                      MAX_INSTANCES, MIN_INSTANCES, lead_max_instances, search)
 
-__all__ = ["TuneResult", "tune"]
+__all__ = ["TuneResult", "check_max_instances", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,41 +95,12 @@ class TuneResult:
 
     # ---------------------------------------------------------------- profile
     def to_profile(self, model: Any) -> dict:
-        """The profile's JSON object for ``model`` (see :mod:`l2prefetch.profile`)."""
-        from ..plan import _named_tensors
-
-        names = {}
-        for name, value in _named_tensors(model).items():
-            names.setdefault(id(value), name)
-        site_of = {(point, layer): (path, *hook) for point, sites in self.sites.items()
-                   for path, layer, *hook in sites}
-        entries, weight_paths = [], []
-        for entry in self.plan:
-            paths = []
-            for weight in entry.weights:
-                path = names.get(id(weight))
-                if path is None:
-                    raise ValueError(f"plan entry {entry.point!r} layer {entry.layer} holds a "
-                                     "tensor that is not the model's: pass the tuned model")
-                paths.append(path)
-            weight_paths += paths
-            site, *hook = site_of[(entry.point, entry.layer)]
-            entries.append({"point": entry.point, "layer": entry.layer,
-                            "batches": list(entry.batches), "weights": paths,
-                            "site": site, **({"hook": hook[0]} if hook else {}),
-                            "byte_cap": entry.byte_cap, "grid": entry.grid,
-                            "carveout": entry.carveout, "priority": entry.priority,
-                            "kernel": getattr(entry, "kernel", None),
-                            "graph_fork": getattr(entry, "graph_fork", None)})
-        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="seconds"),
-                "device": self.device, "versions": self.versions, "step": dict(self.step),
-                "model": model_fingerprint(model, dict.fromkeys(weight_paths)),
-                "batches": [rep.batch for rep in self.batches], "plan": entries,
-                "tuning": {"budget_s": self.budget_s, "elapsed_s": self.elapsed_s,
-                           **self.settings},
-                "results": [rep.as_dict() for rep in self.batches]}
+        """The profile's JSON object for ``model`` (:func:`l2prefetch.profile.profile_document`)."""
+        return profile_document(
+            model, self.plan, self.sites, batches=[rep.batch for rep in self.batches],
+            device=self.device, versions=self.versions, step=self.step,
+            tuning={"budget_s": self.budget_s, "elapsed_s": self.elapsed_s, **self.settings},
+            results=[rep.as_dict() for rep in self.batches])
 
     def save(self, path: Union[str, os.PathLike], model: Any) -> None:
         """Write the profile for ``model`` to ``path`` (atomically: a temporary file
@@ -140,15 +113,11 @@ class TuneResult:
     # ---------------------------------------------------------------- report
     def markdown(self) -> str:
         """The report: per batch the verdict, then per role what was measured."""
-        from .report import markdown
-
         return markdown(self)
 
     def plot(self, path: Union[str, os.PathLike]) -> bool:
         """A PNG of each role's gain against no forks, with intervals, per batch.
         Returns False (and draws nothing) where matplotlib is not installed."""
-        from .report import plot
-
         return plot(self, os.fspath(path))
 
 
@@ -188,8 +157,6 @@ def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
                 raise StepError(f"step({batch}) failed while discovering the weights it "
                                 f"reads: {type(exc).__name__}: {exc}") from exc
         if compiled:   # the same modules and weights, read from the eager module tree
-            from .compiled import eager_stance
-
             with eager_stance():
                 reads = discover(model, run, min_bytes=min_bytes)
         else:
@@ -315,6 +282,59 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     confirmed to pay; it is never a plan that was slower than no plan in its
     confirmation.
     """
+    batches = _check_model_and_step(model, step, batches, budget_s)
+    max_instances = _check_sampling(instances, max_instances, rounds, min_gain_us, resolution)
+    known = _check_settings(caps_mib, grids, graph_forks, kernels)
+    if backend is not None and not isinstance(backend, Backend):
+        raise TypeError(f"backend must be None (measure on the GPU) or a "
+                        f"l2prefetch.tuning.arms.Backend (derive from it), got "
+                        f"{type(backend).__name__}")
+    mode = _check_compiled(compiled)
+    t0 = time.monotonic()
+    if backend is None:
+        backend, compiled, kernels = _graph_backend(model, step, batches[0], compiled, device,
+                                                    rounds, kernels, known)
+    if kernels is None:
+        kernels = (None,)
+    compiled = bool(compiled)
+    step_info = step_record(compiled, mode if compiled else None)
+    try:
+        roles, not_offered = _offered_roles(backend, model, step, batches[0], candidates,
+                                            min_bytes, caps_mib, compiled, progress)
+        if progress is not None:
+            print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
+                  f"budget {budget_s:.0f} s, the {describe_step(step_info)} step",
+                  file=progress, flush=True)
+        remaining = budget_s - (time.monotonic() - t0)
+        reports = search(backend, roles, batches, budget_s=max(remaining, 1e-3),
+                         instances=instances, max_instances=max_instances,
+                         caps_mib=caps_mib, grids=grids, kernels=kernels,
+                         graph_forks=graph_forks, min_gain_us=min_gain_us,
+                         resolution=resolution, progress=progress)
+    finally:
+        backend.close()
+    plan, sites = merge_plan(roles, reports)
+    result = TuneResult(
+        batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
+        elapsed_s=time.monotonic() - t0,
+        settings={"instances": instances, "max_instances": max_instances,
+                  "lead_max_instances": lead_max_instances(instances, max_instances),
+                  "rounds": backend.rounds,
+                  "caps_mib": list(caps_mib), "grids": list(grids), "kernels": list(kernels),
+                  "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
+                  "min_bytes": min_bytes, "resolution": resolution, "roles": len(roles),
+                  **({"not_offered": not_offered} if not_offered else {})},
+        device=backend.device_fingerprint(),
+        versions=versions(), step=step_info)
+    logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
+                result.elapsed_s, "empty plan" if result.empty else
+                f"{len(plan)} entries over {len(sites)} roles")
+    return result
+
+
+def _check_model_and_step(model: Any, step: object, batches: object,
+                          budget_s: object) -> tuple[int, ...]:
+    """tune()'s model, step, batches (returned as checked) and budget."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -322,26 +342,48 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     if not callable(step):
         raise TypeError(f"step must be a callable step(batch) -> output, got "
                         f"{type(step).__name__}")
-    batches = _check_batches(batches, "batches")
+    batches = check_batches(batches, "batches")
     _check_number("budget_s", budget_s, 0)
     if budget_s == 0:
         raise ValueError("budget_s must be > 0 seconds (the default is 300); a tuner with no "
                          "time can confirm nothing")
-    _check_number("instances", instances, MIN_INSTANCES, integer=True)
+    return batches
+
+
+def check_max_instances(instances: int, max_instances: object, *,
+                        options: bool = False) -> int:
+    """``max_instances`` resolved: None is :data:`~l2prefetch.tuning.search.MAX_INSTANCES`
+    (or ``instances`` if more); else an int >= ``instances``.  The one check of it, for
+    tune() and ``tune --max-instances`` (``options``: messages name the options)."""
     if max_instances is None:
-        max_instances = max(MAX_INSTANCES, instances)
-    elif isinstance(max_instances, bool) or not isinstance(max_instances, numbers.Integral):
-        raise TypeError(f"max_instances must be None or an int >= instances ({instances}), "
+        return max(MAX_INSTANCES, instances)
+    many, few, kind = (("--max-instances", "--instances", "") if options
+                       else ("max_instances", "instances", "None or an int "))
+    if isinstance(max_instances, bool) or not isinstance(max_instances, numbers.Integral):
+        raise TypeError(f"{many} must be {kind}>= {few} ({instances}), "
                         f"got {type(max_instances).__name__} {max_instances!r}")
-    elif max_instances < instances:
-        raise ValueError(f"max_instances must be None or an int >= instances ({instances}), "
-                         f"got {max_instances}; equal to instances turns sequential "
-                         "sampling off")
-    check_rounds(rounds)
+    if max_instances < instances:
+        raise ValueError(f"{many} must be {kind}>= {few} ({instances}), got {max_instances}; "
+                         f"equal to {few} turns sequential sampling off")
+    return int(max_instances)
+
+
+def _check_sampling(instances: object, max_instances: object, rounds: object,
+                    min_gain_us: object, resolution: object) -> int:
+    """tune()'s sampling arguments; ``max_instances`` resolved."""
+    _check_number("instances", instances, MIN_INSTANCES, integer=True)
+    max_instances = check_max_instances(instances, max_instances)
+    measure.check_rounds(rounds)
     _check_number("min_gain_us", min_gain_us, 0)
     _check_number("resolution", resolution, 0)
     if resolution >= 1:
         raise ValueError(f"resolution is a share of the step (0.0005 is 0.05%), got {resolution!r}")
+    return max_instances
+
+
+def _check_settings(caps_mib: object, grids: object, graph_forks: object,
+                    kernels: object) -> dict:
+    """tune()'s lists of settings to search; the loader kernels this build has."""
     for name, values, kind in (("caps_mib", caps_mib, numbers.Real), ("grids", grids, int)):
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
             raise TypeError(f"{name} must be a non-empty sequence, got {values!r}")
@@ -360,8 +402,6 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
             g not in GRAPH_FORKS for g in graph_forks):
         raise ValueError(f"graph_forks must be a non-empty sequence of {graph_fork_choices()} "
                          f"(l2prefetch.mechanisms), got {graph_forks!r}")
-    from .. import _C
-
     known = _C.kernel_variants()
     if kernels is not None:
         if isinstance(kernels, str) or not isinstance(kernels, Sequence) or not kernels:
@@ -371,81 +411,54 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
         if bad:
             raise ValueError(f"unknown kernel(s) {bad}; kernels are {sorted(known)} (None: the "
                              "device's default)")
+    return known
 
-    if backend is not None and not isinstance(backend, Backend):
-        raise TypeError(f"backend must be None (measure on the GPU) or a "
-                        f"l2prefetch.tuning.arms.Backend (derive from it), got "
-                        f"{type(backend).__name__}")
-    mode = _check_compiled(compiled)
-    t0 = time.monotonic()
-    if backend is None:
-        from .compiled import recompile, step_is_compiled
-        from .measure import GraphBackend
 
-        found = step_is_compiled(model, step, batches[0])
-        if compiled is not None and bool(compiled) != found:
-            raise ValueError(f"compiled={compiled!r}, but step({batches[0]}) runs the model "
-                             f"{'in compiled code' if found else 'eagerly'}; pass "
-                             f"compiled={found} (or None: found out)")
-        compiled = found
-        if compiled:
-            recompile()   # the detection's hooks may be in a frame compiled just now
-        backend = GraphBackend(model, step, device=device, rounds=rounds, compiled=compiled)
-        if kernels is None:
-            sm = _C.device_info(backend.device.index)["sm"]
-            kernels = (None, *(k for k in ALTERNATIVE_KERNELS
-                               if k in known and known[k]["min_sm"] <= sm))
+def _graph_backend(model: Any, step: Callable[[int], Any], batch: int,
+                   compiled: Union[None, bool, str], device: Any, rounds: Optional[int],
+                   kernels: Optional[Sequence[Optional[str]]],
+                   known: dict) -> tuple[Backend, bool, Optional[Sequence[Optional[str]]]]:
+    """The GPU's backend, with how ``step`` runs the model (found out at ``batch``, and
+    checked against ``compiled`` where given) and, where ``kernels`` is None, the device's
+    default loader and the :data:`ALTERNATIVE_KERNELS` it supports."""
+    found = step_is_compiled(model, step, batch)
+    if compiled is not None and bool(compiled) != found:
+        raise ValueError(f"compiled={compiled!r}, but step({batch}) runs the model "
+                         f"{'in compiled code' if found else 'eagerly'}; pass "
+                         f"compiled={found} (or None: found out)")
+    if found:
+        recompile()   # the detection's hooks may be in a frame compiled just now
+    backend = measure.GraphBackend(model, step, device=device, rounds=rounds, compiled=found)
     if kernels is None:
-        kernels = (None,)
-    compiled = bool(compiled)
-    step_info = step_record(compiled, mode if compiled else None)
-    try:
-        roles = _resolve_candidates(model, step, batches[0], candidates, min_bytes, compiled)
-        caps_bytes = [int(c * (1 << 20)) for c in caps_mib]
+        sm = _C.device_info(backend.device.index)["sm"]
+        kernels = (None, *(k for k in ALTERNATIVE_KERNELS
+                           if k in known and known[k]["min_sm"] <= sm))
+    return backend, found, kernels
+
+
+def _offered_roles(backend: Backend, model: Any, step: Callable[[int], Any], batch: int,
+                   candidates: object, min_bytes: int, caps_mib: Sequence[float],
+                   compiled: bool, progress: Any) -> tuple[list[Role], dict]:
+    """The candidate roles the backend takes (:meth:`Backend.use_roles`), and those its
+    screen leaves out, each with the reason."""
+    roles = _resolve_candidates(model, step, batch, candidates, min_bytes, compiled)
+    caps_bytes = [int(c * (1 << 20)) for c in caps_mib]
+    backend.use_roles(roles, caps_bytes)
+    if compiled and progress is not None:
+        print(f"[l2prefetch tune] screening the fork sites: Inductor's kernels without "
+              f"forks and with them (compilations)", file=progress, flush=True)
+    t_screen = time.monotonic()
+    not_offered = dict(backend.screen(batch))
+    if not_offered:
+        roles = [role for role in roles if role.name not in not_offered]
         backend.use_roles(roles, caps_bytes)
-        if compiled and progress is not None:
-            print(f"[l2prefetch tune] screening the fork sites: Inductor's kernels without "
-                  f"forks and with them (compilations)", file=progress, flush=True)
-        t_screen = time.monotonic()
-        not_offered = dict(backend.screen(batches[0]))
-        if not_offered:
-            roles = [role for role in roles if role.name not in not_offered]
-            backend.use_roles(roles, caps_bytes)
-        if compiled and progress is not None:
-            print(f"[l2prefetch tune] screened in {time.monotonic() - t_screen:.1f} s: "
-                  + (f"{len(not_offered)} roles not offered (a fork at their site changes "
-                     f"the compiled code): {', '.join(sorted(not_offered))}" if not_offered
-                     else "every site leaves the compiled code as it was"),
-                  file=progress, flush=True)
-        if progress is not None:
-            print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
-                  f"budget {budget_s:.0f} s, the {describe_step(step_info)} step",
-                  file=progress, flush=True)
-        remaining = budget_s - (time.monotonic() - t0)
-        reports = search(backend, roles, batches, budget_s=max(remaining, 1e-3),
-                         instances=instances, max_instances=int(max_instances),
-                         caps_mib=caps_mib, grids=grids, kernels=kernels,
-                         graph_forks=graph_forks, min_gain_us=min_gain_us,
-                         resolution=resolution, progress=progress)
-    finally:
-        backend.close()
-    plan, sites = merge_plan(roles, reports)
-    result = TuneResult(
-        batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
-        elapsed_s=time.monotonic() - t0,
-        settings={"instances": instances, "max_instances": int(max_instances),
-                  "lead_max_instances": lead_max_instances(instances, int(max_instances)),
-                  "rounds": backend.rounds,
-                  "caps_mib": list(caps_mib), "grids": list(grids), "kernels": list(kernels),
-                  "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
-                  "min_bytes": min_bytes, "resolution": resolution, "roles": len(roles),
-                  **({"not_offered": not_offered} if not_offered else {})},
-        device=backend.device_fingerprint(),
-        versions=versions(), step=step_info)
-    logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
-                result.elapsed_s, "empty plan" if result.empty else
-                f"{len(plan)} entries over {len(sites)} roles")
-    return result
+    if compiled and progress is not None:
+        print(f"[l2prefetch tune] screened in {time.monotonic() - t_screen:.1f} s: "
+              + (f"{len(not_offered)} roles not offered (a fork at their site changes "
+                 f"the compiled code): {', '.join(sorted(not_offered))}" if not_offered
+                 else "every site leaves the compiled code as it was"),
+              file=progress, flush=True)
+    return roles, not_offered
 
 
 def describe_roles(roles: Sequence[Role]) -> str:
