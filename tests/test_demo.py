@@ -1,7 +1,8 @@
 """``python -m l2prefetch demo`` (l2prefetch/tuning/demo.py) and ``./dev.sh run``'s default.
 
 On the CPU: the path without a GPU end to end (and without torch), bad options and
-outputs refused in one line with exit status 2 before anything is built.  On a GPU (marked ``gpu``): the demo with a
+outputs refused in one line with exit status 2 before anything is built, and dev.sh's
+``run`` with no arguments running ``demo``.  On a GPU (marked ``gpu``): the demo with a
 small budget writes each case's files, and its profiles load.
 """
 
@@ -193,7 +194,7 @@ def test_the_outputs_per_case():
         "d/planted-compiled.json", "d/planted-compiled.md", "d/planted-compiled.png"]
 
 
-# -- the command line -----------------------------------------------------------------------
+# -- the command line and dev.sh -------------------------------------------------------------
 
 def test_demo_is_registered_and_its_help_needs_no_torch(tmp_path):
     parser = cli._parser()
@@ -208,6 +209,24 @@ def test_demo_is_registered_and_its_help_needs_no_torch(tmp_path):
     proc = l2p("--help", tmp_path=tmp_path, no_torch=True)
     assert re.search(r"^\s+demo\s+the whole flow on a small built-in model", proc.stdout,
                      re.M), proc.stdout
+
+
+def _dev_sh_run(*args):
+    """dev.sh's dispatch with its set-up stubbed: what `./dev.sh run ARGS` would exec."""
+    text = open(os.path.join(ROOT, "dev.sh"), encoding="utf-8").read()
+    dispatch = text[text.index('case "${1:-}" in'):]
+    script = "set -euo pipefail\npick_python() { PY=echo; }\ninstall() { :; }\n" + dispatch
+    return subprocess.run(["bash", "-c", script, "dev.sh", "run", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_dev_sh_run_defaults_to_the_demo():
+    proc = _dev_sh_run()
+    assert proc.returncode == 0 and proc.stdout == "-m l2prefetch demo\n", proc
+    proc = _dev_sh_run("info", "-v")
+    assert proc.returncode == 0 and proc.stdout == "-m l2prefetch info -v\n", proc
+    header = open(os.path.join(ROOT, "dev.sh"), encoding="utf-8").read().split("set -e")[0]
+    assert "(no ARGS: demo" in header
 
 
 # -- on a GPU --------------------------------------------------------------------------------
