@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # dev.sh: the commands of the README, with all set-up included.
 #
-#   ./dev.sh run [ARGS]     build, install, python -m l2prefetch ARGS (default: info, what
-#                           l2prefetch does on this machine)
+#   ./dev.sh run [ARGS]     build, install, python -m l2prefetch ARGS (no ARGS: demo, the
+#                           whole flow on a small built-in model, about two minutes on a
+#                           GPU; without one, what the CPU can do)
 #   ./dev.sh test [ARGS]    build, install, the test suite with pytest ARGS (the GPU tests
 #                           after the others, in one process; they skip without a GPU); the
 #                           package check (.ci/package: the sdist and a manylinux wheel into
@@ -165,7 +166,9 @@ sanitized_suite() {
 case "${1:-}" in
     run)
         pick_python; install
-        shift; exec "$PY" -m l2prefetch "$@" ;;
+        shift
+        [[ $# -gt 0 ]] || set -- demo
+        exec "$PY" -m l2prefetch "$@" ;;
     test)
         pick_python; install
         shift

@@ -1,4 +1,4 @@
-"""The command line: ``python -m l2prefetch [info | plan | tune | trace] [options]``.
+"""The command line: ``python -m l2prefetch [info | plan | tune | trace | demo] [options]``.
 
 * ``info`` (also what runs with no command): what l2prefetch does on this
   machine.  On a GPU it prepares ~32 MiB of weights, launches the prefetch and
@@ -11,6 +11,8 @@
   only: no memory, no GPU); ``tune`` finds the plan of another model.
 * ``tune``: from :mod:`l2prefetch.tuning.cli`, where that module exists.
 * ``trace``: from :mod:`l2prefetch.tuning.trace_cli`: where the loads ran in the graph.
+* ``demo``: from :mod:`l2prefetch.tuning.demo`: the whole flow on a small built-in
+  model (``./dev.sh run``'s default).
 
 Every command is a pair ``add_parser(subparsers)``, which adds its parser and
 sets ``func=run``, and ``run(args) -> int``, its exit status.
@@ -81,24 +83,23 @@ def _program() -> str:
     return "l2prefetch" if os.path.basename(sys.argv[0]) == "l2prefetch" else "python -m l2prefetch"
 
 
+#: The commands of l2prefetch.tuning, each a module whose add_parser(subparsers) adds it.
+_TUNING_COMMANDS = ("cli", "trace_cli", "demo")   # tune, trace, demo
+
+
 def _commands() -> list[Any]:
     """The ``add_parser`` of every command, in ``--help`` order."""
+    import importlib
+
     adders = [_add_info, _add_plan]
-    try:
-        from .tuning import cli as tuning_cli  # add_parser(subparsers) adds 'tune'
-    except ImportError as exc:  # no l2prefetch.tuning, or no tuning.cli in it
-        if exc.name not in ("l2prefetch.tuning", "l2prefetch.tuning.cli"):
-            raise          # tune exists but cannot import: say so rather than hide it
-        tuning_cli = None
-    if tuning_cli is not None:
-        adders.append(tuning_cli.add_parser)
-    try:
-        from .tuning import trace_cli  # add_parser(subparsers) adds 'trace'
-    except ImportError as exc:
-        if exc.name not in ("l2prefetch.tuning", "l2prefetch.tuning.trace_cli"):
-            raise
-    else:
-        adders.append(trace_cli.add_parser)
+    for name in _TUNING_COMMANDS:
+        try:
+            module = importlib.import_module(f".tuning.{name}", __package__)
+        except ImportError as exc:  # no l2prefetch.tuning, or not this module in it
+            if exc.name not in ("l2prefetch.tuning", f"l2prefetch.tuning.{name}"):
+                raise      # the command exists but cannot import: say so rather than hide it
+            continue
+        adders.append(module.add_parser)
     return adders
 
 
