@@ -20,7 +20,7 @@ from l2prefetch import cli
 from l2prefetch.tuning import demo
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(l2prefetch.__file__)))
-ROOT = os.path.dirname(PYTHON_DIR)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_DRIVER = "/nonexistent/libcuda.so.1"
 #: A model that builds and decodes on the CPU in a fraction of a second, with weights of
 #: 1 MiB and more in its MLPs, so that it has roles.

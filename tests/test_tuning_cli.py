@@ -632,16 +632,16 @@ def test_the_default_llama_is_refused_on_a_24_gib_machine_before_it_is_built(mon
 
     small_config = transformers.LlamaConfig(num_hidden_layers=4)
     count, nbytes = hf.model_bytes(transformers.LlamaForCausalLM, small_config, torch.bfloat16)
-    hf._check_fits("4 layers", count, nbytes, torch.device("cpu"), 4)
+    hf.check_fits("4 layers", count, nbytes, torch.device("cpu"), 4)
     # on a 32 GiB machine with 30 GiB free the default Llama has room (16 GiB is half)
     config = transformers.LlamaConfig()
     count, nbytes = hf.model_bytes(transformers.LlamaForCausalLM, config, torch.bfloat16)
     machine(monkeypatch, 32, 30)
-    hf._check_fits("default", count, nbytes, torch.device("cpu"), 32)
+    hf.check_fits("default", count, nbytes, torch.device("cpu"), 32)
     # but not with only 14 GiB of them free: the weights plus 10% plus 1 GiB
     machine(monkeypatch, 32, 14)
     with pytest.raises(ValueError, match=r"more than the 14\.00 GiB free on cpu"):
-        hf._check_fits("default", count, nbytes, torch.device("cpu"), 32)
+        hf.check_fits("default", count, nbytes, torch.device("cpu"), 32)
 
 
 def test_the_fit_check_names_a_layer_count_that_fits(monkeypatch):
@@ -653,7 +653,7 @@ def test_the_fit_check_names_a_layer_count_that_fits(monkeypatch):
     machine(monkeypatch, 4.2, 4)
     with pytest.raises(ValueError, match=r"\(e\.g\. --set num_hidden_layers=2; the tuner needs "
                                          r"a few layers"):
-        hf._check_fits("default", 6_738_415_616, 13_476_831_232, torch.device("cpu"), 32)
+        hf.check_fits("default", 6_738_415_616, 13_476_831_232, torch.device("cpu"), 32)
 
 
 def test_a_gpu_gives_all_its_free_memory_and_a_checkpoint_staged_on_the_cpu_too(monkeypatch):
@@ -662,12 +662,12 @@ def test_a_gpu_gives_all_its_free_memory_and_a_checkpoint_staged_on_the_cpu_too(
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(hf, "available_bytes", lambda device: 20 * GIB)
     monkeypatch.setattr(hf, "total_bytes", lambda device: 24 * GIB)
-    hf._check_fits("m", 1, 12 * GIB, cuda, 32)            # 14.2 GiB of 20: no half rule
-    hf._check_fits("m", 1, 12 * GIB, torch.device("cpu"), 32, staging=True)
+    hf.check_fits("m", 1, 12 * GIB, cuda, 32)            # 14.2 GiB of 20: no half rule
+    hf.check_fits("m", 1, 12 * GIB, torch.device("cpu"), 32, staging=True)
     with pytest.raises(ValueError, match=r"more than the 12\.00 GiB a model may take on cpu"):
-        hf._check_fits("m", 1, 12 * GIB, torch.device("cpu"), 32)
+        hf.check_fits("m", 1, 12 * GIB, torch.device("cpu"), 32)
     with pytest.raises(ValueError, match=r"more than the 20\.00 GiB free on cuda:0"):
-        hf._check_fits("m", 1, 18 * GIB, cuda, 32)
+        hf.check_fits("m", 1, 18 * GIB, cuda, 32)
 
 
 def test_the_memory_table_reads_total_and_available():

@@ -65,7 +65,7 @@ def _list(text: str, what: str, kind: type = int, low: float = 0,
     return values
 
 
-def _positive(kind: type, what: str, low: float = 0.0, high: float = 1e9) -> Any:
+def positive(kind: type, what: str, low: float = 0.0, high: float = 1e9) -> Any:
     def parse(text: str) -> Any:
         try:
             value = kind(text)
@@ -133,7 +133,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=lambda t: _list(t, "--batches", high=MAX_BATCH),
                         default=[1, 8],
                         help="decode batches to tune, comma-separated (default 1,8)")
-    parser.add_argument("--budget", type=_positive(float, "--budget", 0, 86400), default=300.0,
+    parser.add_argument("--budget", type=positive(float, "--budget", 0, 86400), default=300.0,
                         help="seconds of measuring, all batches together (default 300)")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help="the profile to write (default l2prefetch-profile.json)")
@@ -144,7 +144,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="where to build the model (default cuda)")
     parser.add_argument("--dtype", default="bfloat16", help="weight dtype for random weights "
                         "(default bfloat16)")
-    parser.add_argument("--seed", type=_positive(int, "--seed", -1, hf.MAX_SEED), default=0,
+    parser.add_argument("--seed", type=positive(int, "--seed", -1, hf.MAX_SEED), default=0,
                         help="random-weight seed (default 0)")
     parser.add_argument("--roles", action="append", default=None, metavar="NAME",
                         type=_role_name,
@@ -152,17 +152,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list-roles", action="store_true",
                         help="only discover and list the candidate roles (no measuring; "
                         "every other option is still checked)")
-    parser.add_argument("--instances", type=_positive(int, "--instances", 4, 1000), default=5,
+    parser.add_argument("--instances", type=positive(int, "--instances", 4, 1000), default=5,
                         help="graph instances per variant (>= 5, default 5)")
-    parser.add_argument("--max-instances", type=_positive(int, "--max-instances", 4, 1000),
+    parser.add_argument("--max-instances", type=positive(int, "--max-instances", 4, 1000),
                         default=None, help="the most instances per variant a close decision "
                         f"gets (default {MAX_INSTANCES}, at least --instances; a group's "
                         "lead, for --resolution alone, up to twice that)")
-    parser.add_argument("--resolution", type=_positive(float, "--resolution", 0, 0.5),
+    parser.add_argument("--resolution", type=positive(float, "--resolution", 0, 0.5),
                         default=DEFAULT_RESOLUTION, help="95%% half-width, as a share of the "
                         "step, that each group's leading candidate is sampled down to (default "
                         f"{DEFAULT_RESOLUTION:g}, {DEFAULT_RESOLUTION * 100:g}%%)")
-    parser.add_argument("--rounds", type=_positive(int, "--rounds", 0, 100000),
+    parser.add_argument("--rounds", type=positive(int, "--rounds", 0, 100000),
                         default=None, help="replays of each graph instance per measuring "
                         f"group (default: about {ROUNDS_TARGET_US / 1000:g} ms of the step, "
                         f"{MIN_ROUNDS}-{MAX_ROUNDS})")
@@ -180,13 +180,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         type=lambda t: _names(t, "--graph-forks", GRAPH_FORKS),
                         help=f"how forks go into the graph, comma-separated: any of "
                         f"{', '.join(GRAPH_FORKS)} (default: every one)")
-    parser.add_argument("--min-gain-us", type=_positive(float, "--min-gain-us", -1, 1e6),
+    parser.add_argument("--min-gain-us", type=positive(float, "--min-gain-us", -1, 1e6),
                         default=1.0, help="skip roles whose loads could gain less (us per step)")
-    parser.add_argument("--min-bytes-mib", type=_positive(float, "--min-bytes-mib", 0, 2**20),
+    parser.add_argument("--min-bytes-mib", type=positive(float, "--min-bytes-mib", 0, 2**20),
                         default=1.0, help="smallest weight read that counts (MiB, default 1)")
-    parser.add_argument("--prompt-len", type=_positive(int, "--prompt-len", 0, 1 << 20),
+    parser.add_argument("--prompt-len", type=positive(int, "--prompt-len", 0, 1 << 20),
                         default=8, help="prompt tokens in the cache before the step (default 8)")
-    parser.add_argument("--max-cache-len", type=_positive(int, "--max-cache-len", 1, 1 << 20),
+    parser.add_argument("--max-cache-len", type=positive(int, "--max-cache-len", 1, 1 << 20),
                         default=64, help="StaticCache length (default 64)")
     parser.add_argument("--compile", nargs="?", const="default", default=None,
                         choices=COMPILE_MODES, metavar="MODE",

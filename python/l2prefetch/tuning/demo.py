@@ -51,8 +51,8 @@ from typing import Any, Optional
 
 from .. import _C
 from .._version import __version__
-from .cli import COMPILE_MODES, _positive
-from .discovery import DEFAULT_MAX_BYTES, MIB
+from .cli import COMPILE_MODES, compile_forward, positive
+from .discovery import DEFAULT_MAX_BYTES, MIB, candidates, discover
 
 __all__ = ["CASES", "CONFIG", "add_parser", "build_model", "gpu_reason", "make_config",
            "outputs", "plant", "run", "spin_op"]
@@ -118,7 +118,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                         help=f"where the files go (default ./{DEFAULT_OUT}/; created if "
                              "missing)")
-    parser.add_argument("--budget", type=_positive(float, "--budget", 0, 86400), default=None,
+    parser.add_argument("--budget", type=positive(float, "--budget", 0, 86400), default=None,
                         metavar="S", help=f"seconds of tuning per case (default {BUDGET_S:g}; "
                         f"with --compile {COMPILED_BUDGET_S:g}: compiling counts in it)")
     parser.add_argument("--compile", nargs="?", const="default", default=None,
@@ -126,7 +126,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="tune the step compiled by torch.compile (Inductor, MODE "
                              "default or max-autotune-no-cudagraphs), as vLLM and SGLang "
                              "run it; minutes more (default: the eager step)")
-    parser.add_argument("--spin-us", type=_positive(float, "--spin-us", 0, 1000),
+    parser.add_argument("--spin-us", type=positive(float, "--spin-us", 0, 1000),
                         default=SPIN_US, metavar="US",
                         help=f"microseconds of the planted spin before each MLP norm "
                              f"(default {SPIN_US:g})")
@@ -195,8 +195,8 @@ def make_config(overrides: Optional[Mapping[str, Any]] = None) -> Any:
     them; :class:`~l2prefetch.tuning.hf.OverrideError` or ValueError otherwise)."""
     from . import hf
 
-    tf = hf._transformers()
-    return hf._make_config(tf, tf.LlamaConfig, CONFIG, dict(overrides or {}), None)
+    tf = hf.import_transformers()
+    return hf.make_config(tf, tf.LlamaConfig, CONFIG, dict(overrides or {}), None)
 
 
 def _describe(config: Any) -> str:
@@ -213,9 +213,9 @@ def _check_fits(config: Any, device: Any) -> None:
 
     from . import hf
 
-    model_cls = hf._transformers().LlamaForCausalLM
+    model_cls = hf.import_transformers().LlamaForCausalLM
     count, nbytes = hf.model_bytes(model_cls, config, torch.bfloat16)
-    hf._check_fits(f"the demo's model ({config.num_hidden_layers} layers, bf16)", count,
+    hf.check_fits(f"the demo's model ({config.num_hidden_layers} layers, bf16)", count,
                    nbytes, torch.device(device), config.num_hidden_layers)
 
 
@@ -226,7 +226,7 @@ def build_model(config: Any, device: Any, seed: int = 0) -> Any:
 
     from . import hf
 
-    model_cls = hf._transformers().LlamaForCausalLM
+    model_cls = hf.import_transformers().LlamaForCausalLM
     torch.manual_seed(seed)
     with torch.device(device):
         model = model_cls._from_config(config, dtype=torch.bfloat16,
@@ -299,8 +299,6 @@ def plant(model: Any, spin_us: float, device: Any = None) -> list:
 
 def _roles(model: Any, step: Any, where: str) -> list:
     """The model's candidate roles, from one decode step at BATCH."""
-    from .discovery import candidates, discover
-
     t0 = time.monotonic()
     logger.info("one decode step on %s, to find the weights it reads and the roles", where)
     reads = discover(model, lambda: step(BATCH))
@@ -540,7 +538,6 @@ def _on_gpu(args: argparse.Namespace, torch: Any, config: Any, budget: float,
     from .. import hooks
     from . import hf
     from .arms import StepError
-    from .cli import compile_forward
 
     if hooks.disabled():
         raise _Bad("L2PREFETCH_DISABLE is set, so nothing forks: unset it to run the demo")

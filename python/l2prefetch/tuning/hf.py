@@ -91,7 +91,7 @@ SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "
                       "I64": 8, "U64": 8, "F64": 8}
 
 
-def _transformers() -> Any:
+def import_transformers() -> Any:
     try:
         import transformers
     except ImportError:
@@ -376,7 +376,7 @@ def _check_sizes(cls: type, values: Any, where: str) -> None:
             raise ValueError(problem)
 
 
-def _make_config(tf: Any, cls: type, data: Mapping[str, Any], overrides: Mapping[str, Any],
+def make_config(tf: Any, cls: type, data: Mapping[str, Any], overrides: Mapping[str, Any],
                  where: str) -> Any:
     """``cls`` from a config file's ``data`` (``where`` names the file, or is None) and the
     overrides, each checked first."""
@@ -511,7 +511,7 @@ def _shadowed(tf: Any, source: str) -> Optional[str]:
 def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[str], str]:
     """(config, checkpoint directory or None, which source was used: a phrase for the
     progress line, saying what a path of that name shadows)."""
-    tf = _transformers()
+    tf = import_transformers()
     checkpoint = None
     shadow = _shadowed(tf, source) if os.path.lexists(source) else None
     if os.path.isdir(source):
@@ -531,7 +531,7 @@ def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[st
         data.pop("auto_map", None)   # a checkpoint's own code: never imported
         cls = _config_class(tf, data.pop("model_type"), source)
         used += f" ({shadow})" if shadow else ""
-        return _make_config(tf, cls, data, overrides, source), checkpoint, used
+        return make_config(tf, cls, data, overrides, source), checkpoint, used
     cls = _config_class_named(tf, source)
     if cls is not None:
         used = f"the config class {source}"
@@ -542,7 +542,7 @@ def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[st
         raise ValueError(f"{source!r} is neither a checkpoint directory, a config.json path, a "
                          "transformers config class (e.g. LlamaConfig) nor a model type (e.g. "
                          "llama)")
-    return _make_config(tf, cls, {}, overrides, None), None, used
+    return make_config(tf, cls, {}, overrides, None), None, used
 
 
 def _causal_lm_class(tf: Any, config: Any) -> type:
@@ -593,7 +593,7 @@ def needed_bytes(nbytes: int) -> int:
     return int(nbytes * (1 + HEADROOM_SHARE)) + HEADROOM_BYTES
 
 
-def _check_fits(what: str, count: int, nbytes: int, device: Any, layers: Any = None,
+def check_fits(what: str, count: int, nbytes: int, device: Any, layers: Any = None,
                 staging: bool = False) -> None:
     """Refuse a model whose :func:`needed_bytes` exceed what ``device`` can give: its free
     memory and, where the model is to live on the CPU (not ``staging``: a checkpoint read
@@ -649,7 +649,7 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
     """
     import torch
 
-    tf = _transformers()
+    tf = import_transformers()
     if not isinstance(source, str) or not source:
         raise TypeError(f"source must be a path or a config name, got {source!r}")
     _check_seed(seed)
@@ -664,10 +664,10 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
     layers = getattr(config, "num_hidden_layers", None)
     what = (f"{model_cls.__name__}" + (f" with {layers} layers" if isinstance(layers, int) else "")
             + f" in {str(torch_dtype).removeprefix('torch.')}")
-    _check_fits(what, count, nbytes, where, layers)
+    check_fits(what, count, nbytes, where, layers)
     if checkpoint is not None and where.type != "cpu":
         # read into the CPU first
-        _check_fits(what, count, nbytes, torch.device("cpu"), layers, staging=True)
+        check_fits(what, count, nbytes, torch.device("cpu"), layers, staging=True)
     t0 = time.monotonic()
     if progress is not None:
         how = "loading it" if checkpoint is not None else "building it with random weights"
@@ -710,7 +710,7 @@ class _State:
                  seed: int) -> None:
         import torch
 
-        tf = _transformers()
+        tf = import_transformers()
         device = next(model.parameters()).device
         self.prompt_len = prompt_len
         self.cache = tf.StaticCache(config=model.config, max_cache_len=max_cache_len)
