@@ -45,7 +45,7 @@ from .profile import check_step
 
 torch = require("l2prefetch.ops")
 
-__all__ = ["fork", "join", "lookup", "register", "unregister"]
+__all__ = ["fork", "join", "lookup", "mark_ordered", "register", "unregister"]
 
 # handle -> weak reference to its controller.  A dead reference stays until
 # unregister() so that the op can say the controller was collected; handles
@@ -218,31 +218,37 @@ def _lower_off_the_data_path() -> None:
         _lowered = True
 
 
-def _mark_effectful() -> None:
-    """Register both ops as ORDERED-effectful with whichever API this torch has."""
+def mark_ordered(op: Any) -> None:
+    """Register custom op ``op`` (a ``torch.library.custom_op``) as ORDERED-effectful with
+    whichever API this torch has, as fork and join are: Dynamo records it in program
+    order, AOTAutograd threads an effect token through it, Inductor keeps it."""
     try:
         from torch._library.effects import EffectType as effect_type
     except ImportError:  # older torch
         from torch._higher_order_ops.effects import _EffectType as effect_type
-    ordered = effect_type.ORDERED
-    for op in (fork, join):
-        overload = op._opoverload
-        if hasattr(op, "register_effect"):
-            op.register_effect(ordered)
-        elif hasattr(torch.library, "_register_effectful_op"):
-            torch.library._register_effectful_op(overload, ordered)
-        else:
-            from torch._higher_order_ops import effects
+    ordered, overload = effect_type.ORDERED, op._opoverload
+    if hasattr(op, "register_effect"):
+        op.register_effect(ordered)
+    elif hasattr(torch.library, "_register_effectful_op"):
+        torch.library._register_effectful_op(overload, ordered)
+    else:
+        from torch._higher_order_ops import effects
 
-            if hasattr(effects, "_register_effectful_op"):
-                effects._register_effectful_op(overload, ordered)
-            else:
-                effects.SIDE_EFFECTS[overload] = ordered  # type: ignore[attr-defined]
+        if hasattr(effects, "_register_effectful_op"):
+            effects._register_effectful_op(overload, ordered)
+        else:
+            effects.SIDE_EFFECTS[overload] = ordered  # type: ignore[attr-defined]
     # Belt and braces for FX dead-code elimination where Node.is_impure does
     # not consult the effect registry.
     side_effectful = getattr(torch.fx.node, "_side_effectful_functions", None)
     if isinstance(side_effectful, set):
-        side_effectful.update(op._opoverload for op in (fork, join))
+        side_effectful.add(overload)
+
+
+def _mark_effectful() -> None:
+    """Register both ops as ORDERED-effectful."""
+    for op in (fork, join):
+        mark_ordered(op)
 
 
 _mark_effectful()

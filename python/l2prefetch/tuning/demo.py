@@ -238,30 +238,6 @@ _spin_lock = threading.Lock()
 _spin: Any = None
 
 
-def _mark_ordered(torch: Any, op: Any) -> None:
-    """``op`` ORDERED-effectful with whichever API this torch has (as l2prefetch.ops
-    marks fork and join): Dynamo and AOTAutograd keep it, in order."""
-    try:
-        from torch._library.effects import EffectType as effect_type
-    except ImportError:  # older torch
-        from torch._higher_order_ops.effects import _EffectType as effect_type
-    ordered, overload = effect_type.ORDERED, op._opoverload
-    if hasattr(op, "register_effect"):
-        op.register_effect(ordered)
-    elif hasattr(torch.library, "_register_effectful_op"):
-        torch.library._register_effectful_op(overload, ordered)
-    else:
-        from torch._higher_order_ops import effects
-
-        if hasattr(effects, "_register_effectful_op"):
-            effects._register_effectful_op(overload, ordered)
-        else:
-            effects.SIDE_EFFECTS[overload] = ordered
-    side_effectful = getattr(torch.fx.node, "_side_effectful_functions", None)
-    if isinstance(side_effectful, set):
-        side_effectful.add(overload)
-
-
 def spin_op() -> Any:
     """``l2prefetch_demo::spin(Tensor after, int cycles) -> ()``: one CTA waiting
     ``cycles`` clock cycles (``torch.cuda._sleep``) once ``after`` is made; a custom op
@@ -272,13 +248,15 @@ def spin_op() -> Any:
         if _spin is None:
             import torch
 
+            from .. import ops   # imports torch: not at the demo's import (its --help)
+
             def spin(after: Any, cycles: int) -> None:
                 torch.cuda._sleep(cycles)
 
             op = torch.library.custom_op(SPIN_OP, spin, mutates_args=(),
                                          schema="(Tensor after, int cycles) -> ()")
             op.register_fake(lambda after, cycles: None)
-            _mark_ordered(torch, op)
+            ops.mark_ordered(op)
             _spin = op
     return _spin
 
