@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _captured import captured  # noqa: E402
 from l2prefetch import PrefetchController, hooks  # noqa: E402
 from l2prefetch.mechanisms import GRAPH_FORKS  # noqa: E402
 from l2prefetch.plan import PlanEntry  # noqa: E402
@@ -55,22 +56,6 @@ def _llama():
     return model, step
 
 
-def _captured(step, batch):
-    """The logits of a replay of ``step(batch)`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(stream):
-        step(batch)                                       # compiles, warms up
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = step(batch)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    return out.clone(), graph
-
-
 def _bitwise(a, b):
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -102,7 +87,7 @@ def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bit
     forks at all the others, in every graph fork mode, leave the logits bitwise."""
     model, step = _llama()
     compile_forward(model, mode)
-    reference = {b: _captured(step, b)[0] for b in BATCHES}
+    reference = {b: captured(step, b)[0] for b in BATCHES}
     points, weights = _sites(model)
     point_of = {(id(m), layer, rest[0] if rest else "after"): point
                 for point, sites in points.items() for m, layer, *rest in sites}
@@ -125,7 +110,7 @@ def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bit
             try:
                 for batch in BATCHES:
                     with board.selected(ctrl, points):
-                        out, _graph = _captured(step, batch)
+                        out, _graph = captured(step, batch)
                     assert _bitwise(out, reference[batch]), (fork_mode, batch)
                     forks = {p: s["forks"] for p, s in ctrl.stats().items()}
                     assert all(forks[p] >= 1 for p in points), (fork_mode, forks)
@@ -134,7 +119,7 @@ def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bit
             finally:
                 ctrl.close()
         with board.selected(None, None):                  # off: the step as compiled
-            assert _bitwise(_captured(step, BATCHES[0])[0], reference[BATCHES[0]])
+            assert _bitwise(captured(step, BATCHES[0])[0], reference[BATCHES[0]])
     finally:
         board.close()
 
@@ -142,7 +127,7 @@ def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bit
 def test_tune_a_compiled_step_and_deploy_its_profile(tmp_path):
     model, step = _llama()
     compile_forward(model, "default")
-    reference = _captured(step, 1)[0]
+    reference = captured(step, 1)[0]
     result = tune(model, step, [1], budget_s=60, progress=None, compiled="default")
     assert result.step["compiled"] and result.step["mode"] == "default"
     for rep in result.batches:
@@ -158,7 +143,7 @@ def test_tune_a_compiled_step_and_deploy_its_profile(tmp_path):
     try:
         with hooks.attach(model, ctrl, profile.hook_points):
             recompile()
-            out, _graph = _captured(step, 1)
+            out, _graph = captured(step, 1)
             assert _bitwise(out, reference)
     finally:
         ctrl.close()
@@ -179,7 +164,7 @@ def test_a_profile_refuses_a_step_run_the_other_way():
                     compile_forward(model, "default")     # an eager profile, compiled step
                 recompile()
                 with pytest.raises(StepMismatchError) as info:
-                    _captured(step, 1)
+                    captured(step, 1)
                 assert "\n" not in str(info.value)
         finally:
             ctrl.close()

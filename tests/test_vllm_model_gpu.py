@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from benchmarks import vllm_model as vm  # noqa: E402
+from _captured import captured  # noqa: E402
 from l2prefetch import PrefetchController, hooks  # noqa: E402
 from l2prefetch.mechanisms import GRAPH_FORKS  # noqa: E402
 from l2prefetch.plan import PlanEntry  # noqa: E402
@@ -47,21 +48,6 @@ def _compiled():
     return model, step
 
 
-def _full(step, batch):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(stream):
-        step(batch)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = step(batch)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    return out.clone(), graph
-
-
 def _plan(model, batches):
     sites, plan = {}, []
     for i, layer in enumerate(model.model.layers):
@@ -79,7 +65,7 @@ def _same(a, b):
 
 def test_full_capture_at_every_capture_size_bitwise_in_every_mode():
     model, step = _compiled()
-    reference = {b: _full(step, b)[0] for b in vm.CAPTURE_SIZES}
+    reference = {b: captured(step, b)[0] for b in vm.CAPTURE_SIZES}
     sites, plan = _plan(model, list(vm.CAPTURE_SIZES))
     for mode in GRAPH_FORKS:
         ctrl = PrefetchController.from_plan(plan, 0, graph_fork=mode, eager=False)
@@ -87,7 +73,7 @@ def test_full_capture_at_every_capture_size_bitwise_in_every_mode():
             with hooks.attach(model, ctrl, sites):
                 recompile()
                 for batch in vm.CAPTURE_SIZES:
-                    out, _graph = _full(step, batch)
+                    out, _graph = captured(step, batch)
                     assert _same(out, reference[batch]), (mode, batch)
                 stats = ctrl.stats()
                 assert stats["o"]["forks"] > 0 and stats["g"]["forks"] > 0, stats
@@ -98,7 +84,7 @@ def test_full_capture_at_every_capture_size_bitwise_in_every_mode():
 
 def test_piecewise_joins_each_piece_and_refuses_a_fork_left_pending():
     model, step = _compiled()
-    reference = _full(step, 4)[0]
+    reference = captured(step, 4)[0]
     sites, plan = _plan(model, [4])
     ctrl = PrefetchController.from_plan(plan, 0, graph_fork="branch", eager=False)
     try:
