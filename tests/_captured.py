@@ -19,3 +19,15 @@ def captured(step, batch):
     graph.replay()
     torch.cuda.synchronize()
     return out.clone(), graph
+
+
+def fresh_frames(monkeypatch):
+    """Forks enabled, and no compiled frame left from an earlier test, before and after:
+    a frame compiled with another test's hooks would run them (an autouse fixture of the
+    modules that import it: ``fresh = pytest.fixture(autouse=True)(fresh_frames)``)."""
+    from l2prefetch.tuning.compiled import recompile
+
+    monkeypatch.delenv("L2PREFETCH_DISABLE", raising=False)
+    recompile()
+    yield
+    recompile()

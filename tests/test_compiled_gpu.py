@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from _captured import captured  # noqa: E402
+from _captured import captured, fresh_frames  # noqa: E402
 from l2prefetch import PrefetchController, hooks  # noqa: E402
 from l2prefetch.mechanisms import GRAPH_FORKS  # noqa: E402
 from l2prefetch.plan import PlanEntry  # noqa: E402
@@ -36,12 +36,7 @@ BATCHES = (1, 4)
 MODES = ["default", "max-autotune-no-cudagraphs"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    monkeypatch.delenv("L2PREFETCH_DISABLE", raising=False)
-    recompile()
-    yield
-    recompile()
+_fresh = pytest.fixture(autouse=True)(fresh_frames)
 
 
 def _llama():

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from benchmarks import vllm_model as vm  # noqa: E402
-from _captured import captured  # noqa: E402
+from _captured import captured, fresh_frames  # noqa: E402
 from l2prefetch import PrefetchController, hooks  # noqa: E402
 from l2prefetch.mechanisms import GRAPH_FORKS  # noqa: E402
 from l2prefetch.plan import PlanEntry  # noqa: E402
@@ -30,12 +30,7 @@ CONFIG = vm.Config(hidden=1024, intermediate=2816, layers=2, heads=8, kv_heads=2
                    head_dim=128, vocab=4096, max_len=64)
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    monkeypatch.delenv("L2PREFETCH_DISABLE", raising=False)
-    recompile()
-    yield
-    recompile()
+_fresh = pytest.fixture(autouse=True)(fresh_frames)
 
 
 def _compiled():
