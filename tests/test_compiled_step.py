@@ -267,3 +267,66 @@ def test_screen_sites_names_the_kinds_that_change_inductors_kernels():
         board.close()
     assert [c for c in forked if not c.startswith("fork ")] == plain
     assert sum(c.startswith("fork ") for c in forked) == 8
+
+
+def _roles_of_a_small_llama():
+    from _tuning_fakes import llama
+    from l2prefetch.tuning.discovery import candidates, discover
+
+    model = llama(2, h=64, i=128, kv=16)
+    x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    return model, x, candidates(model, discover(model, lambda: model(x), min_bytes=1))[:3]
+
+
+def _hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_the_switchboard_is_back_to_measure_with_after_the_screen(monkeypatch, bad):
+    """GraphBackend.screen closes its board to compile boards of its own; measuring then
+    needs it back, also where every role is offered (hooks attached to code compiled
+    without them never run: a compiled tune measured the plain step in every arm)."""
+    import contextlib
+
+    import l2prefetch.tuning.compiled as C
+    import l2prefetch.tuning.measure as M
+    from l2prefetch.tuning import tuner
+
+    model, x, roles = _roles_of_a_small_llama()
+
+    def screen_sites(model, step, batch, sites, kind_of, progress=None):
+        kinds = sorted({kind_of(s) for s in sites})
+        return {kinds[0]: "planted"} if bad else {}
+    monkeypatch.setattr(C, "screen_sites", screen_sites)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    backend = M.GraphBackend.__new__(M.GraphBackend)
+    backend.torch, backend.device, backend.model, backend.compiled = \
+        torch, torch.device("cpu"), model, True
+    backend.step = lambda batch: model(x)
+    try:
+        offered, not_offered = tuner._offered_roles(backend, model, backend.step, 1,
+                                                    [r.name for r in roles], 1, [16], True,
+                                                    None)
+        assert offered and bool(not_offered) == bad
+        assert backend._board is not None
+        hooked = {(id(m), layer, hook) for m, layer, hook in backend._board.all_sites()}
+        for role in offered:
+            for module, layer, *rest in role.hook_sites(model):
+                assert (id(module), layer, rest[0] if rest else "after") in hooked
+    finally:
+        backend.close()
+    assert _hook_count(model) == 0
+
+
+def test_a_switchboard_interrupted_while_dropping_frames_leaves_no_hook(monkeypatch):
+    import l2prefetch.tuning.compiled as C
+
+    model, _, roles = _roles_of_a_small_llama()
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(C, "recompile", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        C.board_for_roles(model, roles)
+    assert _hook_count(model) == 0

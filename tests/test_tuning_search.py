@@ -913,3 +913,27 @@ def test_the_eta_counts_the_sequential_rounds_the_sweeps_so_far_took():
     sweeps_done = after[0] if after else backend.clock.t
     for elapsed, eta in etas[1:]:
         assert 0.9 * (sweeps_done - elapsed) <= eta <= 1.5 * (sweeps_done - elapsed) + 2
+
+
+def test_the_steps_keep_back_what_the_sweep_priced_for_the_confirmation(monkeypatch):
+    """The reserve for combine and confirm is priced once, after prepare: a backend that
+    stops deriving each arm's step without forks (GraphBackend on a driver that cannot
+    remove graph nodes) prices groups lower from then on, but the later steps keep back
+    what the sweep did."""
+    class Flips(PlantedBackend):
+        def measure(self, batch, arms, instances):
+            out = super().measure(batch, arms, instances)
+            self.derives_no_forks = False
+            return out
+
+    seen = []
+    real = S._verify
+    monkeypatch.setattr(S, "_verify", lambda st, r, s, rep, reserve, extend_reserve=None: (
+        seen.append((reserve, st.budget.final_reserve(), 3 * st.budget.cost(2))),
+        real(st, r, s, rep, reserve, extend_reserve))[1])
+    clock = Clock()
+    backend = Flips({"A": pays(8.0)}, clock=clock, derives=True, capture_s=0.02)
+    S.search(backend, [role("A")], [1], budget_s=600, progress=None, clock=clock)
+    assert seen
+    reserve, pinned, now = seen[0]
+    assert now < pinned and reserve == pytest.approx(pinned)

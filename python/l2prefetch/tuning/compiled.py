@@ -203,11 +203,9 @@ def _role_sites(model: Any, role: Role) -> list[tuple[Any, int, str]]:
 
 def board_for_roles(model: Any, roles: Iterable[Role]) -> "Switchboard":
     """A :class:`Switchboard` hooked at every site of ``roles`` (in layer, then hook
-    order), the compiled frames dropped."""
+    order); making it drops the compiled frames."""
     sites = {site for role in roles for site in _role_sites(model, role)}
-    board = Switchboard(model, sorted(sites, key=lambda s: (s[1], s[2], id(s[0]))))
-    recompile()
-    return board
+    return Switchboard(model, sorted(sites, key=lambda s: (s[1], s[2], id(s[0]))))
 
 
 def screen_roles(model: Any, step: Callable[[int], Any], batch: int,
@@ -295,7 +293,12 @@ class Switchboard:
         except BaseException:
             self.attachment.detach()
             raise
-        recompile()   # frames compiled before the hooks existed would not run them
+        try:
+            recompile()   # frames compiled before the hooks existed would not run them
+        except BaseException:   # an interrupt here leaves no hook behind
+            self._join_handle.remove()
+            self.attachment.detach()
+            raise
 
     def path_of(self, module: Any) -> str:
         """``module``'s path in the model (ValueError for a module not in it)."""

@@ -208,13 +208,19 @@ class GraphBackend(Backend):
     def screen(self, batch: int) -> dict[str, str]:
         """A compiled step: the roles with a site where a fork changes Inductor's kernels
         (:func:`~l2prefetch.tuning.compiled.screen_roles`, at ``batch``), with the reason;
-        none for an eager step."""
+        none for an eager step.  The board is hooked again afterwards, at every role's
+        sites: call :meth:`use_roles` with the roles offered."""
         if self._board is None:
             return {}
         sites = self._board.all_sites()
         self.close()                                # the screen compiles boards of its own
-        with self.torch.cuda.device(self.device):
-            return screen_roles(self.model, self.step, batch, sites, self._roles.values())
+        try:
+            with self.torch.cuda.device(self.device):
+                return screen_roles(self.model, self.step, batch, sites, self._roles.values())
+        finally:
+            # measuring needs the board back (hooks attached to code compiled without
+            # them never run): the same roles' until use_roles is told otherwise
+            self._board = board_for_roles(self.model, self._roles.values())
 
     def close(self) -> None:
         """Detach the compiled step's switchboard (and drop the frames holding it)."""

@@ -581,7 +581,7 @@ def _combine(st: _State, kept: list[tuple[Role, Trial]]) -> list[tuple[str, Sett
     if not chosen:
         st.report.reason = "no role paid at this batch"
         return chosen
-    if len(chosen) > 1 and st.budget.fits(len(chosen) + 1, st.budget.final_reserve()):
+    if len(chosen) > 1 and st.budget.fits(len(chosen) + 1, 3 * st.budget.cost(2)):
         arms = {NO_FORKS: Arm()}
         for n in range(1, len(chosen) + 1):
             arms[arm_key(PLAN, n)] = Arm(tuple(chosen[:n]))
