@@ -2,7 +2,7 @@
  * graphexec.c: GraphExec, an executable CUDA graph that l2prefetch instantiated
  * (graph.c's _graph_instantiate_without), owned together with the driver
  * instance that made it.  launch(), close() and dealloc call that driver,
- * whichever one the module uses by then (_C._use_driver swaps it), so no raw
+ * whatever driver the module uses by then (_C._use_driver swaps it), so no raw
  * CUgraphExec crosses into Python and none is destroyed through another
  * driver or twice.
  *

@@ -8,6 +8,9 @@ the C extension work without it; ops, hooks, plans of models, the policies and
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Optional
+
+from . import _C
 
 #: The one line said wherever torch is missing.
 MISSING = "needs torch, which is not installed: pip install 'l2prefetch[torch]'"
@@ -22,3 +25,19 @@ def require(what: str) -> ModuleType:
             raise
         raise ModuleNotFoundError(f"{what} {MISSING}", name="torch") from None
     return torch
+
+
+def driver_reason() -> Optional[str]:
+    """None where the CUDA driver loads and sees a device; else the whole reason why not."""
+    try:
+        count = _C.driver_info()["device_count"]
+    except (_C.CudaUnavailableError, _C.Error) as exc:
+        return str(exc)
+    return "the CUDA driver found no GPU" if count == 0 else None
+
+
+def cuda_reason(torch: ModuleType) -> Optional[str]:
+    """None where ``torch`` has CUDA and sees a device; else why not."""
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device (a CPU-only build of torch?)"
+    return None

@@ -206,20 +206,16 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _why_no_gpu() -> Optional[str]:
-    """None when info can measure on a GPU here; else the whole reason why not."""
-    try:
-        count = _C.driver_info()["device_count"]
-    except (_C.CudaUnavailableError, _C.Error) as exc:
-        return str(exc)
-    if count == 0:
-        return "the CUDA driver found no GPU"
+    """None when info can measure on a GPU here; else the whole reason why not: the
+    driver and a device first, then torch with CUDA."""
+    reason = _torch.driver_reason()
+    if reason is not None:
+        return reason
     try:
         torch = _import_torch("measuring on the GPU")
     except ModuleNotFoundError as exc:
         return str(exc)
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} sees no CUDA device (a CPU-only build of torch?)"
-    return None
+    return _torch.cuda_reason(torch)
 
 
 def _instruction_mix(ptx: str) -> Counter:

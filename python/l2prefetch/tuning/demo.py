@@ -50,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from .. import _C
+from .._torch import cuda_reason, driver_reason
 from .._version import __version__
 from .cli import COMPILE_MODES, compile_forward, positive
 from .discovery import DEFAULT_MAX_BYTES, MIB, candidates, discover
@@ -159,20 +160,14 @@ def _import_torch() -> Any:
 
 
 def gpu_reason(torch: Any) -> Optional[str]:
-    """None where the demo can measure on a GPU here; else the whole reason why not.
-    Decided as ``info`` decides (l2prefetch.cli): the driver and a device first, then
-    torch with CUDA (``torch``: the module, or None where it is missing)."""
-    try:
-        count = _C.driver_info()["device_count"]
-    except (_C.CudaUnavailableError, _C.Error) as exc:
-        return str(exc)
-    if count == 0:
-        return "the CUDA driver found no GPU"
+    """None where the demo can measure on a GPU here; else the whole reason why not, as
+    ``info`` decides (``torch``: the module, or None where it is missing)."""
+    reason = driver_reason()
+    if reason is not None:
+        return reason
     if torch is None:
         return "torch is not installed (measuring needs it)"
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} sees no CUDA device (a CPU-only build of torch?)"
-    return None
+    return cuda_reason(torch)
 
 
 def _nvrtc() -> tuple[Optional[dict], Optional[str]]:
