@@ -119,11 +119,24 @@ def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bit
         board.close()
 
 
-def test_tune_a_compiled_step_and_deploy_its_profile(tmp_path):
+def test_tune_a_compiled_step_and_deploy_its_profile(tmp_path, monkeypatch):
     model, step = _llama()
     compile_forward(model, "default")
     reference = captured(step, 1)[0]
+    forked = []                     # the arms' forks, through the compiled board's hooks
+    board_fork = Switchboard.fork
+
+    def counting_fork(self, point, layer, batch):
+        done = board_fork(self, point, layer, batch)
+        forked.append(done)
+        return done
+
+    monkeypatch.setattr(Switchboard, "fork", counting_fork)
     result = tune(model, step, [1], budget_s=60, progress=None, compiled="default")
+    monkeypatch.undo()
+    # the measured arms forked inside the compiled step (a tune whose hooks sat on code
+    # compiled without them would measure nothing and could still ship an empty plan)
+    assert any(forked), f"no fork ran in {len(forked)} calls of the board's hooks"
     assert result.step["compiled"] and result.step["mode"] == "default"
     for rep in result.batches:
         if rep.confirmed is not None:
