@@ -1,7 +1,7 @@
 """Eager against compiled, side by side: the step, the tuned plan, the ceiling (issue 40).
 
 For each model (benchmarks.common.hf_model: ``llama``, ``qwen3`` or a
-benchmarks/configs name), each window (a spin of that many us before every MLP,
+benchmarks/configs name; ``vllm``: benchmarks/vllm_model.py's decoder), each window (a spin of that many us before every MLP,
 planted as a custom op that torch.compile keeps: ``l2p_bench::spin``; 0: nothing
 planted) and each way the step runs (``eager``; ``compiled``: the model's forward
 compiled by torch.compile with ``--mode``, the prompts run eagerly first), tune runs
@@ -21,13 +21,13 @@ import time
 
 import torch
 
+from benchmarks import vllm_model as vm
 from benchmarks.common import hf_model, no_gpu
 from l2prefetch import tuning
 from l2prefetch.tuning.cli import compile_forward
 from l2prefetch.tuning.compiled import recompile
 from l2prefetch.tuning.hf import DecodeStep
 from l2prefetch.tuning.rig import spin_cycles_per_us
-
 
 
 def _spin(after, cycles):
@@ -50,6 +50,20 @@ def plant(model, us):
     return [layer.post_attention_layernorm.register_forward_pre_hook(
         lambda m, args: torch.ops.l2p_bench.spin(args[0], cycles))
         for layer in model.model.layers]
+
+
+def build(name, window):
+    """(model, step, handles to remove) for ``name``: an HF model with ``window`` us
+    planted before every MLP (:func:`plant`), or ``vllm``: benchmarks/vllm_model.py's
+    default decoder, its spin in the all-reduce slot after o_proj (also before the MLP)."""
+    if name == "vllm":
+        cycles = int(window * spin_cycles_per_us()) if window else 0
+        torch.manual_seed(0)
+        model = vm.Model(vm.Config(), spin_cycles=cycles).to("cuda", torch.bfloat16).eval()
+        return model, vm.Decode(model), []
+    model = hf_model(name)
+    planted = plant(model, window) if window else []
+    return model, DecodeStep(model), planted
 
 
 def ceiling(rep, kept):
@@ -82,9 +96,7 @@ def main(argv=None):
     for name in args.models.split(","):
         for window in [float(w) for w in args.windows.split(",")]:
             for way in args.ways.split(","):
-                model = hf_model(name)
-                planted = plant(model, window) if window else []
-                step = DecodeStep(model)
+                model, step, planted = build(name, window)
                 for b in batches:
                     step.state(b)
                 if way == "compiled":
