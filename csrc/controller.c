@@ -350,11 +350,10 @@ static int controller_init(controller *self, PyObject *args, PyObject *kwds)
         return 0;
     }
     /* No Python code from here on. */
-    l2p_driver *d = l2p_use_driver(st);
+    l2p_driver *d = l2p_hold_driver(st);
     if (!d)
         goto fail;
     self->drv = d;
-    l2p_driver_incref(d);
     if (!(self->dev = l2p_use_device(st, d, device)))
         goto fail;
     if (!self->eager && !d->fn.cuStreamGetCaptureInfo) {

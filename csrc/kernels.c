@@ -549,10 +549,9 @@ static int record_info(l2p_state *st, PyObject *key, const l2p_variant *v, int a
 PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx)
 {
     const l2p_variant *v = &l2p_variants[variant];
-    l2p_nvrtc *n = l2p_use_nvrtc(st);
+    l2p_nvrtc *n = l2p_hold_nvrtc(st);
     if (!n)
         return NULL;
-    l2p_nvrtc_incref(n);
     PyObject *key = NULL, *opts = NULL, *image = NULL, *result = NULL, *keytext = NULL;
     const char *kt = NULL;   /* keytext's text */
     cache_folder cf;
@@ -725,10 +724,9 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
     int want_ptx = PyObject_IsTrue(vals[2]);
     if (want_ptx < 0)
         return NULL;
-    l2p_nvrtc *n = l2p_use_nvrtc(st);
+    l2p_nvrtc *n = l2p_hold_nvrtc(st);
     if (!n)
         return NULL;
-    l2p_nvrtc_incref(n);
     PyObject *result = NULL, *opts = NULL, *built = NULL;
     int ptx = 0, arch = pick_arch(n, (int)sm, &ptx);
     if (arch == 0)
@@ -825,10 +823,9 @@ PyObject *l2p_py_compile_source(PyObject *module, PyObject *const *args, Py_ssiz
     if (!src)
         return NULL;
     l2p_state *st = l2p_get_state(module);
-    l2p_nvrtc *n = l2p_use_nvrtc(st);
+    l2p_nvrtc *n = l2p_hold_nvrtc(st);   /* before nvrtc_build copies the options (their __iter__) */
     if (!n)
         return NULL;
-    l2p_nvrtc_incref(n);   /* before nvrtc_build copies the options (their __iter__) */
     PyObject *built = nvrtc_build(st, n, src, args[1], 0);
     l2p_nvrtc_decref(n);
     if (!built)

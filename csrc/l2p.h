@@ -83,10 +83,13 @@ l2p_state *l2p_get_state(PyObject *module);
 l2p_state *l2p_state_of_type(PyTypeObject *type);
 /* The driver and NVRTC of this module, opened on first use (raise on failure).
  * Borrowed from the state: a caller that goes on to run Python code (an
- * allocation, a copy of a sequence, a warning) takes its reference
- * (l2p_driver_incref / l2p_nvrtc_incref) at once, before any such call. */
+ * allocation, a copy of a sequence, a warning) takes its reference at once,
+ * before any such call: l2p_hold_driver / l2p_hold_nvrtc are the two steps in
+ * one, the caller dropping it (l2p_driver_decref / l2p_nvrtc_decref) when done. */
 l2p_driver *l2p_use_driver(l2p_state *st);
 l2p_nvrtc *l2p_use_nvrtc(l2p_state *st);
+l2p_driver *l2p_hold_driver(l2p_state *st);
+l2p_nvrtc *l2p_hold_nvrtc(l2p_state *st);
 /* Forgets the in-process kernel images and their info (the disk cache stays). */
 void l2p_forget_kernels(l2p_state *st);
 /* Device `device` of d, made ready (l2p_device_ready), or NULL with an

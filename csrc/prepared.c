@@ -222,13 +222,12 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         goto error;
     }
 
-    l2p_driver *d = l2p_use_driver(st);
-    if (!d)
-        goto error;
     /* Held to the end: the allocations and the compile below can run Python
      * code (a finalizer, a warning filter) that swaps the module's driver. */
+    l2p_driver *d = l2p_hold_driver(st);
+    if (!d)
+        goto error;
     held = d;
-    l2p_driver_incref(held);
     l2p_device *dev = l2p_use_device(st, d, device);
     if (!dev)
         goto error;

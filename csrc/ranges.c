@@ -216,9 +216,15 @@ done:
     return rc;
 }
 
-/* Fills out->lo/nbytes from base and the span. */
-static int place(weight_info *out, uint64_t base, int64_t lo, int64_t span, Py_ssize_t index)
+/* Fills out->empty/lo/nbytes: the span of out->shape (span_of: strides in
+ * units of scale bytes, NULL when C-contiguous; item bytes an element) placed
+ * at address base.  Both readers of a weight, tensor and interface, end here. */
+static int place(weight_info *out, uint64_t base, PyObject *strides, int64_t scale, int64_t item,
+                 Py_ssize_t index)
 {
+    int64_t lo = 0, span = 0;
+    if (span_of(out->shape, strides, scale, item, index, &out->empty, &lo, &span) < 0)
+        return -1;
     if (out->empty)
         return 0;
     if (lo < 0 && base < (uint64_t)(-lo)) {
@@ -303,7 +309,7 @@ static int describe_tensor(PyObject *w, Py_ssize_t index, weight_info *out)
         goto done;
     }
     uint64_t base;
-    int64_t item, lo = 0, span = 0;
+    int64_t item;
     if (get_u64(ptr, &base, index, "data_ptr()") < 0 ||
         !(stride = as_tuple(stride_obj, index, "stride()")) ||
         get_i64(es, index, "element_size()", -1, &item) < 0)
@@ -312,8 +318,7 @@ static int describe_tensor(PyObject *w, Py_ssize_t index, weight_info *out)
         PyErr_Format(PyExc_ValueError, "weight %zd: element_size() must be >= 1, got %R", index, es);
         goto done;
     }
-    if (span_of(out->shape, stride, item, item, index, &out->empty, &lo, &span) < 0 ||
-        place(out, base, lo, span, index) < 0)
+    if (place(out, base, stride, item, item, index) < 0)
         goto done;
     rc = 0;
 done:
@@ -386,10 +391,8 @@ static int describe_cai(PyObject *w, PyObject *cai, Py_ssize_t index, weight_inf
         !(strides = as_tuple(strides_obj, index, "__cuda_array_interface__ strides")))
         goto done;
     uint64_t base;
-    int64_t lo = 0, span = 0;
     if (get_u64(PyTuple_GET_ITEM(data, 0), &base, index, "the data pointer") < 0 ||
-        span_of(shape, strides, 1, item, index, &out->empty, &lo, &span) < 0 ||
-        place(out, base, lo, span, index) < 0)
+        place(out, base, strides, 1, item, index) < 0)
         goto done;
     rc = 0;
 done:

@@ -89,6 +89,14 @@ l2p_driver *l2p_use_driver(l2p_state *st)
     return NULL;
 }
 
+l2p_driver *l2p_hold_driver(l2p_state *st)
+{
+    l2p_driver *d = l2p_use_driver(st);
+    if (d)
+        l2p_driver_incref(d);
+    return d;
+}
+
 l2p_device *l2p_use_device(l2p_state *st, l2p_driver *d, int device)
 {
     l2p_device *dev;
@@ -240,17 +248,23 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
     return nv;
 }
 
+l2p_nvrtc *l2p_hold_nvrtc(l2p_state *st)
+{
+    l2p_nvrtc *n = l2p_use_nvrtc(st);
+    if (n)
+        l2p_nvrtc_incref(n);
+    return n;
+}
+
 /* ---- module functions: the state ---- */
 
 /* The info functions hold the instance they read across the allocations that
  * build their result (a collection there can run a finalizer that swaps it). */
 PyObject *l2p_py_driver_info(PyObject *module, PyObject *unused)
 {
-    l2p_state *st = l2p_get_state(module);
-    l2p_driver *d = l2p_use_driver(st);
+    l2p_driver *d = l2p_hold_driver(l2p_get_state(module));
     if (!d)
         return NULL;
-    l2p_driver_incref(d);
     PyObject *path = PyUnicode_DecodeFSDefault(d->path);
     PyObject *r = path ? Py_BuildValue("{s:N,s:i,s:i}", "path", path, "version", d->version,
                                        "device_count", d->device_count)
@@ -261,11 +275,9 @@ PyObject *l2p_py_driver_info(PyObject *module, PyObject *unused)
 
 PyObject *l2p_py_nvrtc_info(PyObject *module, PyObject *unused)
 {
-    l2p_state *st = l2p_get_state(module);
-    l2p_nvrtc *n = l2p_use_nvrtc(st);
+    l2p_nvrtc *n = l2p_hold_nvrtc(l2p_get_state(module));
     if (!n)
         return NULL;
-    l2p_nvrtc_incref(n);
     PyObject *r = NULL, *path = NULL, *archs = PyList_New(n->num_archs);
     for (int i = 0; archs && i < n->num_archs; i++) {
         PyObject *a = PyLong_FromLong(n->archs[i]);
