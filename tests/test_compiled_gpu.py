@@ -119,6 +119,25 @@ def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bit
         board.close()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_two_compilations_of_the_step_without_hooks_give_the_same_logits(mode,
+                                                                        monkeypatch):
+    """The premise of every bitwise check against a step compiled apart: Inductor makes
+    the same kernels twice.  Run 23 (H100): under max-autotune-no-cudagraphs the step
+    recompiled with the board off differed from its first compilation; if this fails
+    too, autotuning's timed picks differ between compilations, and a fork's bitwise
+    check must compare within one compilation."""
+    import torch._inductor.config as inductor_config
+
+    # no cache: the second compilation makes (and autotunes) its kernels anew
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    model, step = _llama()
+    compile_forward(model, mode)
+    first = captured(step, 1)[0]
+    recompile()
+    assert _bitwise(captured(step, 1)[0], first)
+
+
 def test_tune_a_compiled_step_and_deploy_its_profile(tmp_path, monkeypatch):
     model, step = _llama()
     compile_forward(model, "default")

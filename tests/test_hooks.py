@@ -293,6 +293,11 @@ def test_a_site_forks_ahead_of_the_module_s_other_hooks():
                                 ("fork", "before", 1, 5), "pre", "mlp", ("join",)]
     assert [(p, l) for p, l, _ in attachment.sites] == [("before", 0), ("before", 1),
                                                         ("after", 1)]
+    # ahead in the order torch runs them and in dict order alike: Dynamo (torch 2.11)
+    # builds each hook's guard from its dict.keys() position (pytorch#160083)
+    for module in (model.layers[1].mlp, model.layers[1].attn.o_proj):
+        for registered in (module._forward_pre_hooks, module._forward_hooks):
+            assert list(dict.keys(registered)) == list(registered.keys())
     attachment.detach()
     assert not model.layers[1].mlp._forward_pre_hooks_with_kwargs
     assert len(model.layers[1].mlp._forward_pre_hooks) == 1       # the server's own stays

@@ -11,8 +11,8 @@ pre-hook instead, ahead of the module's other pre-hooks, so the prefetch starts
 before the module's kernels (:data:`l2prefetch.mechanisms.SITE_HOOKS`): the
 place for a window that a module's forward begins with.  "Ahead" holds for the
 hooks registered on the module before :func:`attach`; torch runs global module
-hooks first, and one registered later with ``prepend=True`` (a second
-:func:`attach`'s, say) goes ahead.
+hooks first, and one registered later ahead of the others (a second
+:func:`attach`'s, or torch's ``prepend=True``) goes ahead.
 A forward hook on the root calls ``controller.join()`` at the end of the step.
 Any object with ``fork(point, layer, batch) -> bool`` and ``join()`` serves as
 the controller.
@@ -224,8 +224,23 @@ def register_site_hook(module: Any, where: str, hook: Callable[..., Any], *,
     if not isinstance(where, str) or where not in SITE_HOOKS:
         raise ValueError(f"where must be {site_hook_choices()}, got {where!r}")
     if where == "before":
-        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=True)
-    return module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=True)
+        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+        _move_ahead(module._forward_pre_hooks, handle.id)
+    else:
+        handle = module.register_forward_hook(hook, with_kwargs=with_kwargs)
+        _move_ahead(module._forward_hooks, handle.id)
+    return handle
+
+
+def _move_ahead(registered: Any, key: int) -> None:
+    """Put hook ``key`` first in the module's hook dict by re-inserting the others after
+    it (in their running order).  Not torch's ``prepend=True``: that only relinks the
+    OrderedDict, so its running order and ``dict.keys`` order differ, and Dynamo in
+    torch 2.11 (2.13 is fixed) pairs each hook it runs with the guard of the hook at
+    that ``dict.keys`` position: a crash at guard creation beside another pre-hook
+    (pytorch#160083; RESULTS, run 23)."""
+    for other in [k for k in registered if k != key]:
+        registered[other] = registered.pop(other)
 
 
 def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
