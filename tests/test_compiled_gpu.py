@@ -5,7 +5,10 @@ max-autotune-no-cudagraphs), each step captured in a CUDA graph, as a server run
 
 * forks at every site kind (after a module, before it, q -> k -> v chains, before the
   layer's input norm and the MLP's norm) in every graph fork mode leave the logits
-  bitwise those of the compiled step without forks, and they do load;
+  bitwise those of the same compiled code forking nowhere, and (default mode, where
+  two compilations agree) of the step compiled without hooks, and they do load;
+* the premise: two compilations of the step give the same logits in the default mode
+  (under max-autotune-no-cudagraphs they did not, run 23);
 * tune() on the compiled step finds it compiled, records it, ships a plan whose
   profile, deployed as a server would (from_profile, attach, compile, capture), keeps
   the logits bitwise;
@@ -96,7 +99,15 @@ def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bit
     board = Switchboard(model, [site for site in every
                                 if point_of[(id(site[0]), site[1], site[2])] not in bad])
     recompile()
+    # the same compilation forking nowhere: the reference under every mode (two
+    # compilations under max-autotune differ already, run 23); the step compiled
+    # without hooks is one too where two compilations agree (default)
+    across = mode == "default"
     try:
+        within = {}
+        for batch in BATCHES:
+            with board.selected(None, {}):
+                within[batch] = captured(step, batch)[0]
         for fork_mode in GRAPH_FORKS:
             plan = [PlanEntry(point, layer, list(BATCHES), weights[(point, layer)],
                               byte_cap=4 << 20)
@@ -106,27 +117,27 @@ def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bit
                 for batch in BATCHES:
                     with board.selected(ctrl, points):
                         out, _graph = captured(step, batch)
-                    assert _bitwise(out, reference[batch]), (fork_mode, batch)
+                    assert _bitwise(out, within[batch]), (fork_mode, batch)
+                    assert not across or _bitwise(out, reference[batch]), (fork_mode, batch)
                     forks = {p: s["forks"] for p, s in ctrl.stats().items()}
                     assert all(forks[p] >= 1 for p in points), (fork_mode, forks)
                     ctrl.reset_stats()
                 assert not ctrl.pending
             finally:
                 ctrl.close()
-        with board.selected(None, None):                  # off: the step as compiled
-            assert _bitwise(captured(step, BATCHES[0])[0], reference[BATCHES[0]])
+        if across:
+            with board.selected(None, None):              # off: the step as compiled
+                assert _bitwise(captured(step, BATCHES[0])[0], reference[BATCHES[0]])
     finally:
         board.close()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_two_compilations_of_the_step_without_hooks_give_the_same_logits(mode,
-                                                                        monkeypatch):
-    """The premise of every bitwise check against a step compiled apart: Inductor makes
-    the same kernels twice.  Run 23 (H100): under max-autotune-no-cudagraphs the step
-    recompiled with the board off differed from its first compilation; if this fails
-    too, autotuning's timed picks differ between compilations, and a fork's bitwise
-    check must compare within one compilation."""
+def test_two_compilations_of_the_step_without_hooks_give_the_same_logits(monkeypatch):
+    """The premise of every bitwise check against a step compiled apart, in Inductor's
+    default mode: it makes the same kernels twice.  Under max-autotune-no-cudagraphs it
+    does not (run 23, H100: autotuning picks by timing), so there the checks compare
+    within one compilation."""
+    mode = "default"
     import torch._inductor.config as inductor_config
 
     # no cache: the second compilation makes (and autotunes) its kernels anew
