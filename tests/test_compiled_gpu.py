@@ -11,7 +11,7 @@ max-autotune-no-cudagraphs), each step captured in a CUDA graph, as a server run
   (under max-autotune-no-cudagraphs they did not, run 23);
 * tune() on the compiled step finds it compiled, records it, ships a plan whose
   profile, deployed as a server would (from_profile, attach, compile, capture), keeps
-  the logits bitwise;
+  the logits bitwise; under max-autotune it compares within one compilation;
 * that profile refuses the same model run eagerly, and an eager profile refuses the
   compiled step (StepMismatchError), each in one line.
 """
@@ -185,6 +185,20 @@ def test_tune_a_compiled_step_and_deploy_its_profile(tmp_path, monkeypatch):
             assert _bitwise(out, reference)
     finally:
         ctrl.close()
+
+
+def test_tune_under_max_autotune_compares_within_one_compilation():
+    """Two compilations differ under max-autotune (run 23): tune compares each arm with
+    its own graph without forks, says so, and what it ships is bitwise there."""
+    model, step = _llama()
+    mode = "max-autotune-no-cudagraphs"
+    compile_forward(model, mode)
+    captured(step, 1)
+    result = tune(model, step, [1], budget_s=60, progress=None, compiled=mode)
+    assert result.step["mode"] == mode and result.settings["within_compilation"] is True
+    for rep in result.batches:
+        if rep.confirmed is not None:
+            assert rep.confirmed.identical and rep.confirmed.gain.low > 0
 
 
 def test_a_profile_refuses_a_step_run_the_other_way():

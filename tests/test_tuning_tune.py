@@ -966,6 +966,75 @@ def test_tune_hands_its_rounds_to_the_graph_backend(rounds, monkeypatch):
     assert seen["rounds"] == rounds
 
 
+@pytest.mark.parametrize("compiled, within", [
+    ("max-autotune-no-cudagraphs", True), ("default", False), (True, False), (None, False)])
+def test_tune_compares_within_one_compilation_where_compilations_differ(compiled, within,
+                                                                         monkeypatch):
+    """Under max-autotune two compilations of one step differ bitwise (run 23): the
+    backend compares each arm with its own graph without forks; in the default mode, or
+    a mode not named, with the step compiled without forks."""
+    from l2prefetch.tuning import measure, tuner
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class Recorder:
+        def __init__(self, model, step, **kwargs):
+            seen.update(kwargs)
+            raise Stop
+
+    monkeypatch.setattr(measure, "GraphBackend", Recorder)
+    monkeypatch.setattr(tuner, "step_is_compiled", lambda model, step, batch: True)
+    monkeypatch.setattr(tuner, "recompile", lambda: None)
+    model, step = model_and_step()
+    with pytest.raises(Stop):
+        tuning.tune(model, step, [1], progress=None, kernels=[None], compiled=compiled)
+    assert seen["compiled"] is True and seen["within_compilation"] is within
+
+
+def test_within_one_compilation_each_arm_is_compared_with_its_own_step_without_forks(
+        caplog, monkeypatch):
+    """within_compilation: an arm against its own graph without forks of the same
+    instance (replayed just before it: they share buffers), that graph against its own
+    replay; an arm with no such graph against (a) as before.  Here (a), compiled apart,
+    computes other logits than the compiled code with the fork ops: only the arm whose
+    loads changed its own code's output is named."""
+    from l2prefetch.tuning.arms import NO_FORKS, no_forks_of
+    from l2prefetch.tuning.measure import GraphBackend
+
+    shared = torch.zeros(4)
+
+    class Graph:
+        def __init__(self, value):
+            self.value = value
+
+        def replay(self):
+            shared.fill_(self.value)
+
+    ok, bad, alone = no_forks_of("ok"), no_forks_of("bad"), "alone"
+    graphs = {(NO_FORKS, 0): Graph(1.0), (NO_FORKS, 1): Graph(1.0),
+              ("ok", 0): Graph(2.0), ("ok", 1): Graph(2.0), (ok, 0): Graph(2.0),
+              (ok, 1): Graph(2.0), ("bad", 0): Graph(2.0), ("bad", 1): Graph(3.0),
+              (bad, 0): Graph(2.0), (bad, 1): Graph(2.0), (alone, 0): Graph(2.0)}
+    out_of = {key: shared for key in graphs}
+    references = {"ok": ok, "bad": bad}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    backend = GraphBackend.__new__(GraphBackend)
+    backend.torch, backend.device = torch, torch.device("cpu")
+    backend.within_compilation = True
+    with caplog.at_level(logging.WARNING, "l2prefetch.tuning.measure"):
+        identical = backend._check_outputs(1, graphs, out_of, references)
+    assert identical == {NO_FORKS: True, "ok": True, ok: True, "bad": False, bad: True,
+                         alone: False}
+    assert f"arm bad: outputs of instances [1] differ from {bad!r} (its own step" \
+        in caplog.text
+    backend.within_compilation = False                   # across compilations: all differ
+    assert backend._check_outputs(1, graphs, out_of, references) == {
+        NO_FORKS: True, "ok": False, ok: False, "bad": False, bad: False, alone: False}
+
+
 def test_the_report_says_the_replays_each_batch_took():
     """A backend whose replays depend on the batch (rounds None, Prepared.rounds): the
     profile's settings say None, each batch its own, and the report names them."""
@@ -1058,7 +1127,7 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
     backend._capture = lambda *a, **kw: (Graph(), torch.ones(2))
     checked = {}
 
-    def check(batch, graphs, out_of):
+    def check(batch, graphs, out_of, references=None):
         checked.update({name: True for name, _ in graphs})
         if case == "not bitwise":
             checked[no_forks_of("tuned")] = False
@@ -1181,7 +1250,7 @@ def test_a_keyboard_interrupt_while_measuring_on_the_gpu_closes_every_graph_and_
     made = []
     backend._controller = lambda arm, batch: made.append(Closing()) or made[-1]
     backend._capture = lambda *a, **kw: (Closing(), torch.ones(2))
-    backend._check_outputs = lambda batch, graphs, out_of: {}
+    backend._check_outputs = lambda batch, graphs, out_of, references=None: {}
     arms = {NO_FORKS: Arm(), "tuned": Arm((("r", Setting(1 << 20)),))}
     with pytest.raises(KeyboardInterrupt):
         backend.measure(1, arms, 2)

@@ -42,6 +42,14 @@ __all__ = ["Switchboard", "board_for_roles", "eager_stance", "kernel_calls", "re
 logger = logging.getLogger(__name__)
 
 
+def compilations_differ(mode: Optional[str]) -> bool:
+    """Whether two compilations of one step in Inductor ``mode`` can give bitwise
+    different outputs: the autotuning modes pick kernels by timing (RESULTS, run 23:
+    ``max-autotune-no-cudagraphs``, caches off).  The tuner then compares each arm with
+    its own graph without forks, in the same compiled code."""
+    return bool(mode) and mode.startswith("max-autotune")
+
+
 def recompile() -> None:
     """Drop every compiled frame (``torch._dynamo.reset()``), so that the next call of a
     compiled step traces its modules' hooks as they are now."""

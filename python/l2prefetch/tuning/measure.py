@@ -150,10 +150,11 @@ class GraphBackend(Backend):
     #: A compiled step's switchboard (use_roles), None for an eager step.
     _board: Any = None
     compiled = False
+    within_compilation = False
 
     def __init__(self, model: Any, step: Callable[[int], Any], *, device: Any = None,
                  rounds: Optional[int] = None, placement: str = "shared",
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, within_compilation: bool = False) -> None:
         import torch
 
         check_rounds(rounds)
@@ -169,6 +170,10 @@ class GraphBackend(Backend):
         self.torch, self.model, self.step, self.rounds = torch, model, step, rounds
         #: Whether the step runs in compiled code (then arms fork through self._board).
         self.compiled = bool(compiled)
+        #: Each arm's outputs compared with its own graph without forks (the same
+        #: compiled code), not with (a)'s (code compiled without the fork ops): for
+        #: compile modes whose two compilations of one step differ (run 23).
+        self.within_compilation = bool(within_compilation)
         #: Per batch, the replays per instance prepare() chose (where rounds is None).
         self._rounds_at: dict[int, int] = {}
         self.shared_placement = placement == "shared"
@@ -376,7 +381,7 @@ class GraphBackend(Backend):
         measured = list(arms) + sorted(set(references.values()))
         medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
                    for name in measured}
-        identical = self._check_outputs(batch, graphs, out_of)
+        identical = self._check_outputs(batch, graphs, out_of, references)
         # a graph without forks whose output is not the step's is no (a): not used
         bad = {key for key in set(references.values()) if not identical.get(key, True)}
         self.references = {n: k for n, k in references.items() if k not in bad}
@@ -389,10 +394,16 @@ class GraphBackend(Backend):
         return medians, identical
 
     def _check_outputs(self, batch: int, graphs: Mapping[tuple[str, int], Any],
-                       out_of: Mapping[tuple[str, int], Any]) -> dict[str, bool]:
-        """:func:`~l2prefetch.tuning.outputs.compare_outputs` on this device."""
+                       out_of: Mapping[tuple[str, int], Any],
+                       references: Optional[Mapping[str, str]] = None) -> dict[str, bool]:
+        """:func:`~l2prefetch.tuning.outputs.compare_outputs` on this device; with
+        :attr:`within_compilation`, each arm with a reference (its own step without
+        forks) against it, and the references against their own replays."""
+        against = None
+        if self.within_compilation and references:
+            against = {**{key: key for key in references.values()}, **references}
         return compare_outputs(batch, graphs, out_of,
-                             lambda: self.torch.cuda.synchronize(self.device))
+                               lambda: self.torch.cuda.synchronize(self.device), against)
 
     def _capture(self, name: str, arm: Arm, controllers: Mapping[str, Any],
                  fn: Callable[[], Any], *, warmup: bool, keep_graph: bool = False,

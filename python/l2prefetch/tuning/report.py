@@ -76,6 +76,11 @@ def markdown(result: Any) -> str:
         head.append(f"- {name}: {why}.")
     if (result.settings or {}).get("not_offered"):
         head.append("")
+    if (result.settings or {}).get("within_compilation"):
+        head += ["Outputs were compared within one compilation (each arm with its own graph "
+                 "without forks): two compilations of this step in its mode can differ "
+                 "bitwise (autotuning), so no profile can promise the logits of another "
+                 "compilation, with or without it.", ""]
     if device:
         head.append(f"Device: {device.get('name')} (sm_{device.get('sm')}, "
                     f"{device.get('sm_count')} SMs, {device.get('l2_bytes', 0) / 2**20:.0f} MiB "

@@ -26,7 +26,7 @@ from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile
                        versions)
 from . import measure  # GraphBackend looked up when tune() runs (the tests replace it)
 from .arms import Backend, Setting, StepError
-from .compiled import eager_stance, recompile, step_is_compiled
+from .compiled import compilations_differ, eager_stance, recompile, step_is_compiled
 from .report import markdown, plot
 from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
@@ -270,7 +270,9 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     function that calls it); False for an eager step.  A compiled step is measured
     as compiled: discovery reads the eager module tree, every arm runs in the
     compiled, captured step, which is compiled twice per batch shape (without forks,
-    and with a fork at every candidate site, switched per arm); Dynamo's caches are
+    and with a fork at every candidate site, switched per arm; in a mode whose
+    compilations differ, ``max-autotune-no-cudagraphs``, each arm's outputs are compared
+    with its own graph without forks, in the same compiled code); Dynamo's caches are
     reset before and after (``torch._dynamo.reset()``: the caller's next call
     compiles again).  The profile records how the step ran, and a controller made
     from it refuses forks that run the other way
@@ -292,8 +294,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     mode = _check_compiled(compiled)
     t0 = time.monotonic()
     if backend is None:
-        backend, compiled, kernels = _graph_backend(model, step, batches[0], compiled, device,
-                                                    rounds, kernels, known)
+        backend, compiled, kernels = _graph_backend(model, step, batches[0], compiled, mode,
+                                                    device, rounds, kernels, known)
     if kernels is None:
         kernels = (None,)
     compiled = bool(compiled)
@@ -303,7 +305,10 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                                             min_bytes, caps_mib, compiled, progress)
         if progress is not None:
             print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
-                  f"budget {budget_s:.0f} s, the {describe_step(step_info)} step",
+                  f"budget {budget_s:.0f} s, the {describe_step(step_info)} step"
+                  + ("; outputs compared within one compilation (two compilations in this "
+                     "mode can differ bitwise)" if getattr(backend, "within_compilation",
+                                                           False) else ""),
                   file=progress, flush=True)
         remaining = budget_s - (time.monotonic() - t0)
         reports = search(backend, roles, batches, budget_s=max(remaining, 1e-3),
@@ -323,7 +328,9 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                   "caps_mib": list(caps_mib), "grids": list(grids), "kernels": list(kernels),
                   "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
                   "min_bytes": min_bytes, "resolution": resolution, "roles": len(roles),
-                  **({"not_offered": not_offered} if not_offered else {})},
+                  **({"not_offered": not_offered} if not_offered else {}),
+                  **({"within_compilation": True}
+                     if getattr(backend, "within_compilation", False) else {})},
         device=backend.device_fingerprint(),
         versions=versions(), step=step_info)
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
@@ -415,7 +422,8 @@ def _check_settings(caps_mib: object, grids: object, graph_forks: object,
 
 
 def _graph_backend(model: Any, step: Callable[[int], Any], batch: int,
-                   compiled: Union[None, bool, str], device: Any, rounds: Optional[int],
+                   compiled: Union[None, bool, str], mode: Optional[str], device: Any,
+                   rounds: Optional[int],
                    kernels: Optional[Sequence[Optional[str]]],
                    known: dict) -> tuple[Backend, bool, Optional[Sequence[Optional[str]]]]:
     """The GPU's backend, with how ``step`` runs the model (found out at ``batch``, and
@@ -428,7 +436,8 @@ def _graph_backend(model: Any, step: Callable[[int], Any], batch: int,
                          f"compiled={found} (or None: found out)")
     if found:
         recompile()   # the detection's hooks may be in a frame compiled just now
-    backend = measure.GraphBackend(model, step, device=device, rounds=rounds, compiled=found)
+    backend = measure.GraphBackend(model, step, device=device, rounds=rounds, compiled=found,
+                                   within_compilation=found and compilations_differ(mode))
     if kernels is None:
         sm = _C.device_info(backend.device.index)["sm"]
         kernels = (None, *(k for k in ALTERNATIVE_KERNELS
