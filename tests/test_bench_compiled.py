@@ -1,0 +1,31 @@
+"""benchmarks/compiled.py's ceiling, on the CPU: what the kept plan can gain at most is
+each kept role's consumer gap, once per consumer (issue 40's definition), not the sum of
+the chain gaps, which counts a read two chains cover twice (RESULTS run 23)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("torch")
+
+from benchmarks.compiled import ceiling  # noqa: E402
+
+
+def _role(name, gap, chain):
+    return SimpleNamespace(role=name, gap_us=gap, chain_gap_us=chain)
+
+
+def test_the_ceiling_sums_each_kept_consumer_s_own_gap_once():
+    rep = SimpleNamespace(roles=[
+        _role("after self_attn.o_proj: mlp.gate_proj", 18.0, 30.0),
+        _role("before post_attention_layernorm: mlp.gate_proj", 20.0, 30.0),
+        _role("after self_attn.q_proj: self_attn.k_proj", 2.0, 40.0),
+        _role("after self_attn.k_proj: self_attn.v_proj", 1.5, 38.0),
+        _role("after mlp.down_proj: lm_head", None, None)])
+    kept = [("before post_attention_layernorm: mlp.gate_proj", None),
+            ("after self_attn.q_proj: self_attn.k_proj", None),
+            ("after self_attn.k_proj: self_attn.v_proj", None)]
+    assert ceiling(rep, kept) == pytest.approx(20.0 + 2.0 + 1.5)
+    # nothing kept: every role's consumers, the largest gap of each
+    assert ceiling(rep, []) == pytest.approx(20.0 + 2.0 + 1.5)
+    assert ceiling(rep, [("after self_attn.o_proj: mlp.gate_proj", None)]) == 20.0
