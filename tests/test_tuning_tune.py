@@ -401,6 +401,10 @@ def test_roles_by_name_and_progress_lines(capsys):
     assert [r.name for r in result.roles] == [O_PROJ]
     text = out.getvalue()
     assert "1 candidate roles" in text and "confirm" in text and "ETA" in text
+    # the last line: where the time went
+    last = text.strip().splitlines()[-1]
+    assert re.fullmatch(r"\[l2prefetch tune\] done in \d+ s: finding the roles \d+ s, "
+                        r"batch 1 \d+ s", last), last
 
 
 def test_plan_entries_carry_the_chosen_settings():

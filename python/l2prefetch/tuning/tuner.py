@@ -310,7 +310,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                      "mode can differ bitwise)" if getattr(backend, "within_compilation",
                                                            False) else ""),
                   file=progress, flush=True)
-        remaining = budget_s - (time.monotonic() - t0)
+        roles_s = time.monotonic() - t0
+        remaining = budget_s - roles_s
         reports = search(backend, roles, batches, budget_s=max(remaining, 1e-3),
                          instances=instances, max_instances=max_instances,
                          caps_mib=caps_mib, grids=grids, kernels=kernels,
@@ -336,7 +337,21 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
                 result.elapsed_s, "empty plan" if result.empty else
                 f"{len(plan)} entries over {len(sites)} roles")
+    if progress is not None:
+        went = _time_went(roles_s, reports, compiled)
+        print(f"[l2prefetch tune] done in {result.elapsed_s:.0f} s: {went}", file=progress,
+              flush=True)
     return result
+
+
+def _time_went(roles_s: float, reports: Sequence[Any], compiled: bool) -> str:
+    """Where tune's time went, for its last progress line."""
+    first = ("finding the roles and screening their sites" if compiled
+             else "finding the roles")
+    return ", ".join([f"{first} {roles_s:.0f} s"]
+                     + [f"batch {r.batch} {r.elapsed_s:.0f} s"
+                        + (" (compilations included)" if compiled else "")
+                        for r in reports])
 
 
 def _check_model_and_step(model: Any, step: object, batches: object,
