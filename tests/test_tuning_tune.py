@@ -949,8 +949,8 @@ def test_graph_backend_refuses_bad_rounds_first(rounds, error):
         GraphBackend(model, step, rounds=rounds)
 
 
-@pytest.mark.parametrize("rounds", [None, 12])
-def test_tune_hands_its_rounds_to_the_graph_backend(rounds, monkeypatch):
+def _graph_backend_arguments(monkeypatch, **tune_kwargs):
+    """The keywords tune() makes its GraphBackend with (stopped right there)."""
     from l2prefetch.tuning import measure
 
     seen = {}
@@ -966,8 +966,13 @@ def test_tune_hands_its_rounds_to_the_graph_backend(rounds, monkeypatch):
     monkeypatch.setattr(measure, "GraphBackend", Recorder)
     model, step = model_and_step()
     with pytest.raises(Stop):
-        tuning.tune(model, step, [1], progress=None, rounds=rounds, kernels=[None])
-    assert seen["rounds"] == rounds
+        tuning.tune(model, step, [1], progress=None, kernels=[None], **tune_kwargs)
+    return seen
+
+
+@pytest.mark.parametrize("rounds", [None, 12])
+def test_tune_hands_its_rounds_to_the_graph_backend(rounds, monkeypatch):
+    assert _graph_backend_arguments(monkeypatch, rounds=rounds)["rounds"] == rounds
 
 
 @pytest.mark.parametrize("compiled, within", [
@@ -977,24 +982,11 @@ def test_tune_compares_within_one_compilation_where_compilations_differ(compiled
     """Under max-autotune two compilations of one step differ bitwise (run 23): the
     backend compares each arm with its own graph without forks; in the default mode, or
     a mode not named, with the step compiled without forks."""
-    from l2prefetch.tuning import measure, tuner
+    from l2prefetch.tuning import tuner
 
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    class Recorder:
-        def __init__(self, model, step, **kwargs):
-            seen.update(kwargs)
-            raise Stop
-
-    monkeypatch.setattr(measure, "GraphBackend", Recorder)
     monkeypatch.setattr(tuner, "step_is_compiled", lambda model, step, batch: True)
     monkeypatch.setattr(tuner, "recompile", lambda: None)
-    model, step = model_and_step()
-    with pytest.raises(Stop):
-        tuning.tune(model, step, [1], progress=None, kernels=[None], compiled=compiled)
+    seen = _graph_backend_arguments(monkeypatch, compiled=compiled)
     assert seen["compiled"] is True and seen["within_compilation"] is within
 
 
