@@ -774,27 +774,39 @@ def test_save_never_writes_through_a_planted_link(tmp_path):
     assert json.loads(target.read_text())["format"] == P.PROFILE_FORMAT
 
 
+class _SharedOutput:
+    """Fake graphs of one shared pool: each replay writes its value into one tensor."""
+
+    def __init__(self):
+        self.out = torch.zeros(4)
+
+    def graph(self, value):
+        shared = self.out
+
+        class Graph:
+            def replay(self):
+                shared.fill_(value)
+        return Graph()
+
+
+def _cpu_graph_backend(monkeypatch):
+    from l2prefetch.tuning.measure import GraphBackend
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    backend = GraphBackend.__new__(GraphBackend)
+    backend.torch, backend.device = torch, torch.device("cpu")
+    return backend
+
+
 def test_graph_backend_reads_each_output_right_after_its_own_replay(caplog, monkeypatch):
     """Graphs of one shared pool share buffers: here every 'graph' writes its result into
     one tensor. Each arm's output is compared right after its own replay, so the arms
     that compute the step's logits pass and the one that computes others is named."""
-    from l2prefetch.tuning.measure import GraphBackend
-
-    shared = torch.zeros(4)
-
-    class Graph:
-        def __init__(self, value):
-            self.value = value
-
-        def replay(self):
-            shared.fill_(self.value)
-
-    backend = GraphBackend.__new__(GraphBackend)
-    backend.torch, backend.device = torch, torch.device("cpu")
+    pool, backend = _SharedOutput(), _cpu_graph_backend(monkeypatch)
+    Graph = pool.graph
     graphs = {("a", 0): Graph(1.0), ("a", 1): Graph(1.0), ("b", 0): Graph(1.0),
               ("b", 1): Graph(2.0), ("d", 0): Graph(1.0)}
-    out_of = {key: shared for key in graphs}
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    out_of = {key: pool.out for key in graphs}
     with caplog.at_level(logging.WARNING, "l2prefetch.tuning.measure"):
         identical = backend._check_outputs(1, graphs, out_of)
     assert identical == {"a": True, "b": False, "d": True}
@@ -998,27 +1010,16 @@ def test_within_one_compilation_each_arm_is_compared_with_its_own_step_without_f
     computes other logits than the compiled code with the fork ops: only the arm whose
     loads changed its own code's output is named."""
     from l2prefetch.tuning.arms import NO_FORKS, no_forks_of
-    from l2prefetch.tuning.measure import GraphBackend
 
-    shared = torch.zeros(4)
-
-    class Graph:
-        def __init__(self, value):
-            self.value = value
-
-        def replay(self):
-            shared.fill_(self.value)
-
+    pool, backend = _SharedOutput(), _cpu_graph_backend(monkeypatch)
+    Graph = pool.graph
     ok, bad, alone = no_forks_of("ok"), no_forks_of("bad"), "alone"
     graphs = {(NO_FORKS, 0): Graph(1.0), (NO_FORKS, 1): Graph(1.0),
               ("ok", 0): Graph(2.0), ("ok", 1): Graph(2.0), (ok, 0): Graph(2.0),
               (ok, 1): Graph(2.0), ("bad", 0): Graph(2.0), ("bad", 1): Graph(3.0),
               (bad, 0): Graph(2.0), (bad, 1): Graph(2.0), (alone, 0): Graph(2.0)}
-    out_of = {key: shared for key in graphs}
+    out_of = {key: pool.out for key in graphs}
     references = {"ok": ok, "bad": bad}
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    backend = GraphBackend.__new__(GraphBackend)
-    backend.torch, backend.device = torch, torch.device("cpu")
     backend.within_compilation = True
     with caplog.at_level(logging.WARNING, "l2prefetch.tuning.measure"):
         identical = backend._check_outputs(1, graphs, out_of, references)
