@@ -3,13 +3,15 @@
 For each model (benchmarks.common.hf_model: ``llama``, ``qwen3`` or a
 benchmarks/configs name; ``vllm``: benchmarks/vllm_model.py's decoder), each window (a
 spin of that many us before every MLP, planted as a custom op that torch.compile keeps:
-``l2p_bench::spin``; 0: nothing planted) and each way the step runs (``eager``; ``compiled``: the model's forward
+``l2p_bench::spin``, in each layer's post_attention_layernorm pre-hook; 0: nothing
+planted) and each way the step runs (``eager``; ``compiled``: the model's forward
 compiled by torch.compile with ``--mode``, the prompts run eagerly first), tune runs
 unaided (discovered roles, every fork mode, ``--budget`` s) and a row per batch gives:
 the step's us, the tuned plan's ratio with its 95% interval and gain, bitwise equality,
 the tuning time (compilation included) and the ceiling (:func:`ceiling`: per kept
-role, the probe's cold minus hot time of its consumer, summed over distinct consumers);
-tuned / ceiling is the gain over that.
+role's consumer, the probe's cold minus hot time of it, the largest of the roles
+sharing it, summed over distinct consumers, over all layers even where a kept setting
+loads only some); tuned / ceiling is the gain over that.
 
     python -m benchmarks.compiled [--models llama] [--windows 0,40] [--ways eager,compiled]
                                   [--batches 1] [--budget 120] [--mode default] [--out F.md]

@@ -140,7 +140,8 @@ def test_two_compilations_of_the_step_without_hooks_give_the_same_logits(monkeyp
     mode = "default"
     import torch._inductor.config as inductor_config
 
-    # no cache: the second compilation makes (and autotunes) its kernels anew
+    # Inductor's FX graph and autotune caches off (kernels built earlier in this process
+    # may still be reused): two compilations in one process, as the tuner makes them
     monkeypatch.setattr(inductor_config, "force_disable_caches", True)
     model, step = _llama()
     compile_forward(model, mode)
@@ -161,9 +162,9 @@ def test_tune_a_compiled_step_and_deploy_its_profile(tmp_path, monkeypatch):
         forked.append(done)
         return done
 
-    monkeypatch.setattr(Switchboard, "fork", counting_fork)
-    result = tune(model, step, [1], budget_s=60, progress=None, compiled="default")
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:     # not undo(): the fixture's delenv stays
+        patched.setattr(Switchboard, "fork", counting_fork)
+        result = tune(model, step, [1], budget_s=60, progress=None, compiled="default")
     # the measured arms forked inside the compiled step (a tune whose hooks sat on code
     # compiled without them would measure nothing and could still ship an empty plan)
     assert any(forked), f"no fork ran in {len(forked)} calls of the board's hooks"
@@ -197,6 +198,9 @@ def test_tune_under_max_autotune_compares_within_one_compilation():
     result = tune(model, step, [1], budget_s=60, progress=None, compiled=mode)
     assert result.step["mode"] == mode and result.settings["within_compilation"] is True
     for rep in result.batches:
+        # no role refused for outputs: its forks change nothing in its own compiled code
+        assert not [r.role for r in rep.roles if r.reason.startswith("refused: outputs")]
+        assert any(t.stage == "verify" for r in rep.roles for t in r.trials) or not rep.plan
         if rep.confirmed is not None:
             assert rep.confirmed.identical and rep.confirmed.gain.low > 0
 

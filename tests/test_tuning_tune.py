@@ -1002,34 +1002,61 @@ def test_tune_compares_within_one_compilation_where_compilations_differ(compiled
     assert seen["compiled"] is True and seen["within_compilation"] is within
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_compiled_step_refused_for_its_outputs_names_the_likely_cause(compiled, caplog):
+    """Outputs that differ across compilations refuse the role (as any difference does);
+    for a compiled step whose mode was not named, tune says why that may be and what to
+    pass; for an eager one it says nothing of the kind."""
+    import io
+
+    model, step = model_and_step()
+    out = io.StringIO()
+    backend = DeviceBackend({O_PROJ: lambda s: 6.0}, seed=3, differs=frozenset({O_PROJ}))
+    with caplog.at_level(logging.WARNING, "l2prefetch.tuning.tuner"):
+        result = tuning.tune(model, step, [1], candidates=[O_PROJ], progress=out,
+                             backend=backend, min_bytes=256 * 1024, budget_s=60,
+                             compiled=compiled)
+    assert result.empty
+    assert result.batches[0].roles[0].reason.startswith("refused: outputs")
+    said = "compiled=\'max-autotune-no-cudagraphs\'" in out.getvalue()
+    assert said is compiled and ("--compile max-autotune" in caplog.text) is compiled
+
+
 def test_within_one_compilation_each_arm_is_compared_with_its_own_step_without_forks(
         caplog, monkeypatch):
     """within_compilation: an arm against its own graph without forks of the same
-    instance (replayed just before it: they share buffers), that graph against its own
-    replay; an arm with no such graph against (a) as before.  Here (a), compiled apart,
-    computes other logits than the compiled code with the fork ops: only the arm whose
-    loads changed its own code's output is named."""
+    instance (replayed just before it: they share buffers); that graph, and an arm with
+    no such graph, against the compiled code forking nowhere (SAME_CODE, captured beside
+    (a)); (a), compiled apart, only against itself.  Here (a) computes other logits than
+    the compiled code with the fork ops: named are only the arm whose loads changed its
+    own code's output and the graph without forks that is not the code's."""
     from l2prefetch.tuning.arms import NO_FORKS, no_forks_of
+    from l2prefetch.tuning.measure import SAME_CODE
 
     pool, backend = _SharedOutput(), _cpu_graph_backend(monkeypatch)
     Graph = pool.graph
-    ok, bad, alone = no_forks_of("ok"), no_forks_of("bad"), "alone"
+    ok, bad, broken = no_forks_of("ok"), no_forks_of("bad"), no_forks_of("broken")
     graphs = {(NO_FORKS, 0): Graph(1.0), (NO_FORKS, 1): Graph(1.0),
+              (SAME_CODE, 0): Graph(2.0), (SAME_CODE, 1): Graph(2.0),
               ("ok", 0): Graph(2.0), ("ok", 1): Graph(2.0), (ok, 0): Graph(2.0),
               (ok, 1): Graph(2.0), ("bad", 0): Graph(2.0), ("bad", 1): Graph(3.0),
-              (bad, 0): Graph(2.0), (bad, 1): Graph(2.0), (alone, 0): Graph(2.0)}
+              (bad, 0): Graph(2.0), (bad, 1): Graph(2.0), ("alone", 0): Graph(2.0),
+              ("broken", 0): Graph(5.0), (broken, 0): Graph(5.0)}
     out_of = {key: pool.out for key in graphs}
-    references = {"ok": ok, "bad": bad}
+    references = {"ok": ok, "bad": bad, "broken": broken}
     backend.within_compilation = True
     with caplog.at_level(logging.WARNING, "l2prefetch.tuning.measure"):
         identical = backend._check_outputs(1, graphs, out_of, references)
-    assert identical == {NO_FORKS: True, "ok": True, ok: True, "bad": False, bad: True,
-                         alone: False}
+    assert identical == {NO_FORKS: True, SAME_CODE: True, "ok": True, ok: True,
+                         "bad": False, bad: True, "alone": True, "broken": True,
+                         broken: False}
     assert f"arm bad: outputs of instances [1] differ from {bad!r} (its own step" \
         in caplog.text
-    backend.within_compilation = False                   # across compilations: all differ
+    # without SAME_CODE (an eager step's group), or across compilations: against (a)
+    del graphs[(SAME_CODE, 0)], graphs[(SAME_CODE, 1)]
     assert backend._check_outputs(1, graphs, out_of, references) == {
-        NO_FORKS: True, "ok": False, ok: False, "bad": False, bad: False, alone: False}
+        NO_FORKS: True, "ok": False, ok: False, "bad": False, bad: False, "alone": False,
+        "broken": False, broken: False}
 
 
 def test_the_report_says_the_replays_each_batch_took():
@@ -1058,8 +1085,33 @@ def test_the_report_says_the_replays_each_batch_took():
     assert [b.as_dict()["rounds"] for b in result.batches] == [17, 11]   # the profile's results
 
 
+def test_the_same_code_reference_is_the_compiled_step_forking_nowhere():
+    """SAME_CODE is captured with the board on and no route (the compiled code with its
+    fork ops, forking nowhere); (a) with the board off (the code compiled without)."""
+    import l2prefetch.tuning.measure as M
+    from l2prefetch.tuning.arms import NO_FORKS, Arm
+
+    selected = []
+
+    class Board:
+        @contextlib.contextmanager
+        def selected(self, controller, points):
+            selected.append((controller, points))
+            yield
+
+    class Rig:
+        def capture(self, fn, **kw):
+            return fn(), None
+
+    backend = M.GraphBackend.__new__(M.GraphBackend)
+    backend._board, backend.rig = Board(), Rig()
+    for name in (M.SAME_CODE, NO_FORKS):
+        backend._capture(name, Arm(), {}, lambda: 1, warmup=False)
+    assert selected == [(None, {}), (None, None)]
+
+
 @pytest.mark.parametrize("case", ["shared", "private", "refused", "incapable", "not bitwise",
-                                  "close fails", "both fail"])
+                                  "close fails", "both fail", "within"])
 def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, monkeypatch,
                                                                         caplog):
     """Each captured graph with forks also replays without them (rig.NoForks), keyed
@@ -1121,7 +1173,10 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
     backend._placements = random.Random(0)
     backend.rig = FakeRig()
     backend._controller = lambda arm, batch: Controller()
-    backend._capture = lambda *a, **kw: (Graph(), torch.ones(2))
+    names = []                          # what each instance captured
+    backend._capture = lambda name, *a, **kw: names.append(name) or (Graph(), torch.ones(2))
+    if case == "within":                # a compiled step whose compilations differ
+        backend.within_compilation, backend._board = True, object()
     checked = {}
 
     def check(batch, graphs, out_of, references=None):
@@ -1158,7 +1213,11 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
         assert backend.pairs == [set(arms)]
         return
     assert backend.references == {"tuned": own}
-    assert backend.pairs == ([{NO_FORKS, "tuned", own}] if case == "shared" else [{"tuned", own}])
+    assert backend.pairs == ([{NO_FORKS, "tuned", own}] if case != "private" else [{"tuned", own}])
+    # within one compilation each instance also captures the compiled code forking
+    # nowhere (the bitwise checks' reference), never timed as an arm
+    assert names.count(M.SAME_CODE) == (2 if case == "within" else 0)
+    assert (M.SAME_CODE in checked) == (case == "within") and M.SAME_CODE not in times
 
 
 # -- interrupted, and two writers at once (issue 38.7) -----------------------------------------

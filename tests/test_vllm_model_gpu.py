@@ -58,7 +58,7 @@ def _same(a, b):
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-#: Every fork mode at these sizes, the default mode at every size: each mode's hooks are
+#: Every fork mode at these sizes, the first (inline) at every size: each mode's hooks are
 #: compiled anew per size, and 4 modes x 7 sizes did not finish in 330 s (RESULTS run 23).
 MODE_SIZES = (1, 8)
 

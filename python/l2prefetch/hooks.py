@@ -225,10 +225,15 @@ def register_site_hook(module: Any, where: str, hook: Callable[..., Any], *,
         raise ValueError(f"where must be {site_hook_choices()}, got {where!r}")
     if where == "before":
         handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
-        _move_ahead(module._forward_pre_hooks, handle.id)
+        registered = module._forward_pre_hooks
     else:
         handle = module.register_forward_hook(hook, with_kwargs=with_kwargs)
-        _move_ahead(module._forward_hooks, handle.id)
+        registered = module._forward_hooks
+    try:
+        _move_ahead(registered, handle.id)
+    except BaseException:   # an interrupt mid-way: not left registered out of order
+        handle.remove()
+        raise
     return handle
 
 
@@ -238,9 +243,15 @@ def _move_ahead(registered: Any, key: int) -> None:
     OrderedDict, so its running order and ``dict.keys`` order differ, and Dynamo in
     torch 2.11 (2.13 is fixed) pairs each hook it runs with the guard of the hook at
     that ``dict.keys`` position: a crash at guard creation beside another pre-hook
-    (pytorch#160083; RESULTS, run 23)."""
-    for other in [k for k in registered if k != key]:
-        registered[other] = registered.pop(other)
+    (pytorch#160083; RESULTS, run 23).  Like any hook registration, not safe against
+    another thread running the module's forward meanwhile."""
+    others = [(k, hook) for k, hook in registered.items() if k != key]
+    try:
+        for k, _ in others:
+            del registered[k]
+    finally:   # every one back, in running order, also if interrupted mid-way
+        for k, hook in others:
+            registered[k] = hook
 
 
 def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,

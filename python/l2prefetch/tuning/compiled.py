@@ -36,8 +36,8 @@ from .. import hooks
 from ..mechanisms import DEFAULT_SITE_HOOK
 from .discovery import Role
 
-__all__ = ["Switchboard", "board_for_roles", "eager_stance", "kernel_calls", "recompile",
-           "screen_roles", "screen_sites", "step_is_compiled"]
+__all__ = ["Switchboard", "board_for_roles", "compilations_differ", "eager_stance",
+           "kernel_calls", "recompile", "screen_roles", "screen_sites", "step_is_compiled"]
 
 logger = logging.getLogger(__name__)
 

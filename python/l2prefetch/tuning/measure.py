@@ -13,7 +13,10 @@ made) is measured the same way, in the compiled code: one
 :class:`~l2prefetch.tuning.compiled.Switchboard` hooked at every candidate
 site instead of hooks per arm, the step compiled with and without its forks
 once per batch shape in :meth:`GraphBackend.prepare`, each arm's forks
-switched to at capture (tuning/compiled.py says why).
+switched to at capture (tuning/compiled.py says why).  Where two compilations of
+the step differ (max-autotune, :attr:`GraphBackend.within_compilation`), outputs are
+compared within the code with the fork ops instead: each arm with its own graph
+without forks, the rest with that code forking nowhere (:data:`SAME_CODE`).
 
 The windows and gaps that order the roles come from :mod:`~l2prefetch.tuning.probe`.
 """
@@ -170,9 +173,8 @@ class GraphBackend(Backend):
         self.torch, self.model, self.step, self.rounds = torch, model, step, rounds
         #: Whether the step runs in compiled code (then arms fork through self._board).
         self.compiled = bool(compiled)
-        #: Each arm's outputs compared with its own graph without forks (the same
-        #: compiled code), not with (a)'s (code compiled without the fork ops): for
-        #: compile modes whose two compilations of one step differ (run 23).
+        #: Outputs compared within the compiled code with the fork ops (SAME_CODE), for
+        #: modes whose two compilations of one step differ (run 23).
         self.within_compilation = bool(within_compilation)
         #: Per batch, the replays per instance prepare() chose (where rounds is None).
         self._rounds_at: dict[int, int] = {}
@@ -324,7 +326,8 @@ class GraphBackend(Backend):
     def measure(self, batch: int, arms: Mapping[str, Arm],
                 instances: int) -> tuple[dict[str, list[float]], dict[str, bool]]:
         """Per arm, the median us of each instance, and whether its outputs are
-        bitwise the no-fork step's (the arm keyed :data:`~l2prefetch.tuning.arms.NO_FORKS`).
+        bitwise the no-fork step's (the arm keyed :data:`~l2prefetch.tuning.arms.NO_FORKS`;
+        within one compilation, see :meth:`_check_outputs`).
 
         Arms whose forks have one structure (:meth:`Arm.structure`: the
         same roles in the same fork modes at the same layers) share their graph
@@ -396,14 +399,14 @@ class GraphBackend(Backend):
     def _check_outputs(self, batch: int, graphs: Mapping[tuple[str, int], Any],
                        out_of: Mapping[tuple[str, int], Any],
                        references: Optional[Mapping[str, str]] = None) -> dict[str, bool]:
-        """:func:`~l2prefetch.tuning.outputs.compare_outputs` on this device; with
-        :attr:`within_compilation`, each arm with a reference (its own step without
-        forks) against it, and the references against their own replays."""
-        against = None
-        if self.within_compilation and references:
-            against = {**{key: key for key in references.values()}, **references}
-        return compare_outputs(batch, graphs, out_of,
-                               lambda: self.torch.cuda.synchronize(self.device), against)
+        """:func:`~l2prefetch.tuning.outputs.compare_outputs` here.  Within one compilation
+        (where :data:`SAME_CODE` was captured): each arm with a reference against it, the
+        rest against SAME_CODE, and (a), compiled apart, against itself."""
+        sync = lambda: self.torch.cuda.synchronize(self.device)  # noqa: E731
+        if not (self.within_compilation and (SAME_CODE, 0) in graphs):
+            return compare_outputs(batch, graphs, out_of, sync)
+        return compare_outputs(batch, graphs, out_of, sync,
+                               {NO_FORKS: NO_FORKS, **(references or {})}, first=SAME_CODE)
 
     def _capture(self, name: str, arm: Arm, controllers: Mapping[str, Any],
                  fn: Callable[[], Any], *, warmup: bool, keep_graph: bool = False,
@@ -415,13 +418,19 @@ class GraphBackend(Backend):
         if self._board is not None:
             # the compiled step: its switchboard forks as this arm says (no roles: the
             # board off, the step compiled without fork ops)
-            points = self._points(arm) if arm.roles else None
+            points = self._points(arm) if arm.roles else {} if name == SAME_CODE else None
             with self._board.selected(controllers.get(name), points):
                 return capture()
         if not arm.roles:
             return capture()
         with hooks.attach(self.model, controllers[name], self._points(arm)):
             return capture()
+
+
+#: Within one compilation (GraphBackend.within_compilation): the compiled step with its
+#: fork ops, forking nowhere, captured once per instance beside (a); the reference of
+#: the bitwise checks there (never timed as an arm).
+SAME_CODE = f"{NO_FORKS}:same-code"
 
 
 def _switch_groups(arms: Mapping[str, Arm], controllers: Mapping[str, Any], switches: bool
@@ -476,6 +485,8 @@ class _Instances:
         # what one instance captures: the unswitched arms (NO_FORKS among them), and each
         # switched group's head
         units = [name for name in arms if name not in in_pairs] + [p[0] for p in paired]
+        if backend.within_compilation and backend._board is not None:
+            units.append(SAME_CODE)
         references: dict[str, str] = {}
         for i in range(instances):
             pool = backend.torch.cuda.graph_pool_handle() if backend.shared_placement else None
@@ -509,9 +520,9 @@ class _Instances:
         backend, graphs, out_of = self.backend, self.graphs, self.out_of
         group = next((p for p in self.paired if p[0] == unit), None)
         key = no_forks_of(unit)
-        derive = (backend.derives_no_forks and bool(self.arms[unit].roles)
-                  and key not in self.failed)
-        graph, out = backend._capture(unit, self.arms[unit], self.controllers, fn,
+        arm = self.arms.get(unit, Arm())           # SAME_CODE: no arm of the group
+        derive = backend.derives_no_forks and bool(arm.roles) and key not in self.failed
+        graph, out = backend._capture(unit, arm, self.controllers, fn,
                                       warmup=i == 0, keep_graph=group is not None or derive,
                                       pool=pool)
         switch = LoaderSwitch(graph) if group is not None else None

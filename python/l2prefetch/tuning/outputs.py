@@ -78,12 +78,13 @@ def max_diff(x: Any, y: Any) -> Optional[float]:
 def compare_outputs(batch: int, graphs: Mapping[tuple[str, int], Any],
                     out_of: Mapping[tuple[str, int], Any],
                     synchronize: Callable[[], None],
-                    against: Optional[Mapping[str, str]] = None) -> dict[str, bool]:
+                    against: Optional[Mapping[str, str]] = None,
+                    first: str = NO_FORKS) -> dict[str, bool]:
     """Per arm (``graphs`` and ``out_of`` are keyed ``(arm, instance)``), whether the
-    outputs of all its instances are bitwise those of the no-fork step's first instance,
-    ``("a", 0)``; an arm named in ``against`` is compared instead with that arm's graph
-    of the same instance (its own step without forks: one compilation, where two
-    compilations of the step differ).  Each graph is replayed once more and its output
+    outputs of all its instances are bitwise those of ``(first, 0)``, by default the
+    no-fork step's first instance; an arm named in ``against`` is compared instead with
+    that arm's graph of the same instance (its own step without forks: one compilation,
+    where two compilations of the step differ).  Each graph is replayed once more and its output
     compared right after (an ``against`` reference replayed and copied just before):
     graphs that share a pool (or a switched graph's states) share buffers, so a later
     replay overwrites an earlier output.  Differences are logged with their size."""
@@ -94,12 +95,12 @@ def compare_outputs(batch: int, graphs: Mapping[tuple[str, int], Any],
         synchronize()
         return out_of[key]
 
-    first = clone(replay((NO_FORKS, 0))) if (NO_FORKS, 0) in graphs else None
+    common = clone(replay((first, 0))) if (first, 0) in graphs else None
     differ: dict[str, list[tuple[int, Optional[float]]]] = {}
     for key in graphs:
         name, i = key
         own = (against[name], i) if name in against else None
-        reference = clone(replay(own)) if own in graphs else first
+        reference = clone(replay(own)) if own in graphs else common
         out = replay(key)
         differ.setdefault(name, [])
         if not bitwise_equal(reference, out):
@@ -107,7 +108,8 @@ def compare_outputs(batch: int, graphs: Mapping[tuple[str, int], Any],
     for name, bad in differ.items():
         if bad:
             what = (f"{against[name]!r} (its own step without forks)" if name in against
-                    else "the no-fork step's first instance")
+                    else "the no-fork step's first instance" if first == NO_FORKS
+                    else f"{first!r}'s first instance")
             logger.warning("batch %d, arm %s: outputs of instances %s differ from %s (max "
                            "abs diff %s)", batch, name, [i for i, _ in bad], what,
                            [d for _, d in bad])

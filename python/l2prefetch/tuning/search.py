@@ -123,9 +123,11 @@ from .sampling import Check, Measured, Sampler
 from .stats import mean_interval
 
 __all__ = ["DEFAULT_CAPS_MIB", "DEFAULT_GRIDS", "DEFAULT_MIN_GAIN_US", "DEFAULT_RESOLUTION",
-           "LEAD_INSTANCES_FACTOR", "MAX_INSTANCES", "MIN_INSTANCES", "lead_max_instances",
-           "search"]
+           "LEAD_INSTANCES_FACTOR", "MAX_INSTANCES", "MIN_INSTANCES", "REFUSED_OUTPUTS",
+           "lead_max_instances", "search"]
 
+#: A role's reason where its verified loads changed the step's outputs.
+REFUSED_OUTPUTS = "refused: outputs with its loads differ from the step's"
 #: Caps tried per role, in MiB (limited to what a role can load).
 DEFAULT_CAPS_MIB = (4, 8, 16, 24, 32, 48)
 #: Loader CTAs tried in the refine step besides the default.
@@ -556,7 +558,7 @@ def _verify(st: _State, role: Role, setting: Setting, rep: RoleReport,
     rep.trials.append(trial)
     rep.chosen = trial
     if not measured.identical.get(LOADS, True):
-        rep.reason = "refused: outputs with its loads differ from the step's (a bug: report it)"
+        rep.reason = f"{REFUSED_OUTPUTS} (a bug: report it)"
         return None
     if not trial.gain.excludes_zero_above():
         rep.reason = (f"not shown on fresh instances: gain {trial.gain.format(2)} us "

@@ -30,7 +30,7 @@ from .compiled import compilations_differ, eager_stance, recompile, step_is_comp
 from .report import markdown, plot
 from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
-                     MAX_INSTANCES, MIN_INSTANCES, lead_max_instances, search)
+                     MAX_INSTANCES, MIN_INSTANCES, REFUSED_OUTPUTS, lead_max_instances, search)
 
 __all__ = ["TuneResult", "check_max_instances", "tune"]
 
@@ -337,11 +337,30 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
                 result.elapsed_s, "empty plan" if result.empty else
                 f"{len(plan)} entries over {len(sites)} roles")
+    _last_lines(result, roles_s, compiled, backend, progress)
+    return result
+
+
+def _last_lines(result: TuneResult, roles_s: float, compiled: bool, backend: Any,
+                progress: Any) -> None:
+    """tune's last words: for a compiled step compared across compilations whose roles'
+    outputs differed, the likely cause (an autotuning mode not named) and what to do;
+    then where the time went."""
+    refused = sum(r.reason.startswith(REFUSED_OUTPUTS)
+                  for rep in result.batches for r in rep.roles)
+    if compiled and refused and not getattr(backend, "within_compilation", False):
+        hint = (f"{refused} role(s) refused because the outputs with forks differed from "
+                "the step compiled without them; if the step was compiled with max-autotune, "
+                "two compilations differ on their own: name the mode (tune(compiled="
+                "'max-autotune-no-cudagraphs'), or --compile max-autotune-no-cudagraphs) so "
+                "that outputs are compared within one compilation")
+        logger.warning("%s", hint)
+        if progress is not None:
+            print(f"[l2prefetch tune] {hint}", file=progress, flush=True)
     if progress is not None:
-        went = _time_went(roles_s, reports, compiled)
+        went = _time_went(roles_s, result.batches, compiled)
         print(f"[l2prefetch tune] done in {result.elapsed_s:.0f} s: {went}", file=progress,
               flush=True)
-    return result
 
 
 def _time_went(roles_s: float, reports: Sequence[Any], compiled: bool) -> str:
