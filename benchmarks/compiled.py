@@ -15,8 +15,10 @@ loads only some); tuned / ceiling is the gain over that.
 
     python -m benchmarks.compiled [--models llama] [--windows 0,40] [--ways eager,compiled]
                                   [--batches 1] [--budget 120] [--mode default] [--out F.md]
+                                  [--reports DIR]
 """
 import argparse
+import os
 import sys
 import time
 
@@ -93,6 +95,8 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--mode", default="default")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--reports", default=None, metavar="DIR",
+                        help="write each tune's Markdown report there (every role's gaps)")
     args = parser.parse_args(argv)
     no_gpu("benchmarks.compiled")
     batches = [int(b) for b in args.batches.split(",")]
@@ -113,6 +117,10 @@ def main(argv=None):
                                      progress=sys.stderr,
                                      compiled=args.mode if way == "compiled" else False)
                 took = time.monotonic() - t0
+                if args.reports:
+                    path = os.path.join(args.reports, f"{name}-{window:g}-{way}.md")
+                    with open(path, "w") as f:
+                        f.write(result.markdown())
                 for rep in result.batches:
                     conf = rep.confirmed
                     kept = list(rep.plan) if conf is not None else []
