@@ -333,6 +333,35 @@ def test_register_site_hook_checks_where():
             register_site_hook(module, where, lambda *a: None)
 
 
+def test_a_site_hook_interrupted_while_going_ahead_leaves_every_other_hook_in_order(
+        monkeypatch):
+    """Going ahead re-inserts the module's other hooks; a KeyboardInterrupt mid-way
+    (here at the second removal) loses none of them, keeps their running order, and
+    leaves no hook of ours registered."""
+    from collections import OrderedDict
+
+    from l2prefetch.hooks import register_site_hook
+
+    class Interrupting(OrderedDict):
+        deletes = 0
+
+        def __delitem__(self, key):
+            Interrupting.deletes += 1
+            if Interrupting.deletes == 2:
+                raise KeyboardInterrupt
+            super().__delitem__(key)
+
+    module, calls = torch.nn.Identity(), []
+    for name in ("one", "two", "three"):
+        module.register_forward_hook(lambda m, a, o, name=name: calls.append(name))
+    module._forward_hooks = Interrupting(module._forward_hooks)
+    with pytest.raises(KeyboardInterrupt):
+        register_site_hook(module, "after", lambda m, a, o: calls.append("ours"))
+    module(torch.zeros(1))
+    assert calls == ["one", "two", "three"]
+    assert list(dict.keys(module._forward_hooks)) == list(module._forward_hooks)
+
+
 def test_sites_on_one_module_fork_in_the_order_given():
     model, controller = Tiny(1), Recorder()
     mlp = model.layers[0].mlp

@@ -1002,11 +1002,11 @@ def test_tune_compares_within_one_compilation_where_compilations_differ(compiled
     assert seen["compiled"] is True and seen["within_compilation"] is within
 
 
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("compiled", [True, False, "max-autotune-no-cudagraphs"])
 def test_a_compiled_step_refused_for_its_outputs_names_the_likely_cause(compiled, caplog):
     """Outputs that differ across compilations refuse the role (as any difference does);
     for a compiled step whose mode was not named, tune says why that may be and what to
-    pass; for an eager one it says nothing of the kind."""
+    pass; for an eager one, or one whose mode was named, it says nothing of the kind."""
     import io
 
     model, step = model_and_step()
@@ -1019,7 +1019,31 @@ def test_a_compiled_step_refused_for_its_outputs_names_the_likely_cause(compiled
     assert result.empty
     assert result.batches[0].roles[0].reason.startswith("refused: outputs")
     said = "compiled=\'max-autotune-no-cudagraphs\'" in out.getvalue()
-    assert said is compiled and ("--compile max-autotune" in caplog.text) is compiled
+    assert said is (compiled is True) and ("--compile max-autotune" in caplog.text) is said
+
+
+def test_a_plan_whose_outputs_differ_at_confirmation_is_refused_for_its_outputs():
+    """Roles that were bitwise alone but whose plan is not, at confirmation: dropped with
+    the outputs reason (which the compiled step's hint counts), never shipped."""
+    import io
+
+    from l2prefetch.tuning.arms import PLAN
+
+    class PlanDiffers(DeviceBackend):
+        def measure(self, batch, arms, instances):
+            times, identical = super().measure(batch, arms, instances)
+            return times, {n: ok and n != PLAN for n, ok in identical.items()}
+
+    model, step = model_and_step()
+    out = io.StringIO()
+    result = tuning.tune(model, step, [1], candidates=[O_PROJ], progress=out,
+                         backend=PlanDiffers({O_PROJ: lambda s: 6.0}, seed=3),
+                         min_bytes=256 * 1024, budget_s=60, compiled=True)
+    rep = result.batches[0]
+    assert result.empty and rep.confirmations and not rep.confirmations[-1].identical
+    assert rep.roles[0].reason == ("refused: outputs with its loads differ from the step's "
+                                   "(the plan with it, at confirmation)")
+    assert "1 role(s) refused because the outputs" in out.getvalue()
 
 
 def test_within_one_compilation_each_arm_is_compared_with_its_own_step_without_forks(
@@ -1031,7 +1055,7 @@ def test_within_one_compilation_each_arm_is_compared_with_its_own_step_without_f
     the compiled code with the fork ops: named are only the arm whose loads changed its
     own code's output and the graph without forks that is not the code's."""
     from l2prefetch.tuning.arms import NO_FORKS, no_forks_of
-    from l2prefetch.tuning.measure import SAME_CODE
+    from l2prefetch.tuning.arms import SAME_CODE
 
     pool, backend = _SharedOutput(), _cpu_graph_backend(monkeypatch)
     Graph = pool.graph
@@ -1048,8 +1072,8 @@ def test_within_one_compilation_each_arm_is_compared_with_its_own_step_without_f
     with caplog.at_level(logging.WARNING, "l2prefetch.tuning.measure"):
         identical = backend._check_outputs(1, graphs, out_of, references)
     assert identical == {NO_FORKS: True, SAME_CODE: True, "ok": True, ok: True,
-                         "bad": False, bad: True, "alone": True, "broken": True,
-                         broken: False}
+                         "bad": False, bad: True, "alone": True, "broken": False,
+                         broken: False}      # broken: no better than its reference
     assert f"arm bad: outputs of instances [1] differ from {bad!r} (its own step" \
         in caplog.text
     # without SAME_CODE (an eager step's group), or across compilations: against (a)
@@ -1085,11 +1109,28 @@ def test_the_report_says_the_replays_each_batch_took():
     assert [b.as_dict()["rounds"] for b in result.batches] == [17, 11]   # the profile's results
 
 
+def test_the_budget_prices_the_same_code_capture_within_one_compilation():
+    """A backend comparing within one compilation captures one more graph per instance
+    (SAME_CODE, never timed): each group costs that capture more, per instance."""
+    from l2prefetch.tuning.arms import Prepared
+    from l2prefetch.tuning.budget import Budget, Params
+
+    backend = DeviceBackend({})
+    params = Params(instances=5, max_instances=20, caps=(1 << 20,), grids=(32,),
+                    kernels=(None,), graph_forks=("inline",), min_gain_us=0.5,
+                    resolution=0.0005)
+    budget = Budget(backend, params, deadline=100.0, clock=lambda: 0.0)
+    budget.prepared = Prepared(step_us=1000.0, capture_s=0.25)
+    across = budget.cost(3)
+    backend.within_compilation = True
+    assert budget.cost(3) == pytest.approx(across + 5 * 0.25 * 1.2)
+
+
 def test_the_same_code_reference_is_the_compiled_step_forking_nowhere():
     """SAME_CODE is captured with the board on and no route (the compiled code with its
     fork ops, forking nowhere); (a) with the board off (the code compiled without)."""
     import l2prefetch.tuning.measure as M
-    from l2prefetch.tuning.arms import NO_FORKS, Arm
+    from l2prefetch.tuning.arms import NO_FORKS, SAME_CODE, Arm
 
     selected = []
 
@@ -1105,13 +1146,13 @@ def test_the_same_code_reference_is_the_compiled_step_forking_nowhere():
 
     backend = M.GraphBackend.__new__(M.GraphBackend)
     backend._board, backend.rig = Board(), Rig()
-    for name in (M.SAME_CODE, NO_FORKS):
+    for name in (SAME_CODE, NO_FORKS):
         backend._capture(name, Arm(), {}, lambda: 1, warmup=False)
     assert selected == [(None, {}), (None, None)]
 
 
 @pytest.mark.parametrize("case", ["shared", "private", "refused", "incapable", "not bitwise",
-                                  "close fails", "both fail", "within"])
+                                  "close fails", "both fail", "within", "within not bitwise"])
 def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, monkeypatch,
                                                                         caplog):
     """Each captured graph with forks also replays without them (rig.NoForks), keyed
@@ -1125,7 +1166,7 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
     import random
 
     import l2prefetch.tuning.measure as M
-    from l2prefetch.tuning.arms import NO_FORKS, Arm, Setting, no_forks_of
+    from l2prefetch.tuning.arms import NO_FORKS, SAME_CODE, Arm, Setting, no_forks_of
 
     made = []
 
@@ -1156,8 +1197,11 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
             if case in ("close fails", "both fail") and len(closed) == 1:
                 raise l2prefetch.CudaError("cuModuleUnload failed: CUDA_ERROR_UNKNOWN")
 
+    timed = set()
+
     class FakeRig:
         def replays(self, graphs, rounds):
+            timed.update(name for name, _ in graphs)
             if case == "both fail":
                 raise l2prefetch.CudaError("cuGraphLaunch failed: CUDA_ERROR_ILLEGAL_ADDRESS")
             return {key: [1.0] * rounds for key in graphs}
@@ -1175,13 +1219,15 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
     backend._controller = lambda arm, batch: Controller()
     names = []                          # what each instance captured
     backend._capture = lambda name, *a, **kw: names.append(name) or (Graph(), torch.ones(2))
-    if case == "within":                # a compiled step whose compilations differ
+    within = case.startswith("within")  # a compiled step whose compilations differ
+    if within:
         backend.within_compilation, backend._board = True, object()
-    checked = {}
+    checked, handed = {}, []
 
     def check(batch, graphs, out_of, references=None):
+        handed.append(references)
         checked.update({name: True for name, _ in graphs})
-        if case == "not bitwise":
+        if case.endswith("not bitwise"):
             checked[no_forks_of("tuned")] = False
         return dict(checked)
     backend._check_outputs = check
@@ -1208,7 +1254,8 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
         assert backend.pairs == [set(arms)]
         return
     assert set(times) == {NO_FORKS, "tuned", own} and len(made) == 2
-    if case == "not bitwise":
+    assert handed == [{"tuned": own}]
+    if case.endswith("not bitwise"):
         assert backend.references == {} and identical[own] is False
         assert backend.pairs == [set(arms)]
         return
@@ -1216,8 +1263,8 @@ def test_graph_backend_pairs_each_fork_arm_with_its_graph_without_forks(case, mo
     assert backend.pairs == ([{NO_FORKS, "tuned", own}] if case != "private" else [{"tuned", own}])
     # within one compilation each instance also captures the compiled code forking
     # nowhere (the bitwise checks' reference), never timed as an arm
-    assert names.count(M.SAME_CODE) == (2 if case == "within" else 0)
-    assert (M.SAME_CODE in checked) == (case == "within") and M.SAME_CODE not in times
+    assert names.count(SAME_CODE) == (2 if within else 0)
+    assert (SAME_CODE in checked) == within and SAME_CODE not in timed
 
 
 # -- interrupted, and two writers at once (issue 38.7) -----------------------------------------

@@ -249,7 +249,9 @@ def _move_ahead(registered: Any, key: int) -> None:
     try:
         for k, _ in others:
             del registered[k]
-    finally:   # every one back, in running order, also if interrupted mid-way
+    finally:   # every one back after ours, in running order, also if interrupted mid-way
+        for k, _ in others:
+            registered.pop(k, None)
         for k, hook in others:
             registered[k] = hook
 

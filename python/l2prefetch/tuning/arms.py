@@ -21,7 +21,7 @@ from ..mechanisms import DEFAULT_GRAPH_FORK
 from .discovery import Role, describe_bytes
 
 __all__ = ["ARM_KINDS", "Arm", "Backend", "DEFAULT_GRID", "EMPTY", "LOADS", "NO_FORKS", "PLAN",
-           "Prepared", "Probe", "Setting", "StepError", "arm_key", "no_forks_of",
+           "Prepared", "Probe", "SAME_CODE", "Setting", "StepError", "arm_key", "no_forks_of",
            "parse_arm_key"]
 
 #: The loader's CTAs in a role's default setting.
@@ -87,6 +87,10 @@ LOADS = "b"
 EMPTY = "d"
 #: Several kept roles' loads together (combine: ``plan:1``, ``plan:2``...; confirm: ``plan``).
 PLAN = "plan"
+#: Within one compilation (:attr:`Backend.within_compilation`): the compiled step with
+#: its fork ops, forking nowhere, captured once per instance beside (a); the reference
+#: of the bitwise checks there (never timed as an arm).
+SAME_CODE = f"{NO_FORKS}:same-code"
 ARM_KINDS = (NO_FORKS, LOADS, EMPTY, PLAN)
 
 
@@ -214,6 +218,10 @@ class Backend(abc.ABC):
     #: Whether measure() returns such a reference for every captured graph with forks
     #: (the budget estimate replays one more graph per capture); False by default.
     derives_no_forks: bool = False
+    #: Whether measure() compares outputs within one compilation of a compiled step
+    #: (GraphBackend: a mode whose compilations differ); it then captures one more graph
+    #: per instance (the budget counts it).  False by default.
+    within_compilation: bool = False
 
     def use_roles(self, roles: Sequence[Role], caps_bytes: Sequence[int]) -> None:
         """Called by :func:`~l2prefetch.tuning.tune` once, before the search: the roles

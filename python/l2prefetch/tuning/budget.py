@@ -95,7 +95,8 @@ class Budget:
         ``captures`` (default: all) are captured (the others switched in place),
         on ``instances`` instances each (default: the first round's).  A backend that
         derives each capture's step without forks (Backend.derives_no_forks) replays
-        one more graph per capture but the first, (a)'s own."""
+        one more graph per capture but the first, (a)'s own; one that compares within one
+        compilation (Backend.within_compilation) captures one more graph per instance."""
         p = self.prepared
         captures = arms if captures is None else captures
         instances = self.p.instances if instances is None else instances
@@ -103,7 +104,8 @@ class Budget:
             return arms * instances * 1.2 + 0.05
         replayed = arms + (max(0, captures - 1) if self.backend.derives_no_forks else 0)
         replay = self.rounds * p.step_us * 1e-6
-        return instances * (captures * p.capture_s + replayed * replay) * 1.2 + 0.05
+        captured = captures + (1 if self.backend.within_compilation else 0)
+        return instances * (captured * p.capture_s + replayed * replay) * 1.2 + 0.05
 
     @property
     def rounds(self) -> int:

@@ -16,7 +16,8 @@ once per batch shape in :meth:`GraphBackend.prepare`, each arm's forks
 switched to at capture (tuning/compiled.py says why).  Where two compilations of
 the step differ (max-autotune, :attr:`GraphBackend.within_compilation`), outputs are
 compared within the code with the fork ops instead: each arm with its own graph
-without forks, the rest with that code forking nowhere (:data:`SAME_CODE`).
+without forks, the rest with that code forking nowhere
+(:data:`~l2prefetch.tuning.arms.SAME_CODE`).
 
 The windows and gaps that order the roles come from :mod:`~l2prefetch.tuning.probe`.
 """
@@ -34,10 +35,10 @@ from typing import Any, Optional
 
 from .. import CudaError, Error, hooks
 from ..mechanisms import GRAPH_FORK_MODES
-from .arms import NO_FORKS, Arm, Backend, Prepared, Probe, StepError, no_forks_of
+from .arms import NO_FORKS, SAME_CODE, Arm, Backend, Prepared, Probe, StepError, no_forks_of
 from .compiled import board_for_roles, screen_roles
 from .discovery import Role
-from .outputs import clone, compare_outputs, copy_into
+from .outputs import clone, compare_outputs, compare_within, copy_into
 from .probe import WindowProbe
 from .rig import LoaderSwitch, NoForks, Rig, build_controller
 
@@ -153,7 +154,6 @@ class GraphBackend(Backend):
     #: A compiled step's switchboard (use_roles), None for an eager step.
     _board: Any = None
     compiled = False
-    within_compilation = False
 
     def __init__(self, model: Any, step: Callable[[int], Any], *, device: Any = None,
                  rounds: Optional[int] = None, placement: str = "shared",
@@ -380,7 +380,9 @@ class GraphBackend(Backend):
         # each instance's placement
         captured = _Instances(self, batch, arms, controllers, paired, graphs, out_of)
         references = captured.capture(instances)
-        us = self.rig.replays(graphs, self.rounds or self._rounds_at.get(batch, MAX_ROUNDS))
+        # SAME_CODE only checks outputs: not timed
+        us = self.rig.replays({k: g for k, g in graphs.items() if k[0] != SAME_CODE},
+                              self.rounds or self._rounds_at.get(batch, MAX_ROUNDS))
         measured = list(arms) + sorted(set(references.values()))
         medians = {name: [statistics.median(us[(name, i)]) for i in range(instances)]
                    for name in measured}
@@ -403,10 +405,9 @@ class GraphBackend(Backend):
         (where :data:`SAME_CODE` was captured): each arm with a reference against it, the
         rest against SAME_CODE, and (a), compiled apart, against itself."""
         sync = lambda: self.torch.cuda.synchronize(self.device)  # noqa: E731
-        if not (self.within_compilation and (SAME_CODE, 0) in graphs):
-            return compare_outputs(batch, graphs, out_of, sync)
-        return compare_outputs(batch, graphs, out_of, sync,
-                               {NO_FORKS: NO_FORKS, **(references or {})}, first=SAME_CODE)
+        if self.within_compilation and (SAME_CODE, 0) in graphs:
+            return compare_within(batch, graphs, out_of, sync, references or {})
+        return compare_outputs(batch, graphs, out_of, sync)
 
     def _capture(self, name: str, arm: Arm, controllers: Mapping[str, Any],
                  fn: Callable[[], Any], *, warmup: bool, keep_graph: bool = False,
@@ -425,12 +426,6 @@ class GraphBackend(Backend):
             return capture()
         with hooks.attach(self.model, controllers[name], self._points(arm)):
             return capture()
-
-
-#: Within one compilation (GraphBackend.within_compilation): the compiled step with its
-#: fork ops, forking nowhere, captured once per instance beside (a); the reference of
-#: the bitwise checks there (never timed as an arm).
-SAME_CODE = f"{NO_FORKS}:same-code"
 
 
 def _switch_groups(arms: Mapping[str, Arm], controllers: Mapping[str, Any], switches: bool

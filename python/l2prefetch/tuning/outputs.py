@@ -10,9 +10,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from .arms import NO_FORKS
+from .arms import NO_FORKS, SAME_CODE
 
-__all__ = ["bitwise_equal", "clone", "compare_outputs", "copy_into", "max_diff"]
+__all__ = ["bitwise_equal", "clone", "compare_outputs", "compare_within", "copy_into",
+           "max_diff"]
 
 logger = logging.getLogger("l2prefetch.tuning.measure")   # the measuring rig's messages
 
@@ -114,3 +115,17 @@ def compare_outputs(batch: int, graphs: Mapping[tuple[str, int], Any],
                            "abs diff %s)", batch, name, [i for i, _ in bad], what,
                            [d for _, d in bad])
     return {name: not bad for name, bad in differ.items()}
+
+
+def compare_within(batch: int, graphs: Mapping[tuple[str, int], Any],
+                   out_of: Mapping[tuple[str, int], Any], synchronize: Callable[[], None],
+                   references: Mapping[str, str]) -> dict[str, bool]:
+    """:func:`compare_outputs` within one compilation, where :data:`SAME_CODE` was
+    captured: each arm with its own step without forks (``references``: arm -> key) where
+    it has one, every other graph with SAME_CODE's first instance, (a), compiled apart,
+    with itself; an arm whose own step without forks is not the code's fails with it."""
+    identical = compare_outputs(batch, graphs, out_of, synchronize,
+                                {NO_FORKS: NO_FORKS, **references}, first=SAME_CODE)
+    for name, key in references.items():
+        identical[name] = identical.get(name, True) and identical.get(key, True)
+    return identical

@@ -626,6 +626,8 @@ def _confirm(st: _State, chosen: list[tuple[str, Setting]]) -> None:
             return
         name, _ = chosen.pop()
         reports[name].kept = False
-        reports[name].reason = ("dropped at confirmation: the plan with it was not a "
-                                f"confirmed gain ({conf.gain.format(2)} us)")
+        reports[name].reason = (
+            f"{REFUSED_OUTPUTS} (the plan with it, at confirmation)" if not conf.identical
+            else "dropped at confirmation: the plan with it was not a confirmed gain "
+                 f"({conf.gain.format(2)} us)")
     st.report.reason = "no combination of the kept roles was confirmed"

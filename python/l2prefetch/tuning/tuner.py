@@ -307,8 +307,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
             print(f"[l2prefetch tune] {len(roles)} candidate roles, batches {list(batches)}, "
                   f"budget {budget_s:.0f} s, the {describe_step(step_info)} step"
                   + ("; outputs compared within one compilation (two compilations in this "
-                     "mode can differ bitwise)" if getattr(backend, "within_compilation",
-                                                           False) else ""),
+                     "mode can differ bitwise)" if backend.within_compilation else ""),
                   file=progress, flush=True)
         roles_s = time.monotonic() - t0
         remaining = budget_s - roles_s
@@ -330,25 +329,25 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                   "graph_forks": list(graph_forks), "min_gain_us": min_gain_us,
                   "min_bytes": min_bytes, "resolution": resolution, "roles": len(roles),
                   **({"not_offered": not_offered} if not_offered else {}),
-                  **({"within_compilation": True}
-                     if getattr(backend, "within_compilation", False) else {})},
+                  **({"within_compilation": True} if backend.within_compilation else {})},
         device=backend.device_fingerprint(),
         versions=versions(), step=step_info)
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
                 result.elapsed_s, "empty plan" if result.empty else
                 f"{len(plan)} entries over {len(sites)} roles")
-    _last_lines(result, roles_s, compiled, backend, progress)
+    _last_lines(result, roles_s, compiled and not compilations_differ(mode), backend,
+                progress)
     return result
 
 
-def _last_lines(result: TuneResult, roles_s: float, compiled: bool, backend: Any,
+def _last_lines(result: TuneResult, roles_s: float, unnamed: bool, backend: Any,
                 progress: Any) -> None:
-    """tune's last words: for a compiled step compared across compilations whose roles'
-    outputs differed, the likely cause (an autotuning mode not named) and what to do;
-    then where the time went."""
+    """tune's last words: for a compiled step whose mode was not named as one whose
+    compilations differ (``unnamed``) and whose roles' outputs differed across
+    compilations, the likely cause and what to do; then where the time went."""
     refused = sum(r.reason.startswith(REFUSED_OUTPUTS)
                   for rep in result.batches for r in rep.roles)
-    if compiled and refused and not getattr(backend, "within_compilation", False):
+    if unnamed and refused and not backend.within_compilation:
         hint = (f"{refused} role(s) refused because the outputs with forks differed from "
                 "the step compiled without them; if the step was compiled with max-autotune, "
                 "two compilations differ on their own: name the mode (tune(compiled="
@@ -358,7 +357,7 @@ def _last_lines(result: TuneResult, roles_s: float, compiled: bool, backend: Any
         if progress is not None:
             print(f"[l2prefetch tune] {hint}", file=progress, flush=True)
     if progress is not None:
-        went = _time_went(roles_s, result.batches, compiled)
+        went = _time_went(roles_s, result.batches, bool(result.step.get("compiled")))
         print(f"[l2prefetch tune] done in {result.elapsed_s:.0f} s: {went}", file=progress,
               flush=True)
 
