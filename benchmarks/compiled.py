@@ -99,6 +99,8 @@ def main(argv=None):
                         help="write each tune's Markdown report there (every role's gaps)")
     args = parser.parse_args(argv)
     no_gpu("benchmarks.compiled")
+    if args.reports and not os.path.isdir(args.reports):   # before minutes of tuning
+        raise SystemExit(f"--reports {args.reports!r}: not a directory")
     batches = [int(b) for b in args.batches.split(",")]
     rows = ["| model | window | step | batch | step us | tuned ratio (95%) | gain us | "
             "bitwise | kept | tune s | ceiling us | tuned / ceiling |",
