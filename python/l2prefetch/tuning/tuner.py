@@ -335,16 +335,16 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
                 result.elapsed_s, "empty plan" if result.empty else
                 f"{len(plan)} entries over {len(sites)} roles")
-    _last_lines(result, roles_s, compiled and not compilations_differ(mode), backend,
-                progress)
+    _last_lines(result, roles_s, backend, progress)
     return result
 
 
-def _last_lines(result: TuneResult, roles_s: float, unnamed: bool, backend: Any,
-                progress: Any) -> None:
+def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any) -> None:
     """tune's last words: for a compiled step whose mode was not named as one whose
-    compilations differ (``unnamed``) and whose roles' outputs differed across
-    compilations, the likely cause and what to do; then where the time went."""
+    compilations differ and whose roles' outputs differed across compilations, the
+    likely cause and what to do; then where the time went."""
+    compiled = bool(result.step.get("compiled"))
+    unnamed = compiled and not compilations_differ(result.step.get("mode"))
     refused = sum(r.reason.startswith(REFUSED_OUTPUTS)
                   for rep in result.batches for r in rep.roles)
     if unnamed and refused and not backend.within_compilation:
@@ -357,7 +357,7 @@ def _last_lines(result: TuneResult, roles_s: float, unnamed: bool, backend: Any,
         if progress is not None:
             print(f"[l2prefetch tune] {hint}", file=progress, flush=True)
     if progress is not None:
-        went = _time_went(roles_s, result.batches, bool(result.step.get("compiled")))
+        went = _time_went(roles_s, result.batches, compiled)
         print(f"[l2prefetch tune] done in {result.elapsed_s:.0f} s: {went}", file=progress,
               flush=True)
 
