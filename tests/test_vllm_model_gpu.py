@@ -5,7 +5,7 @@ as vLLM runs it (issue 40).  Skipped without a GPU.
   first fork mode; the others at batches 1 and 8), with forks after o_proj and
   gate_up_proj: the logits are bitwise those of the compiled step without forks;
 * PIECEWISE: a graph per piece between attentions; branch forks joined at the end of
-  each piece keep the logits bitwise, and a fork left pending at a piece's end is
+  each piece keep the logits bitwise those of the same pieces without forks, and a fork left pending at a piece's end is
   refused with a ValueError;
 * tune() on the compiled step finds it compiled and ships no loss.
 """
@@ -85,7 +85,11 @@ def test_full_capture_at_every_capture_size_bitwise_in_every_mode():
 
 def test_piecewise_joins_each_piece_and_refuses_a_fork_left_pending():
     model, step = _compiled()
-    reference = captured(step, 4)[0]
+    # The reference is the step captured piecewise without forks: the graph breaks at
+    # attention split what Inductor fuses, and attention runs eagerly between the pieces,
+    # so the pieces' logits are not FULL's (they differed on the H100, RESULTS run 24).
+    reference = vm.Piecewise(step, 4).replay().clone()
+    recompile()
     sites, plan = _plan(model, [4])
     ctrl = PrefetchController.from_plan(plan, 0, graph_fork="branch", eager=False)
     try:
