@@ -11,7 +11,11 @@ the step's us, the tuned plan's ratio with its 95% interval and gain, bitwise eq
 the tuning time (compilation included) and the ceiling (:func:`ceiling`: per kept
 role's consumer, the probe's cold minus hot time of it, the largest of the roles
 sharing it, summed over distinct consumers, over all layers even where a kept setting
-loads only some); tuned / ceiling is the gain over that.
+loads only some); tuned / ceiling is the gain over that.  Beside the gain against the
+step without forks, the plan's loads against its own forks with empty tables (the
+confirmation's control: in compiled steps branch forks alone made the step faster,
+RESULTS run 24), over the ceiling and over the window's own ceiling
+(:func:`window_ceiling`).
 
     python -m benchmarks.compiled [--models llama] [--windows 0,40] [--ways eager,compiled]
                                   [--batches 1] [--budget 120] [--mode default] [--out F.md]
@@ -86,6 +90,25 @@ def ceiling(rep, kept):
     return sum(best.get(c, 0.0) for c in consumers)
 
 
+def window_ceiling(rep, window):
+    """The planted window's own ceiling (us): the consumer gaps, once per consumer, of
+    the roles whose measured window (the time between the fork and the consumer) covers
+    the planted ``window`` (None for 0: nothing planted).  A plan also keeps roles beside
+    no window (branch forks over a GEMV), whose gains come on top of it."""
+    if not window:
+        return None
+    best = {}
+    for role in rep.roles:
+        if role.gap_us is not None and (role.window_us or 0.0) >= window:
+            consumer = role.role.split(": ", 1)[-1]
+            best[consumer] = max(best.get(consumer, 0.0), role.gap_us)
+    return sum(best.values())
+
+
+def _share(value, of):
+    return f"{value / of:.0%}" if value is not None and of else ""
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compiled")
     parser.add_argument("--models", default="llama")
@@ -103,8 +126,9 @@ def main(argv=None):
         raise SystemExit(f"--reports {args.reports!r}: not a directory")
     batches = [int(b) for b in args.batches.split(",")]
     rows = ["| model | window | step | batch | step us | tuned ratio (95%) | gain us | "
-            "bitwise | kept | tune s | ceiling us | tuned / ceiling |",
-            "|---|---:|---|---:|---:|---|---:|---|---|---:|---:|---:|"]
+            "of which loads us | bitwise | kept | tune s | ceiling us | tuned / ceiling | "
+            "loads / ceiling | window ceiling us | loads / window ceiling |",
+            "|---|---:|---|---:|---:|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for name in args.models.split(","):
         for window in [float(w) for w in args.windows.split(",")]:
             for way in args.ways.split(","):
@@ -127,19 +151,25 @@ def main(argv=None):
                     conf = rep.confirmed
                     kept = list(rep.plan) if conf is not None else []
                     top = ceiling(rep, kept)
+                    own = window_ceiling(rep, window)
+                    gain_us = loads_us = None
                     if conf is None:
-                        ratio, gain, same = "empty plan", "", ""
+                        ratio, gain, loads, same = "empty plan", "", "", ""
                     else:
                         low, high = conf.ratio_interval
                         ratio = f"{conf.ratio:.4f} ({low:.4f}-{high:.4f})"
                         gain, same = conf.gain.format(2), str(conf.identical)
-                    share = (f"{conf.gain.estimate / top:.0%}" if conf is not None and top > 0
-                             else "")
+                        gain_us = conf.gain.estimate
+                        loads = "" if conf.loads is None else conf.loads.format(2)
+                        loads_us = None if conf.loads is None else conf.loads.estimate
                     roles = "; ".join(f"{n} [{s.label()}]" for n, s in kept) or "-"
                     step_name = way if way == "eager" else f"compiled ({args.mode})"
                     rows.append(f"| {name} | {window:g} | {step_name} | {rep.batch} | "
-                                f"{rep.step_us:.1f} | {ratio} | {gain} | {same} | {roles} | "
-                                f"{took:.0f} | {top:.2f} | {share} |")
+                                f"{rep.step_us:.1f} | {ratio} | {gain} | {loads} | {same} | "
+                                f"{roles} | {took:.0f} | {top:.2f} | {_share(gain_us, top)} | "
+                                f"{_share(loads_us, top)} | "
+                                f"{'' if own is None else f'{own:.2f}'} | "
+                                f"{_share(loads_us, own)} |")
                     print(rows[-1], flush=True)
                 for handle in planted:
                     handle.remove()

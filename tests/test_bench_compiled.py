@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from benchmarks.compiled import ceiling  # noqa: E402
+from benchmarks.compiled import ceiling, window_ceiling  # noqa: E402
 
 
 def _role(name, gap, chain):
@@ -29,3 +29,19 @@ def test_the_ceiling_sums_each_kept_consumer_s_own_gap_once():
     # nothing kept: every role's consumers, the largest gap of each
     assert ceiling(rep, []) == pytest.approx(20.0 + 2.0 + 1.5)
     assert ceiling(rep, [("after self_attn.o_proj: mlp.gate_proj", None)]) == 20.0
+
+
+def test_the_window_ceiling_counts_the_consumers_of_roles_whose_window_covers_the_plant():
+    def role(name, gap, window):
+        return SimpleNamespace(role=name, gap_us=gap, window_us=window)
+
+    rep = SimpleNamespace(roles=[
+        role("after self_attn.o_proj: mlp.gate_proj", 28.0, 65.0),
+        role("before post_attention_layernorm: mlp.gate_proj", 27.0, 58.0),
+        role("after self_attn.q_proj: self_attn.k_proj", 6.0, 2.5),
+        role("after mlp.down_proj: next self_attn.q_proj", 14.0, 25.0),
+        role("after model: lm_head", None, 80.0)])
+    assert window_ceiling(rep, 40) == pytest.approx(28.0)
+    assert window_ceiling(rep, 20) == pytest.approx(28.0 + 14.0)
+    assert window_ceiling(rep, 0) is None
+    assert window_ceiling(rep, 100) == 0.0

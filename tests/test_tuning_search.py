@@ -93,7 +93,8 @@ def test_keeps_exactly_the_paying_role():
 def test_every_group_pairs_each_loads_arm_with_its_own_empty_forks():
     """Every group holds (a); in every group but combine and confirm each (b) has a (d)
     of the same fork structure (same roles, modes and layers), which the search compares
-    it with; every key is one arm_key() makes (PlantedBackend parses them)."""
+    it with; confirm holds the plan's own forks with empty tables; every key is one
+    arm_key() makes (PlantedBackend parses them)."""
     backend = PlantedBackend({"A": PerLayer({1: 6.0}, layers=2, other=-3.0), "B": pays(8.0)},
                              seed=21, paired=True)
     (report,), _ = run(backend, [role("A", layers=2), role("B")])
@@ -106,7 +107,11 @@ def test_every_group_pairs_each_loads_arm_with_its_own_empty_forks():
             by_kind.setdefault(A.parse_arm_key(key)[0], []).append(arm)
         kinds |= set(by_kind)
         if A.PLAN in by_kind:
-            assert set(by_kind) == {A.NO_FORKS, A.PLAN}
+            if A.EMPTY_PLAN in group:   # confirm: the plan beside its own empty forks
+                assert set(by_kind) == {A.NO_FORKS, A.PLAN, A.EMPTY}
+                assert group[A.EMPTY_PLAN] == A.Arm(group[A.PLAN].roles, empty=True)
+            else:                       # combine: the plans of the first 1, 2, ... roles
+                assert set(by_kind) == {A.NO_FORKS, A.PLAN}
             continue
         controls = {arm.structure() for arm in by_kind[A.EMPTY]}
         assert all(arm.empty for arm in by_kind[A.EMPTY])
@@ -466,7 +471,7 @@ class UndecidedAll(UndecidedVerify):
         return times, identical
 
 
-@pytest.mark.parametrize("budget_s", [11.0, 13.0, 15.0])
+@pytest.mark.parametrize("budget_s", [12.0, 13.0, 15.0])
 def test_refine_leaves_the_verify_its_whole_sequential_sampling(budget_s):
     """Refine runs (undecided, it would sample to the end) and still leaves the verify all
     of its rounds (reserving one round, at these budgets the verify got 10-20 or none)."""
@@ -492,7 +497,7 @@ def test_the_promising_roles_layers_leave_every_verify_its_whole_sequential_samp
     assert len(verifies) == 2 and min(verifies) >= S.MAX_INSTANCES
 
 
-@pytest.mark.parametrize("budget_s", [15.5, 16.0, 16.5, 17.0])
+@pytest.mark.parametrize("budget_s", [16.0, 16.5, 17.0, 17.5])
 def test_a_verify_sampled_for_the_resolution_leaves_the_next_its_whole_sampling(budget_s):
     """Both verifies are undecided and wider than the resolution through 25 instances;
     the first may go on for the resolution alone (up to 50) only while the second keeps
@@ -929,7 +934,7 @@ def test_the_steps_keep_back_what_the_sweep_priced_for_the_confirmation(monkeypa
     seen = []
     real = S._verify
     monkeypatch.setattr(S, "_verify", lambda st, r, s, rep, reserve, extend_reserve=None: (
-        seen.append((reserve, st.budget.final_reserve(), 3 * st.budget.cost(2))),
+        seen.append((reserve, st.budget.final_reserve(), 3 * st.budget.cost(3))),
         real(st, r, s, rep, reserve, extend_reserve))[1])
     clock = Clock()
     backend = Flips({"A": pays(8.0)}, clock=clock, derives=True, capture_s=0.02)
@@ -937,3 +942,33 @@ def test_the_steps_keep_back_what_the_sweep_priced_for_the_confirmation(monkeypa
     assert seen
     reserve, pinned, now = seen[0]
     assert now < pinned and reserve == pytest.approx(pinned)
+
+
+@pytest.mark.parametrize("fork_cost_us", [0.5, -3.0])
+def test_the_confirmation_splits_the_gain_into_the_loads_and_the_forks_own(fork_cost_us):
+    """Confirm measures the plan's forks with empty tables beside it: ``loads`` (empty -
+    plan) is the loads' gain whatever the forks alone do, ``forks`` (a - empty) is what
+    they do: a cost, or a gain where their topology alone speeds the step (branch forks
+    in compiled steps, RESULTS run 24), which ``gain`` (a - plan) holds as well."""
+    backend = PlantedBackend({"A": pays(8.0)}, seed=5, paired=True, fork_cost_us=fork_cost_us)
+    (report,), _ = run(backend, [role("A")])
+    conf = report.confirmed
+    assert conf is not None and conf.loads is not None and conf.forks is not None
+    assert abs(conf.loads.estimate - 8.0) < 0.5 and conf.loads.low > 0
+    assert abs(conf.forks.estimate + fork_cost_us) < 0.5
+    assert abs(conf.gain.estimate - (8.0 - fork_cost_us)) < 0.5
+    data = conf.as_dict()
+    assert data["loads"]["estimate"] == conf.loads.estimate
+    assert data["forks"]["estimate"] == conf.forks.estimate
+
+
+def test_a_budget_spent_before_the_first_role_says_so_not_that_nothing_paid():
+    backend = PlantedBackend({"A": pays(8.0)}, seed=3)
+    (report,), log = run(backend, [role("A"), role("B")], budget_s=0.05)
+    assert report.reason == S.NOTHING_MEASURED and "raise budget_s" in report.reason
+    assert all(r.reason == "not measured: the budget ran out" for r in report.roles)
+    assert S.NOTHING_MEASURED in log
+    # a role measured and lost is no budget shortage
+    backend = PlantedBackend({"A": pays(-3.0)}, seed=3)
+    (report,), _ = run(backend, [role("A")])
+    assert report.reason == "no role paid at this batch"

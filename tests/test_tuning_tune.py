@@ -1509,3 +1509,18 @@ def test_tune_refuses_a_bad_compiled(bad):
     with pytest.raises(TypeError, match="compiled must be None"):
         tuning.tune(model, step, [1], backend=DeviceBackend({}, seed=1), progress=None,
                     compiled=bad)
+
+
+def test_tune_says_when_the_budget_ran_out_before_any_role_was_measured():
+    import io
+
+    model, step = model_and_step()
+    out = io.StringIO()
+    result = tuning.tune(model, step, [1], candidates=[O_PROJ], progress=out, budget_s=0.01,
+                         backend=DeviceBackend({O_PROJ: lambda s: 5.0}, seed=3),
+                         min_bytes=256 * 1024)
+    assert result.batches[0].reason.startswith("nothing measured")
+    text = out.getvalue()
+    assert ("at batch(es) 1 the budget ran out before any role was measured" in text
+            and "raise budget_s (--budget)" in text), text
+    assert text.strip().splitlines()[-1].startswith("[l2prefetch tune] done in")

@@ -20,9 +20,9 @@ from typing import Optional
 from ..mechanisms import DEFAULT_GRAPH_FORK
 from .discovery import Role, describe_bytes
 
-__all__ = ["ARM_KINDS", "Arm", "Backend", "DEFAULT_GRID", "EMPTY", "LOADS", "NO_FORKS", "PLAN",
-           "Prepared", "Probe", "SAME_CODE", "Setting", "StepError", "arm_key", "no_forks_of",
-           "parse_arm_key"]
+__all__ = ["ARM_KINDS", "Arm", "Backend", "DEFAULT_GRID", "EMPTY", "EMPTY_PLAN", "LOADS",
+           "NO_FORKS", "PLAN", "Prepared", "Probe", "SAME_CODE", "Setting", "StepError",
+           "arm_key", "no_forks_of", "parse_arm_key"]
 
 #: The loader's CTAs in a role's default setting.
 DEFAULT_GRID = 32
@@ -87,6 +87,8 @@ LOADS = "b"
 EMPTY = "d"
 #: Several kept roles' loads together (combine: ``plan:1``, ``plan:2``...; confirm: ``plan``).
 PLAN = "plan"
+#: Confirm's control: the confirmed plan's forks with empty tables.
+EMPTY_PLAN = f"{EMPTY}:{PLAN}"
 #: Within one compilation (:attr:`Backend.within_compilation`): the compiled step with
 #: its fork ops, forking nowhere, captured once per instance beside (a); the reference
 #: of the bitwise checks there (never timed as an arm).

@@ -148,12 +148,12 @@ class Budget:
         return rounds * self.cost(3)
 
     def final_reserve(self) -> float:
-        """What the combine and confirm steps keep back: three groups of two arms, priced
+        """What the combine and confirm steps keep back: three groups of three arms, priced
         once, at the first call after prepare (the later steps keep back what the sweep
         did, though a backend that stops deriving its steps without forks prices groups
         lower from then on)."""
         if self._final_reserve is None or not self.prepared:
-            self._final_reserve = 3 * self.cost(2)
+            self._final_reserve = 3 * self.cost(3)
         return self._final_reserve
 
     def left(self) -> float:
@@ -168,7 +168,7 @@ class Budget:
         what is left."""
         more = self.swept_actual / self.swept_estimate if self.swept_estimate > 0 else 1.0
         return min(self.left(),
-                   roles_left * self.sweep_cost(len(self.p.caps)) * more + 3 * self.cost(2))
+                   roles_left * self.sweep_cost(len(self.p.caps)) * more + 3 * self.cost(3))
 
     def caps_for(self, role: Role) -> list[int]:
         """The caps a role's sweep tries: the search's, at most its bytes, and its default."""

@@ -127,10 +127,15 @@ def markdown(result: Any) -> str:
             for c in rep.confirmations:
                 names = "; ".join(f"{n} [{st.label()}]" for n, st in c.roles)
                 rows.append([names, _t(c.a), _t(c.plan), c.gain.format(2), f"{c.ratio:.4f}",
+                             "" if c.loads is None else c.loads.format(2),
+                             "" if c.forks is None else c.forks.format(2),
                              "yes" if c.identical else "NO"])
-            out.append("Confirmations (fresh instances):\n")
+            out.append("Confirmations (fresh instances; beside (a) and the plan, the plan's "
+                       "forks with empty tables: the loads' share is empty - plan, the forks' "
+                       "own is a - empty):\n")
             out.append(table(["plan", "a us", "plan us", "a - plan us", "ratio",
-                              "bitwise equal"], rows))
+                              "of which loads us", "of which forks us", "bitwise equal"],
+                             rows))
         if rep.spread is not None:
             out.append(spread_text(rep.spread) + "\n")
         rows = []

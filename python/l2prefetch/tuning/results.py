@@ -66,11 +66,20 @@ class RoleReport:
 
 @dataclasses.dataclass
 class Confirmation:
+    """The plan against the step without forks (a) on fresh instances, beside the same
+    plan's forks with empty tables: ``gain`` is a - plan (what the user's step gains),
+    ``loads`` is empty plan - plan (what the loads gain over their own forks, the right
+    control for a prefetch) and ``forks`` is a - empty plan (what the forks alone do:
+    negative where they cost, positive where their graph topology alone makes the
+    step faster, as branch forks did in compiled steps, RESULTS run 24)."""
+
     roles: tuple[tuple[str, Setting], ...]
     a: Interval
     plan: Interval
     gain: Interval
     identical: bool
+    loads: Optional[Interval] = None
+    forks: Optional[Interval] = None
 
     @property
     def ratio(self) -> float:
@@ -88,7 +97,9 @@ class Confirmation:
         return {"roles": [[name, s.as_dict()] for name, s in self.roles],
                 NO_FORKS: self.a.as_dict(), PLAN: self.plan.as_dict(), "gain": self.gain.as_dict(),
                 "ratio": self.ratio, "ratio_low": low, "ratio_high": high,
-                "identical": self.identical}
+                "identical": self.identical,
+                "loads": None if self.loads is None else self.loads.as_dict(),
+                "forks": None if self.forks is None else self.forks.as_dict()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,10 +111,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
-from .arms import DEFAULT_GRID, EMPTY, LOADS, NO_FORKS, PLAN, Arm, Backend, Setting, arm_key
+from .arms import (DEFAULT_GRID, EMPTY, EMPTY_PLAN, LOADS, NO_FORKS, PLAN, Arm, Backend, Setting,
+                   arm_key)
 from .budget import LEAD_INSTANCES_FACTOR, Budget, Params, Progress, lead_max_instances
 from .discovery import MIB, Role, describe_bytes
 from ..mechanisms import GRAPH_FORKS
@@ -123,11 +124,17 @@ from .sampling import Check, Measured, Sampler
 from .stats import mean_interval
 
 __all__ = ["DEFAULT_CAPS_MIB", "DEFAULT_GRIDS", "DEFAULT_MIN_GAIN_US", "DEFAULT_RESOLUTION",
-           "LEAD_INSTANCES_FACTOR", "MAX_INSTANCES", "MIN_INSTANCES", "REFUSED_OUTPUTS",
-           "lead_max_instances", "search"]
+           "LEAD_INSTANCES_FACTOR", "MAX_INSTANCES", "MIN_INSTANCES", "NOTHING_MEASURED",
+           "REFUSED_OUTPUTS", "lead_max_instances", "search"]
 
 #: A role's reason where its verified loads changed the step's outputs.
 REFUSED_OUTPUTS = "refused: outputs with its loads differ from the step's"
+#: A role's reason where the budget ran out before its sweep.
+UNMEASURED = "not measured: the budget ran out"
+#: A batch's reason where the budget ran out before any role was measured (tune's last
+#: lines then say where the time went).
+NOTHING_MEASURED = ("nothing measured: the budget ran out before the first role "
+                    "(raise budget_s)")
 #: Caps tried per role, in MiB (limited to what a role can load).
 DEFAULT_CAPS_MIB = (4, 8, 16, 24, 32, 48)
 #: Loader CTAs tried in the refine step besides the default.
@@ -297,7 +304,7 @@ def _sweep_roles(st: _State, order: list[Role]
                         > st.budget.left()):
             caps = st.budget.coarser(caps)
         if not caps:
-            rep.reason = "not measured: the budget ran out"
+            rep.reason = UNMEASURED
             continue
         # the later roles' sweeps come before more instances for this one
         later = sum(st.budget.sweep_cost(len(st.budget.caps_for(r))) for r in order[i + 1:])
@@ -581,9 +588,10 @@ def _combine(st: _State, kept: list[tuple[Role, Trial]]) -> list[tuple[str, Sett
     kept = sorted(kept, key=lambda rt: -rt[1].gain.estimate)
     chosen = [(role.name, trial.setting) for role, trial in kept]
     if not chosen:
-        st.report.reason = "no role paid at this batch"
+        st.report.reason = (NOTHING_MEASURED if _budget_ran_out_first(st.reports.values())
+                            else "no role paid at this batch")
         return chosen
-    if len(chosen) > 1 and st.budget.fits(len(chosen) + 1, 3 * st.budget.cost(2)):
+    if len(chosen) > 1 and st.budget.fits(len(chosen) + 1, 2 * st.budget.cost(3)):
         arms = {NO_FORKS: Arm()}
         for n in range(1, len(chosen) + 1):
             arms[arm_key(PLAN, n)] = Arm(tuple(chosen[:n]))
@@ -599,6 +607,13 @@ def _combine(st: _State, kept: list[tuple[Role, Trial]]) -> list[tuple[str, Sett
     return chosen
 
 
+def _budget_ran_out_first(reports: Iterable[RoleReport]) -> bool:
+    """No role measured at all, and some for want of budget (not all screened out)."""
+    reports = list(reports)
+    return (not any(r.trials for r in reports)
+            and any(r.reason == UNMEASURED for r in reports))
+
+
 def _confirm(st: _State, chosen: list[tuple[str, Setting]]) -> None:
     """The plan against (a) on fresh instances; the weakest role dropped while its
     confirmation is not a gain.  Sets the batch's plan only on a confirmed gain."""
@@ -606,7 +621,7 @@ def _confirm(st: _State, chosen: list[tuple[str, Setting]]) -> None:
         return
     reports = st.reports
     while chosen:
-        if not st.budget.fits(2):
+        if not st.budget.fits(3):
             st.report.reason = "the budget ran out before the plan was confirmed"
             for name, _ in chosen:
                 reports[name].kept = False
@@ -614,10 +629,15 @@ def _confirm(st: _State, chosen: list[tuple[str, Setting]]) -> None:
             return
         plan = tuple(chosen)
         measured = st.sampler.group(f"confirm {len(plan)} role(s)",
-                                    {NO_FORKS: Arm(), PLAN: Arm(plan)})
+                                    {NO_FORKS: Arm(), PLAN: Arm(plan),
+                                     EMPTY_PLAN: Arm(plan, empty=True)})
         a, with_plan = measured.reference_values(PLAN), measured.values(PLAN)
         conf = Confirmation(plan, mean_interval(a), mean_interval(with_plan),
-                            measured.diff(NO_FORKS, PLAN), measured.identical.get(PLAN, True))
+                            measured.diff(NO_FORKS, PLAN),
+                            measured.identical.get(PLAN, True)
+                            and measured.identical.get(EMPTY_PLAN, True),
+                            loads=measured.diff(EMPTY_PLAN, PLAN),
+                            forks=measured.diff(NO_FORKS, EMPTY_PLAN))
         st.report.confirmations.append(conf)
         if conf.identical and conf.gain.excludes_zero_above():
             st.report.plan = plan

@@ -30,7 +30,8 @@ from .compiled import compilations_differ, eager_stance, recompile, step_is_comp
 from .report import markdown, plot
 from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
-                     MAX_INSTANCES, MIN_INSTANCES, REFUSED_OUTPUTS, lead_max_instances, search)
+                     MAX_INSTANCES, MIN_INSTANCES, NOTHING_MEASURED, REFUSED_OUTPUTS,
+                     lead_max_instances, search)
 
 __all__ = ["TuneResult", "check_max_instances", "tune"]
 
@@ -342,7 +343,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
 def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any) -> None:
     """tune's last words: for a compiled step whose mode was not named as one whose
     compilations differ and whose roles' outputs differed across compilations, the
-    likely cause and what to do; then where the time went."""
+    likely cause and what to do; where the budget ran out before any role was measured,
+    that; then where the time went."""
     compiled = bool(result.step.get("compiled"))
     unnamed = compiled and not compilations_differ(result.step.get("mode"))
     refused = sum(r.reason.startswith(REFUSED_OUTPUTS)
@@ -353,6 +355,15 @@ def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any)
                 "two compilations differ on their own: name the mode (tune(compiled="
                 "'max-autotune-no-cudagraphs'), or --compile max-autotune-no-cudagraphs) so "
                 "that outputs are compared within one compilation")
+        logger.warning("%s", hint)
+        if progress is not None:
+            print(f"[l2prefetch tune] {hint}", file=progress, flush=True)
+    starved = [rep.batch for rep in result.batches if rep.reason == NOTHING_MEASURED]
+    if starved:
+        hint = (f"at batch(es) {', '.join(map(str, starved))} the budget ran out before any "
+                f"role was measured: finding{' and screening' if compiled else ''} the roles "
+                f"and preparing each batch{' (its compilations)' if compiled else ''} took it "
+                "(see below); raise budget_s (--budget)")
         logger.warning("%s", hint)
         if progress is not None:
             print(f"[l2prefetch tune] {hint}", file=progress, flush=True)
