@@ -121,7 +121,8 @@ def main(argv=None):
     parser.add_argument("--reports", default=None, metavar="DIR",
                         help="write each tune's Markdown report there (every role's gaps)")
     args = parser.parse_args(argv)
-    no_gpu("benchmarks.compiled")
+    if no_gpu("benchmarks.compiled"):
+        return
     if args.reports and not os.path.isdir(args.reports):   # before minutes of tuning
         raise SystemExit(f"--reports {args.reports!r}: not a directory")
     batches = [int(b) for b in args.batches.split(",")]

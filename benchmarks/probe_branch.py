@@ -1,0 +1,113 @@
+"""Probe (run 24's question): do near-empty forks alone make a compiled step faster?
+
+The Llama-shaped model (``benchmarks.common.hf_model("llama")``), nothing planted, its
+forward compiled (Inductor default), each variant captured in ``--instances`` CUDA graphs
+and replayed interleaved, ``--rounds`` rounds of 20 replays per graph:
+
+* ``none``: the step compiled without hooks; ``none2``: compiled again (what two
+  compilations differ by);
+* ``branch``, ``inline``, ``leaf``: a fork after every ``o_proj`` in that mode, loading
+  16 KiB of ``gate_proj`` (a table as near empty as a plan can make it).
+
+Per variant: the mean of per-instance medians (us), and its difference to ``none``,
+paired by round (mean and 95% interval over the rounds), and whether the logits are
+bitwise those of ``none``.
+
+    python -m benchmarks.probe_branch [--batch 1] [--instances 5] [--rounds 20]
+"""
+import argparse
+import statistics
+
+import torch
+
+from benchmarks.common import hf_model, no_gpu
+from l2prefetch import PrefetchController, hooks
+from l2prefetch.plan import PlanEntry
+from l2prefetch.tuning.cli import compile_forward
+from l2prefetch.tuning.compiled import recompile
+from l2prefetch.tuning.hf import DecodeStep
+
+
+def _capture(step, batch):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        step(batch)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step(batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out.clone()
+
+
+def _median_us(graph, n=20):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(n):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probe_branch")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--instances", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args(argv)
+    if no_gpu("benchmarks.probe_branch"):
+        return
+    model = hf_model("llama")
+    step = DecodeStep(model)
+    step.state(args.batch)
+    compile_forward(model, "default")
+    layers = model.model.layers
+    sites = {"o": [(layer.self_attn.o_proj, i) for i, layer in enumerate(layers)]}
+    plan = [PlanEntry("o", i, [args.batch], [layer.mlp.gate_proj.weight], byte_cap=16384)
+            for i, layer in enumerate(layers)]
+    graphs, outs, controllers = {}, {}, []
+    for variant in ("none", "branch", "inline", "leaf", "none2"):
+        recompile()
+        if variant.startswith("none"):
+            captured = [_capture(step, args.batch) for _ in range(args.instances)]
+        else:
+            ctrl = PrefetchController.from_plan(plan, 0, graph_fork=variant, eager=False)
+            controllers.append(ctrl)                  # alive while its graphs replay
+            with hooks.attach(model, ctrl, sites):
+                recompile()
+                captured = [_capture(step, args.batch) for _ in range(args.instances)]
+        graphs[variant] = [g for g, _ in captured]
+        outs[variant] = captured[0][1]
+        print(f"{variant}: captured {args.instances}", flush=True)
+    recompile()
+    per = {v: [[] for _ in gs] for v, gs in graphs.items()}
+    for _ in range(args.rounds):
+        for v, gs in graphs.items():
+            for k, g in enumerate(gs):
+                per[v][k].append(_median_us(g))
+    means = {v: [statistics.fmean(per[v][k][r] for k in range(len(gs)))
+                 for r in range(args.rounds)] for v, gs in graphs.items()}
+    ref = outs["none"].view(torch.int16)
+    print(f"| variant | batch | step us (mean of instance medians) | instances' range | "
+          f"- none us (95%) | bitwise |\n|---|---:|---:|---|---|---|")
+    for v, gs in graphs.items():
+        inst = [statistics.median(per[v][k]) for k in range(len(gs))]
+        diffs = [m - n for m, n in zip(means[v], means["none"])]
+        mean = statistics.fmean(diffs)
+        half = 2.09 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+        same = torch.equal(outs[v].view(torch.int16), ref)
+        print(f"| {v} | {args.batch} | {statistics.fmean(inst):.1f} | "
+              f"{min(inst):.1f}-{max(inst):.1f} | {mean:+.2f} [{mean - half:+.2f}, "
+              f"{mean + half:+.2f}] | {same} |", flush=True)
+    for ctrl in controllers:
+        ctrl.close()
+
+
+if __name__ == "__main__":
+    main()
