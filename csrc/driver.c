@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include "driver.h"
 #include "paths.h"
+#include "refs.h"
 
 #include <dlfcn.h>
 #include <limits.h>
@@ -145,15 +146,9 @@ l2p_driver *l2p_driver_open(l2p_load_error *why, CUresult *status, char *msg, si
     return d;
 }
 
-void l2p_driver_incref(l2p_driver *d)
+/* The last reference gone: the modules unloaded, the primary contexts released. */
+static void driver_free(l2p_driver *d)
 {
-    d->refs++;
-}
-
-void l2p_driver_decref(l2p_driver *d)
-{
-    if (!d || --d->refs > 0)
-        return;
     for (int i = 0; i < d->device_count; i++) {
         l2p_device *dev = &d->devices[i];
         if (!dev->ready)
@@ -168,6 +163,8 @@ void l2p_driver_decref(l2p_driver *d)
     free(d->devices);
     free(d);   /* the library stays loaded: unloading a driver is never safe */
 }
+
+L2P_DEFINE_REFS(l2p_driver, driver_free)
 
 /* The driver call behind l2p_device_ready()'s last failure, so that callers can
  * name it (set and read under the GIL; declared in driver.h). */

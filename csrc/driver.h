@@ -115,9 +115,10 @@ typedef enum {
  * from the loader's path and the usual driver folders.  Returns NULL with
  * *why, *status and msg filled on failure. */
 l2p_driver *l2p_driver_open(l2p_load_error *why, CUresult *status, char *msg, size_t msglen);
+/* References (refs.h, taken under the GIL).  The last decref unloads the
+ * modules and releases the primary contexts (ignoring CUDA_ERROR_DEINITIALIZED
+ * at shutdown). */
 void l2p_driver_incref(l2p_driver *d);
-/* Drops a reference; the last one unloads the modules and releases the primary
- * contexts (ignoring CUDA_ERROR_DEINITIALIZED at shutdown). */
 void l2p_driver_decref(l2p_driver *d);
 
 /* Reads the device's attributes and retains its primary context (once).  On

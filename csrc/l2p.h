@@ -33,6 +33,12 @@ typedef struct {
                                     warned about already (once per process each) */
 } l2p_state;
 
+/* The state's Python objects, each a strong reference: module.c visits and
+ * clears them from this one list, so that the two cannot drift apart. */
+#define L2P_STATE_OBJECTS(X)                                                            \
+    X(prepared_type) X(controller_type) X(graph_exec_type) X(error) X(cuda_error)       \
+    X(nvrtc_error) X(unavailable_error) X(cubins) X(kernel_info)
+
 /* errors.c: status -> exception, in one place.  All return NULL / -1. */
 PyObject *l2p_raise_cuda(l2p_state *st, l2p_driver *d, const char *operation, CUresult status);
 int l2p_raise_cuda_int(l2p_state *st, l2p_driver *d, const char *operation, CUresult status);

@@ -141,33 +141,21 @@ static int module_exec(PyObject *module)
     return 0;
 }
 
+/* One field of the state st, for L2P_STATE_OBJECTS (Py_VISIT's way: names in scope). */
+#define VISIT_FIELD(field) Py_VISIT(st->field);
+#define CLEAR_FIELD(field) Py_CLEAR(st->field);
+
 static int module_traverse(PyObject *module, visitproc visit, void *arg)
 {
     l2p_state *st = l2p_get_state(module);
-    Py_VISIT(st->prepared_type);
-    Py_VISIT(st->controller_type);
-    Py_VISIT(st->graph_exec_type);
-    Py_VISIT(st->error);
-    Py_VISIT(st->cuda_error);
-    Py_VISIT(st->nvrtc_error);
-    Py_VISIT(st->unavailable_error);
-    Py_VISIT(st->cubins);
-    Py_VISIT(st->kernel_info);
+    L2P_STATE_OBJECTS(VISIT_FIELD)
     return 0;
 }
 
 static int module_clear(PyObject *module)
 {
     l2p_state *st = l2p_get_state(module);
-    Py_CLEAR(st->prepared_type);
-    Py_CLEAR(st->controller_type);
-    Py_CLEAR(st->graph_exec_type);
-    Py_CLEAR(st->error);
-    Py_CLEAR(st->cuda_error);
-    Py_CLEAR(st->nvrtc_error);
-    Py_CLEAR(st->unavailable_error);
-    Py_CLEAR(st->cubins);
-    Py_CLEAR(st->kernel_info);
+    L2P_STATE_OBJECTS(CLEAR_FIELD)
     return 0;
 }
 

@@ -7,6 +7,7 @@
 #define _GNU_SOURCE
 #include "nvrtc.h"
 #include "paths.h"
+#include "refs.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
@@ -182,18 +183,14 @@ l2p_nvrtc *l2p_nvrtc_open(const char *const *site_dirs, int n_sites, int *found,
     return NULL;
 }
 
-void l2p_nvrtc_incref(l2p_nvrtc *n)
+/* The last reference gone: the struct freed; the library stays loaded. */
+static void nvrtc_free(l2p_nvrtc *n)
 {
-    n->refs++;
-}
-
-void l2p_nvrtc_decref(l2p_nvrtc *n)
-{
-    if (!n || --n->refs > 0)
-        return;
     free(n->archs);
     free(n);
 }
+
+L2P_DEFINE_REFS(l2p_nvrtc, nvrtc_free)
 
 int l2p_nvrtc_pick_arch(const l2p_nvrtc *n, int sm, int *ptx)
 {

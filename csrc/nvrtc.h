@@ -53,7 +53,7 @@ typedef struct l2p_nvrtc {
 l2p_nvrtc *l2p_nvrtc_open(const char *const *site_dirs, int n_sites, int *found, char *msg,
                           size_t msglen);
 
-/* References (taken under the GIL): a compile releases the GIL and keeps its
+/* References (refs.h, taken under the GIL): a compile releases the GIL and keeps its
  * instance alive while _C._use_nvrtc replaces the module's.  The last decref
  * frees the struct; the library stays loaded. */
 void l2p_nvrtc_incref(l2p_nvrtc *n);

@@ -258,6 +258,27 @@ l2p_nvrtc *l2p_hold_nvrtc(l2p_state *st)
 
 /* ---- module functions: the state ---- */
 
+/* Py_BuildValue's O& converters for the info dicts: a path as str (decoded
+ * as the file system does), NVRTC's supported archs as a list of int. */
+static PyObject *fs_str(void *path)
+{
+    return PyUnicode_DecodeFSDefault(path);
+}
+
+static PyObject *archs_list(void *nvrtc)
+{
+    const l2p_nvrtc *n = nvrtc;
+    PyObject *archs = PyList_New(n->num_archs);
+    for (int i = 0; archs && i < n->num_archs; i++) {
+        PyObject *a = PyLong_FromLong(n->archs[i]);
+        if (!a)
+            Py_CLEAR(archs);
+        else
+            PyList_SET_ITEM(archs, i, a);
+    }
+    return archs;
+}
+
 /* The info functions hold the instance they read across the allocations that
  * build their result (a collection there can run a finalizer that swaps it). */
 PyObject *l2p_py_driver_info(PyObject *module, PyObject *unused)
@@ -265,10 +286,8 @@ PyObject *l2p_py_driver_info(PyObject *module, PyObject *unused)
     l2p_driver *d = l2p_hold_driver(l2p_get_state(module));
     if (!d)
         return NULL;
-    PyObject *path = PyUnicode_DecodeFSDefault(d->path);
-    PyObject *r = path ? Py_BuildValue("{s:N,s:i,s:i}", "path", path, "version", d->version,
-                                       "device_count", d->device_count)
-                       : NULL;
+    PyObject *r = Py_BuildValue("{s:O&,s:i,s:i}", "path", fs_str, d->path, "version", d->version,
+                                "device_count", d->device_count);
     l2p_driver_decref(d);
     return r;
 }
@@ -278,19 +297,8 @@ PyObject *l2p_py_nvrtc_info(PyObject *module, PyObject *unused)
     l2p_nvrtc *n = l2p_hold_nvrtc(l2p_get_state(module));
     if (!n)
         return NULL;
-    PyObject *r = NULL, *path = NULL, *archs = PyList_New(n->num_archs);
-    for (int i = 0; archs && i < n->num_archs; i++) {
-        PyObject *a = PyLong_FromLong(n->archs[i]);
-        if (!a)
-            Py_CLEAR(archs);
-        else
-            PyList_SET_ITEM(archs, i, a);
-    }
-    if (archs && (path = PyUnicode_DecodeFSDefault(n->path)))
-        r = Py_BuildValue("{s:N,s:(ii),s:N}", "path", path, "version", n->major, n->minor,
-                          "archs", archs);
-    else
-        Py_XDECREF(archs);
+    PyObject *r = Py_BuildValue("{s:O&,s:(ii),s:O&}", "path", fs_str, n->path, "version",
+                                n->major, n->minor, "archs", archs_list, (void *)n);
     l2p_nvrtc_decref(n);
     return r;
 }
