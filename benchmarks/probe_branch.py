@@ -26,33 +26,16 @@ from l2prefetch.plan import PlanEntry
 from l2prefetch.tuning.cli import compile_forward
 from l2prefetch.tuning.compiled import recompile
 from l2prefetch.tuning.hf import DecodeStep
+from l2prefetch.tuning.rig import Rig
 
 
-def _capture(step, batch):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(stream):
-        step(batch)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = step(batch)
-    torch.cuda.current_stream().wait_stream(stream)
+def _capture(rig, step, batch):
+    """(graph, its logits as captured) for ``step(batch)``, warmed up and compiled first."""
+    with torch.no_grad():
+        graph, out = rig.capture(lambda: step(batch))
     graph.replay()
     torch.cuda.synchronize()
     return graph, out.clone()
-
-
-def _median_us(graph, n=20):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(n):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -63,6 +46,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if no_gpu("benchmarks.probe_branch"):
         return
+    rig = Rig()
     model = hf_model("llama")
     step = DecodeStep(model)
     step.state(args.batch)
@@ -75,13 +59,13 @@ def main(argv=None):
     for variant in ("none", "branch", "inline", "leaf", "none2"):
         recompile()
         if variant.startswith("none"):
-            captured = [_capture(step, args.batch) for _ in range(args.instances)]
+            captured = [_capture(rig, step, args.batch) for _ in range(args.instances)]
         else:
             ctrl = PrefetchController.from_plan(plan, 0, graph_fork=variant, eager=False)
             controllers.append(ctrl)                  # alive while its graphs replay
             with hooks.attach(model, ctrl, sites):
                 recompile()
-                captured = [_capture(step, args.batch) for _ in range(args.instances)]
+                captured = [_capture(rig, step, args.batch) for _ in range(args.instances)]
         graphs[variant] = [g for g, _ in captured]
         outs[variant] = captured[0][1]
         print(f"{variant}: captured {args.instances}", flush=True)
@@ -90,7 +74,7 @@ def main(argv=None):
     for _ in range(args.rounds):
         for v, gs in graphs.items():
             for k, g in enumerate(gs):
-                per[v][k].append(_median_us(g))
+                per[v][k].append(rig.time_graph(g, 20))
     means = {v: [statistics.fmean(per[v][k][r] for k in range(len(gs)))
                  for r in range(args.rounds)] for v, gs in graphs.items()}
     ref = outs["none"].view(torch.int16)
