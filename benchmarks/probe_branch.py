@@ -9,9 +9,10 @@ and replayed interleaved, ``--rounds`` rounds of 20 replays per graph:
 * ``branch``, ``inline``, ``leaf``: a fork after every ``o_proj`` in that mode, loading
   16 KiB of ``gate_proj`` (a table as near empty as a plan can make it).
 
-Per variant: the mean of per-instance medians (us), and its difference to ``none``,
-paired by round (mean and 95% interval over the rounds), and whether the logits are
-bitwise those of ``none``.
+Per variant: the mean of per-instance medians (us), and its difference to ``none``:
+paired by round (95% interval over the rounds: the replay noise, not the captures'
+spread) and over the instances' medians (Welch's 95% interval: the captures' spread
+too); and whether the logits are bitwise those of ``none``.
 
     python -m benchmarks.probe_branch [--batch 1] [--instances 5] [--rounds 20]
 """
@@ -27,6 +28,7 @@ from l2prefetch.tuning.cli import compile_forward
 from l2prefetch.tuning.compiled import recompile
 from l2prefetch.tuning.hf import DecodeStep
 from l2prefetch.tuning.rig import Rig
+from l2prefetch.tuning.stats import diff_interval, t_quantile
 
 
 def _capture(rig, step, batch):
@@ -79,16 +81,21 @@ def main(argv=None):
                  for r in range(args.rounds)] for v, gs in graphs.items()}
     ref = outs["none"].view(torch.int16)
     print(f"| variant | batch | step us (mean of instance medians) | instances' range | "
-          f"- none us (95%) | bitwise |\n|---|---:|---:|---|---|---|")
+          f"- none us, paired by round (95%) | - none us, over instances (95%) | bitwise |"
+          f"\n|---|---:|---:|---|---|---|---|")
     for v, gs in graphs.items():
         inst = [statistics.median(per[v][k]) for k in range(len(gs))]
         diffs = [m - n for m, n in zip(means[v], means["none"])]
         mean = statistics.fmean(diffs)
-        half = 2.09 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+        half = (t_quantile(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+                if len(diffs) > 1 else 0.0)
+        between = (diff_interval(inst, [statistics.median(p) for p in per["none"]])
+                   if len(inst) > 1 else None)
         same = torch.equal(outs[v].view(torch.int16), ref)
         print(f"| {v} | {args.batch} | {statistics.fmean(inst):.1f} | "
               f"{min(inst):.1f}-{max(inst):.1f} | {mean:+.2f} [{mean - half:+.2f}, "
-              f"{mean + half:+.2f}] | {same} |", flush=True)
+              f"{mean + half:+.2f}] | {'' if between is None else between.format(2)} | {same} |",
+              flush=True)
     for ctrl in controllers:
         ctrl.close()
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from benchmarks.compiled import ceiling, window_ceiling  # noqa: E402
+from benchmarks.compiled import ceiling, window_ceiling, window_loads  # noqa: E402
 
 
 def _role(name, gap, chain):
@@ -45,3 +45,19 @@ def test_the_window_ceiling_counts_the_consumers_of_roles_whose_window_covers_th
     assert window_ceiling(rep, 20) == pytest.approx(28.0 + 14.0)
     assert window_ceiling(rep, 0) is None
     assert window_ceiling(rep, 100) == 0.0
+
+
+def test_the_window_s_loads_are_the_kept_window_roles_own_verified_loads():
+    def role(name, window, vs_empty):
+        chosen = SimpleNamespace(vs_empty=SimpleNamespace(estimate=vs_empty))
+        return SimpleNamespace(role=name, window_us=window, chosen=chosen)
+
+    rep = SimpleNamespace(roles=[
+        role("after self_attn.o_proj: mlp.gate_proj", 65.0, 15.5),
+        role("before post_attention_layernorm: mlp.gate_proj", 58.0, 14.0),
+        role("after self_attn.q_proj: self_attn.k_proj", 2.4, 3.6)])
+    kept = [("after self_attn.o_proj: mlp.gate_proj", None),
+            ("after self_attn.q_proj: self_attn.k_proj", None)]
+    assert window_loads(rep, kept, 40) == pytest.approx(15.5)   # not q -> k's, not unkept
+    assert window_loads(rep, kept, 0) is None
+    assert window_loads(rep, kept[1:], 40) is None

@@ -497,7 +497,7 @@ def test_the_promising_roles_layers_leave_every_verify_its_whole_sequential_samp
     assert len(verifies) == 2 and min(verifies) >= S.MAX_INSTANCES
 
 
-@pytest.mark.parametrize("budget_s", [16.0, 16.5, 17.0, 17.5])
+@pytest.mark.parametrize("budget_s", [15.5, 16.0, 16.5, 17.0])
 def test_a_verify_sampled_for_the_resolution_leaves_the_next_its_whole_sampling(budget_s):
     """Both verifies are undecided and wider than the resolution through 25 instances;
     the first may go on for the resolution alone (up to 50) only while the second keeps
@@ -965,10 +965,48 @@ def test_the_confirmation_splits_the_gain_into_the_loads_and_the_forks_own(fork_
 def test_a_budget_spent_before_the_first_role_says_so_not_that_nothing_paid():
     backend = PlantedBackend({"A": pays(8.0)}, seed=3)
     (report,), log = run(backend, [role("A"), role("B")], budget_s=0.05)
-    assert report.reason == S.NOTHING_MEASURED and "raise budget_s" in report.reason
+    assert report.reason == S.NOTHING_MEASURED and "raise the budget" in report.reason
     assert all(r.reason == "not measured: the budget ran out" for r in report.roles)
     assert S.NOTHING_MEASURED in log
     # a role measured and lost is no budget shortage
     backend = PlantedBackend({"A": pays(-3.0)}, seed=3)
     (report,), _ = run(backend, [role("A")])
     assert report.reason == "no role paid at this batch"
+
+
+class EmptyPlanDiffers(PlantedBackend):
+    """The confirmation's empty plan (forks with empty tables) changes the outputs."""
+
+    def measure(self, batch, arms, instances):
+        times, identical = super().measure(batch, arms, instances)
+        if A.EMPTY_PLAN in arms:
+            identical = {**identical, A.EMPTY_PLAN: False}
+        return times, identical
+
+
+def test_empty_forks_that_change_the_outputs_at_confirmation_are_not_blamed_on_the_loads():
+    (report,), _ = run(EmptyPlanDiffers({"A": pays(8.0)}, seed=5, paired=True),
+                       [role("A")])
+    assert report.plan == () and report.confirmed is None
+    (conf,) = report.confirmations
+    assert conf.identical and not conf.empty_identical
+    rep = by_name(report)["A"]
+    assert not rep.kept and rep.reason == S.EMPTY_FORKS_DIFFER
+    assert not rep.reason.startswith(S.REFUSED_OUTPUTS)
+
+
+def test_the_confirmation_is_priced_as_the_backend_captures_it():
+    """A backend that switches the plan and its empty forks in one graph captures two
+    graphs per instance for a confirmation, not three (GraphBackend, placement shared)."""
+    for paired, captures in ((True, 2), (False, 3)):
+        backend = PlantedBackend({"A": pays(8.0)}, seed=5, paired=paired)
+        params = S.Params(instances=5, max_instances=25, caps=(4 << 20,), grids=(32,),
+                          kernels=(None,), graph_forks=tuple(GRAPH_FORKS), min_gain_us=1.0,
+                          resolution=5e-4)
+        budget = S.Budget(backend, params, 1e9, lambda: 0.0)
+        budget.prepared = backend.prepare(1)
+        assert budget.confirm_cost() == pytest.approx(budget.cost(3, captures))
+        plan = (("A", A.Setting(4 << 20)),)
+        arms = {A.NO_FORKS: A.Arm(), A.PLAN: A.Arm(plan),
+                A.EMPTY_PLAN: A.Arm(plan, empty=True)}
+        assert budget.group_cost(arms) == pytest.approx(budget.confirm_cost())

@@ -5,8 +5,8 @@ as vLLM runs it (issue 40).  Skipped without a GPU.
   first fork mode; the others at batches 1 and 8), with forks after o_proj and
   gate_up_proj: the logits are bitwise those of the compiled step without forks;
 * PIECEWISE: a graph per piece between attentions; branch forks joined at the end of
-  each piece keep the logits bitwise those of the same pieces without forks, and a fork left pending at a piece's end is
-  refused with a ValueError;
+  each piece keep the logits bitwise (those of the same pieces without forks), and a
+  fork left pending at a piece's end is refused with a ValueError;
 * tune() on the compiled step finds it compiled and ships no loss.
 """
 

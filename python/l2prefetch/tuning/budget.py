@@ -147,13 +147,24 @@ class Budget:
         rounds = -(-self.p.max_instances // self.p.instances)
         return rounds * self.cost(3)
 
+    def confirm_cost(self) -> float:
+        """Estimated seconds of one confirmation: (a), the plan and the plan's forks with
+        empty tables, the last two one capture where every fork mode the search tries
+        is switched in place."""
+        both = self.backend.switches and all(self.switched(m) for m in self.p.graph_forks)
+        return self.cost(3, 2 if both else 3)
+
+    def final_estimate(self) -> float:
+        """The combine step (priced as a group of two arms) and two confirmations."""
+        return self.cost(2) + 2 * self.confirm_cost()
+
     def final_reserve(self) -> float:
-        """What the combine and confirm steps keep back: three groups of three arms, priced
+        """What the combine and confirm steps keep back (:meth:`final_estimate`), priced
         once, at the first call after prepare (the later steps keep back what the sweep
         did, though a backend that stops deriving its steps without forks prices groups
         lower from then on)."""
         if self._final_reserve is None or not self.prepared:
-            self._final_reserve = 3 * self.cost(3)
+            self._final_reserve = self.final_estimate()
         return self._final_reserve
 
     def left(self) -> float:
@@ -168,7 +179,7 @@ class Budget:
         what is left."""
         more = self.swept_actual / self.swept_estimate if self.swept_estimate > 0 else 1.0
         return min(self.left(),
-                   roles_left * self.sweep_cost(len(self.p.caps)) * more + 3 * self.cost(3))
+                   roles_left * self.sweep_cost(len(self.p.caps)) * more + self.final_estimate())
 
     def caps_for(self, role: Role) -> list[int]:
         """The caps a role's sweep tries: the search's, at most its bytes, and its default."""

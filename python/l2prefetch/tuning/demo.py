@@ -631,7 +631,8 @@ def _summary(case: str, args: argparse.Namespace, rep: Any, written: list[str]) 
     conf = rep.confirmed
     if conf is None:
         why = EMPTY_PLAIN + "; the tuner: " if case == "plain" else ""
-        hint = "; a larger --budget gives it more time" if "budget" in rep.reason else ""
+        hint = ("; a larger --budget gives it more time"
+                if "budget" in rep.reason and "--budget" not in rep.reason else "")
         lines.append(f"  plan: empty ({why}{rep.reason}{hint})")
     else:
         low, high = conf.ratio_interval

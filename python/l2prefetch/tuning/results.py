@@ -80,6 +80,9 @@ class Confirmation:
     identical: bool
     loads: Optional[Interval] = None
     forks: Optional[Interval] = None
+    #: Whether the plan's forks with empty tables kept the outputs too (only the plan's
+    #: own ``identical`` says whether its loads did).
+    empty_identical: bool = True
 
     @property
     def ratio(self) -> float:
@@ -99,7 +102,8 @@ class Confirmation:
                 "ratio": self.ratio, "ratio_low": low, "ratio_high": high,
                 "identical": self.identical,
                 "loads": None if self.loads is None else self.loads.as_dict(),
-                "forks": None if self.forks is None else self.forks.as_dict()}
+                "forks": None if self.forks is None else self.forks.as_dict(),
+                "empty_identical": self.empty_identical}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,9 +47,10 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
 7. **combine**: kept roles in decreasing gain; the plans made of the first
    1, 2, ... of them in one group; the best one goes on.
 8. **confirm**: that plan against (a) on fresh instances (paired by instance
-   where the backend pairs them: GraphBackend's ``placement="shared"``); if the interval of
-   its gain is not above zero, the weakest role is dropped and the rest is
-   confirmed again.  **A plan is returned only if its confirmation is a
+   where the backend pairs them: GraphBackend's ``placement="shared"``), beside the
+   plan's forks with empty tables (the report splits the gain into the loads' share and
+   the forks' own); if the interval of its gain is not above zero, the weakest role is
+   dropped and the rest is confirmed again.  **A plan is returned only if its confirmation is a
    gain**; otherwise the batch's plan is empty, which is a valid result.
 
 **Sequential sampling.**  The groups of steps 3 to 6 are measured on
@@ -129,12 +130,16 @@ __all__ = ["DEFAULT_CAPS_MIB", "DEFAULT_GRIDS", "DEFAULT_MIN_GAIN_US", "DEFAULT_
 
 #: A role's reason where its verified loads changed the step's outputs.
 REFUSED_OUTPUTS = "refused: outputs with its loads differ from the step's"
+#: A role's reason where the plan's forks with empty tables (confirm's control) changed
+#: the outputs: the forks, not the loads, at fault.
+EMPTY_FORKS_DIFFER = ("dropped at confirmation: the plan's forks with empty tables changed "
+                      "the outputs (a bug: report it)")
 #: A role's reason where the budget ran out before its sweep.
 UNMEASURED = "not measured: the budget ran out"
 #: A batch's reason where the budget ran out before any role was measured (tune's last
 #: lines then say where the time went).
 NOTHING_MEASURED = ("nothing measured: the budget ran out before the first role "
-                    "(raise budget_s)")
+                    "(raise the budget: budget_s, --budget)")
 #: Caps tried per role, in MiB (limited to what a role can load).
 DEFAULT_CAPS_MIB = (4, 8, 16, 24, 32, 48)
 #: Loader CTAs tried in the refine step besides the default.
@@ -588,10 +593,13 @@ def _combine(st: _State, kept: list[tuple[Role, Trial]]) -> list[tuple[str, Sett
     kept = sorted(kept, key=lambda rt: -rt[1].gain.estimate)
     chosen = [(role.name, trial.setting) for role, trial in kept]
     if not chosen:
-        st.report.reason = (NOTHING_MEASURED if _budget_ran_out_first(st.reports.values())
-                            else "no role paid at this batch")
+        unmeasured = sum(r.reason == UNMEASURED for r in st.reports.values())
+        st.report.reason = (
+            NOTHING_MEASURED if _budget_ran_out_first(st.reports.values())
+            else "no role paid at this batch" + (f" ({unmeasured} not measured: the budget "
+                                                 "ran out)" if unmeasured else ""))
         return chosen
-    if len(chosen) > 1 and st.budget.fits(len(chosen) + 1, 2 * st.budget.cost(3)):
+    if len(chosen) > 1 and st.budget.fits(len(chosen) + 1, 2 * st.budget.confirm_cost()):
         arms = {NO_FORKS: Arm()}
         for n in range(1, len(chosen) + 1):
             arms[arm_key(PLAN, n)] = Arm(tuple(chosen[:n]))
@@ -621,25 +629,23 @@ def _confirm(st: _State, chosen: list[tuple[str, Setting]]) -> None:
         return
     reports = st.reports
     while chosen:
-        if not st.budget.fits(3):
+        plan = tuple(chosen)
+        arms = {NO_FORKS: Arm(), PLAN: Arm(plan), EMPTY_PLAN: Arm(plan, empty=True)}
+        if st.budget.group_cost(arms) > st.budget.left():
             st.report.reason = "the budget ran out before the plan was confirmed"
             for name, _ in chosen:
                 reports[name].kept = False
                 reports[name].reason += "; not confirmed (budget)"
             return
-        plan = tuple(chosen)
-        measured = st.sampler.group(f"confirm {len(plan)} role(s)",
-                                    {NO_FORKS: Arm(), PLAN: Arm(plan),
-                                     EMPTY_PLAN: Arm(plan, empty=True)})
+        measured = st.sampler.group(f"confirm {len(plan)} role(s)", arms)
         a, with_plan = measured.reference_values(PLAN), measured.values(PLAN)
         conf = Confirmation(plan, mean_interval(a), mean_interval(with_plan),
-                            measured.diff(NO_FORKS, PLAN),
-                            measured.identical.get(PLAN, True)
-                            and measured.identical.get(EMPTY_PLAN, True),
+                            measured.diff(NO_FORKS, PLAN), measured.identical.get(PLAN, True),
                             loads=measured.diff(EMPTY_PLAN, PLAN),
-                            forks=measured.diff(NO_FORKS, EMPTY_PLAN))
+                            forks=measured.diff(NO_FORKS, EMPTY_PLAN),
+                            empty_identical=measured.identical.get(EMPTY_PLAN, True))
         st.report.confirmations.append(conf)
-        if conf.identical and conf.gain.excludes_zero_above():
+        if conf.identical and conf.empty_identical and conf.gain.excludes_zero_above():
             st.report.plan = plan
             st.report.reason = (f"confirmed: {conf.gain.format(2)} us per step, "
                                 f"{conf.ratio:.4f}x")
@@ -648,6 +654,7 @@ def _confirm(st: _State, chosen: list[tuple[str, Setting]]) -> None:
         reports[name].kept = False
         reports[name].reason = (
             f"{REFUSED_OUTPUTS} (the plan with it, at confirmation)" if not conf.identical
+            else EMPTY_FORKS_DIFFER if not conf.empty_identical
             else "dropped at confirmation: the plan with it was not a confirmed gain "
                  f"({conf.gain.format(2)} us)")
     st.report.reason = "no combination of the kept roles was confirmed"
