@@ -17,7 +17,7 @@ Options cannot be abbreviated.
 from __future__ import annotations
 
 import argparse
-import difflib
+import dataclasses
 import os
 import re
 import sys
@@ -25,14 +25,14 @@ import time
 from typing import Any, Optional
 
 from .. import _C
-from .._files import check_output, write_atomic
+from .._files import check_outputs, write_atomic
 from .._parser import Parser as _Parser  # usage errors as one line, exit status 2
 from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
 from . import hf, tuner
 from .arms import StepError
 from .compiled import eager_stance
-from .discovery import DEFAULT_MAX_BYTES, candidates, discover
+from .discovery import DEFAULT_MAX_BYTES, describe_roles, find_roles, role_hints
 from .measure import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_TARGET_US
 from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
 
@@ -110,6 +110,10 @@ def _role_name(text: str) -> str:
             "'before SITE: CONSUMER', as --list-roles prints them")
     return text.strip()
 
+
+#: What --list-roles' "largest load" column counts (the line under its table).
+LARGEST_LOAD = ("\nlargest load: the most one fork of the role can load: its consumer's weights "
+                "and those of the reads after it, up to {max_mib} MiB (--caps-mib caps it)")
 
 #: The Inductor modes --compile takes: those that leave CUDA graphs to the caller (the
 #: tuner captures the step itself, as a server does; "reduce-overhead" and
@@ -207,57 +211,34 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _kernels(text: Optional[str]) -> Optional[list[Optional[str]]]:
-    if text is None:
-        return None
-    return [None if k.strip() in ("default", "") else k.strip() for k in text.split(",")]
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """What ``tune``'s options mean, parsed once from them (nothing checked here): the
+    report's path, the outputs to check, and the tuner's lists."""
+
+    report: str
+    #: ``(option, path)`` of each output to check before anything is built (a
+    #: --list-roles run: only those named on the command line; it writes none).
+    outputs: list
+    kernels: Optional[list]
+    graph_forks: list
+    min_bytes: int
 
 
-def _outputs(args: argparse.Namespace, given_only: bool = False) -> Optional[str]:
-    """Check, before anything is built or measured, that the profile, the report and the
-    plot can be written (and are three files); the message of the first that cannot.
-    ``given_only``: only those named on the command line (--list-roles writes none)."""
+def _options(args: argparse.Namespace) -> _Options:
     report = args.report or os.path.splitext(args.out)[0] + ".md"
-    named = [("--out", args.out), ("--report" if args.report else "the report (--report)",
-                                   report)]
-    if given_only:
-        named = [(option, path) for option, path in named
-                 if (option == "--out" and path != DEFAULT_OUT) or option == "--report"]
+    outputs = [("--out", args.out),
+               ("--report" if args.report else "the report (--report)", report)]
+    if args.list_roles:
+        outputs = [(option, path) for option, path in outputs
+                   if (option == "--out" and path != DEFAULT_OUT) or option == "--report"]
     if args.plot:
-        named.append(("--plot", args.plot))
-    seen: dict[str, str] = {}
-    for option, path in named:
-        try:
-            check_output(path, option)
-        except (OSError, ValueError) as exc:
-            return str(exc)
-        real = os.path.realpath(path)
-        if real in seen:
-            return (f"{option} {path} is the file {seen[real]} names too: give each output "
-                    "its own file")
-        seen[real] = option
-    return None
-
-
-def _largest_load(max_bytes: int) -> str:
-    """What --list-roles' "largest load" column counts (the line under its table)."""
-    return ("\nlargest load: the most one fork of the role can load: its consumer's weights "
-            f"and those of the reads after it, up to {max_bytes >> 20} MiB (--caps-mib caps "
-            "it)")
-
-
-def _unknown_roles(wanted: Optional[list[str]], names: list[str]) -> Optional[str]:
-    """--roles' names this model lacks, with the closest it has; None where all are known."""
-    unknown = [name for name in wanted or () if name not in names]
-    if not unknown:
-        return None
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, names, n=2)
-        hints.append(f"{name!r}" + (f" (closest: {', '.join(map(repr, close))})" if close
-                                    else ""))
-    return (f"--roles: this model has no role {', '.join(hints)}; --list-roles without "
-            "--roles lists its roles")
+        outputs.append(("--plot", args.plot))
+    kernels = None if args.kernels is None else [
+        None if k.strip() in ("default", "") else k.strip() for k in args.kernels.split(",")]
+    return _Options(report=report, outputs=outputs, kernels=kernels,
+                    graph_forks=[g.strip() for g in args.graph_forks.split(",") if g.strip()],
+                    min_bytes=max(1, int(args.min_bytes_mib * (1 << 20))))
 
 
 class _Exit(Exception):
@@ -286,18 +267,18 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError:
         raise _Exit("needs torch (pip install 'l2prefetch[torch]')") from None
     progress = None if args.quiet else sys.stderr
-    device = _check(args, torch)
+    options = _options(args)
+    device = _check(args, options, torch)
     model, step = _build(args, device, torch, progress)
-    min_bytes = max(1, int(args.min_bytes_mib * (1 << 20)))
     if args.compile is not None:
         _compile(args, model, step, progress)
     if args.list_roles:
-        return _list_roles(args, model, step, min_bytes, torch, progress)
-    result = _tune(args, model, step, min_bytes, progress)
-    return _write(args, result, model)
+        return _list_roles(args, options, model, step, torch, progress)
+    result = _tune(args, options, model, step, progress)
+    return _write(args, options, result, model)
 
 
-def _check(args: argparse.Namespace, torch: Any) -> Any:
+def _check(args: argparse.Namespace, options: _Options, torch: Any) -> Any:
     """Every option that can be checked before anything is built; the device to build on."""
     try:
         hf.dtype_of(args.dtype)
@@ -325,9 +306,10 @@ def _check(args: argparse.Namespace, torch: Any) -> Any:
         twice = sorted({r for r in args.roles if args.roles.count(r) > 1})
         raise _Exit(f"--roles names {', '.join(map(repr, twice))} more than once: give each "
                     "role once")
-    problem = _outputs(args, given_only=args.list_roles)
-    if problem is not None:
-        raise _Exit(problem)
+    try:   # the profile, the report and the plot can be written, and are three files
+        check_outputs(options.outputs)
+    except (OSError, ValueError) as exc:
+        raise _Exit(exc) from None
     return device
 
 
@@ -365,7 +347,7 @@ def _compile(args: argparse.Namespace, model: Any, step: Any, progress: Any) -> 
               file=progress, flush=True)
 
 
-def _list_roles(args: argparse.Namespace, model: Any, step: Any, min_bytes: int, torch: Any,
+def _list_roles(args: argparse.Namespace, options: _Options, model: Any, step: Any, torch: Any,
                 progress: Any) -> int:
     """--list-roles: discover the roles from one step at the first batch and print them."""
     batch = args.batches[0]
@@ -391,24 +373,23 @@ def _list_roles(args: argparse.Namespace, model: Any, step: Any, min_bytes: int,
                       f"{batch} in {time.monotonic() - t0:.1f} s, compilation "
                       f"included; the roles come from the eager module tree",
                       file=progress, flush=True)
-            with eager_stance():
-                reads = discover(model, first_step, min_bytes=min_bytes)
-        else:
-            reads = discover(model, first_step, min_bytes=min_bytes)
+        roles = find_roles(model, first_step, min_bytes=options.min_bytes,
+                           within=eager_stance() if args.compile is not None else None)
     except StepError as exc:
         raise _Exit(exc, 1) from None
     except ValueError as exc:
         raise _Exit(exc) from None
-    roles = candidates(model, reads)
-    problem = _unknown_roles(args.roles, [role.name for role in roles])
-    if problem is not None:
-        raise _Exit(problem)
-    print(tuner.describe_roles(roles), end="")
-    print(_largest_load(DEFAULT_MAX_BYTES))
+    names = [role.name for role in roles]
+    unknown = [name for name in args.roles or () if name not in names]
+    if unknown:
+        raise _Exit(f"--roles: this model has no role {role_hints(unknown, names)}; "
+                    "--list-roles without --roles lists its roles")
+    print(describe_roles(roles), end="")
+    print(LARGEST_LOAD.format(max_mib=DEFAULT_MAX_BYTES >> 20))
     return 0
 
 
-def _tune(args: argparse.Namespace, model: Any, step: Any, min_bytes: int,
+def _tune(args: argparse.Namespace, options: _Options, model: Any, step: Any,
           progress: Any) -> Any:
     """tune() with the options; its refusals are exit status 2, a failing step 1."""
     try:
@@ -416,10 +397,8 @@ def _tune(args: argparse.Namespace, model: Any, step: Any, min_bytes: int,
                           budget_s=args.budget, instances=args.instances,
                           max_instances=args.max_instances, resolution=args.resolution,
                           rounds=args.rounds, caps_mib=args.caps_mib, grids=args.grids,
-                          kernels=_kernels(args.kernels),
-                          graph_forks=[g.strip() for g in args.graph_forks.split(",")
-                                       if g.strip()],
-                          min_gain_us=args.min_gain_us, min_bytes=min_bytes,
+                          kernels=options.kernels, graph_forks=options.graph_forks,
+                          min_gain_us=args.min_gain_us, min_bytes=options.min_bytes,
                           progress=progress,
                           compiled=args.compile if args.compile is not None else False)
     except StepError as exc:
@@ -428,9 +407,9 @@ def _tune(args: argparse.Namespace, model: Any, step: Any, min_bytes: int,
         raise _Exit(exc) from None
 
 
-def _write(args: argparse.Namespace, result: Any, model: Any) -> int:
+def _write(args: argparse.Namespace, options: _Options, result: Any, model: Any) -> int:
     """The profile, the report and the plot; what was written, on stdout."""
-    report = args.report or os.path.splitext(args.out)[0] + ".md"
+    report = options.report
     try:
         result.save(args.out, model)
         write_atomic(report, result.markdown(), "the report")

@@ -53,7 +53,7 @@ from .. import _C
 from .._torch import cuda_reason, driver_reason
 from .._version import __version__
 from .cli import COMPILE_MODES, compile_forward, positive
-from .discovery import DEFAULT_MAX_BYTES, MIB, candidates, discover
+from .discovery import DEFAULT_MAX_BYTES, MIB, candidates, describe_roles, discover
 
 __all__ = ["CASES", "CONFIG", "add_parser", "build_model", "gpu_reason", "make_config",
            "outputs", "plant", "run", "spin_op"]
@@ -450,7 +450,6 @@ def _without_gpu(args: argparse.Namespace, torch: Any, config: Any, budget: floa
 def _roles_and_plan(args: argparse.Namespace, config: Any) -> None:
     from ..plan import format_plan
     from . import hf
-    from .tuner import describe_roles
 
     t0 = time.monotonic()
     logger.info("building %s on the CPU", _describe(config))

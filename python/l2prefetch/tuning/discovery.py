@@ -30,15 +30,18 @@ prefetched, and a chain of following reads stops at them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 from ..mechanisms import DEFAULT_SITE_HOOK, site_entry
 from ..model_paths import layer_of  # the runtime's too (profiles name sites by layer)
 from ..plan import PlanEntry
 
-__all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "discover", "roles_from_plan"]
+__all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "describe_roles", "discover",
+           "find_roles", "role_hints", "roles_from_plan"]
 
 MIB = 1 << 20
 #: The largest load a candidate is built for (the tuner's largest cap).
@@ -419,6 +422,36 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
                           consumer=consumer_rel, site=site_rel, kind=kind,
                           next_layer=next_layer, sites=tuple(sites)))
     return roles
+
+
+def find_roles(model: Any, run: Callable[[], Any], *, min_bytes: int,
+               within: Optional[ContextManager] = None) -> list[Role]:
+    """The candidate roles of one forward (:func:`candidates` of what :func:`discover`
+    records while ``run()`` runs), the reads recorded inside ``within`` (a compiled step:
+    the tuner's ``eager_stance()``, so that the eager module tree's hooks run).  What
+    ``tune`` and ``tune --list-roles`` both do."""
+    with within if within is not None else contextlib.nullcontext():
+        reads = discover(model, run, min_bytes=min_bytes)
+    return candidates(model, reads)
+
+
+def role_hints(unknown: Iterable[str], names: Sequence[str]) -> str:
+    """Role names a model lacks, each with the closest of ``names`` it has, for a
+    message: "'x' (closest: 'y')"."""
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, list(names), n=2)
+        hints.append(f"{name!r}" + (f" (closest: {', '.join(map(repr, close))})" if close
+                                    else ""))
+    return ", ".join(hints)
+
+
+def describe_roles(roles: Sequence[Role]) -> str:
+    """The candidate roles as a Markdown table (name, layers, largest load)."""
+    lines = ["| role | layers | largest load |", "|---|---:|---:|"]
+    for role in roles:
+        lines.append(f"| {role.name} | {len(role.sites)} | {describe_bytes(role.max_bytes)} |")
+    return "\n".join(lines) + "\n"
 
 
 def roles_from_plan(model: Any, plan: Iterable[Any], hook_points: Any) -> list[Role]:

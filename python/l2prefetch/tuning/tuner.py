@@ -8,7 +8,6 @@ rule, :mod:`l2prefetch.tuning.rig` for how steps are measured, and
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import math
 import numbers
@@ -21,7 +20,7 @@ from typing import Any, Optional, Union
 from .. import _C
 from ..mechanisms import GRAPH_FORKS, graph_fork_choices
 from ..plan import check_batches
-from .discovery import Role, candidates as discover_candidates, describe_bytes, discover
+from .discovery import Role, find_roles, role_hints
 from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile, step_record,
                        versions)
 from . import measure  # GraphBackend looked up when tune() runs (the tests replace it)
@@ -157,24 +156,16 @@ def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
             except Exception as exc:
                 raise StepError(f"step({batch}) failed while discovering the weights it "
                                 f"reads: {type(exc).__name__}: {exc}") from exc
-        if compiled:   # the same modules and weights, read from the eager module tree
-            with eager_stance():
-                reads = discover(model, run, min_bytes=min_bytes)
-        else:
-            reads = discover(model, run, min_bytes=min_bytes)
-        roles = discover_candidates(model, reads)
+        # a compiled step: the same modules and weights, read from the eager module tree
+        roles = find_roles(model, run, min_bytes=min_bytes,
+                           within=eager_stance() if compiled else None)
         if candidates is None:
             return roles
         known = {role.name: role for role in roles}
         unknown = [c for c in candidates if c not in known]
         if unknown:
-            hints = []
-            for name in unknown:
-                close = difflib.get_close_matches(name, list(known), n=2)
-                hints.append(f"{name!r}" + (f" (closest: {', '.join(map(repr, close))})"
-                                            if close else ""))
-            raise ValueError(f"unknown role(s) {', '.join(hints)}; this model's roles are: "
-                             + "; ".join(map(repr, known)))
+            raise ValueError(f"unknown role(s) {role_hints(unknown, list(known))}; this "
+                             "model's roles are: " + "; ".join(map(repr, known)))
         return [known[c] for c in candidates]
     if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
         raise TypeError("candidates must be None (discover them), a list of role names, or a "
@@ -512,11 +503,3 @@ def _offered_roles(backend: Backend, model: Any, step: Callable[[int], Any], bat
                  else "every site leaves the compiled code as it was"),
               file=progress, flush=True)
     return roles, not_offered
-
-
-def describe_roles(roles: Sequence[Role]) -> str:
-    """The candidate roles as a Markdown table (name, layers, largest load)."""
-    lines = ["| role | layers | largest load |", "|---|---:|---:|"]
-    for role in roles:
-        lines.append(f"| {role.name} | {len(role.sites)} | {describe_bytes(role.max_bytes)} |")
-    return "\n".join(lines) + "\n"
