@@ -192,8 +192,9 @@ class Backend(abc.ABC):
     tests plant effects in a fake (tests/_tuning_fakes.py).  A backend derives from
     this class: :meth:`prepare`, :meth:`probe`, :meth:`measure` and :attr:`rounds` are
     its own; :attr:`pairs`, :attr:`switches`, :attr:`shared_placement`,
-    :meth:`use_roles` and :meth:`device_fingerprint` have the defaults below (no
-    pairing, no switching, independent instances, roles not needed, no device).
+    :meth:`use_roles`, :meth:`offer` and :meth:`device_fingerprint` have the defaults
+    below (no pairing, no switching, independent instances, roles not needed, every role
+    offered, no device).
     Every member is read directly: nothing is probed with ``hasattr``."""
 
     #: Replays per graph instance in a group (the budget's estimate counts them); None
@@ -226,19 +227,22 @@ class Backend(abc.ABC):
     within_compilation: bool = False
 
     def use_roles(self, roles: Sequence[Role], caps_bytes: Sequence[int]) -> None:
-        """Called by :func:`~l2prefetch.tuning.tune` once, before the search: the roles
-        the arms will name and the caps (bytes) the search tries.  Default: nothing."""
+        """The roles the arms will name and the caps (bytes) the search tries (called by
+        :meth:`offer`'s default).  Default: nothing."""
 
-    def screen(self, batch: int) -> Mapping[str, str]:
-        """Called by :func:`~l2prefetch.tuning.tune` once, after :meth:`use_roles`: the
-        roles that must not be measured, each with the reason (GraphBackend on a
-        compiled step: a role forking where a fork changes the compiled code; then
-        :meth:`use_roles` is called again without them).  Default: none."""
-        return {}
+    def offer(self, roles: Sequence[Role], caps_bytes: Sequence[int],
+              batch: int) -> tuple[list[Role], Mapping[str, str]]:
+        """Called by :func:`~l2prefetch.tuning.tune` once, before the search: the roles
+        it will measure (the arms name no others), and those it will not, each with the
+        reason (GraphBackend on a compiled step: a role forking where a fork changes the
+        compiled code, screened at ``batch``).  Default: :meth:`use_roles`, every role
+        offered."""
+        self.use_roles(roles, caps_bytes)
+        return list(roles), {}
 
     def close(self) -> None:
         """Called by :func:`~l2prefetch.tuning.tune` once, after the search (also when
-        it fails): release what :meth:`use_roles` set up.  Default: nothing."""
+        it fails): release what :meth:`offer` set up.  Default: nothing."""
 
     def device_fingerprint(self) -> Optional[dict]:
         """The device measured on (:func:`l2prefetch.profile.device_fingerprint`),

@@ -37,7 +37,8 @@ from ..mechanisms import DEFAULT_SITE_HOOK
 from .discovery import Role
 
 __all__ = ["Switchboard", "board_for_roles", "compilations_differ", "eager_stance",
-           "kernel_calls", "recompile", "screen_roles", "screen_sites", "step_is_compiled"]
+           "kernel_calls", "recompile", "screen_roles", "screen_sites", "screened_board",
+           "step_is_compiled"]
 
 logger = logging.getLogger(__name__)
 
@@ -209,30 +210,48 @@ def _role_sites(model: Any, role: Role) -> list[tuple[Any, int, str]]:
             for module, layer, *rest in role.hook_sites(model)]
 
 
+def _in_order(sites: Iterable[tuple[Any, int, str]]) -> list[tuple[Any, int, str]]:
+    """``(module, layer, hook)`` sites, each once, in layer, then hook order."""
+    return sorted(set(sites), key=lambda s: (s[1], s[2], id(s[0])))
+
+
 def board_for_roles(model: Any, roles: Iterable[Role]) -> "Switchboard":
     """A :class:`Switchboard` hooked at every site of ``roles`` (in layer, then hook
     order); making it drops the compiled frames."""
-    sites = {site for role in roles for site in _role_sites(model, role)}
-    return Switchboard(model, sorted(sites, key=lambda s: (s[1], s[2], id(s[0]))))
+    return Switchboard(model, _in_order(site for role in roles
+                                        for site in _role_sites(model, role)))
+
+
+def screened_board(model: Any, step: Callable[[int], Any], batch: int,
+                   roles: Iterable[Role]) -> tuple["Switchboard", dict[str, str]]:
+    """A compiled step's roles screened at ``batch``: the :class:`Switchboard` to measure
+    the roles offered with, hooked at their sites, and the roles not offered, each with
+    the reason (:func:`screen_roles`).  The screen compiles boards of its own; the
+    measuring board is made last, so that the step's next compilation holds its hooks."""
+    sites = {role.name: _role_sites(model, role) for role in roles}
+    not_offered = screen_roles(model, step, batch, sites)
+    return Switchboard(model, _in_order(site for name, at in sites.items()
+                                        if name not in not_offered for site in at)), not_offered
 
 
 def screen_roles(model: Any, step: Callable[[int], Any], batch: int,
-                 sites: Sequence[tuple[Any, int, str]], roles: Iterable[Role]
-                 ) -> dict[str, str]:
-    """:func:`screen_sites` over ``sites`` by site kind (the module path below the layer
-    index, and the hook): each role with a site of a kind whose forks change Inductor's
-    kernels, with the reason it is not offered."""
+                 sites: Mapping[str, Sequence[tuple[Any, int, str]]]) -> dict[str, str]:
+    """:func:`screen_sites` over every role's ``sites`` (role name -> its ``(module,
+    layer, hook)`` sites) by site kind (the module path below the layer index, and the
+    hook): each role with a site of a kind whose forks change Inductor's kernels, with
+    the reason it is not offered."""
     def kind_of(site: tuple[Any, int, str]) -> str:
         module, _, hook = site
         return f"{_LAYER_INDEX.sub('#', Switchboard.path_in(model, module))}:{hook}"
 
-    bad = screen_sites(model, step, batch, sites, kind_of)
+    bad = screen_sites(model, step, batch,
+                       _in_order(site for at in sites.values() for site in at), kind_of)
     out = {}
-    for role in roles:
-        for site in _role_sites(model, role):
+    for name, at in sites.items():
+        for site in at:
             kind = kind_of(site)
             if kind in bad:
-                out[role.name] = f"not offered under torch.compile: at {kind}, {bad[kind]}"
+                out[name] = f"not offered under torch.compile: at {kind}, {bad[kind]}"
                 break
     if bad:
         logger.info("batch %d: site kinds not offered under torch.compile: %s", batch,

@@ -36,7 +36,7 @@ from typing import Any, Optional
 from .. import CudaError, Error, hooks
 from ..mechanisms import GRAPH_FORK_MODES
 from .arms import NO_FORKS, SAME_CODE, Arm, Backend, Prepared, Probe, StepError, no_forks_of
-from .compiled import board_for_roles, screen_roles
+from .compiled import board_for_roles, screened_board
 from .discovery import Role
 from .outputs import clone, compare_outputs, compare_within, copy_into
 from .probe import WindowProbe
@@ -212,22 +212,21 @@ class GraphBackend(Backend):
             self.close()
             self._board = board_for_roles(self.model, roles)
 
-    def screen(self, batch: int) -> dict[str, str]:
-        """A compiled step: the roles with a site where a fork changes Inductor's kernels
-        (:func:`~l2prefetch.tuning.compiled.screen_roles`, at ``batch``), with the reason;
-        none for an eager step.  The board is hooked again afterwards, at every role's
-        sites: call :meth:`use_roles` with the roles offered."""
-        if self._board is None:
-            return {}
-        sites = self._board.all_sites()
-        self.close()                                # the screen compiles boards of its own
-        try:
+    def offer(self, roles: Sequence[Role], caps_bytes: Sequence[int],
+              batch: int) -> tuple[list[Role], dict[str, str]]:
+        """Every role of an eager step (:meth:`use_roles`); a compiled step's roles
+        screened at ``batch`` and the board hooked at the sites of those offered
+        (:func:`~l2prefetch.tuning.compiled.screened_board`: a role with a site where a
+        fork changes Inductor's kernels is not offered, with the reason)."""
+        not_offered: dict[str, str] = {}
+        if self.compiled:
+            self.close()                            # the screen compiles boards of its own
             with self.torch.cuda.device(self.device):
-                return screen_roles(self.model, self.step, batch, sites, self._roles.values())
-        finally:
-            # measuring needs the board back (hooks attached to code compiled without
-            # them never run): the same roles' until use_roles is told otherwise
-            self._board = board_for_roles(self.model, self._roles.values())
+                self._board, not_offered = screened_board(self.model, self.step, batch, roles)
+        offered = [role for role in roles if role.name not in not_offered]
+        self._roles = {role.name: role for role in offered}
+        self.caps_bytes = tuple(caps_bytes)
+        return offered, not_offered
 
     def close(self) -> None:
         """Detach the compiled step's switchboard (and drop the frames holding it)."""

@@ -483,19 +483,16 @@ def _graph_backend(model: Any, step: Callable[[int], Any], batch: int,
 def _offered_roles(backend: Backend, model: Any, step: Callable[[int], Any], batch: int,
                    candidates: object, min_bytes: int, caps_mib: Sequence[float],
                    compiled: bool, progress: Any) -> tuple[list[Role], dict]:
-    """The candidate roles the backend takes (:meth:`Backend.use_roles`), and those its
+    """The candidate roles the backend takes (:meth:`Backend.offer`), and those its
     screen leaves out, each with the reason."""
     roles = _resolve_candidates(model, step, batch, candidates, min_bytes, compiled)
     caps_bytes = [int(c * (1 << 20)) for c in caps_mib]
-    backend.use_roles(roles, caps_bytes)
     if compiled and progress is not None:
         print(f"[l2prefetch tune] screening the fork sites: Inductor's kernels without "
               f"forks and with them (compilations)", file=progress, flush=True)
     t_screen = time.monotonic()
-    not_offered = dict(backend.screen(batch))
-    if not_offered:
-        roles = [role for role in roles if role.name not in not_offered]
-        backend.use_roles(roles, caps_bytes)
+    roles, not_offered = backend.offer(roles, caps_bytes, batch)
+    not_offered = dict(not_offered)
     if compiled and progress is not None:
         print(f"[l2prefetch tune] screened in {time.monotonic() - t_screen:.1f} s: "
               + (f"{len(not_offered)} roles not offered (a fork at their site changes "
