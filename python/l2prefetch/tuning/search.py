@@ -112,7 +112,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from .arms import (DEFAULT_GRID, EMPTY, EMPTY_PLAN, LOADS, NO_FORKS, PLAN, Arm, Backend, Setting,
@@ -593,9 +593,11 @@ def _combine(st: _State, kept: list[tuple[Role, Trial]]) -> list[tuple[str, Sett
     kept = sorted(kept, key=lambda rt: -rt[1].gain.estimate)
     chosen = [(role.name, trial.setting) for role, trial in kept]
     if not chosen:
+        # roles left unmeasured for want of budget: all of them (none has a trial; roles
+        # screened out have none either), or some beside roles that lost
         unmeasured = sum(r.reason == UNMEASURED for r in st.reports.values())
         st.report.reason = (
-            NOTHING_MEASURED if _budget_ran_out_first(st.reports.values())
+            NOTHING_MEASURED if unmeasured and not any(r.trials for r in st.reports.values())
             else "no role paid at this batch" + (f" ({unmeasured} not measured: the budget "
                                                  "ran out)" if unmeasured else ""))
         return chosen
@@ -613,13 +615,6 @@ def _combine(st: _State, kept: list[tuple[Role, Trial]]) -> list[tuple[str, Sett
                                        f"role(s) gained more without it")
         chosen = chosen[:best]
     return chosen
-
-
-def _budget_ran_out_first(reports: Iterable[RoleReport]) -> bool:
-    """No role measured at all, and some for want of budget (not all screened out)."""
-    reports = list(reports)
-    return (not any(r.trials for r in reports)
-            and any(r.reason == UNMEASURED for r in reports))
 
 
 def _confirm(st: _State, chosen: list[tuple[str, Setting]]) -> None:

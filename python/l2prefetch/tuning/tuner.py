@@ -340,21 +340,22 @@ def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any)
     unnamed = compiled and not compilations_differ(result.step.get("mode"))
     refused = sum(r.reason.startswith(REFUSED_OUTPUTS)
                   for rep in result.batches for r in rep.roles)
-    if unnamed and refused and not backend.within_compilation:
-        hint = (f"{refused} role(s) refused because the outputs with forks differed from "
-                "the step compiled without them; if the step was compiled with max-autotune, "
-                "two compilations differ on their own: name the mode (tune(compiled="
-                "'max-autotune-no-cudagraphs'), or --compile max-autotune-no-cudagraphs) so "
-                "that outputs are compared within one compilation")
-        logger.warning("%s", hint)
-        if progress is not None:
-            print(f"[l2prefetch tune] {hint}", file=progress, flush=True)
     starved = [rep.batch for rep in result.batches if rep.reason == NOTHING_MEASURED]
+    hints = []
+    if unnamed and refused and not backend.within_compilation:
+        hints.append(f"{refused} role(s) refused because the outputs with forks differed from "
+                     "the step compiled without them; if the step was compiled with "
+                     "max-autotune, two compilations differ on their own: name the mode "
+                     "(tune(compiled='max-autotune-no-cudagraphs'), or --compile "
+                     "max-autotune-no-cudagraphs) so that outputs are compared within one "
+                     "compilation")
     if starved:
-        hint = (f"at batch(es) {', '.join(map(str, starved))} the budget ran out before any "
-                f"role was measured: finding{' and screening' if compiled else ''} the roles "
-                f"and preparing each batch{' (its compilations)' if compiled else ''} took it "
-                "(see below); raise budget_s (--budget)")
+        hints.append(f"at batch(es) {', '.join(map(str, starved))} the budget ran out before "
+                     f"any role was measured: finding{' and screening' if compiled else ''} "
+                     f"the roles and preparing each batch"
+                     f"{' (its compilations)' if compiled else ''} took it (see below); raise "
+                     "budget_s (--budget)")
+    for hint in hints:
         logger.warning("%s", hint)
         if progress is not None:
             print(f"[l2prefetch tune] {hint}", file=progress, flush=True)
