@@ -20,7 +20,13 @@ window (:func:`window_loads`, their verify's (d) - (b)) over that window's own c
 
     python -m benchmarks.compiled [--models llama] [--windows 0,40] [--ways eager,compiled]
                                   [--batches 1] [--budget 120] [--mode default] [--out F.md]
-                                  [--reports DIR]
+                                  [--reports DIR] [--caps MIB,..] [--grids N,..]
+                                  [--roles "NAME;NAME"]
+
+``--caps``, ``--grids`` and ``--roles`` go to tune as ``caps_mib``, ``grids`` and
+``candidates`` (role names, ';' between them): a run that asks whether the window's role
+reaches its ceiling with caps up to the whole weight and the full grid, the budget
+spent on that role alone (run 25: no compiled tune reached the refine step).
 """
 import argparse
 import os
@@ -119,6 +125,19 @@ def window_loads(rep, kept, window):
     return sum(gains) if gains else None
 
 
+def tune_options(args):
+    """tune's keyword arguments from the command line's ``--caps``, ``--grids`` and
+    ``--roles`` (those not given: tune's defaults)."""
+    out = {}
+    if args.caps:
+        out["caps_mib"] = [float(c) for c in args.caps.split(",")]
+    if args.grids:
+        out["grids"] = [int(g) for g in args.grids.split(",")]
+    if args.roles:
+        out["candidates"] = [r.strip() for r in args.roles.split(";") if r.strip()]
+    return out
+
+
 def _share(value, of):
     return f"{value / of:.0%}" if value is not None and of else ""
 
@@ -134,7 +153,14 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     parser.add_argument("--reports", default=None, metavar="DIR",
                         help="write each tune's Markdown report there (every role's gaps)")
+    parser.add_argument("--caps", default=None, metavar="MIB,..",
+                        help="the sweep's caps in MiB (tune's caps_mib; default: tune's)")
+    parser.add_argument("--grids", default=None, metavar="N,..",
+                        help="the refine step's grids (tune's grids; default: tune's)")
+    parser.add_argument("--roles", default=None, metavar="NAME;NAME",
+                        help="measure only these roles (tune's candidates), ';' between")
     args = parser.parse_args(argv)
+    options = tune_options(args)
     if no_gpu("benchmarks.compiled"):
         return
     if args.reports and not os.path.isdir(args.reports):   # before minutes of tuning
@@ -155,7 +181,7 @@ def main(argv=None):
                 recompile()
                 t0 = time.monotonic()
                 result = tuning.tune(model, step, batches, budget_s=args.budget,
-                                     progress=sys.stderr,
+                                     progress=sys.stderr, **options,
                                      compiled=args.mode if way == "compiled" else False)
                 took = time.monotonic() - t0
                 if args.reports:

@@ -61,3 +61,17 @@ def test_the_window_s_loads_are_the_kept_window_roles_own_verified_loads():
     assert window_loads(rep, kept, 40) == pytest.approx(15.5)   # not q -> k's, not unkept
     assert window_loads(rep, kept, 0) is None
     assert window_loads(rep, kept[1:], 40) is None
+
+
+def test_caps_grids_and_roles_reach_tune_as_its_own_arguments():
+    from benchmarks.compiled import tune_options
+
+    def args(caps=None, grids=None, roles=None):
+        return SimpleNamespace(caps=caps, grids=grids, roles=roles)
+
+    assert tune_options(args()) == {}
+    got = tune_options(args("24,48,96", "32,132",
+                            "before post_attention_layernorm: mlp.gate_proj; after model: lm_head;"))
+    assert got == {"caps_mib": [24.0, 48.0, 96.0], "grids": [32, 132],
+                   "candidates": ["before post_attention_layernorm: mlp.gate_proj",
+                                  "after model: lm_head"]}
