@@ -75,3 +75,19 @@ def test_caps_grids_and_roles_reach_tune_as_its_own_arguments():
     assert got == {"caps_mib": [24.0, 48.0, 96.0], "grids": [32, 132],
                    "candidates": ["before post_attention_layernorm: mlp.gate_proj",
                                   "after model: lm_head"]}
+
+
+def test_the_branch_probe_forks_at_the_layers_asked_and_reads_the_mlp_s_first_weight():
+    torch = pytest.importorskip("torch")
+    from benchmarks.probe_branch import first_mlp_weight, fork_layers
+
+    layers = ["l0", "l1", "l2", "l3"]
+    assert fork_layers(layers, None) == list(enumerate(layers))
+    assert fork_layers(layers, "3,0,3") == [(0, "l0"), (3, "l3")]
+    for bad in ("4", "-1"):
+        with pytest.raises(SystemExit, match="--layers"):
+            fork_layers(layers, bad)
+    fused = SimpleNamespace(mlp=SimpleNamespace(gate_up_proj=torch.nn.Linear(2, 4)))
+    assert first_mlp_weight(fused) is fused.mlp.gate_up_proj.weight
+    with pytest.raises(SystemExit, match="neither"):
+        first_mlp_weight(SimpleNamespace(mlp=torch.nn.Identity()))
