@@ -6,6 +6,8 @@ Eager on one stream, the L2 flushed first (a read of 8x its size), then one case
   ([8192, 3072]: 48 MiB);
 * ``load24`` / ``load48``: the default loader on W's first 24 / 48 MiB (grid 32), a 40 us
   one-thread spin (an idle GPU, as in the planted window), then the consumer;
+* ``full48``: the same 48 MiB loaded on every SM (the grid the tuner's probe uses for a
+  consumer's hot time, its ceiling), then the spin and the consumer;
 * ``spin``: the 40 us spin alone, then the consumer (the control of the loads);
 * ``hot``: the consumer twice, the second measured (all of W read right before).
 
@@ -21,7 +23,12 @@ lts__t_sectors_srcunit_ltcfabric.sum,dram__bytes_read.sum \\
 (``bash .ci/gpu l2`` runs every case so).  Without ``--once`` it times the consumer with
 CUDA events instead: the median of 20 repetitions of the case.
 
-    python -m benchmarks.probe_l2 [--once] [--batch B] CASE ...
+``--spin US`` sets the spin's length (default 40; 0: none, the load right before the
+consumer, as the tuner's probe measures the ceiling).  Run 25's question: the tuner's
+loads in a 40 us window recover about half of that ceiling; does a loaded line fade while
+the GPU idles (``load48`` and ``full48`` at spins of 0 to 80 us: ``bash .ci/gpu fade``)?
+
+    python -m benchmarks.probe_l2 [--once] [--batch B] [--spin US] CASE ...
 """
 import argparse
 import statistics
@@ -33,12 +40,12 @@ from l2prefetch.tuning.rig import Rig
 
 from .common import no_gpu
 
-CASES = ("cold", "spin", "load24", "load48", "hot")
-LOADS = {"load24": 24, "load48": 48}
+CASES = ("cold", "spin", "load24", "load48", "full48", "hot")
+LOADS = {"load24": 24, "load48": 48, "full48": 48}
 MIB = 1 << 20
 
 
-def run_case(rig, case, w, x, tables, mark=True):
+def run_case(rig, case, w, x, tables, mark=True, spin_us=40.0):
     """Flush, the case's set-up, then the consumer (inside the NVTX range if ``mark``);
     the consumer's us by events."""
     rig.flush()
@@ -46,9 +53,9 @@ def run_case(rig, case, w, x, tables, mark=True):
         torch.nn.functional.linear(x, w)
     elif case in LOADS:
         tables[case].launch()
-        rig.spin(40)
+        rig.spin(spin_us)
     elif case == "spin":
-        rig.spin(40)
+        rig.spin(spin_us)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if mark:
         torch.cuda.nvtx.range_push("consumer")
@@ -65,22 +72,28 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.probe_l2")
     parser.add_argument("--once", action="store_true", help="one repetition (under ncu)")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--spin", type=float, default=40.0, metavar="US",
+                        help="the spin between the set-up and the consumer (0: none)")
     parser.add_argument("cases", nargs="+", choices=CASES)
     args = parser.parse_args(argv)
+    if args.spin < 0:
+        parser.error(f"--spin {args.spin:g}: a spin lasts 0 us or more")
     if no_gpu("benchmarks.probe_l2"):
         return
     rig = Rig(torch.device("cuda", 0))
     torch.manual_seed(0)
     w = torch.randn(8192, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(args.batch, 3072, device="cuda", dtype=torch.bfloat16)
-    tables = {case: _C.PreparedWeightRanges([w], byte_cap=mib * MIB)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tables = {case: _C.PreparedWeightRanges([w], byte_cap=mib * MIB,
+                                            **({"grid": sms} if case.startswith("full") else {}))
               for case, mib in LOADS.items()}
     for case in args.cases:
-        run_case(rig, case, w, x, tables, mark=False)   # warm-up: compiles, cuBLAS handles
+        run_case(rig, case, w, x, tables, mark=False, spin_us=args.spin)   # warm-up
         reps = 1 if args.once else 20
-        us = [run_case(rig, case, w, x, tables) for _ in range(reps)]
-        print(f"probe_l2 {case} B{args.batch}: consumer {statistics.median(us):.2f} us "
-              f"(median of {reps})", flush=True)
+        us = [run_case(rig, case, w, x, tables, spin_us=args.spin) for _ in range(reps)]
+        print(f"probe_l2 {case} B{args.batch} spin {args.spin:g} us: consumer "
+              f"{statistics.median(us):.2f} us (median of {reps})", flush=True)
 
 
 if __name__ == "__main__":
