@@ -117,6 +117,20 @@ def test_switchboard_refuses_a_site_it_was_not_hooked_at():
             board.select(Recorder(), {"p": [(model.layers[0].attn.o_proj, 0, "before")]})
         with pytest.raises(ValueError, match="not a module of"):
             board.select(Recorder(), {"p": [(torch.nn.Linear(2, 2), 0)]})
+        # a layer equal to 0 but no int (attach refuses it too)
+        for layer in (False, 0.0, "0"):
+            with pytest.raises(TypeError, match=r"arm point 'p': layer must be an int >= 0"):
+                board.select(Recorder(), {"p": [(model.layers[0].attn.o_proj, layer)]})
+        # refused inside selected(): the board stays off, forking nowhere
+        with pytest.raises(ValueError, match="not hooked at"):
+            with board.selected(Recorder(), {"p": [(model.layers[0].mlp, 0)]}):
+                pass
+        assert board.on is False
+        board.on = True
+        with pytest.raises(ValueError, match="not hooked at"):
+            with board.selected(Recorder(), {"p": [(model.layers[0].mlp, 0)]}):
+                pass
+        assert board.on is True
     finally:
         board.close()
 
@@ -141,6 +155,44 @@ def test_step_is_compiled(how):
         step = lambda batch: fn()                                           # noqa: E731
     assert step_is_compiled(model, step, BATCH) == (how != "eager")
     assert all(not m._forward_pre_hooks for m in model.modules())          # hooks removed
+
+
+def test_a_step_that_fails_while_tune_finds_out_how_it_runs_is_a_step_error():
+    from l2prefetch.tuning import StepError, tune
+
+    model = Model().eval()
+
+    def step(batch):
+        raise RuntimeError("boom")
+
+    with pytest.raises(StepError, match=r"step\(1\) failed while finding out whether it "
+                                        r"runs the model compiled: RuntimeError: boom"):
+        tune(model, step, [1], progress=None)
+
+
+def test_tune_refuses_to_measure_with_prefetching_switched_off(monkeypatch):
+    """Under L2PREFETCH_DISABLE no hook forks: every arm would be the step without forks,
+    and minutes of measuring would end in 'nothing paid'."""
+    from l2prefetch.tuning import tune
+
+    model = Model().eval()
+    ran = []
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "1")
+    with pytest.raises(ValueError, match="L2PREFETCH_DISABLE is set, so nothing forks: unset "
+                                         "it to tune"):
+        tune(model, lambda batch: ran.append(batch), [1], progress=None)
+    assert ran == []
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", "maxautotune"])
+def test_tune_refuses_an_inductor_mode_that_captures_its_own_graphs_or_none(mode):
+    from l2prefetch.tuning import tune
+
+    model = Model().eval()
+    with pytest.raises(ValueError, match=rf"compiled='{mode}': the tuner measures steps "
+                                         r"compiled in the Inductor modes 'default', "
+                                         r"'max-autotune-no-cudagraphs'"):
+        tune(model, lambda batch: None, [1], progress=None, compiled=mode)
 
 
 # ---- the step record ----
@@ -217,6 +269,59 @@ def test_a_compiled_fork_of_a_controller_tuned_eagerly_is_refused():
 
 
 # ---- screening the sites (Inductor's CPU backend) ----
+
+def _screened(monkeypatch, model, sites, kind_of, differs):
+    """screen_sites over a stand-in of Inductor: the step's kernels are ``k`` x 10, the
+    last one ``k2`` where ``differs(kinds hooked)``, the forks first (beside no
+    difference); returns (the kinds refused, the sets of kinds compiled)."""
+    import l2prefetch.tuning.compiled as C
+
+    hooked = []
+
+    class Board(C.Switchboard):
+        def __init__(self, model, sites):
+            super().__init__(model, sites)
+            hooked.append(self)
+
+        def close(self):
+            hooked.remove(self)
+            super().close()
+
+    compiled = []
+
+    def kernel_calls(step, batch):
+        kinds = {kind_of(s) for b in hooked for s in b.all_sites()}
+        compiled.append(kinds)
+        forks = [f"fork {p}" for b in hooked for p in b.sites]
+        return forks + ["k"] * 9 + ["k2" if differs(kinds) else "k"]
+
+    monkeypatch.setattr(C, "Switchboard", Board)
+    monkeypatch.setattr(C, "kernel_calls", kernel_calls)
+    return C.screen_sites(model, lambda b: None, BATCH, sites, kind_of), compiled
+
+
+def test_the_screen_refuses_kinds_that_change_the_kernels_only_together(monkeypatch):
+    """The measuring board compiles the kinds offered together: two that change Inductor's
+    kernels only together, beside no difference, are both refused; one more that changes
+    nothing is offered; and what is offered was compiled together once."""
+    model = Model().eval()
+    names = {}
+    for i, layer in enumerate(model.layers):
+        names[layer.attn.o_proj], names[layer.mlp], names[layer.attn] = "o", "mlp", "attn"
+    sites = [(m, i, "after") for i, layer in enumerate(model.layers)
+             for m in (layer.attn.o_proj, layer.mlp, layer.attn)]
+
+    def kind_of(site):
+        return names[site[0]]
+
+    bad, compiled = _screened(monkeypatch, model, sites, kind_of,
+                              lambda kinds: {"o", "mlp"} <= kinds)
+    assert set(bad) == {"o", "mlp"}
+    assert {"attn"} in compiled
+    # one kind alone at fault: it alone is refused, each set of kinds compiled once
+    bad, compiled = _screened(monkeypatch, model, sites, kind_of, lambda kinds: "mlp" in kinds)
+    assert set(bad) == {"mlp"}
+    assert len(compiled) == len({frozenset(k) for k in compiled})
 
 def test_screen_sites_names_the_kinds_that_change_inductors_kernels():
     """A tiny HF Llama on Inductor's CPU backend: forks before the MLP's norm, before the

@@ -681,6 +681,8 @@ def test_a_profile_is_bound_to_the_model_it_was_loaded_for(tmp_path, monkeypatch
     made = PrefetchController(device=0)
     monkeypatch.setattr(rig, "build_controller",
                         lambda plan, device=None, eager=False: built.append(plan) or made)
+    # torch sees no GPU here: this device is the one the profile was tuned on
+    monkeypatch.setattr(P, "device_fingerprint", lambda device=None: dict(profile.data["device"]))
     with pytest.raises(tuning.ProfileMismatchError, match=rf"profile {path} was loaded for "
                        r"another CausalLM object, not this CausalLM: its plan holds that "
                        r"model's weights"):
@@ -691,6 +693,15 @@ def test_a_profile_is_bound_to_the_model_it_was_loaded_for(tmp_path, monkeypatch
     # its own model: the plan goes to the controller, the hooks go on that model's modules
     assert PrefetchController.from_profile(profile, model) is made
     assert built == [profile.plan]
+    # loaded without its device checked (check_device=False, for inspection): applying
+    # it checks the device, and one tuned on another GPU is refused
+    other = dict(profile.data["device"], name="Other GPU")
+    monkeypatch.setattr(P, "device_fingerprint", lambda device=None: other)
+    with pytest.raises(tuning.ProfileMismatchError, match=rf"profile {path} was tuned on "
+                       r"another GPU \(name: profile .*, this device 'Other GPU'\)"):
+        PrefetchController.from_profile(profile, model)
+    assert built == [profile.plan]
+    monkeypatch.setattr(P, "device_fingerprint", lambda device=None: dict(profile.data["device"]))
     assert profile.hook_points(model)[O_PROJ][0][0] is model.model.layers[0].self_attn.v_proj
     # a profile made by hand: the plan's weights decide
     by_hand = P.Profile(data=profile.data, plan=profile.plan, sites=profile.sites)
@@ -1503,12 +1514,56 @@ def test_the_result_and_its_profile_record_how_the_step_ran(compiled, step, tmp_
     assert tuning.load_profile(path, model, check_device=False).step == result.step
 
 
-@pytest.mark.parametrize("bad", [0, "", "  ", 1.5, ["default"]])
-def test_tune_refuses_a_bad_compiled(bad):
+@pytest.mark.parametrize("bad, error", [(0, TypeError), ("", ValueError), ("  ", ValueError),
+                                        (1.5, TypeError), (["default"], TypeError)])
+def test_tune_refuses_a_bad_compiled(bad, error):
     model, step = model_and_step()
-    with pytest.raises(TypeError, match="compiled must be None"):
+    with pytest.raises(error, match="compiled must be None"):
         tuning.tune(model, step, [1], backend=DeviceBackend({}, seed=1), progress=None,
                     compiled=bad)
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_tune_with_a_backend_records_how_the_backend_s_step_runs(declared):
+    """compiled=None is found out; with a backend given, the backend (which runs the
+    step) says: its ``compiled``.  A compiled step recorded as eager would make a profile
+    whose controller refuses the very forks it was measured with."""
+    model, step = model_and_step()
+    backend = DeviceBackend({}, seed=1)
+    backend.compiled = declared
+    result = tuning.tune(model, step, [1], backend=backend, progress=None, budget_s=1,
+                         min_bytes=256 * 1024)
+    assert result.step["compiled"] is declared
+    # named, the caller's word is recorded
+    result = tuning.tune(model, step, [1], backend=backend, progress=None, budget_s=1,
+                         min_bytes=256 * 1024, compiled=not declared)
+    assert result.step["compiled"] is (not declared)
+
+
+def test_the_report_says_when_only_the_plan_s_empty_forks_changed_the_outputs():
+    """A confirmation refused because the plan's forks with empty tables changed the
+    outputs (EMPTY_FORKS_DIFFER) is not shown as bitwise equal."""
+    from l2prefetch.tuning.arms import Setting
+    from l2prefetch.tuning.report import markdown
+    from l2prefetch.tuning.results import BatchReport, Confirmation
+    from l2prefetch.tuning.stats import Interval
+    from l2prefetch.tuning.tuner import TuneResult
+
+    def at(x):
+        return Interval(x, x - 1, x + 1, 5)
+
+    def row(**outputs):
+        conf = Confirmation(roles=(("r", Setting(4 << 20)),), a=at(100.0), plan=at(90.0),
+                            gain=at(10.0), loads=at(9.0), forks=at(1.0), **outputs)
+        rep = BatchReport(batch=1, step_us=100.0, confirmations=[conf], reason="-")
+        result = TuneResult(batches=[rep], roles=[], plan=[], sites={}, budget_s=1.0,
+                            elapsed_s=1.0, settings={})
+        line = next(x for x in markdown(result).splitlines() if x.startswith("| r ["))
+        return line.rstrip(" |").rsplit("|", 1)[-1].strip()
+
+    assert row(identical=True) == "yes"
+    assert row(identical=True, empty_identical=False) == "NO (the empty forks)"
+    assert row(identical=False, empty_identical=False) == "NO"
 
 
 def test_tune_says_when_the_budget_ran_out_before_any_role_was_measured():

@@ -293,7 +293,8 @@ class PrefetchController(_C.PrefetchController):
         read with :func:`l2prefetch.profile.load_profile` for this ``model``
         (one loaded for another model object, even of the same shapes, is
         refused: its plan holds that model's weights).  A profile tuned on
-        another GPU or another model is refused
+        another GPU than ``device`` (checked here for a loaded one too) or another
+        model is refused
         (:class:`~l2prefetch.tuning.ProfileMismatchError`, naming what
         differs).  ``eager=False`` by default: the tuner measured captured
         steps.  Attach the forks with ``hooks.attach(model, controller,
@@ -307,8 +308,10 @@ class PrefetchController(_C.PrefetchController):
 
         if isinstance(profile, Profile):
             # The plan holds the tensors of the model it was loaded for, and the hooks
-            # go on ``model``: they must be one model.
+            # go on ``model``: they must be one model.  Its device is checked again: it
+            # may have been loaded with check_device=False, or for another device.
             profile.check_model(model)
+            profile.check_device(device)
         else:
             profile = load_profile(profile, model, device=device)
         controller = build_controller(profile.plan, device, eager=eager)

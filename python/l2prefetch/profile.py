@@ -222,6 +222,12 @@ class Profile:
                                            f"{entry.layer}) holds weights that are not this "
                                            f"{type(model).__name__}'s: {fix}")
 
+    def check_device(self, device: Any = None) -> None:
+        """Raise :class:`ProfileMismatchError` unless this profile was tuned on a GPU like
+        ``device`` (what :func:`load_profile` checks; one loaded with
+        ``check_device=False`` is checked here before it is applied)."""
+        _check_device(self.data, device, self.path if self.path else "(loaded)")
+
     @property
     def batches(self) -> list[int]:
         return list(self.data["batches"])

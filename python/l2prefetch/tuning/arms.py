@@ -221,6 +221,10 @@ class Backend(abc.ABC):
     #: Whether measure() returns such a reference for every captured graph with forks
     #: (the budget estimate replays one more graph per capture); False by default.
     derives_no_forks: bool = False
+    #: Whether the step it measures runs the model in code torch.compile made
+    #: (GraphBackend: found out or given); what tune records where ``compiled`` is None.
+    #: False by default.
+    compiled: bool = False
     #: Whether measure() compares outputs within one compilation of a compiled step
     #: (GraphBackend: a mode whose compilations differ); it then captures one more graph
     #: per instance (the budget counts it).  False by default.

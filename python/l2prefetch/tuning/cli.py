@@ -31,7 +31,7 @@ from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
 from . import hf, tuner
 from .arms import StepError
-from .compiled import eager_stance
+from .compiled import COMPILE_MODES, eager_stance
 from .discovery import DEFAULT_MAX_BYTES, describe_roles, find_roles, role_hints
 from .measure import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_TARGET_US
 from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
@@ -114,12 +114,6 @@ def _role_name(text: str) -> str:
 #: What --list-roles' "largest load" column counts (the line under its table).
 LARGEST_LOAD = ("\nlargest load: the most one fork of the role can load: its consumer's weights "
                 "and those of the reads after it, up to {max_mib} MiB (--caps-mib caps it)")
-
-#: The Inductor modes --compile takes: those that leave CUDA graphs to the caller (the
-#: tuner captures the step itself, as a server does; "reduce-overhead" and
-#: "max-autotune" capture their own).
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-
 
 def compile_forward(model: Any, mode: str) -> None:
     """``model.forward = torch.compile(model.forward, mode=...)``: what --compile does."""

@@ -36,11 +36,17 @@ from .. import hooks
 from ..mechanisms import DEFAULT_SITE_HOOK
 from .discovery import Role
 
-__all__ = ["Switchboard", "board_for_roles", "compilations_differ", "eager_stance",
-           "kernel_calls", "recompile", "screen_roles", "screen_sites", "screened_board",
-           "step_is_compiled"]
+__all__ = ["COMPILE_MODES", "Switchboard", "board_for_roles", "compilations_differ",
+           "eager_stance", "kernel_calls", "recompile", "screen_roles", "screen_sites",
+           "screened_board", "step_is_compiled"]
 
 logger = logging.getLogger(__name__)
+
+
+#: The Inductor modes the tuner measures (``tune(compiled=MODE)``, ``--compile MODE``):
+#: those that leave CUDA graphs to the caller (the tuner captures the step itself, as a
+#: server does; "reduce-overhead" and "max-autotune" capture their own).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 def compilations_differ(mode: Optional[str]) -> bool:
@@ -142,11 +148,14 @@ def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
     (forking nowhere).  Where the kernel calls differ, the kinds (``kind_of(site)``:
     e.g. the module path below the layer and the hook) whose forks sit next to a
     difference are suspects: each is compiled alone, and the rest together, which
-    must then leave the kernels as they were (else they are bisected).  Returns ``kind
-    -> reason`` for each kind that changes them (a fork there would change what the
-    compiled step computes or how fast), empty where none does or where the code cannot
-    be read (another backend: the tuner's bitwise check is then the only guard).  Every
-    trial is one compilation; a clean step takes two.
+    must then leave the kernels as they were (else they are bisected); last, the kinds
+    offered are compiled together, as the measuring board compiles them (bisected
+    again where they still differ; kinds that differ only together are all refused).
+    Returns ``kind -> reason`` for each kind that changes them (a fork there would
+    change what the compiled step computes or how fast), empty where none does or where
+    the code cannot be read (another backend: the tuner's bitwise check is then the
+    only guard).  Every trial is one compilation, each set of kinds compiled once; a
+    clean step takes two.
     """
     base = kernel_calls(step, batch)
     if base is None:
@@ -168,32 +177,46 @@ def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
         finally:
             board.close()
 
-    def same(names: Sequence[str]) -> bool:
-        return not names or _kernels(compiled_with(names) or []) == base
+    verdicts: dict[tuple[str, ...], bool] = {}
+
+    def same(names: Sequence[str]) -> bool:   # each set of kinds compiled once
+        key = tuple(sorted(names))
+        if key and key not in verdicts:
+            verdicts[key] = _kernels(compiled_with(key) or []) == base
+        return verdicts.get(key, True)
 
     reason = ("a fork there changes the kernels Inductor makes for the compiled step (it "
               "splits or moves a fusion), so it is not offered under torch.compile")
     everything = sorted(kinds)
     calls = compiled_with(everything) or []
+    verdicts[tuple(everything)] = _kernels(calls) == base
     bad: set[str] = set()
-    if _kernels(calls) != base:
+    if not verdicts[tuple(everything)]:
         kind_of_point = {_site_point(Switchboard.path_in(model, m), hook): kind_of((m, l, hook))
                          for kind in kinds.values() for m, l, hook in kind}
         suspects = sorted(_next_to_differences(calls, base, kind_of_point))
         bad = {name for name in suspects if not same([name])}
+
         def bisect(names: list[str]) -> None:   # names change the kernels together
             if len(names) == 1:
                 bad.add(names[0])
                 return
-            for half in (names[:len(names) // 2], names[len(names) // 2:]):
-                if not same(half):
-                    bisect(half)
+            alone = [half for half in (names[:len(names) // 2], names[len(names) // 2:])
+                     if not same(half)]
+            for half in alone:
+                bisect(half)
+            if not alone:   # only together: none of them is offered
+                bad.update(names)
 
         rest = [name for name in everything if name not in suspects]
         if not same(rest):   # a difference no fork sat beside
             bisect(rest)
-        if not bad:   # only together: none is offered where they are suspected
-            bad = set(suspects)
+        # what is offered is measured on one board: compiled together, it must leave the
+        # kernels as they were (each bisect adds a kind at least, so this ends)
+        offered = [name for name in everything if name not in bad]
+        while offered and not same(offered):
+            bisect(offered)
+            offered = [name for name in everything if name not in bad]
     if progress is not None:
         progress(f"{trials + 1} compilations; {len(bad)} of {len(kinds)} site kinds change "
                  "Inductor's kernels" + (f": {', '.join(sorted(bad))}" if bad else ""))
@@ -371,6 +394,9 @@ class Switchboard:
         for point, sites in points.items():
             for site in sites:
                 module, layer = site[:2]
+                if isinstance(layer, bool) or not isinstance(layer, int):
+                    raise TypeError(f"arm point {point!r}: layer must be an int >= 0, not "
+                                    f"{type(layer).__name__} {layer!r}")
                 hook = site[2] if len(site) > 2 else DEFAULT_SITE_HOOK
                 key = (_site_point(self._path(module), hook), layer)
                 if layer not in self.sites.get(key[0], ()):
@@ -389,11 +415,10 @@ class Switchboard:
         """``on`` and :meth:`select` inside; points None: off (the step without forks)."""
         before = self.on
         if points is None:
-            self.on = False
             self.clear()
         else:
-            self.on = True
-            self.select(controller, points)
+            self.select(controller, points)   # a refused site leaves the board as it was
+        self.on = points is not None
         try:
             yield
         finally:

@@ -52,7 +52,8 @@ from typing import Any, Optional
 from .. import _C
 from .._torch import cuda_reason, driver_reason
 from .._version import __version__
-from .cli import COMPILE_MODES, compile_forward, positive
+from .cli import compile_forward, positive
+from .compiled import COMPILE_MODES
 from .discovery import DEFAULT_MAX_BYTES, MIB, candidates, describe_roles, discover
 
 __all__ = ["CASES", "CONFIG", "add_parser", "build_model", "gpu_reason", "make_config",

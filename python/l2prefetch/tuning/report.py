@@ -33,6 +33,14 @@ def _replays(result: Any) -> str:
                                                for batch, rounds in per_batch) + ")"
 
 
+def _bitwise(c: Any) -> str:
+    """A confirmation's outputs against the step's without forks: the plan's, and its
+    forks' with empty tables (EMPTY_FORKS_DIFFER where only those differ)."""
+    if not c.identical:
+        return "NO"
+    return "yes" if c.empty_identical else "NO (the empty forks)"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown table; numbers are right-aligned.  The one table helper of the
     package and the benchmarks."""
@@ -129,7 +137,7 @@ def markdown(result: Any) -> str:
                 rows.append([names, _t(c.a), _t(c.plan), c.gain.format(2), f"{c.ratio:.4f}",
                              "" if c.loads is None else c.loads.format(2),
                              "" if c.forks is None else c.forks.format(2),
-                             "yes" if c.identical else "NO"])
+                             _bitwise(c)])
             out.append("Confirmations (fresh instances; beside (a) and the plan, the plan's "
                        "forks with empty tables: the loads' share is empty - plan, the forks' "
                        "own is a - empty):\n")

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
-from .. import _C
+from .. import _C, hooks
 from ..mechanisms import GRAPH_FORKS, graph_fork_choices
 from ..plan import check_batches
 from .discovery import Role, find_roles, role_hints
@@ -25,7 +25,8 @@ from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile
                        versions)
 from . import measure  # GraphBackend looked up when tune() runs (the tests replace it)
 from .arms import Backend, Setting, StepError
-from .compiled import compilations_differ, eager_stance, recompile, step_is_compiled
+from .compiled import (COMPILE_MODES, compilations_differ, eager_stance, recompile,
+                       step_is_compiled)
 from .report import markdown, plot
 from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
@@ -137,8 +138,15 @@ def _check_compiled(compiled: object) -> Optional[str]:
     if compiled is None or isinstance(compiled, bool):
         return None
     if not isinstance(compiled, str) or not compiled.strip():
-        raise TypeError(f"compiled must be None (found out), a bool, or the Inductor mode "
-                        f"the step was compiled with (e.g. 'default'), got {compiled!r}")
+        error = ValueError if isinstance(compiled, str) else TypeError
+        raise error(f"compiled must be None (found out), a bool, or the Inductor mode "
+                    f"the step was compiled with (e.g. 'default'), got {compiled!r}")
+    if compiled not in COMPILE_MODES:
+        raise ValueError(f"compiled={compiled!r}: the tuner measures steps compiled in the "
+                         f"Inductor modes {', '.join(map(repr, COMPILE_MODES))}, which leave "
+                         "CUDA graphs to the caller ('reduce-overhead' and 'max-autotune' "
+                         "capture their own); pass compiled=True for other torch.compile "
+                         "settings")
     return compiled
 
 
@@ -255,7 +263,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     :class:`~l2prefetch.tuning.arms.Backend` (the tests' fake one plants effects).
 
     ``compiled``: how ``step`` runs the model.  None (the default): found out by
-    running it once (:func:`~l2prefetch.tuning.compiled.step_is_compiled`); True, or
+    running it once (:func:`~l2prefetch.tuning.compiled.step_is_compiled`; with a
+    ``backend`` given, its :attr:`~l2prefetch.tuning.arms.Backend.compiled`); True, or
     the Inductor mode it was compiled with (``"default"``,
     ``"max-autotune-no-cudagraphs"``; recorded in the profile), for a step that runs
     the model in code ``torch.compile`` made (of the model, its ``forward`` or a
@@ -288,6 +297,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     if backend is None:
         backend, compiled, kernels = _graph_backend(model, step, batches[0], compiled, mode,
                                                     device, rounds, kernels, known)
+    elif compiled is None:
+        compiled = backend.compiled   # the backend runs the step: it knows
     if kernels is None:
         kernels = (None,)
     compiled = bool(compiled)
@@ -465,7 +476,13 @@ def _graph_backend(model: Any, step: Callable[[int], Any], batch: int,
     """The GPU's backend, with how ``step`` runs the model (found out at ``batch``, and
     checked against ``compiled`` where given) and, where ``kernels`` is None, the device's
     default loader and the :data:`ALTERNATIVE_KERNELS` it supports."""
-    found = step_is_compiled(model, step, batch)
+    if hooks.disabled():   # every arm would be the step without forks
+        raise ValueError("L2PREFETCH_DISABLE is set, so nothing forks: unset it to tune")
+    try:
+        found = step_is_compiled(model, step, batch)
+    except Exception as exc:
+        raise StepError(f"step({batch}) failed while finding out whether it runs the model "
+                        f"compiled: {type(exc).__name__}: {exc}") from exc
     if compiled is not None and bool(compiled) != found:
         raise ValueError(f"compiled={compiled!r}, but step({batch}) runs the model "
                          f"{'in compiled code' if found else 'eagerly'}; pass "
