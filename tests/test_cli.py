@@ -139,6 +139,15 @@ def test_info_is_the_default(fake, capsys):
     assert cli.main(["info"]) == 0
     assert capsys.readouterr().out == default
     assert "the CUDA driver found no GPU" in default
+    assert "L2PREFETCH_DISABLE" not in default
+
+
+def test_info_says_when_prefetching_is_switched_off(fake, capsys, monkeypatch):
+    fake.configure(device_count=0)
+    _C._use_driver(fake.path)
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "yes")
+    assert cli.main(["info"]) == 0
+    assert capsys.readouterr().out.startswith("L2PREFETCH_DISABLE is set: prefetching is off")
 
 
 def test_torch_without_cuda_is_a_reason(fake, capsys):
@@ -194,7 +203,7 @@ def test_without_torch(tmp_path):
     proc = l2p("plan", no_torch=True, tmp_path=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == ("l2prefetch plan: needs torch, which is not installed: "
-                           "pip install 'l2prefetch[torch]'\n")
+                           "install torch 2.11-2.13 (README, Install)\n")
     proc = l2p("--help", no_torch=True, tmp_path=tmp_path)
     assert proc.returncode == 0 and "plan" in proc.stdout, proc.stderr
     proc = l2p(env={"L2PREFETCH_LIBCUDA": NO_DRIVER}, no_torch=True, tmp_path=tmp_path)
@@ -212,7 +221,8 @@ def test_without_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.stdout == "".join(
-        f"torch {what} needs torch, which is not installed: pip install 'l2prefetch[torch]'\n"
+        f"torch {what} needs torch, which is not installed: install torch 2.11-2.13 (README, "
+        "Install)\n"
         for what in ("l2prefetch.hooks.attach", "kimi_k3.attention_weights", "l2prefetch.ops")
     ), proc.stderr
 
@@ -221,8 +231,8 @@ def test_gpu_found_but_no_torch_is_a_reason(fake, monkeypatch, capsys):
     _C._use_driver(fake.path)
     monkeypatch.setitem(sys.modules, "torch", None)
     assert cli.main(["info"]) == 0
-    assert "measuring on the GPU needs torch, which is not installed: pip install " \
-           "'l2prefetch[torch]'" in capsys.readouterr().out
+    assert "measuring on the GPU needs torch, which is not installed: install torch " \
+           "2.11-2.13 (README, Install)" in capsys.readouterr().out
 
 
 # -- tune: registered from l2prefetch.tuning.cli where that module exists -------------------

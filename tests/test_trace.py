@@ -618,6 +618,12 @@ def test_a_profile_is_checked_before_the_gpu(tmp_path, capsys, monkeypatch):
                    "its plan is empty, so nothing forks")
     one_line_error(capsys, ["trace", "llama", "--profile", good, "--batch", "2"],
                    "--batch 2: the profile forks at batches [1, 8] only")
+    compiled = tmp_path / "compiled.json"
+    compiled.write_text(json.dumps({**data, "step": {"compiled": True, "mode": "default",
+                                                     "torch": "2.13.0"}}))
+    one_line_error(capsys, ["trace", "llama", "--profile", str(compiled)],
+                   f"--profile {compiled} was tuned on the compiled (torch.compile, mode "
+                   "default, torch 2.13.0) step; trace captures the step eagerly")
     # a good profile gets as far as the GPU
     one_line_error(capsys, ["trace", "llama", "--profile", good], "trace needs a CUDA GPU")
 

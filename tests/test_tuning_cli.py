@@ -44,7 +44,16 @@ def test_list_roles_on_the_cpu(capsys):
     # up_proj is 1.5 MiB): the consumer's weights and those read after it
     assert out.splitlines()[-1] == (
         "largest load: the most one fork of the role can load: its consumer's weights and "
-        "those of the reads after it, up to 48 MiB (--caps-mib caps it)")
+        "those of the reads after it, at most the largest cap, 48 MiB (--caps-mib)")
+    # the column obeys it: a chain ends with a whole read, a fork at the largest cap
+    code, out, err = run(["llama", *TINY, "--device", "cpu", "--dtype", "float32",
+                          "--list-roles", "--min-bytes-mib", "0.25", "--caps-mib", "0.5,1"],
+                         capsys)
+    assert code == 0, err
+    loads = [line.rsplit("|", 2)[-2].strip() for line in out.splitlines()
+             if line.startswith("| after") or line.startswith("| before")]
+    assert loads and set(loads) <= {"1.0 MiB", "512 KiB"}, loads
+    assert out.splitlines()[-1].endswith("at most the largest cap, 1 MiB (--caps-mib)")
 
 
 def test_list_roles_of_the_compiled_step_on_the_cpu(capsys):
@@ -547,13 +556,22 @@ def test_every_parser_refuses_abbreviations(capsys):
                               (top, ["info", "--verb"], "unrecognized arguments: --verb"),
                               (plan_main, ["--all-p"], "unrecognized arguments: --all-p"),
                               (cli.main, ["llama", "--list-role"],
-                               "unrecognized arguments: --list-role")):
+                               "unrecognized arguments: --list-role"),
+                              (top, ["trace", "llama", "--role", "r", "--prof", "p.json"],
+                               "unrecognized arguments: --prof")):
         try:
             code = call(argv)
         except SystemExit as exc:
             code = exc.code
         assert code == 2, argv
         assert words in one_line(capsys.readouterr().err)
+    # and every command of the top-level parser, present or future
+    from l2prefetch import cli as top_cli
+
+    commands = top_cli._parser().commands
+    assert {"info", "plan", "tune", "trace", "demo"} <= set(commands)
+    assert all(p.allow_abbrev is False for p in commands.values()), \
+        [name for name, p in commands.items() if p.allow_abbrev]
 
 
 @pytest.mark.parametrize("entry", ["l2prefetch", "l2prefetch.tuning.cli"])

@@ -13,7 +13,7 @@ from typing import Optional
 from . import _C
 
 #: The one line said wherever torch is missing.
-MISSING = "needs torch, which is not installed: pip install 'l2prefetch[torch]'"
+MISSING = "needs torch, which is not installed: install torch 2.11-2.13 (README, Install)"
 
 
 def require(what: str) -> ModuleType:

@@ -193,6 +193,9 @@ def _add_info(subparsers: Any) -> None:
 
 
 def _run_info(args: argparse.Namespace) -> int:
+    if _C.env_flag("L2PREFETCH_DISABLE"):
+        print("L2PREFETCH_DISABLE is set: prefetching is off (controllers prepare nothing, "
+              "forks load nothing; tune and trace refuse to run)\n")
     reason = _why_no_gpu()
     if reason is None:
         return _info_gpu(args.verbose)

@@ -8,7 +8,8 @@ pool, times every instance in interleaved rounds, keeps the fastest, frees the
 others, and then times the kept one against the first capture once more: the
 result is never a capture that measured slower than the first one.
 
-    graph, out, report = l2prefetch.graphs.capture_fastest(step, k=8)
+    from l2prefetch import graphs
+    graph, out, report = graphs.capture_fastest(lambda: step(batch), k=8)
     logger.info("%s", report)        # what the choice gained, in us and %
 
 Needs torch with CUDA; importing this module does not.  It is the runtime's

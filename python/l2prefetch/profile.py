@@ -45,9 +45,9 @@ from .model_paths import layer_count, layer_of, named_tensors, tensor_paths
 from .plan import MAX_BATCH, MAX_LAYER, PlanEntry
 
 __all__ = ["EAGER_STEP", "PROFILE_FORMAT", "PROFILE_VERSION", "Profile",
-           "ProfileMismatchError", "StepMismatchError", "check_step", "describe_step", "device_fingerprint",
-           "load_profile", "model_fingerprint", "parse_profile", "profile_batches",
-           "profile_document", "save_profile",
+           "ProfileMismatchError", "StepMismatchError", "check_step", "describe_step",
+           "device_fingerprint", "load_profile", "model_fingerprint", "parse_profile",
+           "profile_batches", "profile_document", "profile_step", "save_profile",
            "step_record"]
 
 logger = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class Profile:
     def step(self) -> dict:
         """How the tuned step ran: ``{"compiled": bool, "mode": str or None, "torch":
         str or None}`` (:data:`EAGER_STEP` for a profile written before this field)."""
-        return dict(self.data.get("step", EAGER_STEP))
+        return profile_step(self.data)
 
     @property
     def device(self) -> dict:
@@ -446,6 +446,12 @@ def profile_batches(data: Mapping) -> tuple[list[int], list[int]]:
     (:func:`parse_profile`)."""
     forked = sorted({batch for entry in data["plan"] for batch in entry["batches"]})
     return list(data["batches"]), forked
+
+
+def profile_step(data: Mapping) -> dict:
+    """How the step a profile's data (:func:`parse_profile`) was tuned on ran
+    (:attr:`Profile.step`; :data:`EAGER_STEP` for a profile written before the field)."""
+    return dict(data.get("step", EAGER_STEP))
 
 
 def _check_step(step: dict, where: str) -> None:

@@ -32,7 +32,7 @@ from ..plan import MAX_BATCH, MIN_BYTE_CAP
 from . import hf, tuner
 from .arms import StepError
 from .compiled import COMPILE_MODES, eager_stance
-from .discovery import DEFAULT_MAX_BYTES, describe_roles, find_roles, role_hints
+from .discovery import describe_roles, find_roles, role_hints
 from .measure import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_TARGET_US
 from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
 
@@ -113,7 +113,8 @@ def _role_name(text: str) -> str:
 
 #: What --list-roles' "largest load" column counts (the line under its table).
 LARGEST_LOAD = ("\nlargest load: the most one fork of the role can load: its consumer's weights "
-                "and those of the reads after it, up to {max_mib} MiB (--caps-mib caps it)")
+                "and those of the reads after it, at most the largest cap, {max_mib:g} MiB "
+                "(--caps-mib)")
 
 def compile_forward(model: Any, mode: str) -> None:
     """``model.forward = torch.compile(model.forward, mode=...)``: what --compile does."""
@@ -259,7 +260,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError:
-        raise _Exit("needs torch (pip install 'l2prefetch[torch]')") from None
+        raise _Exit("needs torch, which is not installed: install torch 2.11-2.13 (README, "
+                    "Install)") from None
     progress = None if args.quiet else sys.stderr
     options = _options(args)
     device = _check(args, options, torch)
@@ -378,8 +380,9 @@ def _list_roles(args: argparse.Namespace, options: _Options, model: Any, step: A
     if unknown:
         raise _Exit(f"--roles: this model has no role {role_hints(unknown, names)}; "
                     "--list-roles without --roles lists its roles")
-    print(describe_roles(roles), end="")
-    print(LARGEST_LOAD.format(max_mib=DEFAULT_MAX_BYTES >> 20))
+    largest = max(args.caps_mib)
+    print(describe_roles(roles, cap=int(largest * (1 << 20))), end="")
+    print(LARGEST_LOAD.format(max_mib=largest))
     return 0
 
 

@@ -380,14 +380,14 @@ def _run(args: argparse.Namespace) -> int:
     if reason is not None:
         missing.append(f"no GPU to measure on: {reason}")
     if torch is None:
-        missing.append("torch is not installed: pip install 'l2prefetch[torch]'")
+        missing.append("torch is not installed: install torch 2.11-2.13 (README, Install)")
     if not _installed("transformers"):
-        missing.append("transformers, which builds the model, is not installed: pip install "
-                       "'l2prefetch[tune]'")
+        missing.append("transformers, which builds the model, is not installed: install "
+                       "l2prefetch's 'tune' extra (README, Install)")
     nvrtc, no_nvrtc = _nvrtc()
     if nvrtc is None:
         missing.append(f"NVRTC, which compiles the loader kernel, is not available (pip "
-                       f"install 'l2prefetch[nvrtc]'): {no_nvrtc}")
+                       f"install 'nvidia-cuda-nvrtc>=13,<14'): {no_nvrtc}")
     if config is not None:   # the model must fit where it is to be built
         try:
             _check_fits(config, "cpu" if missing else
@@ -439,12 +439,12 @@ def _without_gpu(args: argparse.Namespace, torch: Any, config: Any, budget: floa
     print("\nWhat this machine can do without them:\n")
     if config is None:
         print(f"The model's roles and a plan: skipped (building the model needs torch and "
-              f"transformers: pip install 'l2prefetch[tune]').\n")
+              f"transformers: l2prefetch's 'tune' extra).\n")
     else:
         _roles_and_plan(args, config)
     _print_kernel()
     if not _installed("matplotlib"):
-        print("\nThe plots need matplotlib too: pip install 'l2prefetch[tune]'.")
+        print("\nThe plots need matplotlib too: l2prefetch's 'tune' extra.")
     return 0
 
 
@@ -465,7 +465,7 @@ def _roles_and_plan(args: argparse.Namespace, config: Any) -> None:
     measured = _measured(roles, args.all_roles)
     print("The model's candidate roles (where a fork could load which weights), from one "
           "decode\nstep on the CPU:\n")
-    print(describe_roles(roles), end="")
+    print(describe_roles(roles, cap=DEFAULT_MAX_BYTES), end="")
     print(f"\nlargest load: the most one fork of the role can load (its consumer's weights "
           f"and those\nread after it, up to {DEFAULT_MAX_BYTES // MIB} MiB; the tuner tries "
           "smaller caps too)")
@@ -496,7 +496,7 @@ def _print_kernel() -> None:
         built = _C.compile(KERNEL, SM)
     except (_C.CudaUnavailableError, _C.Error) as exc:
         print(f"The loader kernel: not compiled, NVRTC is not available (pip install "
-              f"'l2prefetch[nvrtc]'):")
+              f"'nvidia-cuda-nvrtc>=13,<14'):")
         print(textwrap.indent(str(exc), "  "))
         return
     logger.info("compiled in %.1f s", time.monotonic() - t0)
@@ -587,7 +587,7 @@ def _case(args: argparse.Namespace, case: str, model: Any, step: Any, roles: lis
                 from None
         written = [f"{paths['profile']} (profile)", f"{paths['report']} (report)",
                    f"{paths['plot']} (the gains)" if drawn else
-                   "no plot (matplotlib is not installed: pip install 'l2prefetch[tune]')"]
+                   "no plot (matplotlib is not installed: l2prefetch's 'tune' extra)"]
         rep = result.batches[0]
         if not result.empty and "trace" in paths:
             written += _trace(model, step, case, paths)
@@ -619,7 +619,7 @@ def _trace(model: Any, step: Any, case: str, paths: Mapping[str, str]) -> list[s
             result.plot(paths["trace plot"])
             plot = f"{paths['trace plot']} (the trace's plot)"
         except ImportError:
-            plot = "no trace plot (matplotlib is not installed: pip install 'l2prefetch[tune]')"
+            plot = "no trace plot (matplotlib is not installed: l2prefetch's 'tune' extra)"
     except (OSError, ValueError) as exc:
         raise _Failed(f"traced {case}, but its outputs could not be written: {exc}") from None
     logger.info("%s: traced in %.1f s", case, time.monotonic() - t0)

@@ -181,7 +181,8 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
         largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
         raise ValueError(f"no module read a weight of at least min_bytes={min_bytes} in that "
                          f"forward (the largest parameter has {largest} bytes); lower "
-                         "min_bytes, or check that run() calls the model")
+                         "min_bytes (tune's --min-bytes-mib), or check that the step calls "
+                         "the model")
     return reads
 
 
@@ -446,11 +447,14 @@ def role_hints(unknown: Iterable[str], names: Sequence[str]) -> str:
     return ", ".join(hints)
 
 
-def describe_roles(roles: Sequence[Role]) -> str:
-    """The candidate roles as a Markdown table (name, layers, largest load)."""
+def describe_roles(roles: Sequence[Role], cap: Optional[int] = None) -> str:
+    """The candidate roles as a Markdown table (name, layers, largest load: what one fork
+    can load, at most ``cap`` bytes, the largest cap the tuner tries; a chain ends with
+    the whole read that reaches :data:`DEFAULT_MAX_BYTES`, so it may hold more)."""
     lines = ["| role | layers | largest load |", "|---|---:|---:|"]
     for role in roles:
-        lines.append(f"| {role.name} | {len(role.sites)} | {describe_bytes(role.max_bytes)} |")
+        most = role.max_bytes if cap is None else min(role.max_bytes, cap)
+        lines.append(f"| {role.name} | {len(role.sites)} | {describe_bytes(most)} |")
     return "\n".join(lines) + "\n"
 
 

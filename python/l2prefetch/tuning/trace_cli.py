@@ -30,7 +30,8 @@ from typing import Any
 from .. import _C, hooks
 from .._files import check_outputs, read_text, write_atomic
 from ..mechanisms import DEFAULT_GRAPH_FORK, GRAPH_FORKS
-from ..profile import load_profile, parse_profile, profile_batches
+from ..profile import (describe_step, load_profile, parse_profile, profile_batches,
+                       profile_step)
 from . import hf
 from .arms import StepError
 from .discovery import candidates, discover
@@ -68,7 +69,8 @@ def _mib(what: str) -> Any:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``trace`` to an argparse subparsers object; its func is :func:`run`."""
-    parser = subparsers.add_parser("trace", help=HELP, description=__doc__.split("\n\n")[0])
+    parser = subparsers.add_parser("trace", help=HELP, description=__doc__.split("\n\n")[0],
+                                   allow_abbrev=False)
     parser.add_argument("model", help="a local checkpoint directory, a config.json, a config "
                         "class name (LlamaConfig) or a model type (llama)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -136,6 +138,12 @@ def _check_profile(args: argparse.Namespace) -> None:
                    "l2prefetch tune MODEL --out PROFILE.json`)") from None
     except (OSError, ValueError) as exc:   # a directory, a FIFO, not a profile
         raise _Bad(f"--profile: {exc}") from None
+    step = profile_step(data)
+    if step["compiled"]:
+        raise _Bad(f"--profile {args.profile} was tuned on the {describe_step(step)} step; "
+                   "trace captures the step eagerly, where its forks are not the ones "
+                   "measured (tracing a compiled step is not supported): its tune report "
+                   "has what each fork gained")
     tuned, forked = profile_batches(data)
     if not forked:
         raise _Bad(f"--profile {args.profile}: its plan is empty, so nothing forks (the "
@@ -213,7 +221,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError:
-        raise _Bad("needs torch (pip install 'l2prefetch[torch]')") from None
+        raise _Bad("needs torch, which is not installed: install torch 2.11-2.13 (README, "
+                   "Install)") from None
     from . import trace   # here: the parser (and --help) loads none of the trace modules
 
     if hooks.disabled():
