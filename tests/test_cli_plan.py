@@ -177,7 +177,7 @@ def deep_json(tmp_path):
      r"dimensions too large: in_proj_qkvgfab would be 3336 x 4611686018427387904 bfloat16"),
     (["--shapes", "DEEP"], False, r"deep.json: JSON nested too deeply"),
     ([], True, r"^l2prefetch plan: needs torch, which is not installed: "
-               r"pip install 'l2prefetch\[torch\]'$"),
+               r"install torch 2.11-2.13 \(README, Install\)$"),
 ])
 def test_issue_16_inputs_exit_2_with_one_line(tmp_path, args, no_torch, words):
     args = [deep_json(tmp_path) if a == "DEEP" else a for a in args]
