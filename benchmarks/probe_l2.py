@@ -28,7 +28,10 @@ consumer, as the tuner's probe measures the ceiling).  Run 25's question: the tu
 loads in a 40 us window recover about half of that ceiling; does a loaded line fade while
 the GPU idles (``load48`` and ``full48`` at spins of 0 to 80 us: ``bash .ci/gpu fade``)?
 
-    python -m benchmarks.probe_l2 [--once] [--batch B] [--spin US] CASE ...
+``--kernel NAME`` loads with that loader variant (default: the device's; ``ring`` reads
+the lines into shared memory, ``bulk_prefetch`` only prefetches them into L2).
+
+    python -m benchmarks.probe_l2 [--once] [--batch B] [--spin US] [--kernel NAME] CASE ...
 """
 import argparse
 import statistics
@@ -74,6 +77,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--spin", type=float, default=40.0, metavar="US",
                         help="the spin between the set-up and the consumer (0: none)")
+    parser.add_argument("--kernel", default=None, choices=sorted(_C.kernel_variants()),
+                        help="the loader variant (default: the device's)")
     parser.add_argument("cases", nargs="+", choices=CASES)
     args = parser.parse_args(argv)
     if args.spin < 0:
@@ -85,14 +90,16 @@ def main(argv=None):
     w = torch.randn(8192, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(args.batch, 3072, device="cuda", dtype=torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tables = {case: _C.PreparedWeightRanges([w], byte_cap=mib * MIB,
+    launch = {"kernel": args.kernel} if args.kernel else {}
+    tables = {case: _C.PreparedWeightRanges([w], byte_cap=mib * MIB, **launch,
                                             **({"grid": sms} if case.startswith("full") else {}))
               for case, mib in LOADS.items()}
     for case in args.cases:
         run_case(rig, case, w, x, tables, mark=False, spin_us=args.spin)   # warm-up
         reps = 1 if args.once else 20
         us = [run_case(rig, case, w, x, tables, spin_us=args.spin) for _ in range(reps)]
-        print(f"probe_l2 {case} B{args.batch} spin {args.spin:g} us: consumer "
+        print(f"probe_l2 {case} B{args.batch} spin {args.spin:g} us "
+              f"{tables[case].kernel if case in tables else '-'}: consumer "
               f"{statistics.median(us):.2f} us (median of {reps})", flush=True)
 
 
