@@ -435,3 +435,25 @@ def test_a_switchboard_interrupted_while_dropping_frames_leaves_no_hook(monkeypa
     with pytest.raises(KeyboardInterrupt):
         C.board_for_roles(model, roles)
     assert _hook_count(model) == 0
+
+
+def test_the_screen_refuses_sites_whose_hooks_run_outside_the_compiled_code():
+    """A step that compiles only the first layer runs the second's hooks eagerly: a fork
+    there would be an eager one, which a profile tuned on the compiled step refuses at
+    deploy (StepMismatchError), so the screen does not offer it (any backend)."""
+    from l2prefetch.tuning.compiled import EAGER_SITE, screen_sites
+
+    model = Model().eval()
+    x = torch.randn(BATCH, 1, 16)
+    first = torch.compile(model.layers[0], backend="eager")
+
+    def step(batch):
+        return model.layers[1](first(x))
+
+    sites = [(layer.attn.o_proj, i, "after") for i, layer in enumerate(model.layers)] + \
+            [(model.layers[1].mlp, 1, "before")]
+    lines = []
+    bad = screen_sites(model, step, BATCH, sites, lambda s: f"{s[2]}{s[1]}",
+                       progress=lines.append)
+    assert bad == {"after1": EAGER_SITE, "before1": EAGER_SITE}
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -155,16 +155,22 @@ def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
     change what the compiled step computes or how fast), empty where none does or where
     the code cannot be read (another backend: the tuner's bitwise check is then the
     only guard).  Every trial is one compilation, each set of kinds compiled once; a
-    clean step takes two.
+    clean step takes two.  The first one also finds the kinds whose hooks run eagerly
+    (outside the compiled code): those are refused too (:data:`EAGER_SITE`), by any
+    backend.
     """
-    base = kernel_calls(step, batch)
-    if base is None:
-        logger.info("no Inductor code to compare (another torch.compile backend): the fork "
-                    "sites are not screened; the bitwise check of each arm still holds")
-        return {}
     kinds: dict[str, list[tuple[Any, int, str]]] = {}
     for site in sites:
         kinds.setdefault(kind_of(site), []).append(site)
+    base, eager_kinds = _eager_kinds(step, batch, kinds)   # the step compiled without forks
+    out = {name: EAGER_SITE for name in sorted(eager_kinds)}
+    if base is None:
+        logger.info("no Inductor code to compare (another torch.compile backend): the fork "
+                    "sites are not screened; the bitwise check of each arm still holds")
+        return out
+    kinds = {name: at for name, at in kinds.items() if name not in eager_kinds}
+    if not kinds:
+        return out
     trials = 0
 
     def compiled_with(names: Sequence[str]) -> Optional[list[str]]:
@@ -219,9 +225,42 @@ def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
             offered = [name for name in everything if name not in bad]
     if progress is not None:
         progress(f"{trials + 1} compilations; {len(bad)} of {len(kinds)} site kinds change "
-                 "Inductor's kernels" + (f": {', '.join(sorted(bad))}" if bad else ""))
+                 "Inductor's kernels" + (f": {', '.join(sorted(bad))}" if bad else "")
+                 + (f"; {len(eager_kinds)} fork outside the compiled code: "
+                    f"{', '.join(sorted(eager_kinds))}" if eager_kinds else ""))
     recompile()
-    return {name: reason for name in sorted(bad)}
+    return {**out, **{name: reason for name in sorted(bad)}}
+
+
+#: Why a site kind whose hook runs eagerly inside a compiled step is not offered.
+EAGER_SITE = ("its hook runs outside the compiled code (the compiled function's caller, or "
+              "a graph break there), where a controller of a profile tuned on the compiled "
+              "step refuses a fork (StepMismatchError), so it is not offered under "
+              "torch.compile")
+
+
+def _eager_kinds(step: Callable[[int], Any], batch: int,
+                 kinds: Mapping[str, Sequence[tuple[Any, int, str]]]
+                 ) -> tuple[Optional[list[str]], set[str]]:
+    """(:func:`kernel_calls` of the step compiled without forks, the kinds whose hooks
+    ran eagerly in it): a hook at every site records whether it ran in code torch.compile
+    traced; hooks that call no op leave Inductor's kernels as they are."""
+    import torch
+
+    eager: set[str] = set()
+    handles = []
+    try:
+        for name, at in kinds.items():
+            for module, _, hook in at:
+                def seen(*args: Any, name: str = name) -> None:
+                    if not torch.compiler.is_compiling():
+                        eager.add(name)
+                handles.append(hooks.register_site_hook(module, hook, seen))
+        recompile()   # traced with these hooks
+        return kernel_calls(step, batch), eager
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 #: A layer index in a module path (model.layers.3.mlp): a site kind names every layer's.
