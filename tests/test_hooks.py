@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import l2prefetch
 from l2prefetch import hooks
 from l2prefetch.hooks import Attachment, attach
 
@@ -237,11 +238,30 @@ def test_attach_logs_a_summary_at_info(caplog):
     assert caplog.records == []
 
 
-@pytest.mark.parametrize("value", ["", "0", "false", "no", "off"])
-def test_not_disabled_by_false_values(monkeypatch, value):
+@pytest.mark.parametrize("value", ["", "0", "false", "no", "off", " OFF "])
+def test_not_disabled_by_false_values(monkeypatch, caplog, value):
     monkeypatch.setenv("L2PREFETCH_DISABLE", value)
     model = Tiny(1)
-    assert attach(model, Recorder(), points_of(model)).attached
+    with caplog.at_level(logging.WARNING, logger="l2prefetch"):
+        assert attach(model, Recorder(), points_of(model)).attached
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("value", ["2", "y", "disable"])
+def test_a_value_the_switch_does_not_know_leaves_prefetching_on_and_says_so(monkeypatch, caplog,
+                                                                            value):
+    from l2prefetch import controller as runtime
+
+    monkeypatch.setenv("L2PREFETCH_DISABLE", value)
+    monkeypatch.setattr(runtime, "_warned_values", set())
+    model = Tiny(1)
+    with caplog.at_level(logging.WARNING, logger="l2prefetch"):
+        assert attach(model, Recorder(), points_of(model)).attached
+        assert not l2prefetch.disabled()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"L2PREFETCH_DISABLE={value!r} is not a word it knows, so prefetching "
+                      "stays on: set it to 1 (true, yes, on) to turn prefetching off, or 0 "
+                      "(false, no, off) to say it is on"]   # once per value
 
 
 def test_bad_arguments_attach_nothing():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
@@ -43,11 +44,26 @@ _kernels_logged: set = set()
 _BASE_INIT = _C.PrefetchController.__init__
 
 
+#: L2PREFETCH_DISABLE's values that leave prefetching on without a warning (any case,
+#: blanks around them ignored); 1, true, yes and on turn it off.
+_ENABLED_WORDS = frozenset({"", "0", "false", "no", "off"})
+_warned_values: set[str] = set()
+
+
 def disabled() -> bool:
     """Whether L2PREFETCH_DISABLE asks for no prefetching (1, true, yes, on; any case,
-    blanks around it ignored): the C controller's rule, read by the C parser.  Also
-    ``l2prefetch.disabled`` and ``hooks.disabled``."""
-    return _C.env_flag("L2PREFETCH_DISABLE")
+    blanks around it ignored): the C controller's rule, read by the C parser.  Any other
+    value but 0, false, no, off or empty leaves prefetching on, with a warning (once per
+    value).  Also ``l2prefetch.disabled`` and ``hooks.disabled``."""
+    off = _C.env_flag("L2PREFETCH_DISABLE")
+    value = os.environ.get("L2PREFETCH_DISABLE")
+    if (not off and value is not None and value.strip(" \t\n\r\v\f").lower()
+            not in _ENABLED_WORDS and value not in _warned_values):
+        _warned_values.add(value)
+        logger.warning("L2PREFETCH_DISABLE=%r is not a word it knows, so prefetching stays "
+                       "on: set it to 1 (true, yes, on) to turn prefetching off, or 0 "
+                       "(false, no, off) to say it is on", value)
+    return off
 
 
 def _first_line(exc: BaseException) -> str:
