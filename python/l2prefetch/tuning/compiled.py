@@ -164,12 +164,13 @@ def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
         kinds.setdefault(kind_of(site), []).append(site)
     base, eager_kinds = _eager_kinds(step, batch, kinds)   # the step compiled without forks
     out = {name: EAGER_SITE for name in sorted(eager_kinds)}
-    if base is None:
-        logger.info("no Inductor code to compare (another torch.compile backend): the fork "
-                    "sites are not screened; the bitwise check of each arm still holds")
-        return out
     kinds = {name: at for name, at in kinds.items() if name not in eager_kinds}
-    if not kinds:
+    if base is None or not kinds:
+        if base is None:
+            logger.info("no Inductor code to compare (another torch.compile backend): the "
+                        "fork sites are not screened; the bitwise check of each arm still "
+                        "holds")
+        recompile()   # drop the frames traced with the hooks that looked
         return out
     trials = 0
 
@@ -226,7 +227,7 @@ def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
     if progress is not None:
         progress(f"{trials + 1} compilations; {len(bad)} of {len(kinds)} site kinds change "
                  "Inductor's kernels" + (f": {', '.join(sorted(bad))}" if bad else "")
-                 + (f"; {len(eager_kinds)} fork outside the compiled code: "
+                 + (f"; {len(eager_kinds)} run their hooks outside the compiled code: "
                     f"{', '.join(sorted(eager_kinds))}" if eager_kinds else ""))
     recompile()
     return {**out, **{name: reason for name in sorted(bad)}}
