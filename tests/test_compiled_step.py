@@ -301,9 +301,10 @@ def _screened(monkeypatch, model, sites, kind_of, differs):
 
 
 def test_the_screen_refuses_kinds_that_change_the_kernels_only_together(monkeypatch):
-    """The measuring board compiles the kinds offered together: two that change Inductor's
-    kernels only together, beside no difference, are both refused; one more that changes
-    nothing is offered; and what is offered was compiled together once."""
+    """The measuring board compiles the kinds offered together: of two that change
+    Inductor's kernels only together, beside no difference, one is refused (the other
+    alone changes nothing); the kinds that change nothing are offered; and what is
+    offered was compiled together once."""
     model = Model().eval()
     names = {}
     for i, layer in enumerate(model.layers):
@@ -316,8 +317,18 @@ def test_the_screen_refuses_kinds_that_change_the_kernels_only_together(monkeypa
 
     bad, compiled = _screened(monkeypatch, model, sites, kind_of,
                               lambda kinds: {"o", "mlp"} <= kinds)
-    assert set(bad) == {"o", "mlp"}
-    assert {"attn"} in compiled
+    assert set(bad) == {"o"}
+    assert {"attn", "mlp"} in compiled
+    # the pair split across the bisect's halves, beside kinds that change nothing
+    layer_kind = {**{layer.attn.o_proj: "o" for layer in model.layers},
+                  **{layer.mlp: "mlp" for layer in model.layers}}
+    sites = [(m, i, "after") for i, layer in enumerate(model.layers)
+             for m in (layer.attn.o_proj, layer.mlp)]
+    bad, compiled = _screened(monkeypatch, model, sites,
+                              lambda s: f"{layer_kind[s[0]]}{s[1]}",
+                              lambda kinds: {"mlp0", "o0"} <= kinds)
+    assert len(bad) == 1 and set(bad) <= {"mlp0", "o0"}, bad
+    assert {"mlp0", "mlp1", "o0", "o1"} - set(bad) in compiled
     # one kind alone at fault: it alone is refused, each set of kinds compiled once
     bad, compiled = _screened(monkeypatch, model, sites, kind_of, lambda kinds: "mlp" in kinds)
     assert set(bad) == {"mlp"}
@@ -456,4 +467,7 @@ def test_the_screen_refuses_sites_whose_hooks_run_outside_the_compiled_code():
     bad = screen_sites(model, step, BATCH, sites, lambda s: f"{s[2]}{s[1]}",
                        progress=lines.append)
     assert bad == {"after1": EAGER_SITE, "before1": EAGER_SITE}
+    # no Inductor code to read (the eager backend): said all the same
+    assert lines == ["1 compilation; 0 of 1 site kinds change Inductor's kernels; 2 run "
+                     "their hooks outside the compiled code: after1, before1"]
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

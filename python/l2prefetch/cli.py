@@ -63,6 +63,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from . import _C, _torch, __version__
+from .controller import disabled
 from ._parser import Parser as _Parser
 from . import kimi_k3
 from .kimi_k3 import DEFAULT_DIMS, MAX_TENSOR_BYTES, synthetic_model as build_synthetic_kimi
@@ -193,7 +194,7 @@ def _add_info(subparsers: Any) -> None:
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    if _C.env_flag("L2PREFETCH_DISABLE"):
+    if disabled():   # and a value it does not know is warned of
         print("L2PREFETCH_DISABLE is set: prefetching is off (controllers prepare nothing, "
               "forks load nothing; tune and trace refuse to run)\n")
     reason = _why_no_gpu()

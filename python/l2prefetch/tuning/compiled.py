@@ -165,14 +165,27 @@ def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
     base, eager_kinds = _eager_kinds(step, batch, kinds)   # the step compiled without forks
     out = {name: EAGER_SITE for name in sorted(eager_kinds)}
     kinds = {name: at for name, at in kinds.items() if name not in eager_kinds}
+    trials = 0
+
+    def said(bad: Iterable[str]) -> dict[str, str]:
+        bad = sorted(bad)
+        line = (f"{trials + 1} compilation{'s' if trials else ''}; {len(bad)} of {len(kinds)} "
+                "site kinds change "
+                "Inductor's kernels" + (f": {', '.join(bad)}" if bad else "")
+                + (f"; {len(eager_kinds)} run their hooks outside the compiled code: "
+                   f"{', '.join(sorted(eager_kinds))}" if eager_kinds else ""))
+        logger.info("the site screen at batch %d: %s", batch, line)
+        if progress is not None:
+            progress(line)
+        recompile()   # drop the frames traced with the screen's hooks
+        return {**out, **{name: reason for name in bad}}
+
     if base is None or not kinds:
         if base is None:
             logger.info("no Inductor code to compare (another torch.compile backend): the "
                         "fork sites are not screened; the bitwise check of each arm still "
                         "holds")
-        recompile()   # drop the frames traced with the hooks that looked
-        return out
-    trials = 0
+        return said(())
 
     def compiled_with(names: Sequence[str]) -> Optional[list[str]]:
         nonlocal trials
@@ -212,8 +225,10 @@ def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
                      if not same(half)]
             for half in alone:
                 bisect(half)
-            if not alone:   # only together: none of them is offered
-                bad.update(names)
+            if not alone:   # only together: keep each kind that leaves them as they were
+                kept: list[str] = []
+                for name in names:
+                    (kept.append if same(kept + [name]) else bad.add)(name)
 
         rest = [name for name in everything if name not in suspects]
         if not same(rest):   # a difference no fork sat beside
@@ -224,13 +239,7 @@ def screen_sites(model: Any, step: Callable[[int], Any], batch: int,
         while offered and not same(offered):
             bisect(offered)
             offered = [name for name in everything if name not in bad]
-    if progress is not None:
-        progress(f"{trials + 1} compilations; {len(bad)} of {len(kinds)} site kinds change "
-                 "Inductor's kernels" + (f": {', '.join(sorted(bad))}" if bad else "")
-                 + (f"; {len(eager_kinds)} run their hooks outside the compiled code: "
-                    f"{', '.join(sorted(eager_kinds))}" if eager_kinds else ""))
-    recompile()
-    return {**out, **{name: reason for name in sorted(bad)}}
+    return said(bad)
 
 
 #: Why a site kind whose hook runs eagerly inside a compiled step is not offered.
@@ -259,6 +268,9 @@ def _eager_kinds(step: Callable[[int], Any], batch: int,
                 handles.append(hooks.register_site_hook(module, hook, seen))
         recompile()   # traced with these hooks
         return kernel_calls(step, batch), eager
+    except BaseException:
+        recompile()   # no frame keeps the hooks that looked
+        raise
     finally:
         for handle in handles:
             handle.remove()
