@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from .. import _C
 from .._files import check_outputs, write_atomic
+from .._torch import MISSING
 from .._parser import Parser as _Parser  # usage errors as one line, exit status 2
 from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
@@ -260,8 +261,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError:
-        raise _Exit("needs torch, which is not installed: install torch 2.11-2.13 (README, "
-                    "Install)") from None
+        raise _Exit(MISSING) from None
     progress = None if args.quiet else sys.stderr
     options = _options(args)
     device = _check(args, options, torch)

@@ -29,6 +29,7 @@ from typing import Any
 
 from .. import _C, hooks
 from .._files import check_outputs, read_text, write_atomic
+from .._torch import MISSING
 from ..mechanisms import DEFAULT_GRAPH_FORK, GRAPH_FORKS
 from ..profile import (describe_step, load_profile, parse_profile, profile_batches,
                        profile_step)
@@ -221,8 +222,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError:
-        raise _Bad("needs torch, which is not installed: install torch 2.11-2.13 (README, "
-                   "Install)") from None
+        raise _Bad(MISSING) from None
     from . import trace   # here: the parser (and --help) loads none of the trace modules
 
     if hooks.disabled():
