@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import re
 
 import pytest
@@ -960,6 +961,39 @@ def test_the_confirmation_splits_the_gain_into_the_loads_and_the_forks_own(fork_
     data = conf.as_dict()
     assert data["loads"]["estimate"] == conf.loads.estimate
     assert data["forks"]["estimate"] == conf.forks.estimate
+
+
+class SlowToPrepare(PlantedBackend):
+    """Preparing a batch takes ``prepare_s`` on the clock, as a compiled step's
+    compilations do (13-32 s a batch, RESULTS run 26)."""
+
+    def __init__(self, *args, prepare_s=30.0, **kw):
+        super().__init__(*args, **kw)
+        self.prepare_s = prepare_s
+
+    def prepare(self, batch):
+        self.clock.t += self.prepare_s
+        return super().prepare(batch)
+
+
+def test_a_batch_whose_share_is_less_than_the_last_preparation_is_not_prepared():
+    """The budget split left batch 8 less than preparing batch 1 took: batch 8 is not
+    prepared (no compilations past the budget), and says the budget ran out."""
+    backend = SlowToPrepare({"A": pays(8.0)}, seed=3, prepare_s=30.0)
+    (first, second), log = run(backend, [role("A")], batches=(1, 8), budget_s=50.0)
+    assert backend.prepared == [1]
+    assert first.step_us == backend.step_us
+    assert second.reason == S.NOTHING_MEASURED and math.isnan(second.step_us)
+    assert "batch 8: not prepared" in log and "preparing the last batch took 30 s" in log
+    # with a share larger than the last preparation, every batch is prepared
+    backend = SlowToPrepare({"A": pays(8.0)}, seed=3, prepare_s=1.0)
+    run(backend, [role("A")], batches=(1, 8), budget_s=300.0)
+    assert backend.prepared == [1, 8]
+    # nothing left at all: not even the first batch
+    backend = SlowToPrepare({"A": pays(8.0)}, seed=3)
+    (only,), log = run(backend, [role("A")], budget_s=0.0)
+    assert backend.prepared == [] and only.reason == S.NOTHING_MEASURED
+    assert "batch 1: not prepared: 0 s of the budget left" in log
 
 
 def test_a_budget_spent_before_the_first_role_says_so_not_that_nothing_paid():

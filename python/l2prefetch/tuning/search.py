@@ -181,10 +181,19 @@ def search(backend: Backend, roles: Sequence[Role], batches: Sequence[int], *,
     meter = Progress(progress, budget_s, clock)
     start = clock()
     reports = []
+    prepare_s = 0.0   # the last batch's preparation: the next one's estimate
     for i, batch in enumerate(batches):
         share = (budget_s - (clock() - start)) / (len(batches) - i)
-        state = _State.at(backend, roles, batch, params, meter, clock() + share, clock)
-        report = _search_batch(state)
+        if share <= prepare_s:
+            # preparing would spend more than the batch's share (a compiled step's
+            # compilations: 13-32 s a batch, RESULTS run 26) and leave nothing to measure
+            meter.line(f"batch {batch}: not prepared: {max(share, 0.0):.0f} s of the budget "
+                       f"left for it, preparing the last batch took {prepare_s:.0f} s")
+            report = BatchReport(batch, reason=NOTHING_MEASURED)
+        else:
+            state = _State.at(backend, roles, batch, params, meter, clock() + share, clock)
+            report = _search_batch(state)
+            prepare_s = state.prepare_s
         meter.line(f"batch {batch}: {report.reason}")
         reports.append(report)
     return reports
@@ -205,6 +214,8 @@ class _State:
     report: BatchReport
     #: Each role's report, by name.
     reports: dict[str, RoleReport] = dataclasses.field(default_factory=dict)
+    #: Seconds the prepare step took (capture, compilations, probes).
+    prepare_s: float = 0.0
 
     @classmethod
     def at(cls, backend: Backend, roles: Sequence[Role], batch: int, params: Params,
@@ -223,6 +234,7 @@ def _search_batch(st: _State) -> BatchReport:
     """The steps of the module's docstring, in order, at one batch."""
     t0 = st.clock()
     _prepare(st)                                       # 1. prepare (and probe)
+    st.prepare_s = st.clock() - t0
     order = _screen(st)                                # 2. screen
     promising, lost = _sweep_roles(st, order)          # 3. sweep
     _refine_roles(st, promising)                       # 4. refine

@@ -314,7 +314,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                   file=progress, flush=True)
         roles_s = time.monotonic() - t0
         remaining = budget_s - roles_s
-        reports = search(backend, roles, batches, budget_s=max(remaining, 1e-3),
+        reports = search(backend, roles, batches, budget_s=max(remaining, 0.0),
                          instances=instances, max_instances=max_instances,
                          caps_mib=caps_mib, grids=grids, kernels=kernels,
                          graph_forks=graph_forks, min_gain_us=min_gain_us,
@@ -383,6 +383,7 @@ def _time_went(roles_s: float, reports: Sequence[Any], compiled: bool) -> str:
     return ", ".join([f"{first} {roles_s:.0f} s"]
                      + [f"batch {r.batch} {r.elapsed_s:.0f} s"
                         + (" (compilations included)" if compiled else "")
+                        if not math.isnan(r.step_us) else f"batch {r.batch} not prepared"
                         for r in reports])
 
 
