@@ -9,6 +9,8 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
 1. **prepare**: run and capture the step once (a step that fails or cannot
    be captured is a :class:`~l2prefetch.tuning.arms.StepError`), time it, probe the windows and the
    cold-to-hot gaps where the backend can (:meth:`~l2prefetch.tuning.arms.Backend.probe`).
+   A batch whose share of the budget is no more than the last batch's preparation took
+   (a compiled step's compilations) is not prepared: nothing is measured there.
 2. **screen**: a role whose gap (the most its loads could gain) is under
    ``min_gain_us`` is not measured; the rest are measured in decreasing gap.
 3. **sweep**: per role, one group of (a) no forks and, in every fork mode
