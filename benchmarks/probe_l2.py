@@ -9,7 +9,12 @@ Eager on one stream, the L2 flushed first (a read of 8x its size), then one case
 * ``full48``: the same 48 MiB loaded on every SM (the grid the tuner's probe uses for a
   consumer's hot time, its ceiling), then the spin and the consumer;
 * ``spin``: the 40 us spin alone, then the consumer (the control of the loads);
-* ``hot``: the consumer twice, the second measured (all of W read right before).
+* ``hot``: the consumer twice, the second measured (all of W read right before);
+* ``up`` / ``load48up``: as ``spin`` / ``load48``, with a GEMV on another 48 MiB weight
+  (up_proj's, beside gate_proj in the MLP) between the spin and the consumer: does a
+  neighbour's stream through the L2 evict the loaded lines, where the compiled step runs
+  up_proj first?  (Run 26's question: the window role's loads recover 45-75% of the
+  ceiling in the step, this probe's whole gap with nothing between.)
 
 The consumer runs inside the NVTX range ``consumer``, so Nsight Compute can profile it
 alone, with the application replayed per pass and the caches left as they are::
@@ -43,22 +48,25 @@ from l2prefetch.tuning.rig import Rig
 
 from .common import no_gpu
 
-CASES = ("cold", "spin", "load24", "load48", "full48", "hot")
-LOADS = {"load24": 24, "load48": 48, "full48": 48}
+CASES = ("cold", "spin", "load24", "load48", "full48", "hot", "up", "load48up")
+LOADS = {"load24": 24, "load48": 48, "full48": 48, "load48up": 48}
 MIB = 1 << 20
 
 
-def run_case(rig, case, w, x, tables, mark=True, spin_us=40.0):
+def run_case(rig, case, w, x, tables, mark=True, spin_us=40.0, neighbour=None):
     """Flush, the case's set-up, then the consumer (inside the NVTX range if ``mark``);
-    the consumer's us by events."""
+    the consumer's us by events.  ``neighbour``: the other weight the ``up`` cases read
+    between the spin and the consumer."""
     rig.flush()
     if case == "hot":
         torch.nn.functional.linear(x, w)
     elif case in LOADS:
         tables[case].launch()
         rig.spin(spin_us)
-    elif case == "spin":
+    elif case in ("spin", "up"):
         rig.spin(spin_us)
+    if case.endswith("up"):
+        torch.nn.functional.linear(x, neighbour)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if mark:
         torch.cuda.nvtx.range_push("consumer")
@@ -88,6 +96,7 @@ def main(argv=None):
     rig = Rig(torch.device("cuda", 0))
     torch.manual_seed(0)
     w = torch.randn(8192, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
+    neighbour = torch.randn(8192, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(args.batch, 3072, device="cuda", dtype=torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     launch = {"kernel": args.kernel} if args.kernel else {}
@@ -95,9 +104,11 @@ def main(argv=None):
                                             **({"grid": sms} if case.startswith("full") else {}))
               for case, mib in LOADS.items()}
     for case in args.cases:
-        run_case(rig, case, w, x, tables, mark=False, spin_us=args.spin)   # warm-up
+        run_case(rig, case, w, x, tables, mark=False, spin_us=args.spin,
+                 neighbour=neighbour)   # warm-up
         reps = 1 if args.once else 20
-        us = [run_case(rig, case, w, x, tables, spin_us=args.spin) for _ in range(reps)]
+        us = [run_case(rig, case, w, x, tables, spin_us=args.spin, neighbour=neighbour)
+              for _ in range(reps)]
         print(f"probe_l2 {case} B{args.batch} spin {args.spin:g} us "
               f"{tables[case].kernel if case in tables else '-'}: consumer "
               f"{statistics.median(us):.2f} us (median of {reps})", flush=True)

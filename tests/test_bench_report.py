@@ -138,6 +138,8 @@ def test_measurement_pools_replays_and_spreads_instances():
                                           ("probe_bestof", ["--k", "2", "llama"]),
                                           ("probe_tune", ["--site", "none", "1"]),
                                           ("probe_l2", ["cold", "hot"]),
+                                          ("probe_l2", ["up", "load48up"]),
+                                          ("probe_order", ["--model", "qwen3"]),
                                           ("probe_forkcost", ["oproj:module:8"])])
 def test_the_probes_say_they_need_a_gpu(module, argv, capsys):
     import importlib
