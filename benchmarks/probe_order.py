@@ -1,43 +1,110 @@
-"""Probe (run 26's question): one decode step's kernels in launch order, eager and
-compiled.  In the step the window role's loads recover 45-75% of what
-``benchmarks.probe_l2`` measures for the same load with nothing between it and the
-consumer, and no loaded line fades (RESULTS run 26): does the compiled step run another
-large GEMV (up_proj's, beside gate_proj's) between the window and its consumer?
+"""Probe (run 26's question): one decode step's kernels in order, eager and compiled,
+without forks and with a role's loads.  In the step the window role's loads recover
+45-75% of what ``benchmarks.probe_l2`` measures for the same load with nothing between it
+and the consumer, and no loaded line fades (RESULTS run 26): what runs between the
+window's loads and their consumer, when do the loads end, and what does the consumer's
+GEMV take in the step with and without them?
 
 The model is :func:`benchmarks.compiled.build`'s (``--window`` us planted before every
-MLP), its step run once under ``torch.profiler`` after two warm-up steps, not in a graph
-(the same kernels, launched one by one).  Printed: the kernels from the first spin
-(the planted window; from the first kernel when nothing is planted), ``--kernels`` of
-them, each with its name cut to 100 characters and its time.
+MLP).  Per way (``eager``; ``compiled``: its forward compiled with ``--mode``) and arm
+(``none``; with ``--role NAME``, also ``empty``, the role's forks with empty tables, and
+``loads``, its forks loading ``--cap`` MiB at ``--grid`` in ``--fork`` mode, attached
+before compiling as a server would), the step is captured in a CUDA graph and replayed
+under ``torch.profiler`` (5 replays, their median timeline).  Printed: the kernels from
+the first spin (the planted window; from the first kernel when nothing is planted),
+``--kernels`` of them, each with its start and end relative to that spin, its stream and
+its name cut to 90 characters.
 
     python -m benchmarks.probe_order [--model llama] [--window 40] [--batch 1]
-                                     [--ways eager,compiled] [--kernels 40]
+        [--ways eager,compiled] [--kernels 40] [--role NAME --cap 48 --grid 32 --fork branch]
 """
 import argparse
+import json
+import os
+import tempfile
 
 import torch
 
 from benchmarks.common import no_gpu
 from benchmarks.compiled import build
+from l2prefetch import hooks
+from l2prefetch.mechanisms import GRAPH_FORKS
+from l2prefetch.tuning import candidates, discover
 from l2prefetch.tuning.cli import compile_forward
 from l2prefetch.tuning.compiled import recompile
+from l2prefetch.tuning.trace_capture import forks_of_role
+from l2prefetch.tuning.trace_events import timeline
+
+MIB = 1 << 20
+REPLAYS = 5
 
 
-def kernels(step, batch):
-    """[(name, us)] of one ``step(batch)``'s device activity, in start order."""
-    from torch.autograd import DeviceType
+def captured(fn):
+    """``fn()`` captured into a CUDA graph after two eager calls on the capture stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return graph
+
+
+def replay_timeline(graph):
+    """The median timeline (trace_events.Kernel) of REPLAYS profiled replays."""
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.no_grad():
-        for _ in range(2):
-            step(batch)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step(batch)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            graph.replay()
             torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    return [(e.name, e.time_range.elapsed_us()) for e in events]
+    with tempfile.TemporaryDirectory(prefix="probe-order-") as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return timeline(json.load(f), REPLAYS)
+
+
+def role_named(model, step, batch, name):
+    roles = candidates(model, discover(model, lambda: step(batch)))
+    for role in roles:
+        if role.name == name:
+            return role
+    raise SystemExit(f"--role {name!r}: not one of this model's roles: "
+                     f"{[r.name for r in roles]}")
+
+
+def one(args, way, arm):
+    """Build, attach (arm empty / loads), compile (way compiled), capture, profile."""
+    model, step, planted = build(args.model, args.window)
+    step.state(args.batch)
+    attachment = None
+    try:
+        if arm != "none":
+            role = role_named(model, step, args.batch, args.role)
+            forks = forks_of_role(model, role, args.batch, byte_cap=int(args.cap * MIB),
+                                  grid=args.grid, mode=args.fork)
+            attachment = hooks.attach(model, forks.build(arm == "empty"), forks.points)
+        if way == "compiled":
+            compile_forward(model, args.mode)
+        recompile()
+        with torch.no_grad():
+            graph = captured(lambda: step(args.batch))
+        return replay_timeline(graph)
+    finally:
+        if attachment is not None:
+            attachment.detach()
+        for handle in planted:
+            handle.remove()
+        recompile()
 
 
 def main(argv=None):
@@ -48,32 +115,38 @@ def main(argv=None):
     parser.add_argument("--ways", default="eager,compiled")
     parser.add_argument("--mode", default="default")
     parser.add_argument("--kernels", type=int, default=40)
+    parser.add_argument("--role", default=None, help="a discovered role's name")
+    parser.add_argument("--cap", type=float, default=48.0, metavar="MIB")
+    parser.add_argument("--grid", type=int, default=32)
+    parser.add_argument("--fork", default="branch", choices=GRAPH_FORKS,
+                        help="the forks' graph mode")
     args = parser.parse_args(argv)
-    if args.batch < 1 or args.kernels < 1 or args.window < 0:
-        parser.error("--batch and --kernels are at least 1, --window at least 0")
+    if args.batch < 1 or args.kernels < 1 or args.grid < 1 or args.window < 0 or args.cap <= 0:
+        parser.error("--batch, --kernels and --grid are at least 1, --window at least 0, "
+                     "--cap above 0")
     ways = args.ways.split(",")
     for way in ways:
         if way not in ("eager", "compiled"):
             parser.error(f"--ways: {way!r} is neither eager nor compiled")
     if no_gpu("benchmarks.probe_order"):
         return
+    arms = ("none", "empty", "loads") if args.role else ("none",)
     for way in ways:
-        model, step, planted = build(args.model, args.window)
-        step.state(args.batch)
-        if way == "compiled":
-            compile_forward(model, args.mode)
-        recompile()
-        found = kernels(step, args.batch)
-        first = next((i for i, (name, _) in enumerate(found)
-                      if "sleep" in name.lower() or "spin" in name.lower()), 0)
-        print(f"probe_order {args.model} {way} B{args.batch} window {args.window:g} us: "
-              f"{len(found)} kernels a step, from #{first}:", flush=True)
-        for i, (name, us) in enumerate(found[first:first + args.kernels], first):
-            print(f"  {i:4d} {us:8.2f} us  {name[:100]}", flush=True)
-        for handle in planted:
-            handle.remove()
-        del model, step
-        recompile()
+        for arm in arms:
+            kernels = one(args, way, arm)
+            first = next((k for k in kernels
+                          if "sleep" in k.name.lower() or "spin" in k.name.lower()),
+                         kernels[0] if kernels else None)
+            print(f"probe_order {args.model} {way} B{args.batch} window {args.window:g} us, "
+                  f"{arm}{'' if arm == 'none' else f' ({args.role}, {args.cap:g} MiB, grid {args.grid}, {args.fork})'}: "
+                  f"{len(kernels)} kernels a step (median of {REPLAYS} replays), "
+                  f"times from the first spin's start:", flush=True)
+            if first is None:
+                continue
+            shown = [k for k in kernels if k.start >= first.start][:args.kernels]
+            for k in shown:
+                print(f"  {k.start - first.start:9.2f} {k.end - first.start:9.2f} "
+                      f"{k.dur:8.2f} us  stream {k.stream}  {k.name[:90]}", flush=True)
 
 
 if __name__ == "__main__":
