@@ -10,7 +10,8 @@ MLP).  Per way (``eager``; ``compiled``: its forward compiled with ``--mode``) a
 (``none``; with ``--role NAME``, also ``empty``, the role's forks with empty tables, and
 ``loads``, its forks loading ``--cap`` MiB at ``--grid`` in ``--fork`` mode, attached
 before compiling as a server would), the step is captured in a CUDA graph and replayed
-under ``torch.profiler`` (5 replays, their median timeline).  Printed: the kernels from
+under ``torch.profiler`` as ``python -m l2prefetch trace`` does (5 replays, their median
+timeline).  Printed: the kernels from
 the first spin (the planted window; from the first kernel when nothing is planted),
 ``--kernels`` of them, each with its start and end relative to that spin, its stream and
 its name cut to 90 characters.
@@ -19,9 +20,6 @@ its name cut to 90 characters.
         [--ways eager,compiled] [--kernels 40] [--role NAME --cap 48 --grid 32 --fork branch]
 """
 import argparse
-import json
-import os
-import tempfile
 
 import torch
 
@@ -32,45 +30,11 @@ from l2prefetch.mechanisms import GRAPH_FORKS
 from l2prefetch.tuning import candidates, discover
 from l2prefetch.tuning.cli import compile_forward
 from l2prefetch.tuning.compiled import recompile
-from l2prefetch.tuning.trace_capture import forks_of_role
+from l2prefetch.tuning.trace_capture import capture_graph, forks_of_role, profile_replays
 from l2prefetch.tuning.trace_events import timeline
 
 MIB = 1 << 20
 REPLAYS = 5
-
-
-def captured(fn):
-    """``fn()`` captured into a CUDA graph after two eager calls on the capture stream."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    return graph
-
-
-def replay_timeline(graph):
-    """The median timeline (trace_events.Kernel) of REPLAYS profiled replays."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPLAYS):
-            graph.replay()
-            torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory(prefix="probe-order-") as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return timeline(json.load(f), REPLAYS)
 
 
 def role_named(model, step, batch, name):
@@ -97,8 +61,8 @@ def one(args, way, arm):
             compile_forward(model, args.mode)
         recompile()
         with torch.no_grad():
-            graph = captured(lambda: step(args.batch))
-        return replay_timeline(graph)
+            graph = capture_graph(torch, lambda: step(args.batch), torch.cuda.Stream())
+        return timeline(profile_replays(torch, graph, REPLAYS), REPLAYS)
     finally:
         if attachment is not None:
             attachment.detach()

@@ -52,15 +52,16 @@ from __future__ import annotations
 
 from .trace_analysis import (BEFORE, GEMM_NAME, HELD_US, ForkTrace, Layout, Row, analyze,
                              layout_of)
-from .trace_capture import (MAX_FILE_BYTES, WARM_REPLAYS, Forks, forks_of_profile,
-                            forks_of_role, trace)
+from .trace_capture import (MAX_FILE_BYTES, WARM_REPLAYS, Forks, capture_graph,
+                            forks_of_profile, forks_of_role, profile_replays, trace)
 from .trace_dot import dot_neighbours
 from .trace_events import (LOADER_PREFIX, MAX_US, Kernel, TraceError, kernel_events,
                            median_timeline, split_replays, timeline)
 from .trace_render import MAX_ROWS, TraceResult
 
-__all__ = ["BEFORE", "Forks", "ForkTrace", "GEMM_NAME", "HELD_US", "Kernel", "LOADER_PREFIX",
-           "Layout", "MAX_FILE_BYTES", "MAX_ROWS", "MAX_US", "Row", "TraceError",
-           "TraceResult", "WARM_REPLAYS", "analyze", "dot_neighbours", "forks_of_profile",
-           "forks_of_role", "kernel_events", "layout_of", "median_timeline", "split_replays",
+__all__ = ["BEFORE", "ForkTrace", "Forks", "GEMM_NAME", "HELD_US", "Kernel",
+           "LOADER_PREFIX", "Layout", "MAX_FILE_BYTES", "MAX_ROWS", "MAX_US", "Row",
+           "TraceError", "TraceResult", "WARM_REPLAYS", "analyze", "capture_graph",
+           "dot_neighbours", "forks_of_profile", "forks_of_role", "kernel_events",
+           "layout_of", "median_timeline", "profile_replays", "split_replays",
            "timeline", "trace"]

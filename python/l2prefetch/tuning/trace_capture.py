@@ -23,8 +23,8 @@ from .trace_dot import dot_neighbours
 from .trace_events import Kernel, TraceError, timeline
 from .trace_render import TraceResult
 
-__all__ = ["Forks", "MAX_FILE_BYTES", "WARM_REPLAYS", "forks_of_profile", "forks_of_role",
-           "trace"]
+__all__ = ["Forks", "MAX_FILE_BYTES", "WARM_REPLAYS", "capture_graph", "forks_of_profile",
+           "forks_of_role", "profile_replays", "trace"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class _Markers:
             self.marks.append((kind, path))
 
 
-def _capture(torch: Any, fn: Callable[[], Any], stream: Any, keep_graph: bool = False) -> Any:
+def capture_graph(torch: Any, fn: Callable[[], Any], stream: Any,
+                  keep_graph: bool = False) -> Any:
     """``fn()`` captured into a graph with its own memory pool (as the tuning rig does,
     whose docstring says why) after one eager call on the capture stream."""
     graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
@@ -146,7 +147,7 @@ def _dump(graph: Any, path: str) -> list[str]:
     return dot_neighbours(data.decode("utf-8", errors="replace"))
 
 
-def _profile(torch: Any, graph: Any, replays: int) -> Any:
+def profile_replays(torch: Any, graph: Any, replays: int) -> Any:
     """The chrome trace (parsed) of ``replays`` replays of ``graph``, CUDA activity only."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -219,12 +220,12 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
             try:
                 for name, controller in (("loads", loads), ("control", control)):
                     with hooks.attach(model, controller, forks.points):
-                        graphs[name] = _capture(torch, fn, stream,
+                        graphs[name] = capture_graph(torch, fn, stream,
                                                 keep_graph=bool(dot) and name == "loads")
                 # no forks, twice: the empty forks' delays, and that measure's noise
                 what = "without forks"
-                graphs["none"] = _capture(torch, fn, stream)
-                graphs["none again"] = _capture(torch, fn, stream)
+                graphs["none"] = capture_graph(torch, fn, stream)
+                graphs["none again"] = capture_graph(torch, fn, stream)
                 # The layout graph: markers where the forks are and around each consumer.
                 what = "with the layout's markers"
                 for path in sorted(set(forks.consumers.values())):
@@ -234,12 +235,12 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
                     handles.append(module.register_forward_hook(
                         lambda m, a, o, path=path: markers.mark("end", path)))
                 with hooks.attach(model, markers, forks.points):
-                    graphs["layout"] = _capture(torch, fn, stream)
+                    graphs["layout"] = capture_graph(torch, fn, stream)
             except Exception as exc:
                 raise StepError(f"step({batch}) cannot be captured {what}: "
                                 f"{type(exc).__name__}: {exc}") from exc
             neighbours = _dump(graphs["loads"], dot) if dot else []
-            timelines = {name: timeline(_profile(torch, graph, replays), replays)
+            timelines = {name: timeline(profile_replays(torch, graph, replays), replays)
                          for name, graph in graphs.items()}
         finally:
             for handle in handles:
