@@ -1579,3 +1579,25 @@ def test_tune_says_when_the_budget_ran_out_before_any_role_was_measured():
     assert ("at batch(es) 1 the budget ran out before any role was measured" in text
             and "raise budget_s (--budget)" in text), text
     assert text.strip().splitlines()[-1].startswith("[l2prefetch tune] done in")
+
+
+def test_a_batch_not_prepared_shows_no_step_time():
+    """A batch the search did not prepare (its share of the budget was less than the last
+    batch's preparation took) has no step time: the report's verdict leaves it blank and
+    tune's last line says it was not prepared, neither writes 'nan'."""
+    from l2prefetch.tuning.report import markdown
+    from l2prefetch.tuning.results import BatchReport
+    from l2prefetch.tuning.search import NOTHING_MEASURED
+    from l2prefetch.tuning.tuner import TuneResult, _time_went
+
+    reps = [BatchReport(batch=1, step_us=100.0, reason=NOTHING_MEASURED, elapsed_s=12.0),
+            BatchReport(batch=8, reason=NOTHING_MEASURED)]
+    result = TuneResult(batches=reps, roles=[], plan=[], sites={}, budget_s=1.0,
+                        elapsed_s=1.0, settings={})
+    text = markdown(result)
+    assert "nan" not in text.lower()
+    assert re.search(r"^\| 8 \|  \| empty \|", text, re.M), text
+    assert re.search(r"^\| 1 \| 100\.0 \| empty \|", text, re.M), text
+    went = _time_went(30.0, reps, compiled=True)
+    assert went == ("finding the roles and screening their sites 30 s, batch 1 12 s "
+                    "(compilations included), batch 8 not prepared")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import math
 import os
 import sys
 import textwrap
@@ -627,7 +628,9 @@ def _trace(model: Any, step: Any, case: str, paths: Mapping[str, str]) -> list[s
 
 
 def _summary(case: str, args: argparse.Namespace, rep: Any, written: list[str]) -> str:
-    lines = [f"{_what(case, args.spin_us)}: the step takes {rep.step_us:.1f} us"]
+    lines = [f"{_what(case, args.spin_us)}: " + (
+        "the step was not measured" if math.isnan(rep.step_us)
+        else f"the step takes {rep.step_us:.1f} us")]
     conf = rep.confirmed
     if conf is None:
         why = EMPTY_PLAIN + "; the tuner: " if case == "plain" else ""

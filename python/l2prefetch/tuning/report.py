@@ -12,6 +12,7 @@ was kept or why not.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -65,7 +66,7 @@ def _t(x: Optional[Interval]) -> str:
 
 
 def _opt(x: Optional[float], digits: int = 1) -> str:
-    return "" if x is None else f"{x:.{digits}f}"
+    return "" if x is None or math.isnan(x) else f"{x:.{digits}f}"   # NaN: not measured
 
 
 def markdown(result: Any) -> str:

@@ -221,7 +221,7 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
                 for name, controller in (("loads", loads), ("control", control)):
                     with hooks.attach(model, controller, forks.points):
                         graphs[name] = capture_graph(torch, fn, stream,
-                                                keep_graph=bool(dot) and name == "loads")
+                                                     keep_graph=bool(dot) and name == "loads")
                 # no forks, twice: the empty forks' delays, and that measure's noise
                 what = "without forks"
                 graphs["none"] = capture_graph(torch, fn, stream)
