@@ -29,6 +29,7 @@ reaches its ceiling with caps up to the whole weight and the full grid, the budg
 spent on that role alone (run 25: no compiled tune reached the refine step).
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -41,6 +42,7 @@ from l2prefetch import tuning
 from l2prefetch.tuning.cli import compile_forward
 from l2prefetch.tuning.compiled import recompile
 from l2prefetch.tuning.hf import DecodeStep
+from l2prefetch.tuning.search import NOTHING_MEASURED
 from l2prefetch.tuning.rig import spin_cycles_per_us
 
 
@@ -195,7 +197,9 @@ def main(argv=None):
                     own = window_ceiling(rep, window)
                     gain_us = loads_us = None
                     if conf is None:
-                        ratio, gain, loads, same = "empty plan", "", "", ""
+                        ratio = ("nothing measured (the budget ran out)"
+                                 if rep.reason == NOTHING_MEASURED else "empty plan")
+                        gain, loads, same = "", "", ""
                     else:
                         low, high = conf.ratio_interval
                         ratio = f"{conf.ratio:.4f} ({low:.4f}-{high:.4f})"
@@ -206,7 +210,8 @@ def main(argv=None):
                     roles = "; ".join(f"{n} [{s.label()}]" for n, s in kept) or "-"
                     step_name = way if way == "eager" else f"compiled ({args.mode})"
                     rows.append(f"| {name} | {window:g} | {step_name} | {rep.batch} | "
-                                f"{rep.step_us:.1f} | {ratio} | {gain} | {loads} | {same} | "
+                                f"{'' if math.isnan(rep.step_us) else f'{rep.step_us:.1f}'} | "
+                                f"{ratio} | {gain} | {loads} | {same} | "
                                 f"{roles} | {took:.0f} | {top:.2f} | {_share(gain_us, top)} | "
                                 f"{_share(loads_us, top)} | "
                                 f"{'' if own is None else f'{own:.2f}'} | "
