@@ -11,10 +11,11 @@ Eager on one stream, the L2 flushed first (a read of 8x its size), then one case
 * ``spin``: the 40 us spin alone, then the consumer (the control of the loads);
 * ``hot``: the consumer twice, the second measured (all of W read right before);
 * ``up`` / ``load48up``: as ``spin`` / ``load48``, with a GEMV on another 48 MiB weight
-  (up_proj's, beside gate_proj in the MLP) between the spin and the consumer: does a
-  neighbour's stream through the L2 evict the loaded lines, where the compiled step runs
-  up_proj first?  (Run 26's question: the window role's loads recover 45-75% of the
-  ceiling in the step, this probe's whole gap with nothing between.)
+  (up_proj's, beside gate_proj in the MLP) between the spin and the consumer: would a
+  neighbour's stream through the L2 evict the loaded lines, were it to run between them?
+  (Run 26's question: the window role's loads recover 45-75% of the ceiling in the step,
+  this probe's whole gap with nothing between; ``benchmarks.probe_order`` shows what the
+  step runs there.)
 
 The consumer runs inside the NVTX range ``consumer``, so Nsight Compute can profile it
 alone, with the application replayed per pass and the caches left as they are::
