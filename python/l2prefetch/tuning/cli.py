@@ -117,6 +117,7 @@ LARGEST_LOAD = ("\nlargest load: the most one fork of the role can load: its con
                 "and those of the reads after it, at most the largest cap, {max_mib:g} MiB "
                 "(--caps-mib)")
 
+
 def compile_forward(model: Any, mode: str) -> None:
     """``model.forward = torch.compile(model.forward, mode=...)``: what --compile does."""
     import torch
