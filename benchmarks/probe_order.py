@@ -14,7 +14,8 @@ under ``torch.profiler`` as ``python -m l2prefetch trace`` does (5 replays, thei
 timeline).  Printed: the kernels from
 the first spin (the planted window; from the first kernel when nothing is planted),
 ``--kernels`` of them, each with its start and end relative to that spin, its stream and
-its name cut to 90 characters.
+its name cut to 90 characters; every loader of the step (``l2p*``) also where it starts
+before that spin; and the step's span, first kernel's start to last kernel's end.
 
     python -m benchmarks.probe_order [--model llama] [--window 40] [--batch 1]
         [--ways eager,compiled] [--kernels 40] [--role NAME --cap 48 --grid 32 --fork branch]
@@ -108,9 +109,13 @@ def main(argv=None):
             if first is None:
                 continue
             shown = [k for k in kernels if k.start >= first.start][:args.kernels]
-            for k in shown:
+            loaders = [k for k in kernels if k.name.startswith("l2p") and k not in shown]
+            for k in sorted(shown + loaders[:args.kernels], key=lambda k: k.start):
                 print(f"  {k.start - first.start:9.2f} {k.end - first.start:9.2f} "
                       f"{k.dur:8.2f} us  stream {k.stream}  {k.name[:90]}", flush=True)
+            print(f"probe_order {args.model} {way} {arm}: the step spans "
+                  f"{max(k.end for k in kernels) - min(k.start for k in kernels):.2f} us "
+                  f"(first kernel's start to last kernel's end)", flush=True)
 
 
 if __name__ == "__main__":
