@@ -42,7 +42,7 @@ from l2prefetch import tuning
 from l2prefetch.tuning.cli import compile_forward
 from l2prefetch.tuning.compiled import recompile
 from l2prefetch.tuning.hf import DecodeStep
-from l2prefetch.tuning.search import NOTHING_MEASURED
+from l2prefetch.tuning.search import NOT_PREPARED, NOTHING_MEASURED
 from l2prefetch.tuning.rig import spin_cycles_per_us
 
 
@@ -144,6 +144,44 @@ def _share(value, of):
     return f"{value / of:.0%}" if value is not None and of else ""
 
 
+#: The table's header lines (:func:`row` gives a batch's row).
+HEADER = ("| model | window | step | batch | step us | tuned ratio (95%) | gain us | "
+          "of which loads us | bitwise | kept | tune s | ceiling us | tuned / ceiling | "
+          "loads / ceiling | window ceiling us | window roles' loads / window ceiling |",
+          "|---|---:|---|---:|---:|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
+
+
+def row(name, window, step_name, rep, took):
+    """One batch's row of the table (its header: :data:`HEADER`): a batch not prepared or
+    never probed has blank step, ceiling and share cells, and says why."""
+    conf = rep.confirmed
+    kept = list(rep.plan) if conf is not None else []
+    probed = any(role.gap_us is not None for role in rep.roles)
+    top = ceiling(rep, kept) if probed else None   # None: never probed
+    own = window_ceiling(rep, window) if probed else None
+    gain_us = loads_us = None
+    if conf is None:
+        ratio = ("nothing measured (the budget ran out)" if rep.reason == NOTHING_MEASURED
+                 else "not prepared (the budget ran out)" if rep.reason == NOT_PREPARED
+                 else "empty plan")
+        gain, loads, same = "", "", ""
+    else:
+        low, high = conf.ratio_interval
+        ratio = f"{conf.ratio:.4f} ({low:.4f}-{high:.4f})"
+        gain, same = conf.gain.format(2), str(conf.identical)
+        gain_us = conf.gain.estimate
+        loads = "" if conf.loads is None else conf.loads.format(2)
+        loads_us = None if conf.loads is None else conf.loads.estimate
+    roles = "; ".join(f"{n} [{s.label()}]" for n, s in kept) or "-"
+    return (f"| {name} | {window:g} | {step_name} | {rep.batch} | "
+            f"{'' if math.isnan(rep.step_us) else f'{rep.step_us:.1f}'} | "
+            f"{ratio} | {gain} | {loads} | {same} | "
+            f"{roles} | {took:.0f} | {'' if top is None else f'{top:.2f}'} | "
+            f"{_share(gain_us, top)} | {_share(loads_us, top)} | "
+            f"{'' if own is None else f'{own:.2f}'} | "
+            f"{_share(window_loads(rep, kept, window), own)} |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compiled")
     parser.add_argument("--models", default="llama")
@@ -168,10 +206,7 @@ def main(argv=None):
     if args.reports and not os.path.isdir(args.reports):   # before minutes of tuning
         raise SystemExit(f"--reports {args.reports!r}: not a directory")
     batches = [int(b) for b in args.batches.split(",")]
-    rows = ["| model | window | step | batch | step us | tuned ratio (95%) | gain us | "
-            "of which loads us | bitwise | kept | tune s | ceiling us | tuned / ceiling | "
-            "loads / ceiling | window ceiling us | window roles' loads / window ceiling |",
-            "|---|---:|---|---:|---:|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    rows = list(HEADER)
     for name in args.models.split(","):
         for window in [float(w) for w in args.windows.split(",")]:
             for way in args.ways.split(","):
@@ -190,32 +225,9 @@ def main(argv=None):
                     path = os.path.join(args.reports, f"{name}-{window:g}-{way}.md")
                     with open(path, "w") as f:
                         f.write(result.markdown())
+                step_name = way if way == "eager" else f"compiled ({args.mode})"
                 for rep in result.batches:
-                    conf = rep.confirmed
-                    kept = list(rep.plan) if conf is not None else []
-                    top = ceiling(rep, kept)
-                    own = window_ceiling(rep, window)
-                    gain_us = loads_us = None
-                    if conf is None:
-                        ratio = ("nothing measured (the budget ran out)"
-                                 if rep.reason == NOTHING_MEASURED else "empty plan")
-                        gain, loads, same = "", "", ""
-                    else:
-                        low, high = conf.ratio_interval
-                        ratio = f"{conf.ratio:.4f} ({low:.4f}-{high:.4f})"
-                        gain, same = conf.gain.format(2), str(conf.identical)
-                        gain_us = conf.gain.estimate
-                        loads = "" if conf.loads is None else conf.loads.format(2)
-                        loads_us = None if conf.loads is None else conf.loads.estimate
-                    roles = "; ".join(f"{n} [{s.label()}]" for n, s in kept) or "-"
-                    step_name = way if way == "eager" else f"compiled ({args.mode})"
-                    rows.append(f"| {name} | {window:g} | {step_name} | {rep.batch} | "
-                                f"{'' if math.isnan(rep.step_us) else f'{rep.step_us:.1f}'} | "
-                                f"{ratio} | {gain} | {loads} | {same} | "
-                                f"{roles} | {took:.0f} | {top:.2f} | {_share(gain_us, top)} | "
-                                f"{_share(loads_us, top)} | "
-                                f"{'' if own is None else f'{own:.2f}'} | "
-                                f"{_share(window_loads(rep, kept, window), own)} |")
+                    rows.append(row(name, window, step_name, rep, took))
                     print(rows[-1], flush=True)
                 for handle in planted:
                     handle.remove()

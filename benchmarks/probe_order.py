@@ -11,11 +11,11 @@ MLP).  Per way (``eager``; ``compiled``: its forward compiled with ``--mode``) a
 ``loads``, its forks loading ``--cap`` MiB at ``--grid`` in ``--fork`` mode, attached
 before compiling as a server would), the step is captured in a CUDA graph and replayed
 under ``torch.profiler`` as ``python -m l2prefetch trace`` does (5 replays, their median
-timeline).  Printed: the kernels from
-the first spin (the planted window; from the first kernel when nothing is planted),
-``--kernels`` of them, each with its start and end relative to that spin, its stream and
-its name cut to 90 characters; every loader of the step (``l2p*``) also where it starts
-before that spin; and the step's span, first kernel's start to last kernel's end.
+timeline).  Printed: ``--kernels`` kernels from the first spin (the planted window; from
+the first kernel when nothing is planted), each with its start and end relative to it,
+its stream and its name cut to 90 characters; beside them every loader of the step
+(``l2p_prefetch_*``), also those that start before the spin or after the last kernel
+shown; and the step's span, the first kernel's start to the last kernel's end.
 
     python -m benchmarks.probe_order [--model llama] [--window 40] [--batch 1]
         [--ways eager,compiled] [--kernels 40] [--role NAME --cap 48 --grid 32 --fork branch]
@@ -32,7 +32,7 @@ from l2prefetch.tuning import candidates, discover
 from l2prefetch.tuning.cli import compile_forward
 from l2prefetch.tuning.compiled import recompile
 from l2prefetch.tuning.trace_capture import capture_graph, forks_of_role, profile_replays
-from l2prefetch.tuning.trace_events import timeline
+from l2prefetch.tuning.trace_events import LOADER_PREFIX, timeline
 
 MIB = 1 << 20
 REPLAYS = 5
@@ -99,18 +99,18 @@ def main(argv=None):
     for way in ways:
         for arm in arms:
             kernels = one(args, way, arm)
-            first = next((k for k in kernels
-                          if "sleep" in k.name.lower() or "spin" in k.name.lower()),
-                         kernels[0] if kernels else None)
+            spin = next((k for k in kernels
+                         if "sleep" in k.name.lower() or "spin" in k.name.lower()), None)
+            first = spin if spin is not None else (kernels[0] if kernels else None)
             print(f"probe_order {args.model} {way} B{args.batch} window {args.window:g} us, "
                   f"{arm}{'' if arm == 'none' else f' ({args.role}, {args.cap:g} MiB, grid {args.grid}, {args.fork})'}: "
-                  f"{len(kernels)} kernels a step (median of {REPLAYS} replays), "
-                  f"times from the first spin's start:", flush=True)
+                  f"{len(kernels)} kernels a step (median of {REPLAYS} replays), times from "
+                  f"the first {'spin' if spin is not None else 'kernel'}'s start:", flush=True)
             if first is None:
                 continue
             shown = [k for k in kernels if k.start >= first.start][:args.kernels]
-            loaders = [k for k in kernels if k.name.startswith("l2p") and k not in shown]
-            for k in sorted(shown + loaders[:args.kernels], key=lambda k: k.start):
+            loaders = [k for k in kernels if k.name.startswith(LOADER_PREFIX) and k not in shown]
+            for k in sorted(shown + loaders, key=lambda k: k.start):
                 print(f"  {k.start - first.start:9.2f} {k.end - first.start:9.2f} "
                       f"{k.dur:8.2f} us  stream {k.stream}  {k.name[:90]}", flush=True)
             print(f"probe_order {args.model} {way} {arm}: the step spans "

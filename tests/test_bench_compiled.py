@@ -8,7 +8,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from benchmarks.compiled import ceiling, window_ceiling, window_loads  # noqa: E402
+from benchmarks.compiled import HEADER, ceiling, row, window_ceiling, window_loads  # noqa: E402
+from l2prefetch.tuning.results import BatchReport, RoleReport  # noqa: E402
+from l2prefetch.tuning.search import NOT_PREPARED, NOTHING_MEASURED  # noqa: E402
 
 
 def _role(name, gap, chain):
@@ -91,3 +93,23 @@ def test_the_branch_probe_forks_at_the_layers_asked_and_reads_the_mlp_s_first_we
     assert first_mlp_weight(fused) is fused.mlp.gate_up_proj.weight
     with pytest.raises(SystemExit, match="neither"):
         first_mlp_weight(SimpleNamespace(mlp=torch.nn.Identity()))
+
+
+def test_a_batch_never_probed_has_blank_cells_and_says_why():
+    """A batch not prepared (no step time, no probe) and one prepared but with nothing
+    measured: their rows leave the step, the ceilings and the shares blank rather than
+    'nan' or a ceiling of 0.00, and say which happened; each has the header's columns."""
+    columns = HEADER[0].count("|")
+    not_prepared = row("qwen3", 0.0, "compiled (default)",
+                       BatchReport(batch=8, reason=NOT_PREPARED), 133.0)
+    assert not_prepared == ("| qwen3 | 0 | compiled (default) | 8 |  | not prepared (the budget "
+                            "ran out) |  |  |  | - | 133 |  |  |  |  |  |")
+    assert not_prepared.count("|") == columns
+    probed = RoleReport("after self_attn.o_proj: mlp.gate_proj", 6, 48 << 20)
+    probed.gap_us, probed.window_us = 20.0, 60.0
+    starved = row("llama", 40.0, "eager", BatchReport(batch=1, step_us=1000.0,
+                                                      reason=NOTHING_MEASURED,
+                                                      roles=[probed]), 100.0)
+    assert starved == ("| llama | 40 | eager | 1 | 1000.0 | nothing measured (the budget ran "
+                       "out) |  |  |  | - | 100 | 20.00 |  |  | 20.00 |  |")
+    assert starved.count("|") == columns

@@ -265,3 +265,20 @@ def test_the_demo_on_a_gpu_writes_each_case_and_its_profiles_load(tmp_path, caps
         if profile.plan:
             assert "confirmed: " in text.split(f"\n{case}, ")[1].split("\n\n")[0]
     assert not any(name.endswith(".tmp") for name in os.listdir(out))
+
+
+def test_the_summary_of_a_batch_not_prepared_says_so_and_how_to_fix_it():
+    """A case whose batch the search did not prepare (the budget ran out first) has no
+    step time: its summary says the step was not measured (no 'nan') and, since the
+    reason names the budget, where to give more."""
+    import argparse
+
+    from l2prefetch.tuning.results import BatchReport
+    from l2prefetch.tuning.search import NOT_PREPARED
+
+    rep = BatchReport(batch=1, reason=NOT_PREPARED)
+    text = demo._summary("planted", argparse.Namespace(spin_us=40.0), rep, ["out/p.json"])
+    assert "nan" not in text
+    assert text.splitlines()[0].endswith(": the step was not measured")
+    assert "plan: empty (not prepared: its share of the budget" in text
+    assert "budget_s, --budget)" in text and text.endswith("file: out/p.json")

@@ -978,22 +978,47 @@ class SlowToPrepare(PlantedBackend):
 
 def test_a_batch_whose_share_is_less_than_the_last_preparation_is_not_prepared():
     """The budget split left batch 8 less than preparing batch 1 took: batch 8 is not
-    prepared (no compilations past the budget), and says the budget ran out."""
+    prepared (no compilations past the budget), and says why."""
     backend = SlowToPrepare({"A": pays(8.0)}, seed=3, prepare_s=30.0)
     (first, second), log = run(backend, [role("A")], batches=(1, 8), budget_s=50.0)
     assert backend.prepared == [1]
     assert first.step_us == backend.step_us
-    assert second.reason == S.NOTHING_MEASURED and math.isnan(second.step_us)
-    assert "batch 8: not prepared" in log and "preparing the last batch took 30 s" in log
+    assert second.reason == S.NOT_PREPARED and math.isnan(second.step_us)
+    assert "raise the budget" in second.reason
+    assert re.search(r"batch 8: \d+ s of the budget left for it, less than preparing the "
+                     r"last batch took \(30 s\) and measuring one role takes \(\d+ s\)", log)
     # with a share larger than the last preparation, every batch is prepared
     backend = SlowToPrepare({"A": pays(8.0)}, seed=3, prepare_s=1.0)
     run(backend, [role("A")], batches=(1, 8), budget_s=300.0)
     assert backend.prepared == [1, 8]
-    # nothing left at all: not even the first batch
+    # nothing left at all: not even the first batch, and no preparation is named
     backend = SlowToPrepare({"A": pays(8.0)}, seed=3)
     (only,), log = run(backend, [role("A")], budget_s=0.0)
-    assert backend.prepared == [] and only.reason == S.NOTHING_MEASURED
-    assert "batch 1: not prepared: 0 s of the budget left" in log
+    assert backend.prepared == [] and only.reason == S.NOT_PREPARED
+    assert "batch 1: 0 s of the budget left for it\n" in log
+    assert "preparing the last batch" not in log
+
+
+def test_a_share_that_covers_the_preparation_but_no_measuring_is_not_prepared():
+    """Preparing batch 1 took 30 s; batch 8's share (31 s of 62) covers that but not one
+    role's sweep and the confirmations after it: it is not prepared either (the waste of
+    compiling a batch that can measure nothing)."""
+    backend = SlowToPrepare({"A": pays(8.0)}, seed=3, prepare_s=30.0)
+    (_, second), _ = run(backend, [role("A")], batches=(1, 8), budget_s=62.0)
+    assert backend.prepared == [1] and second.reason == S.NOT_PREPARED
+
+
+def test_a_batch_not_prepared_passes_its_share_to_the_batches_after_it():
+    """Batch 8's share is too small, batch 16 gets its share and batch 8's, and is
+    prepared: each batch's verdict says which happened."""
+    backend = SlowToPrepare({"A": pays(8.0)}, seed=3, prepare_s=40.0)
+    (first, second, third), log = run(backend, [role("A")], batches=(1, 8, 16),
+                                      budget_s=100.0)   # shares 33, 30, 60 s
+    assert backend.prepared == [1, 16]
+    assert first.reason == S.NOTHING_MEASURED   # its 33 s went to its 40 s preparation
+    assert second.reason == S.NOT_PREPARED and math.isnan(second.step_us)
+    assert third.confirmed is not None and not math.isnan(third.step_us)
+    assert "batch 16: confirmed" in log
 
 
 def test_a_budget_spent_before_the_first_role_says_so_not_that_nothing_paid():

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -18,6 +19,7 @@ import torch
 from l2prefetch import PlanEntry, hooks, tuning
 from l2prefetch import profile as P
 from l2prefetch.tuning.arms import Backend
+from l2prefetch.tuning.search import NOT_PREPARED
 
 import _tuning_fakes as fakes
 import l2prefetch
@@ -1581,6 +1583,32 @@ def test_tune_says_when_the_budget_ran_out_before_any_role_was_measured():
     assert text.strip().splitlines()[-1].startswith("[l2prefetch tune] done in")
 
 
+def test_a_tune_whose_roles_took_the_budget_saves_a_profile_any_json_reader_reads(tmp_path):
+    """Finding the roles spent the whole budget: tune gives the search none (not a
+    negative budget), no batch is prepared, and the saved profile says so with a null
+    step time, not NaN, which JSON lacks (Python's reader takes it, others refuse it)."""
+    model, step = model_and_step()
+    backend = DeviceBackend({O_PROJ: lambda s: -1.0}, seed=4)
+    result = tuning.tune(model, step, [1, 8], backend=backend, progress=None,
+                         min_bytes=256 * 1024, budget_s=1e-9)
+    assert backend.prepared == []
+    assert all(rep.reason == NOT_PREPARED for rep in result.batches)
+    path = tmp_path / "p.json"
+    result.save(path, model)
+
+    def refuse(name):
+        raise ValueError(f"{name} in the profile")
+
+    data = json.loads(path.read_text(), parse_constant=refuse)
+    assert [r["step_us"] for r in data["results"]] == [None, None]
+    assert tuning.load_profile(path, model, check_device=False).plan == []
+
+
+def test_the_profile_writer_refuses_nan():
+    with pytest.raises(ValueError, match="JSON compliant"):
+        P._compact_json({"results": [{"step_us": math.nan}]})
+
+
 def test_a_batch_not_prepared_shows_no_step_time():
     """A batch the search did not prepare (its share of the budget was less than the last
     batch's preparation took) has no step time: the report's verdict leaves it blank and
@@ -1591,13 +1619,17 @@ def test_a_batch_not_prepared_shows_no_step_time():
     from l2prefetch.tuning.tuner import TuneResult, _time_went
 
     reps = [BatchReport(batch=1, step_us=100.0, reason=NOTHING_MEASURED, elapsed_s=12.0),
-            BatchReport(batch=8, reason=NOTHING_MEASURED)]
+            BatchReport(batch=8, reason=NOT_PREPARED)]
     result = TuneResult(batches=reps, roles=[], plan=[], sites={}, budget_s=1.0,
                         elapsed_s=1.0, settings={})
     text = markdown(result)
     assert "nan" not in text.lower()
     assert re.search(r"^\| 8 \|  \| empty \|", text, re.M), text
     assert re.search(r"^\| 1 \| 100\.0 \| empty \|", text, re.M), text
+    # the step us column stays right-aligned with a blank cell; batch 8's section says
+    # why it has no roles table
+    assert "|---:|---:|---|" in text, text
+    assert "## Batch 8\n\nNot prepared: its share of the budget" in text, text
     went = _time_went(30.0, reps, compiled=True)
     assert went == ("finding the roles and screening their sites 30 s, batch 1 12 s "
                     "(compilations included), batch 8 not prepared")

@@ -48,8 +48,13 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(x: Any) -> str:
         return str(x).replace("|", "\\|")
 
-    align = ["---:" if rows and all(isinstance(r[i], (int, float)) or _numeric(r[i])
-                                    for r in rows) else "---" for i in range(len(header))]
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) or _numeric(x)
+
+    # a column of numbers stays right-aligned where a cell is blank (not measured)
+    align = ["---:" if any(number(r[i]) for r in rows)
+             and all(number(r[i]) or r[i] == "" for r in rows) else "---"
+             for i in range(len(header))]
     lines = ["| " + " | ".join(cell(h) for h in header) + " |",
              "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
@@ -131,6 +136,9 @@ def markdown(result: Any) -> str:
                       "result"], rows))
     for rep in result.batches:
         out.append(f"## Batch {rep.batch}\n")
+        if math.isnan(rep.step_us) and not rep.roles:   # not prepared: nothing to show
+            out.append(f"{rep.reason[:1].upper()}{rep.reason[1:]}.\n")
+            continue
         if rep.confirmations:
             rows = []
             for c in rep.confirmations:

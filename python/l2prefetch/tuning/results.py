@@ -194,7 +194,8 @@ class BatchReport:
 
     def as_dict(self) -> dict:
         confirmed = self.confirmed
-        return {"batch": self.batch, "step_us": self.step_us,
+        return {"batch": self.batch,   # null: not prepared (JSON has no NaN)
+                "step_us": None if math.isnan(self.step_us) else self.step_us,
                 "plan": [[name, s.as_dict()] for name, s in self.plan],
                 "confirmed": None if confirmed is None else confirmed.as_dict(),
                 "confirmations": [c.as_dict() for c in self.confirmations],

@@ -10,7 +10,9 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
    be captured is a :class:`~l2prefetch.tuning.arms.StepError`), time it, probe the windows and the
    cold-to-hot gaps where the backend can (:meth:`~l2prefetch.tuning.arms.Backend.probe`).
    A batch whose share of the budget is no more than the last batch's preparation took
-   (a compiled step's compilations) is not prepared: nothing is measured there.
+   (a compiled step's compilations) and the least measuring that can ship a plan (one
+   role's sweep, the combine and confirm steps) is not prepared (:data:`NOT_PREPARED`):
+   nothing is measured there, and its share goes to the batches after it.
 2. **screen**: a role whose gap (the most its loads could gain) is under
    ``min_gain_us`` is not measured; the rest are measured in decreasing gap.
 3. **sweep**: per role, one group of (a) no forks and, in every fork mode
@@ -128,6 +130,7 @@ from .stats import mean_interval
 
 __all__ = ["DEFAULT_CAPS_MIB", "DEFAULT_GRIDS", "DEFAULT_MIN_GAIN_US", "DEFAULT_RESOLUTION",
            "LEAD_INSTANCES_FACTOR", "MAX_INSTANCES", "MIN_INSTANCES", "NOTHING_MEASURED",
+           "NOT_PREPARED",
            "REFUSED_OUTPUTS", "lead_max_instances", "search"]
 
 #: A role's reason where its verified loads changed the step's outputs.
@@ -142,6 +145,10 @@ UNMEASURED = "not measured: the budget ran out"
 #: lines then say where the time went).
 NOTHING_MEASURED = ("nothing measured: the budget ran out before the first role "
                     "(raise the budget: budget_s, --budget)")
+#: A batch's reason where its share of the budget was too small to prepare it and
+#: measure a role, so it was not prepared (its share went to the batches after it).
+NOT_PREPARED = ("not prepared: its share of the budget was less than preparing a batch "
+                "and measuring one role takes (raise the budget: budget_s, --budget)")
 #: Caps tried per role, in MiB (limited to what a role can load).
 DEFAULT_CAPS_MIB = (4, 8, 16, 24, 32, 48)
 #: Loader CTAs tried in the refine step besides the default.
@@ -183,19 +190,23 @@ def search(backend: Backend, roles: Sequence[Role], batches: Sequence[int], *,
     meter = Progress(progress, budget_s, clock)
     start = clock()
     reports = []
-    prepare_s = 0.0   # the last batch's preparation: the next one's estimate
+    last: Optional[_State] = None   # the last batch prepared: the next one's estimates
     for i, batch in enumerate(batches):
         share = (budget_s - (clock() - start)) / (len(batches) - i)
-        if share <= prepare_s:
-            # preparing would spend more than the batch's share (a compiled step's
-            # compilations: 13-32 s a batch, RESULTS run 26) and leave nothing to measure
-            meter.line(f"batch {batch}: not prepared: {max(share, 0.0):.0f} s of the budget "
-                       f"left for it, preparing the last batch took {prepare_s:.0f} s")
-            report = BatchReport(batch, reason=NOTHING_MEASURED)
+        need = 0.0 if last is None else last.prepare_s + last.least_measure_s()
+        if share <= need:
+            # preparing would spend the batch's share (a compiled step's compilations:
+            # 13-32 s a batch, RESULTS run 26) and leave nothing to measure; its share
+            # goes to the batches after it
+            meter.line(f"batch {batch}: {max(share, 0.0):.0f} s of the budget left for it"
+                       + ("" if last is None else
+                          f", less than preparing the last batch took ({last.prepare_s:.0f}"
+                          f" s) and measuring one role takes "
+                          f"({last.least_measure_s():.0f} s)"))
+            report = BatchReport(batch, reason=NOT_PREPARED)
         else:
-            state = _State.at(backend, roles, batch, params, meter, clock() + share, clock)
-            report = _search_batch(state)
-            prepare_s = state.prepare_s
+            last = _State.at(backend, roles, batch, params, meter, clock() + share, clock)
+            report = _search_batch(last)
         meter.line(f"batch {batch}: {report.reason}")
         reports.append(report)
     return reports
@@ -230,6 +241,13 @@ class _State:
     @property
     def progress(self) -> Progress:
         return self.sampler.progress
+
+    def least_measure_s(self) -> float:
+        """The least a batch measures that can ship a plan, priced at this batch's step:
+        one role's sweep at one cap, then the combine and confirm steps."""
+        if not self.budget.prepared:
+            return 0.0
+        return self.budget.sweep_cost(1) + self.budget.final_estimate()
 
 
 def _search_batch(st: _State) -> BatchReport:

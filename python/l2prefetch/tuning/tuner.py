@@ -30,8 +30,8 @@ from .compiled import (COMPILE_MODES, compilations_differ, eager_stance, recompi
 from .report import markdown, plot
 from .results import BatchReport
 from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
-                     MAX_INSTANCES, MIN_INSTANCES, NOTHING_MEASURED, REFUSED_OUTPUTS,
-                     lead_max_instances, search)
+                     MAX_INSTANCES, MIN_INSTANCES, NOT_PREPARED, NOTHING_MEASURED,
+                     REFUSED_OUTPUTS, lead_max_instances, search)
 
 __all__ = ["TuneResult", "check_max_instances", "tune"]
 
@@ -351,7 +351,8 @@ def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any)
     unnamed = compiled and not compilations_differ(result.step.get("mode"))
     refused = sum(r.reason.startswith(REFUSED_OUTPUTS)
                   for rep in result.batches for r in rep.roles)
-    starved = [rep.batch for rep in result.batches if rep.reason == NOTHING_MEASURED]
+    starved = [rep.batch for rep in result.batches
+               if rep.reason in (NOTHING_MEASURED, NOT_PREPARED)]
     hints = []
     if unnamed and refused and not backend.within_compilation:
         hints.append(f"{refused} role(s) refused because the outputs with forks differed from "
