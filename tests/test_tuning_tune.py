@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 import logging
 import math
@@ -1589,9 +1590,13 @@ def test_a_tune_whose_roles_took_the_budget_saves_a_profile_any_json_reader_read
     step time, not NaN, which JSON lacks (Python's reader takes it, others refuse it)."""
     model, step = model_and_step()
     backend = DeviceBackend({O_PROJ: lambda s: -1.0}, seed=4)
-    result = tuning.tune(model, step, [1, 8], backend=backend, progress=None,
+    out = io.StringIO()
+    result = tuning.tune(model, step, [1, 8], backend=backend, progress=out,
                          min_bytes=256 * 1024, budget_s=1e-9)
     assert backend.prepared == []
+    # no batch was prepared: the hint blames finding the roles alone
+    assert ("at batch(es) 1, 8 the budget ran out before any role was measured: finding "
+            "the roles took it (see below)") in out.getvalue(), out.getvalue()
     assert all(rep.reason == NOT_PREPARED for rep in result.batches)
     path = tmp_path / "p.json"
     result.save(path, model)

@@ -362,11 +362,13 @@ def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any)
                      "max-autotune-no-cudagraphs) so that outputs are compared within one "
                      "compilation")
     if starved:
+        prepared = any(not math.isnan(rep.step_us) for rep in result.batches)
         hints.append(f"at batch(es) {', '.join(map(str, starved))} the budget ran out before "
                      f"any role was measured: finding{' and screening' if compiled else ''} "
-                     f"the roles and preparing each batch"
-                     f"{' (its compilations)' if compiled else ''} took it (see below); raise "
-                     "budget_s (--budget)")
+                     f"the roles"
+                     + (f" and preparing each batch{' (its compilations)' if compiled else ''}"
+                        if prepared else "")
+                     + " took it (see below); raise budget_s (--budget)")
     for hint in hints:
         logger.warning("%s", hint)
         if progress is not None:
