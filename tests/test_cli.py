@@ -148,6 +148,17 @@ def test_info_says_when_prefetching_is_switched_off(fake, capsys, monkeypatch):
     monkeypatch.setenv("L2PREFETCH_DISABLE", "yes")
     assert cli.main(["info"]) == 0
     assert capsys.readouterr().out.startswith("L2PREFETCH_DISABLE is set: prefetching is off")
+    # a value it does not know (a typo) leaves prefetching on, and info says so on stdout,
+    # not only to a logger nobody configured
+    for typo in ("ture", "2"):
+        monkeypatch.setenv("L2PREFETCH_DISABLE", typo)
+        assert cli.main(["info"]) == 0
+        assert capsys.readouterr().out.startswith(
+            f"L2PREFETCH_DISABLE={typo!r} is not a word l2prefetch knows, so prefetching "
+            "stays on: 1 (true, yes, on) turns it off")
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "off")
+    assert cli.main(["info"]) == 0
+    assert "L2PREFETCH_DISABLE" not in capsys.readouterr().out
 
 
 def test_torch_without_cuda_is_a_reason(fake, capsys):

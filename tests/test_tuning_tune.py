@@ -1638,3 +1638,30 @@ def test_a_batch_not_prepared_shows_no_step_time():
     went = _time_went(30.0, reps, compiled=True)
     assert went == ("finding the roles and screening their sites 30 s, batch 1 12 s "
                     "(compilations included), batch 8 not prepared")
+
+
+def test_with_prefetching_off_the_readmes_start_up_runs_without_a_driver(tmp_path,
+                                                                         monkeypatch):
+    """L2PREFETCH_DISABLE=1: the README's start-up (load_profile, from_profile,
+    hooks.attach) runs where no driver is (CPU, CI) or on another GPU than the profile's:
+    the device is not checked, since nothing is prepared; the file and the model are."""
+    model, result = tuned()
+    path = tmp_path / "model.l2p.json"
+    result.save(path, model)
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "1")
+    profile = P.load_profile(path, model)          # checks the device by default
+    assert profile.plan
+    controller = l2prefetch.PrefetchController.from_profile(profile, model)
+    assert controller.fork(profile.plan[0].point, profile.plan[0].layer, 1) is False
+    attached = hooks.attach(model, controller, profile.hook_points)
+    try:
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    finally:
+        attached.detach()
+    l2prefetch.PrefetchController.from_profile(path, model).close()   # from the path too
+    controller.close()
+    # the model is still checked: a profile of another model is refused
+    other, _ = model_and_step()
+    other.model.layers = other.model.layers[:2]
+    with pytest.raises(P.ProfileMismatchError, match="decoder layers"):
+        P.load_profile(path, other)

@@ -63,7 +63,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from . import _C, _torch, __version__
-from .controller import disabled
+from .controller import disabled, unknown_disable_value
 from ._parser import Parser as _Parser
 from . import kimi_k3
 from .kimi_k3 import DEFAULT_DIMS, MAX_TENSOR_BYTES, synthetic_model as build_synthetic_kimi
@@ -194,9 +194,13 @@ def _add_info(subparsers: Any) -> None:
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    if disabled():   # and a value it does not know is warned of
+    if disabled():
         print("L2PREFETCH_DISABLE is set: prefetching is off (controllers prepare nothing, "
               "forks load nothing; tune and trace refuse to run)\n")
+    elif unknown_disable_value() is not None:   # also logged, where logging shows it
+        print(f"L2PREFETCH_DISABLE={unknown_disable_value()!r} is not a word l2prefetch "
+              "knows, so prefetching stays on: 1 (true, yes, on) turns it off, 0 (false, "
+              "no, off) says it is on\n")
     reason = _why_no_gpu()
     if reason is None:
         return _info_gpu(args.verbose)

@@ -25,7 +25,8 @@ from .plan import GraphFork, KernelName, PlanEntry, compact_batches, mib_by_batc
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["DeviceLike", "PrefetchController", "build_controller", "disabled", "empty_controller"]
+__all__ = ["DeviceLike", "PrefetchController", "build_controller", "disabled", "empty_controller",
+           "unknown_disable_value"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +51,25 @@ _ENABLED_WORDS = frozenset({"", "0", "false", "no", "off"})
 _warned_values: set[str] = set()
 
 
+def unknown_disable_value() -> Optional[str]:
+    """L2PREFETCH_DISABLE's value where it is neither a word that turns prefetching off
+    nor one that leaves it on (``ture``, ``2``): prefetching stays on.  None otherwise."""
+    value = os.environ.get("L2PREFETCH_DISABLE")
+    if (value is None or _C.env_flag("L2PREFETCH_DISABLE")
+            or value.strip(" \t\n\r\v\f").lower() in _ENABLED_WORDS):
+        return None
+    return value
+
+
 def disabled() -> bool:
     """Whether L2PREFETCH_DISABLE asks for no prefetching (1, true, yes, on; any case,
     blanks around it ignored): the C controller's rule, read by the C parser.  Any other
     value but 0, false, no, off or empty leaves prefetching on, with a warning (once per
-    value).  Also ``l2prefetch.disabled`` and ``hooks.disabled``."""
+    value; :func:`unknown_disable_value`).  Also ``l2prefetch.disabled`` and
+    ``hooks.disabled``."""
     off = _C.env_flag("L2PREFETCH_DISABLE")
-    value = os.environ.get("L2PREFETCH_DISABLE")
-    if (not off and value is not None and value.strip(" \t\n\r\v\f").lower()
-            not in _ENABLED_WORDS and value not in _warned_values):
+    value = unknown_disable_value()
+    if value is not None and value not in _warned_values:
         _warned_values.add(value)
         logger.warning("L2PREFETCH_DISABLE=%r is not a word it knows, so prefetching stays "
                        "on: set it to 1 (true, yes, on) to turn prefetching off, or 0 "

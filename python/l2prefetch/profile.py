@@ -225,7 +225,8 @@ class Profile:
     def check_device(self, device: Any = None) -> None:
         """Raise :class:`ProfileMismatchError` unless this profile was tuned on a GPU like
         ``device`` (what :func:`load_profile` checks; one loaded with
-        ``check_device=False`` is checked here before it is applied)."""
+        ``check_device=False`` is checked here before it is applied).  Not with
+        L2PREFETCH_DISABLE set: nothing is applied, and the check needs a driver."""
         _check_device(self.data, device, self.path if self.path else "(loaded)")
 
     @property
@@ -495,6 +496,11 @@ def _check_capture_k(data: dict, where: str) -> None:
 
 
 def _check_device(data: dict, device: Any, where: str) -> None:
+    if _C.env_flag("L2PREFETCH_DISABLE"):
+        # prefetching is off: no plan is prepared, so the GPU it was tuned on does not
+        # matter, and a server started without a driver (a CPU test run) must not fail
+        logger.info("L2PREFETCH_DISABLE is set: profile %s's device is not checked", where)
+        return
     here = device_fingerprint(device)
     theirs = data["device"]
     diffs = [f"{key}: profile {_show(theirs[key])}, this device {_show(here[key])}"
@@ -547,7 +553,9 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     another model, naming what differs; a bad ``device`` as the controller
     does, and :class:`l2prefetch.CudaUnavailableError` without a GPU to check
     (see :func:`device_fingerprint`); OSError from reading the file.  The
-    profile is bound to ``model`` (:meth:`Profile.check_model`).
+    profile is bound to ``model`` (:meth:`Profile.check_model`).  With
+    L2PREFETCH_DISABLE set the device is not checked (nothing will be prepared),
+    the file and the model are.
     """
     where = os.fspath(source)
     data = parse_profile(read_text(where, "profile"), where)
