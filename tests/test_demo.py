@@ -130,7 +130,8 @@ def test_what_it_would_do_follows_the_options(tmp_path, monkeypatch, capsys):
                         r"must be in \(0, 86400\], got 0$"),
     (["--budget", "soon"], r"argument --budget: --budget must be a number, got 'soon'$"),
     (["--spin-us", "-1"], r"argument --spin-us: --spin-us must be in \(0, 1000\]"),
-    (["--compile", "reduce-overhead"], r"argument --compile: invalid choice"),
+    (["--compile", "reduce-overhead"], r"argument --compile: 'reduce-overhead' captures CUDA "
+                                       r"graphs of its own"),
     (["--bogus"], r"demo: error: unrecognized arguments: --bogus$"),
     (["--out"], r"argument --out: expected one argument$"),
     (["--set", "hidden_size"], r"^l2prefetch demo: --set: a config override must be "

@@ -85,6 +85,9 @@ def test_compile_modes_that_capture_their_own_graphs_are_refused(mode, capsys):
                            mode], capsys)
     assert code == 2
     assert "--compile" in err and "max-autotune-no-cudagraphs" in err
+    # it says why: these modes capture CUDA graphs of their own; an unknown one is no mode
+    assert ("captures CUDA graphs of its own" in err) == (mode != "nope"), err
+    assert ("is not an Inductor mode the tuner measures" in err) == (mode == "nope"), err
 
 
 def test_config_json_and_class_name_sources(tmp_path, capsys):
@@ -218,13 +221,17 @@ def test_errors_before_measuring_exit_2(capsys, monkeypatch):
     code, _, err = run(["llama"], capsys)
     assert code == 2 and "tuning needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
     code, _, err = run(["llama", "--set", "nonsense", "--device", "cpu", "--list-roles"], capsys)
-    assert code == 2 and "KEY=VALUE" in err
+    assert code == 2 and "--set: a config override must be KEY=VALUE, got 'nonsense'" in err
 
 
 def test_an_unknown_model_exits_2(capsys):
     pytest.importorskip("transformers")
     code, _, err = run(["no-such-model-type", "--device", "cpu", "--list-roles"], capsys)
     assert code == 2 and "neither a checkpoint directory" in err
+    # a path that is not there says so first
+    for path in ("/nonexistent/ckpt", "./ckpt", "config.json"):
+        code, _, err = run([path, "--device", "cpu", "--list-roles"], capsys)
+        assert code == 2 and f"{path!r}: no such file or directory (pass a checkpoint" in err
 
 
 def test_without_transformers_exit_2(capsys, monkeypatch):

@@ -1665,3 +1665,16 @@ def test_with_prefetching_off_the_readmes_start_up_runs_without_a_driver(tmp_pat
     other.model.layers = other.model.layers[:2]
     with pytest.raises(P.ProfileMismatchError, match="decoder layers"):
         P.load_profile(path, other)
+
+
+def test_a_profile_prints_as_one_line(tmp_path):
+    """repr(profile): the file, the GPU, the step, the plan's size, not its 100 KB of
+    trials (a log line)."""
+    model, result = tuned()
+    path = tmp_path / "p.json"
+    result.save(path, model)
+    profile = P.load_profile(path, model, check_device=False)
+    text = repr(profile)
+    assert "\n" not in text and len(text) < 300, text
+    assert text.startswith(f"Profile(path={str(path)!r}, device={FAKE_DEVICE['name']!r}, "
+                           f"step=eager, entries={len(profile.plan)}, points=["), text

@@ -111,7 +111,8 @@ def _parser() -> _Parser:
                     "command, runs 'info'.",
         epilog="Exit status: 0 done; 1 CUDA or NVRTC failed while running; 2 a bad option "
                "or input, or torch missing (one line on stderr).  '%(prog)s COMMAND --help' "
-               "describes a command.")
+               "describes a command.  L2PREFETCH_DISABLE=1 in the environment turns "
+               "prefetching off (README, Configuration).")
     parser.add_argument("--version", action="version", version=f"l2prefetch {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="info: also print the kernel's compile options and the mix of "
@@ -210,6 +211,9 @@ def _run_info(args: argparse.Namespace) -> int:
     _print_kernel("ring", 90, args.verbose)
     print()
     _print_ranges()
+    print(f"\nNext, here: '{_program()} demo' (the whole flow: what the CPU can do of it) or "
+          f"'{_program()} tune MODEL --list-roles --device cpu' (a model's candidate fork "
+          "points); on a GPU, 'tune MODEL' measures them.")
     return 0
 
 

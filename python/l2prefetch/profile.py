@@ -201,6 +201,14 @@ class Profile:
     path: Optional[str] = None
     model: Optional[weakref.ref] = dataclasses.field(default=None, repr=False, compare=False)
 
+    def __repr__(self) -> str:
+        """One line: the file, the GPU, the step, the plan's size; not the data (a run's
+        trials make it 100 KB, too much for a log line)."""
+        step = self.step
+        how = f"compiled ({step['mode']})" if step["compiled"] else "eager"
+        return (f"Profile(path={self.path!r}, device={self.device.get('name')!r}, "
+                f"step={how}, entries={len(self.plan)}, points={sorted(self.sites)!r})")
+
     def check_model(self, model: Any) -> None:
         """Raise :class:`ProfileMismatchError` unless ``model`` is the model this profile's
         plan was resolved in."""

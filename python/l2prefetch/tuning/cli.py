@@ -32,7 +32,7 @@ from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
 from . import hf, tuner
 from .arms import StepError
-from .compiled import COMPILE_MODES, eager_stance
+from .compiled import compile_mode, eager_stance
 from .discovery import describe_roles, find_roles, role_hints
 from .measure import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_TARGET_US
 from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
@@ -190,7 +190,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cache-len", type=positive(int, "--max-cache-len", 1, 1 << 20),
                         default=64, help="StaticCache length (default 64)")
     parser.add_argument("--compile", nargs="?", const="default", default=None,
-                        choices=COMPILE_MODES, metavar="MODE",
+                        type=compile_mode, metavar="MODE",
                         help="tune the step as vLLM and SGLang run it: the model's forward "
                              "compiled with torch.compile (Inductor; MODE default or "
                              "max-autotune-no-cudagraphs, default: default) and captured in "
@@ -314,6 +314,9 @@ def _build(args: argparse.Namespace, device: Any, torch: Any, progress: Any) -> 
     """The model and its decode step."""
     try:
         overrides = hf.parse_overrides(args.overrides)
+    except ValueError as exc:
+        raise _Exit(f"--set: {exc}") from None
+    try:
         model = hf.load_model(args.model, overrides=overrides, device=device,
                               dtype=args.dtype, seed=args.seed, progress=progress)
         step = hf.DecodeStep(model, prompt_len=args.prompt_len, max_cache_len=args.max_cache_len,
@@ -368,7 +371,9 @@ def _list_roles(args: argparse.Namespace, options: _Options, model: Any, step: A
             if progress is not None:
                 print(f"[l2prefetch tune] the compiled step ran at batch "
                       f"{batch} in {time.monotonic() - t0:.1f} s, compilation "
-                      f"included; the roles come from the eager module tree",
+                      f"included; the roles come from the eager module tree, so they are "
+                      f"the eager step's (which sites' forks change Inductor's kernels is "
+                      f"screened when tune measures, on a GPU)",
                       file=progress, flush=True)
         roles = find_roles(model, first_step, min_bytes=options.min_bytes,
                            within=eager_stance() if args.compile is not None else None)

@@ -26,6 +26,7 @@ Discovery and the window probe read the eager module tree
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import re
@@ -36,7 +37,7 @@ from .. import hooks
 from ..mechanisms import DEFAULT_SITE_HOOK
 from .discovery import Role
 
-__all__ = ["COMPILE_MODES", "Switchboard", "board_for_roles", "compilations_differ",
+__all__ = ["COMPILE_MODES", "OWN_GRAPH_MODES", "Switchboard", "compile_mode", "board_for_roles", "compilations_differ",
            "eager_stance", "kernel_calls", "recompile", "screen_roles", "screen_sites",
            "screened_board", "step_is_compiled"]
 
@@ -47,6 +48,22 @@ logger = logging.getLogger(__name__)
 #: those that leave CUDA graphs to the caller (the tuner captures the step itself, as a
 #: server does; "reduce-overhead" and "max-autotune" capture their own).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+#: Inductor modes that capture CUDA graphs of their own: the tuner cannot measure them.
+OWN_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compile_mode(text: str) -> str:
+    """``--compile MODE`` (an argparse type): one of :data:`COMPILE_MODES`, else an
+    error that says why and what to use instead."""
+    if text in COMPILE_MODES:
+        return text
+    use = f"use {' or '.join(COMPILE_MODES)}"
+    if text in OWN_GRAPH_MODES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} captures CUDA graphs of its own, and the tuner captures the compiled "
+            f"step itself: {use} (the server's capture then holds the forks)")
+    raise argparse.ArgumentTypeError(f"{text!r} is not an Inductor mode the tuner measures: "
+                                     f"{use}")
 
 
 def compilations_differ(mode: Optional[str]) -> bool:

@@ -54,7 +54,7 @@ from .. import _C
 from .._torch import cuda_reason, driver_reason
 from .._version import __version__
 from .cli import compile_forward, positive
-from .compiled import COMPILE_MODES
+from .compiled import compile_mode
 from .discovery import DEFAULT_MAX_BYTES, MIB, candidates, describe_roles, discover
 
 __all__ = ["CASES", "CONFIG", "add_parser", "build_model", "gpu_reason", "make_config",
@@ -125,7 +125,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         metavar="S", help=f"seconds of tuning per case (default {BUDGET_S:g}; "
                         f"with --compile {COMPILED_BUDGET_S:g}: compiling counts in it)")
     parser.add_argument("--compile", nargs="?", const="default", default=None,
-                        choices=COMPILE_MODES, metavar="MODE",
+                        type=compile_mode, metavar="MODE",
                         help="tune the step compiled by torch.compile (Inductor, MODE "
                              "default or max-autotune-no-cudagraphs), as vLLM and SGLang "
                              "run it; minutes more (default: the eager step)")

@@ -538,6 +538,10 @@ def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[st
     elif source in tf.CONFIG_MAPPING:
         cls = tf.CONFIG_MAPPING[source]
         used = f"the model type {source} ({cls.__name__})"
+    elif os.sep in source or source.startswith(".") or source.endswith(".json"):
+        raise ValueError(f"{source!r}: no such file or directory (pass a checkpoint "
+                         "directory, a config.json path, a transformers config class, e.g. "
+                         "LlamaConfig, or a model type, e.g. llama)")
     else:
         raise ValueError(f"{source!r} is neither a checkpoint directory, a config.json path, a "
                          "transformers config class (e.g. LlamaConfig) nor a model type (e.g. "

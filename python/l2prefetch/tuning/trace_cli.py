@@ -230,7 +230,11 @@ def _run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise _Bad(f"trace needs a CUDA GPU, and torch {torch.__version__} sees none")
     try:
-        model = hf.load_model(args.model, overrides=hf.parse_overrides(args.overrides),
+        overrides = hf.parse_overrides(args.overrides)
+    except ValueError as exc:
+        raise _Bad(f"--set: {exc}") from None
+    try:
+        model = hf.load_model(args.model, overrides=overrides,
                               device=args.device, dtype=args.dtype, seed=args.seed)
         step = hf.DecodeStep(model, prompt_len=args.prompt_len,
                              max_cache_len=args.max_cache_len, seed=args.seed)
