@@ -350,7 +350,7 @@ def test_format_plan_rows_and_totals(fake_c):
     ]
     text = format_plan(plan)
     lines = text.splitlines()
-    assert "60.00 MiB" in lines[0] and "4 entries" in lines[0]
+    assert lines[0].endswith("60.00 MiB (an H200's)") and "4 entries" in lines[0]
     assert "| oproj_down | 1 | 3-8 | 1 | 1.00 | 1.7% |" in lines
     assert "| next_attention | 1 | 1-4 | 1 | 4.00 | 6.7% |" in lines
     assert "| next_attention | 1 | 5-8 | 1 | 2.00 | 3.3% |" in lines
@@ -364,6 +364,7 @@ def test_format_plan_rows_and_totals(fake_c):
 def test_format_plan_other_l2_and_empty(fake_c):
     plan = [PlanEntry("p", 0, (1,), (w(4 * MIB),))]  # 8 MiB
     assert "| p | 0 | 1 | 1 | 8.00 | 50.0% |" in format_plan(plan, l2_bytes=16 * MIB)
+    assert format_plan(plan, l2_bytes=16 * MIB).splitlines()[0].endswith("16.00 MiB")
     assert "12.5%" in format_plan(iter(plan), l2_bytes=64 * MIB)
     assert DEFAULT_L2_BYTES == 60 * MIB
     assert "0 entries" in format_plan([])

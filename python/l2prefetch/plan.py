@@ -408,7 +408,9 @@ def format_plan(plan: Iterable[PlanEntry], l2_bytes: int | None = None) -> str:
     extra = [(title, field, unset) for title, field, unset in
              (("kernel", "kernel", "default"), ("graph fork", "graph_fork", "controller"))
              if any(getattr(entry, field) is not None for entry in plan)]
-    lines = [f"L2 prefetch plan: {len(plan)} entries; share of L2 against {l2 / MIB:.2f} MiB",
+    whose = " (an H200's)" if l2_bytes is None else ""
+    lines = [f"L2 prefetch plan: {len(plan)} entries; share of L2 against {l2 / MIB:.2f} MiB"
+             f"{whose}",
              "",
              "| point | layer | batches | tensors | MiB | % of L2 |"
              + "".join(f" {title} |" for title, _, _ in extra),
