@@ -94,8 +94,8 @@ def test_no_gpu_prints_the_whole_reason(tmp_path):
     out = proc.stdout
     assert "no GPU to measure on here" in out
     # and what to do next without one
-    assert out.rstrip().endswith("(a model's candidate fork points); on a GPU, 'tune MODEL' "
-                                 "measures them."), out
+    assert out.rstrip().endswith("(a model's candidate fork points); on a GPU, 'python -m "
+                                 "l2prefetch tune MODEL' measures them."), out
     assert "python -m l2prefetch demo" in out
     # Where it looked and why, to the last line of CudaUnavailableError's text.
     assert "looked in:" in out or "could not be loaded" in out, out

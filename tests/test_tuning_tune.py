@@ -1660,6 +1660,16 @@ def test_with_prefetching_off_the_readmes_start_up_runs_without_a_driver(tmp_pat
         attached.detach()
     l2prefetch.PrefetchController.from_profile(path, model).close()   # from the path too
     controller.close()
+    # prefetching on again: the profile loaded while it was off is checked before it
+    # applies (here: no driver, or a GPU other than the fakes' own)
+    monkeypatch.delenv("L2PREFETCH_DISABLE")
+    with pytest.raises((l2prefetch.CudaUnavailableError, P.ProfileMismatchError)):
+        l2prefetch.PrefetchController.from_profile(profile, model)
+    with pytest.raises((l2prefetch.CudaUnavailableError, P.ProfileMismatchError)):
+        profile.check_device()          # the public check does not skip: nothing is off
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "1")
+    with pytest.raises((l2prefetch.CudaUnavailableError, P.ProfileMismatchError)):
+        profile.check_device()          # nor with prefetching off: it answers its question
     # the model is still checked: a profile of another model is refused
     other, _ = model_and_step()
     other.model.layers = other.model.layers[:2]
@@ -1676,5 +1686,11 @@ def test_a_profile_prints_as_one_line(tmp_path):
     profile = P.load_profile(path, model, check_device=False)
     text = repr(profile)
     assert "\n" not in text and len(text) < 300, text
+    # a hand-made profile missing fields still prints (a repr that raises breaks logging)
+    for data in ({}, {"device": "x", "step": {}}, {"step": {"compiled": True}}, None):
+        made = repr(P.Profile(data=data, plan=[], sites={1: [], "a": []}))
+        assert "\n" not in made and made.startswith(("Profile(", "<l2prefetch.profile.Profile"))
+    made = repr(P.Profile(data={"step": {"compiled": True}}, plan=[], sites={}))
+    assert made == "Profile(path=None, device=None, step=compiled, entries=0, points=[])", made
     assert text.startswith(f"Profile(path={str(path)!r}, device={FAKE_DEVICE['name']!r}, "
                            f"step=eager, entries={len(profile.plan)}, points=["), text

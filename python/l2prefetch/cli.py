@@ -213,7 +213,7 @@ def _run_info(args: argparse.Namespace) -> int:
     _print_ranges()
     print(f"\nNext, here: '{_program()} demo' (the whole flow: what the CPU can do of it) or "
           f"'{_program()} tune MODEL --list-roles --device cpu' (a model's candidate fork "
-          "points); on a GPU, 'tune MODEL' measures them.")
+          f"points); on a GPU, '{_program()} tune MODEL' measures them.")
     return 0
 
 

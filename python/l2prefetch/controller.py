@@ -320,8 +320,9 @@ class PrefetchController(_C.PrefetchController):
         read with :func:`l2prefetch.profile.load_profile` for this ``model``
         (one loaded for another model object, even of the same shapes, is
         refused: its plan holds that model's weights).  A profile tuned on
-        another GPU than ``device`` (checked here for a loaded one too) or another
-        model is refused
+        another GPU than ``device`` (checked here for a loaded one too; not while
+        L2PREFETCH_DISABLE makes the controller a disabled one, which prepares nothing
+        and needs no driver) or another model is refused
         (:class:`~l2prefetch.tuning.ProfileMismatchError`, naming what
         differs).  ``eager=False`` by default: the tuner measured captured
         steps.  Attach the forks with ``hooks.attach(model, controller,
@@ -335,16 +336,27 @@ class PrefetchController(_C.PrefetchController):
 
         if isinstance(profile, Profile):
             # The plan holds the tensors of the model it was loaded for, and the hooks
-            # go on ``model``: they must be one model.  Its device is checked again: it
-            # may have been loaded with check_device=False, or for another device.
+            # go on ``model``: they must be one model.
             profile.check_model(model)
-            profile.check_device(device)
         else:
-            profile = load_profile(profile, model, device=device)
+            profile = load_profile(profile, model, device=device, check_device=False)
+        # The device: checked before building (its mismatch is the error to see first)
+        # unless prefetching is off, when nothing is prepared and no driver is needed;
+        # and after building if the controller came up enabled all the same (the flag
+        # changed in between): an enabled controller applies the plan only on its GPU.
+        checked = not disabled()
+        if checked:
+            profile.check_device(device)
         controller = build_controller(profile.plan, device, eager=eager)
-        if not isinstance(controller, cls):  # pragma: no cover - a subclass asked for itself
+        try:
+            if not isinstance(controller, cls):  # pragma: no cover - a subclass asked for it
+                raise TypeError(f"from_profile builds a PrefetchController, not a "
+                                f"{cls.__name__}")
+            if controller.enabled and not checked:
+                profile.check_device(device)
+        except BaseException:
             controller.close()
-            raise TypeError(f"from_profile builds a PrefetchController, not a {cls.__name__}")
+            raise
         controller.tuned_step = profile.step
         return controller
 

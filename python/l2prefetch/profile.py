@@ -204,10 +204,16 @@ class Profile:
     def __repr__(self) -> str:
         """One line: the file, the GPU, the step, the plan's size; not the data (a run's
         trials make it 100 KB, too much for a log line)."""
-        step = self.step
-        how = f"compiled ({step['mode']})" if step["compiled"] else "eager"
-        return (f"Profile(path={self.path!r}, device={self.device.get('name')!r}, "
-                f"step={how}, entries={len(self.plan)}, points={sorted(self.sites)!r})")
+        try:
+            step = self.step
+            how = ("eager" if not step.get("compiled") else
+                   f"compiled ({step['mode']})" if step.get("mode") else "compiled")
+            device = self.data.get("device")
+            name = device.get("name") if isinstance(device, Mapping) else None
+            return (f"Profile(path={self.path!r}, device={name!r}, step={how}, "
+                    f"entries={len(self.plan)}, points={sorted(self.sites, key=str)!r})")
+        except Exception:   # a hand-made profile missing fields: a repr never raises
+            return object.__repr__(self)
 
     def check_model(self, model: Any) -> None:
         """Raise :class:`ProfileMismatchError` unless ``model`` is the model this profile's
@@ -233,8 +239,7 @@ class Profile:
     def check_device(self, device: Any = None) -> None:
         """Raise :class:`ProfileMismatchError` unless this profile was tuned on a GPU like
         ``device`` (what :func:`load_profile` checks; one loaded with
-        ``check_device=False`` is checked here before it is applied).  Not with
-        L2PREFETCH_DISABLE set: nothing is applied, and the check needs a driver."""
+        ``check_device=False`` is checked here before it is applied)."""
         _check_device(self.data, device, self.path if self.path else "(loaded)")
 
     @property
@@ -504,11 +509,6 @@ def _check_capture_k(data: dict, where: str) -> None:
 
 
 def _check_device(data: dict, device: Any, where: str) -> None:
-    if _C.env_flag("L2PREFETCH_DISABLE"):
-        # prefetching is off: no plan is prepared, so the GPU it was tuned on does not
-        # matter, and a server started without a driver (a CPU test run) must not fail
-        logger.info("L2PREFETCH_DISABLE is set: profile %s's device is not checked", where)
-        return
     here = device_fingerprint(device)
     theirs = data["device"]
     diffs = [f"{key}: profile {_show(theirs[key])}, this device {_show(here[key])}"
@@ -562,12 +562,18 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     does, and :class:`l2prefetch.CudaUnavailableError` without a GPU to check
     (see :func:`device_fingerprint`); OSError from reading the file.  The
     profile is bound to ``model`` (:meth:`Profile.check_model`).  With
-    L2PREFETCH_DISABLE set the device is not checked (nothing will be prepared),
-    the file and the model are.
+    L2PREFETCH_DISABLE set the device is not checked here (nothing will be prepared;
+    :meth:`~l2prefetch.PrefetchController.from_profile` checks it on an enabled
+    controller), the file and the model are.
     """
     where = os.fspath(source)
     data = parse_profile(read_text(where, "profile"), where)
-    if check_device:
+    if check_device and _C.env_flag("L2PREFETCH_DISABLE"):
+        # prefetching is off: nothing is prepared, and a server started without a driver
+        # (a CPU test run) must not fail here; from_profile checks the device again when
+        # the controller it builds is enabled
+        logger.info("L2PREFETCH_DISABLE is set: profile %s's device is not checked", where)
+    elif check_device:
         _check_device(data, device, where)
     _check_model(data, model, where)
     tensors = named_tensors(model)

@@ -37,9 +37,10 @@ from .. import hooks
 from ..mechanisms import DEFAULT_SITE_HOOK
 from .discovery import Role
 
-__all__ = ["COMPILE_MODES", "OWN_GRAPH_MODES", "Switchboard", "compile_mode", "board_for_roles", "compilations_differ",
-           "eager_stance", "kernel_calls", "recompile", "screen_roles", "screen_sites",
-           "screened_board", "step_is_compiled"]
+__all__ = ["COMPILE_MODES", "OWN_GRAPH_MODES", "Switchboard", "board_for_roles",
+           "compilations_differ", "compile_mode", "eager_stance", "kernel_calls",
+           "recompile", "screen_roles", "screen_sites", "screened_board",
+           "step_is_compiled"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ def compile_mode(text: str) -> str:
             f"{text!r} captures CUDA graphs of its own, and the tuner captures the compiled "
             f"step itself: {use} (the server's capture then holds the forks)")
     raise argparse.ArgumentTypeError(f"{text!r} is not an Inductor mode the tuner measures: "
-                                     f"{use}")
+                                     f"{use} (if {text!r} is the model, put --compile after "
+                                     "it or write --compile=MODE)")
 
 
 def compilations_differ(mode: Optional[str]) -> bool:
