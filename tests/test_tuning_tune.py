@@ -1609,9 +1609,18 @@ def test_a_tune_whose_roles_took_the_budget_saves_a_profile_any_json_reader_read
     assert tuning.load_profile(path, model, check_device=False).plan == []
 
 
-def test_the_profile_writer_refuses_nan():
+def test_the_profile_writer_refuses_nan(tmp_path):
     with pytest.raises(ValueError, match="JSON compliant"):
         P._compact_json({"results": [{"step_us": math.nan}]})
+    # save_profile names where, and writes nothing
+    model, result = tuned()
+    document = json.loads(json.dumps(result.to_profile(model)))
+    document["results"][1]["spread"] = {"sd_us": math.inf}
+    path = tmp_path / "p.json"
+    with pytest.raises(ValueError, match=r"results\[1\]\.spread\.sd_us = inf is not a "
+                                         r"finite number.*nothing was written"):
+        P.save_profile(path, document)
+    assert not path.exists()
 
 
 def test_a_batch_not_prepared_shows_no_step_time():

@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import reprlib
 import weakref
@@ -676,10 +677,30 @@ def _compact_json(value: Any, indent: str = "") -> str:
     return "[\n" + ",\n".join(inner + _compact_json(v, inner) for v in value) + f"\n{indent}]"
 
 
+def _non_finite(value: Any, where: str = "") -> Optional[str]:
+    """Where the first NaN or infinity in ``value`` is (``results[1].step_us``), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where or 'the document'} = {value!r}"
+    items = (value.items() if isinstance(value, Mapping) else
+             enumerate(value) if isinstance(value, (list, tuple)) else ())
+    for key, member in items:
+        found = _non_finite(member, f"{where}[{key}]" if isinstance(key, int) else
+                            f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
 def save_profile(path: Union[str, os.PathLike], document: Mapping) -> None:
     """Write a profile's JSON object (:func:`profile_document`) to ``path``: checked
     against the format it will be read with, compact (:func:`_compact_json`), as a new
-    file renamed into place (no planted link followed)."""
-    text = _compact_json(document)
+    file renamed into place (no planted link followed).  A NaN or infinity in it is a
+    ValueError naming where (JSON has none)."""
+    try:
+        text = _compact_json(document)
+    except ValueError as exc:
+        raise ValueError(f"profile {os.fspath(path)}: {_non_finite(document) or 'a value'} "
+                         f"is not a finite number, which JSON cannot hold (a bug: report "
+                         f"it); nothing was written") from exc
     parse_profile(text, os.fspath(path))   # what is written is what load_profile accepts
     write_atomic(path, text + "\n", "profile")
