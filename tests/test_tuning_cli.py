@@ -229,9 +229,11 @@ def test_an_unknown_model_exits_2(capsys):
     code, _, err = run(["no-such-model-type", "--device", "cpu", "--list-roles"], capsys)
     assert code == 2 and "neither a checkpoint directory" in err
     # a path that is not there says so first
-    for path in ("/nonexistent/ckpt", "./ckpt", "config.json"):
+    for path in ("/nonexistent/ckpt", "./ckpt", "config.json", "meta-llama/Llama-3.1-8B"):
         code, _, err = run([path, "--device", "cpu", "--list-roles"], capsys)
         assert code == 2 and f"{path!r}: no such file or directory (pass a checkpoint" in err
+        # what looks like a Hub id is told that nothing is downloaded
+        assert ("Hub id is not downloaded" in err) == (path == "meta-llama/Llama-3.1-8B"), err
 
 
 def test_without_transformers_exit_2(capsys, monkeypatch):

@@ -539,9 +539,13 @@ def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[st
         cls = tf.CONFIG_MAPPING[source]
         used = f"the model type {source} ({cls.__name__})"
     elif os.sep in source or source.startswith(".") or source.endswith(".json"):
+        hub = (re.fullmatch(r"[\w.-]+/[\w.-]+", source) is not None
+               and not source.startswith("."))
         raise ValueError(f"{source!r}: no such file or directory (pass a checkpoint "
                          "directory, a config.json path, a transformers config class, e.g. "
-                         "LlamaConfig, or a model type, e.g. llama)")
+                         "LlamaConfig, or a model type, e.g. llama"
+                         + ("; a Hugging Face Hub id is not downloaded: download the "
+                            "checkpoint, then pass its directory" if hub else "") + ")")
     else:
         raise ValueError(f"{source!r} is neither a checkpoint directory, a config.json path, a "
                          "transformers config class (e.g. LlamaConfig) nor a model type (e.g. "
