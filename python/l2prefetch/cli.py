@@ -195,11 +195,12 @@ def _add_info(subparsers: Any) -> None:
 
 
 def _run_info(args: argparse.Namespace) -> int:
+    unknown = unknown_disable_value()
     if disabled():
         print("L2PREFETCH_DISABLE is set: prefetching is off (controllers prepare nothing, "
               "forks load nothing; tune and trace refuse to run)\n")
-    elif unknown_disable_value() is not None:   # also logged, where logging shows it
-        print(f"L2PREFETCH_DISABLE={unknown_disable_value()!r} is not a word l2prefetch "
+    elif unknown is not None:   # also logged, where logging shows it
+        print(f"L2PREFETCH_DISABLE={unknown!r} is not a word l2prefetch "
               "knows, so prefetching stays on: 1 (true, yes, on) turns it off, 0 (false, "
               "no, off) says it is on\n")
     reason = _why_no_gpu()

@@ -130,8 +130,7 @@ from .stats import mean_interval
 
 __all__ = ["DEFAULT_CAPS_MIB", "DEFAULT_GRIDS", "DEFAULT_MIN_GAIN_US", "DEFAULT_RESOLUTION",
            "LEAD_INSTANCES_FACTOR", "MAX_INSTANCES", "MIN_INSTANCES", "NOTHING_MEASURED",
-           "NOT_PREPARED",
-           "REFUSED_OUTPUTS", "lead_max_instances", "search"]
+           "NOT_PREPARED", "REFUSED_OUTPUTS", "lead_max_instances", "search"]
 
 #: A role's reason where its verified loads changed the step's outputs.
 REFUSED_OUTPUTS = "refused: outputs with its loads differ from the step's"
@@ -193,16 +192,15 @@ def search(backend: Backend, roles: Sequence[Role], batches: Sequence[int], *,
     last: Optional[_State] = None   # the last batch prepared: the next one's estimates
     for i, batch in enumerate(batches):
         share = (budget_s - (clock() - start)) / (len(batches) - i)
-        need = 0.0 if last is None else last.prepare_s + last.least_measure_s()
-        if share <= need:
+        measure_s = 0.0 if last is None else last.least_measure_s()
+        if share <= (0.0 if last is None else last.prepare_s) + measure_s:
             # preparing would spend the batch's share (a compiled step's compilations:
             # 13-32 s a batch, RESULTS run 26) and leave nothing to measure; its share
             # goes to the batches after it
             meter.line(f"batch {batch}: {max(share, 0.0):.0f} s of the budget left for it"
                        + ("" if last is None else
                           f", less than preparing the last batch took ({last.prepare_s:.0f}"
-                          f" s) and measuring one role takes "
-                          f"({last.least_measure_s():.0f} s)"))
+                          f" s) and measuring one role takes ({measure_s:.0f} s)"))
             report = BatchReport(batch, reason=NOT_PREPARED)
         else:
             last = _State.at(backend, roles, batch, params, meter, clock() + share, clock)
