@@ -21,6 +21,8 @@ typedef CUresult (*driver_version_fn)(int *);
  * container runtime's mount and WSL. */
 static const char *const extra_dirs[] = {"/usr/local/nvidia/lib64", "/usr/lib/wsl/lib"};
 
+L2P_DEFINE_NEW(l2p_driver)
+
 static void *try_open(const char *path, char *tried, size_t triedlen, int *found_any)
 {
     const char *err = NULL;
@@ -97,16 +99,12 @@ l2p_driver *l2p_driver_open(l2p_load_error *why, CUresult *status, char *msg, si
         return NULL;
     }
 
-    l2p_driver *d = calloc(1, sizeof *d);
+    l2p_driver *d = l2p_driver_new(h, opened, msg, msglen);   /* fits: try_open refused longer */
     if (!d) {
         *why = L2P_LOAD_FAILED;
-        snprintf(msg, msglen, "out of memory");
         return NULL;
     }
-    d->refs = 1;
-    d->handle = h;
     d->version = v;
-    snprintf(d->path, sizeof d->path, "%s", opened);   /* fits: try_open refused longer */
 
     int symbol_status = 0;
 #define L2P_RESOLVE(name, ver, req, params)                                               \

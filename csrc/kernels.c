@@ -486,19 +486,10 @@ static PyObject *nvrtc_build(l2p_state *st, l2p_nvrtc *n, const char *source, Py
     if (!opts)
         return NULL;
     Py_ssize_t nopts = PyTuple_GET_SIZE(opts);
-    const char **argv = PyMem_Calloc((size_t)nopts + 1, sizeof *argv);
+    const char **argv = l2p_c_strings(opts, &PyUnicode_Type, "NVRTC options");
     if (!argv) {
         Py_DECREF(opts);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < nopts; i++) {
-        PyObject *o = PyTuple_GET_ITEM(opts, i);
-        if (!PyUnicode_Check(o)) {
-            PyErr_Format(PyExc_TypeError, "NVRTC options must be str, not %s", Py_TYPE(o)->tp_name);
-            goto fail;
-        }
-        if (!(argv[i] = PyUnicode_AsUTF8(o)))
-            goto fail;
+        return NULL;
     }
     char *image = NULL, *log = NULL;
     size_t size = 0;
@@ -522,10 +513,6 @@ static PyObject *nvrtc_build(l2p_state *st, l2p_nvrtc *n, const char *source, Py
     free(log);
     Py_DECREF(opts);
     return result;
-fail:
-    PyMem_Free(argv);
-    Py_DECREF(opts);
-    return NULL;
 }
 
 /* Remembers how the image under key was obtained (_C.kernel_cache_info()). */

@@ -20,6 +20,8 @@ static const char *const sonames[] = {"libnvrtc.so.13", "libnvrtc.so.12"};
 static const char *const wheel_dirs[] = {"nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"};
 #define N_WHEEL_DIRS (sizeof wheel_dirs / sizeof *wheel_dirs)
 
+L2P_DEFINE_NEW(l2p_nvrtc)
+
 static void note(char *tried, size_t len, const char *path, const char *what)
 {
     size_t used = strlen(tried);
@@ -35,14 +37,9 @@ static void note(char *tried, size_t len, const char *path, const char *what)
 static l2p_nvrtc *finish(void *h, const char *path, int *found, char *msg, size_t msglen)
 {
     *found = 1;
-    l2p_nvrtc *n = calloc(1, sizeof *n);
-    if (!n) {
-        snprintf(msg, msglen, "out of memory");
+    l2p_nvrtc *n = l2p_nvrtc_new(h, path, msg, msglen);   /* fits: longer paths were refused */
+    if (!n)
         return NULL;
-    }
-    n->refs = 1;
-    n->handle = h;
-    snprintf(n->path, sizeof n->path, "%s", path);   /* fits: longer paths were refused */
 #define L2P_NVRTC_RESOLVE(name, req, ret, params)                                        \
     *(void **)&n->fn.name = dlsym(h, #name);                                             \
     if (!n->fn.name && req) {                                                            \
