@@ -89,6 +89,14 @@ l2p_driver *l2p_use_driver(l2p_state *st)
     return NULL;
 }
 
+l2p_driver *l2p_hold_driver(l2p_state *st)
+{
+    l2p_driver *d = l2p_use_driver(st);
+    if (d)
+        l2p_driver_incref(d);
+    return d;
+}
+
 l2p_device *l2p_use_device(l2p_state *st, l2p_driver *d, int device)
 {
     l2p_device *dev;
@@ -237,88 +245,13 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
     return nv;
 }
 
-/* setenv(name, path) for a testing hook; path encoded for the file system.
- * 0, or -1 with an exception (a path that cannot be encoded, or holds a NUL). */
-static int set_env_path(const char *name, PyObject *path)
+l2p_nvrtc *l2p_hold_nvrtc(l2p_state *st)
 {
-    PyObject *bytes = NULL;
-    if (!PyUnicode_FSConverter(path, &bytes))
-        return -1;
-    int rc = setenv(name, PyBytes_AS_STRING(bytes), 1);
-    Py_DECREF(bytes);
-    if (rc != 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        return -1;
-    }
-    return 0;
+    l2p_nvrtc *n = l2p_use_nvrtc(st);
+    if (n)
+        l2p_nvrtc_incref(n);
+    return n;
 }
-
-/* Runs open(st) with $name set to path for its duration; the old value back after. */
-static void *with_env_path(l2p_state *st, const char *name, PyObject *path,
-                           void *(*open)(l2p_state *))
-{
-    const char *prev = getenv(name);
-    char *saved = prev ? strdup(prev) : NULL;
-    if (prev && !saved) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    void *result = set_env_path(name, path) == 0 ? open(st) : NULL;
-    if (saved) {
-        setenv(name, saved, 1);
-        free(saved);
-    } else {
-        unsetenv(name);
-    }
-    return result;
-}
-
-/* What the state does with its driver and NVRTC (type *field), defined once
- * for both so that the two cannot drift:
- * - l2p_hold_driver / l2p_hold_nvrtc: l2p_use_* with the caller's own
- *   reference (l2p.h);
- * - swap_driver / swap_nvrtc(st, arg), the testing hooks' rule: the slot
- *   emptied, then opened from the path arg with $env set to it (None: none
- *   until the next use).  On failure the old one is put back, unless another
- *   call opened one while the failure ran Python code (that one stays).  0, or
- *   -1 with an exception; on success the old one's reference is dropped (the
- *   library stays loaded). */
-#define DEFINE_SLOT(type, field, env)                                                     \
-    type *l2p_hold_##field(l2p_state *st)                                                 \
-    {                                                                                     \
-        type *p = l2p_use_##field(st);                                                    \
-        if (p)                                                                            \
-            type##_incref(p);                                                             \
-        return p;                                                                         \
-    }                                                                                     \
-                                                                                          \
-    static void *open_##field(l2p_state *st)                                              \
-    {                                                                                     \
-        return l2p_use_##field(st);                                                       \
-    }                                                                                     \
-                                                                                          \
-    static int swap_##field(l2p_state *st, PyObject *arg)                                 \
-    {                                                                                     \
-        if (arg != Py_None && !PyUnicode_Check(arg)) {                                    \
-            PyErr_Format(PyExc_TypeError, "path must be a str or None, not %s",           \
-                         Py_TYPE(arg)->tp_name);                                          \
-            return -1;                                                                    \
-        }                                                                                 \
-        type *old = st->field;                                                            \
-        st->field = NULL;                                                                 \
-        if (arg != Py_None && !with_env_path(st, env, arg, open_##field)) {               \
-            if (st->field)                                                                \
-                type##_decref(old);                                                       \
-            else                                                                          \
-                st->field = old;                                                          \
-            return -1;                                                                    \
-        }                                                                                 \
-        type##_decref(old);                                                               \
-        return 0;                                                                         \
-    }
-DEFINE_SLOT(l2p_driver, driver, "L2PREFETCH_LIBCUDA")
-DEFINE_SLOT(l2p_nvrtc, nvrtc, "L2PREFETCH_LIBNVRTC")
-#undef DEFINE_SLOT
 
 /* ---- module functions: the state ---- */
 
@@ -367,13 +300,64 @@ PyObject *l2p_py_nvrtc_info(PyObject *module, PyObject *unused)
     return r;
 }
 
+/* setenv(name, path) for a testing hook; path encoded for the file system.
+ * 0, or -1 with an exception (a path that cannot be encoded, or holds a NUL). */
+static int set_env_path(const char *name, PyObject *path)
+{
+    PyObject *bytes = NULL;
+    if (!PyUnicode_FSConverter(path, &bytes))
+        return -1;
+    int rc = setenv(name, PyBytes_AS_STRING(bytes), 1);
+    Py_DECREF(bytes);
+    if (rc != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+/* Runs open(st) with $name set to path for its duration; the old value back after. */
+static void *with_env_path(l2p_state *st, const char *name, PyObject *path,
+                           void *(*open)(l2p_state *))
+{
+    const char *prev = getenv(name);
+    char *saved = prev ? strdup(prev) : NULL;
+    if (prev && !saved) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    void *result = set_env_path(name, path) == 0 ? open(st) : NULL;
+    if (saved) {
+        setenv(name, saved, 1);
+        free(saved);
+    } else {
+        unsetenv(name);
+    }
+    return result;
+}
+
+static void *open_driver(l2p_state *st) { return l2p_use_driver(st); }
+static void *open_nvrtc(l2p_state *st) { return l2p_use_nvrtc(st); }
+
 /* _use_driver(path=None): testing hook.  New objects use the driver at path
  * (the recording stand-in), or the default one again with None.  Existing
  * objects keep the driver they were created with. */
 PyObject *l2p_py_use_driver(PyObject *module, PyObject *arg)
 {
-    if (swap_driver(l2p_get_state(module), arg) < 0)
+    l2p_state *st = l2p_get_state(module);
+    if (arg != Py_None && !PyUnicode_Check(arg))
+        return PyErr_Format(PyExc_TypeError, "path must be a str or None, not %s", Py_TYPE(arg)->tp_name);
+    l2p_driver *old = st->driver;
+    st->driver = NULL;
+    if (arg != Py_None && !with_env_path(st, "L2PREFETCH_LIBCUDA", arg, open_driver)) {
+        if (st->driver)   /* opened by another call while the failure ran Python code */
+            l2p_driver_decref(old);
+        else
+            st->driver = old;
         return NULL;
+    }
+    if (old)
+        l2p_driver_decref(old);
     Py_RETURN_NONE;
 }
 
@@ -383,8 +367,18 @@ PyObject *l2p_py_use_driver(PyObject *module, PyObject *arg)
 PyObject *l2p_py_use_nvrtc(PyObject *module, PyObject *arg)
 {
     l2p_state *st = l2p_get_state(module);
-    if (swap_nvrtc(st, arg) < 0)
+    if (arg != Py_None && !PyUnicode_Check(arg))
+        return PyErr_Format(PyExc_TypeError, "path must be a str or None, not %s", Py_TYPE(arg)->tp_name);
+    l2p_nvrtc *old = st->nvrtc;
+    st->nvrtc = NULL;
+    if (arg != Py_None && !with_env_path(st, "L2PREFETCH_LIBNVRTC", arg, open_nvrtc)) {
+        if (st->nvrtc)   /* opened by another call while the search ran Python code */
+            l2p_nvrtc_decref(old);
+        else
+            st->nvrtc = old;
         return NULL;
+    }
+    l2p_nvrtc_decref(old);   /* the library stays loaded */
     l2p_forget_kernels(st);  /* images of the old NVRTC */
     Py_RETURN_NONE;
 }
