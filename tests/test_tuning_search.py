@@ -168,6 +168,19 @@ def test_refine_picks_branch_or_grid_when_it_pays_more():
     assert setting.graph_fork == "branch"
 
 
+@pytest.mark.parametrize("budget_s, unrefined", [(12.0, ["A", "B"]), (30.0, [])])
+def test_a_promising_role_the_budget_leaves_unrefined_is_named(budget_s, unrefined):
+    """Where the budget has no room for a promising role's other grids and kernels (step
+    4), the batch's report names it (tune's last lines and report: test_tuning_tune)."""
+    backend = PlantedBackend({"A": pays(6.0), "B": pays(5.0), "C": pays(4.0)}, seed=11)
+    (rep,), _ = run(backend, [role("A"), role("B"), role("C")], budget_s=budget_s)
+    assert rep.not_refined == unrefined
+    assert rep.as_dict()["not_refined"] == unrefined
+    measured = [r for r in rep.roles if r.trials]
+    for r in measured:
+        assert any(t.stage == "refine" for t in r.trials) == (r.role not in unrefined), r.role
+
+
 def test_a_loss_beside_its_empty_forks_is_not_kept():
     """Loads that beat (a) but not their own empty forks do not pay for themselves."""
     backend = PlantedBackend({"A": pays(-0.2)}, fork_cost_us=-5.0, seed=5)

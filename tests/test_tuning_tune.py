@@ -1584,6 +1584,33 @@ def test_tune_says_when_the_budget_ran_out_before_any_role_was_measured():
     assert text.strip().splitlines()[-1].startswith("[l2prefetch tune] done in")
 
 
+@pytest.mark.parametrize("budget_s", [8.0, 40.0])
+def test_tune_says_which_roles_the_budget_left_unrefined(budget_s):
+    """A short budget sweeps the roles at the default grid and kernel only: tune's last
+    lines and the report say so and how to have the others tried; a budget with room for
+    them says nothing of it."""
+    import io
+
+    model, step = model_and_step()
+    out = io.StringIO()
+    result = tuning.tune(model, step, [1], progress=out, budget_s=budget_s,
+                         backend=DeviceBackend({O_PROJ: lambda s: 5.0}, seed=3),
+                         min_bytes=256 * 1024)
+    (rep,) = result.batches
+    text, report = out.getvalue(), result.markdown()
+    if budget_s < 10:
+        assert O_PROJ in rep.not_refined
+        assert (f"at batch(es) 1 the budget left no room to try other grids and kernels for "
+                f"{len(rep.not_refined)} promising role(s)" in text
+                and "a larger budget_s (--budget), or fewer roles (--roles), tries them"
+                in text), text
+        assert f"Not refined: {', '.join(rep.not_refined)}." in report
+    else:
+        assert rep.not_refined == []
+        assert "no room to try" not in text and "Not refined" not in report
+    assert text.strip().splitlines()[-1].startswith("[l2prefetch tune] done in")
+
+
 def test_a_tune_whose_roles_took_the_budget_saves_a_profile_any_json_reader_reads(tmp_path):
     """Finding the roles spent the whole budget: tune gives the search none (not a
     negative budget), no batch is prepared, and the saved profile says so with a null

@@ -173,6 +173,11 @@ def markdown(result: Any) -> str:
                           "setting",
                           "a us", "b us", "d us", "a - b us", "instances", "kept / why not"],
                          rows))
+        if rep.not_refined:
+            out.append(f"Not refined: {', '.join(rep.not_refined)}.  The budget left no room "
+                       "to try their other grids and kernels, so their settings are the "
+                       "sweep's (the default grid and kernel); a larger budget_s (--budget), "
+                       "or fewer roles (--roles), tries them.\n")
     return "\n".join(out)
 
 

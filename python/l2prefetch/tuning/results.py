@@ -181,6 +181,9 @@ class BatchReport:
     spread: Optional[InstanceSpread] = None
     #: Replays per graph instance in this batch's groups (None: not measured).
     rounds: Optional[int] = None
+    #: Promising roles whose other grids and kernels the budget left untried (search
+    #: step 4): their settings are the sweep's, at the default grid and kernel.
+    not_refined: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def confirmed(self) -> Optional[Confirmation]:
@@ -201,4 +204,5 @@ class BatchReport:
                 "confirmations": [c.as_dict() for c in self.confirmations],
                 "roles": [r.as_dict() for r in self.roles], "reason": self.reason,
                 "elapsed_s": self.elapsed_s, "rounds": self.rounds,
+                "not_refined": list(self.not_refined),
                 "spread": None if self.spread is None else self.spread.as_dict()}

@@ -107,8 +107,9 @@ promising first.  A lead sampled past ``max_instances`` for the resolution alone
 (up to twice that) gets those rounds only where every verify that may still come
 keeps its whole sampling (in the sweep: the later roles' too); the verify reserve
 prices ``max_instances``, not that extension.  When the budget is short the search gets coarser (fewer
-caps, no refine, no layers, no more instances) and roles that do not fit are
-reported as not measured; it never returns a plan that was not confirmed.
+caps, no refine, no layers, no more instances): roles that do not fit are
+reported as not measured, promising roles left unrefined are named
+(``BatchReport.not_refined``); it never returns a plan that was not confirmed.
 """
 
 from __future__ import annotations
@@ -395,15 +396,20 @@ def _sweep(st: _State, role: Role, caps: list[int], rep: RoleReport, eta: float,
 
 def _refine_roles(st: _State, promising: list[tuple[Role, Trial]]) -> None:
     """Each promising role's other grids and kernels, where the budget leaves every
-    verify its whole sampling; a better trial replaces the role's in ``promising``."""
+    verify its whole sampling; a better trial replaces the role's in ``promising``.  A
+    role the budget leaves unrefined is named in the report (``not_refined``)."""
     final_reserve = st.budget.final_reserve()
     for role, trial in list(promising):
         alternatives = _alternatives(st, trial.setting)
+        if not alternatives:
+            continue
         reserve = final_reserve + len(promising) * st.budget.verify_cost()
-        if alternatives and st.budget.fits(2 * len(alternatives) + 3, reserve):
-            better = _refine(st, role, trial, alternatives, st.reports[role.name], reserve)
-            if better is not None:
-                promising[promising.index((role, trial))] = (role, better)
+        if not st.budget.fits(2 * len(alternatives) + 3, reserve):
+            st.report.not_refined.append(role.name)
+            continue
+        better = _refine(st, role, trial, alternatives, st.reports[role.name], reserve)
+        if better is not None:
+            promising[promising.index((role, trial))] = (role, better)
 
 
 def _alternatives(st: _State, setting: Setting) -> list[Setting]:

@@ -346,7 +346,7 @@ def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any)
     """tune's last words: for a compiled step whose mode was not named as one whose
     compilations differ and whose roles' outputs differed across compilations, the
     likely cause and what to do; where the budget ran out before any role was measured,
-    that; then where the time went."""
+    that; where it left promising roles unrefined, that; then where the time went."""
     compiled = bool(result.step.get("compiled"))
     unnamed = compiled and not compilations_differ(result.step.get("mode"))
     refused = sum(r.reason.startswith(REFUSED_OUTPUTS)
@@ -373,6 +373,16 @@ def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any)
         logger.warning("%s", hint)
         if progress is not None:
             print(f"[l2prefetch tune] {hint}", file=progress, flush=True)
+    coarse = [rep.batch for rep in result.batches if rep.not_refined]
+    if coarse:   # not a fault: the result stands, a larger budget may find more
+        note = (f"at batch(es) {', '.join(map(str, coarse))} the budget left no room to try "
+                f"other grids and kernels for "
+                f"{sum(len(rep.not_refined) for rep in result.batches)} promising role(s) "
+                "(the report names them); a larger budget_s (--budget), or fewer roles "
+                "(--roles), tries them")
+        logger.info("%s", note)
+        if progress is not None:
+            print(f"[l2prefetch tune] {note}", file=progress, flush=True)
     if progress is not None:
         went = _time_went(roles_s, result.batches, compiled)
         print(f"[l2prefetch tune] done in {result.elapsed_s:.0f} s: {went}", file=progress,
