@@ -85,8 +85,9 @@ int l2p_device_arg(PyObject *obj, int *out);
 /* The items of seq (a tuple, or a list nothing changes while the array is in
  * use) as a NULL-terminated array of C strings borrowed from them: each an
  * instance of type, &PyUnicode_Type (its UTF-8) or &PyBytes_Type; another item
- * is TypeError "<what> must be <type>, not <its type>".  Runs no Python code.
- * PyMem_Free it; NULL with an exception. */
+ * is TypeError "<what> must be <type>, not <its type>".  A string holding a NUL
+ * is cut there, as any C string is.  Runs no Python code.  PyMem_Free it; NULL
+ * with an exception. */
 const char **l2p_c_strings(PyObject *seq, PyTypeObject *type, const char *what);
 
 /* state.c: the module state and what it holds. */

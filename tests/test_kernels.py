@@ -900,6 +900,12 @@ def test_compile_source_argument_errors(args):
         _C._compile_source(*args)
 
 
+@pytest.mark.parametrize("bad, name", [(5, "int"), (b"-a", "bytes"), (None, "NoneType")])
+def test_compile_source_names_an_option_of_the_wrong_type(bad, name):
+    with pytest.raises(TypeError, match=f"^NVRTC options must be str, not {name}$"):
+        _C._compile_source("src", ["--gpu-architecture=sm_90", bad])
+
+
 def test_nvrtc_info(nvrtc):
     assert os.path.exists(nvrtc["path"]) or nvrtc["path"].startswith("libnvrtc")
     major, minor = nvrtc["version"]

@@ -181,6 +181,14 @@ def test_a_promising_role_the_budget_leaves_unrefined_is_named(budget_s, unrefin
         assert any(t.stage == "refine" for t in r.trials) == (r.role not in unrefined), r.role
 
 
+def test_a_role_with_nothing_else_to_try_is_not_named_unrefined():
+    """One grid and no other kernel: step 4 has nothing to try, whatever the budget."""
+    backend = PlantedBackend({"A": pays(6.0), "B": pays(5.0), "C": pays(4.0)}, seed=11)
+    (rep,), _ = run(backend, [role("A"), role("B"), role("C")], budget_s=12.0,
+                    grids=(A.DEFAULT_GRID,))
+    assert rep.plan and rep.not_refined == []
+
+
 def test_a_loss_beside_its_empty_forks_is_not_kept():
     """Loads that beat (a) but not their own empty forks do not pay for themselves."""
     backend = PlantedBackend({"A": pays(-0.2)}, fork_cost_us=-5.0, seed=5)

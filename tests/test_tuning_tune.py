@@ -1602,13 +1602,27 @@ def test_tune_says_which_roles_the_budget_left_unrefined(budget_s):
         assert O_PROJ in rep.not_refined
         assert (f"at batch(es) 1 the budget left no room to try other grids and kernels for "
                 f"{len(rep.not_refined)} promising role(s)" in text
-                and "a larger budget_s (--budget), or fewer roles (--roles), tries them"
-                in text), text
+                and "a larger budget_s (--budget), or fewer roles (candidates=, --roles), "
+                    "tries them" in text), text
         assert f"Not refined: {', '.join(rep.not_refined)}." in report
     else:
         assert rep.not_refined == []
         assert "no room to try" not in text and "Not refined" not in report
     assert text.strip().splitlines()[-1].startswith("[l2prefetch tune] done in")
+
+
+def test_tune_counts_each_unrefined_role_once_over_the_batches():
+    import io
+
+    model, step = model_and_step()
+    out = io.StringIO()
+    result = tuning.tune(model, step, [1, 8], progress=out, budget_s=12.0,
+                         backend=DeviceBackend({O_PROJ: lambda s: 5.0}, seed=3),
+                         min_bytes=256 * 1024)
+    per_batch = [set(rep.not_refined) for rep in result.batches]
+    assert all(per_batch) and per_batch[0] & per_batch[1]   # some role left at both
+    assert (f"at batch(es) 1, 8 the budget left no room to try other grids and kernels "
+            f"for {len(per_batch[0] | per_batch[1])} promising role(s)" in out.getvalue())
 
 
 def test_a_tune_whose_roles_took_the_budget_saves_a_profile_any_json_reader_reads(tmp_path):

@@ -175,9 +175,9 @@ def markdown(result: Any) -> str:
                          rows))
         if rep.not_refined:
             out.append(f"Not refined: {', '.join(rep.not_refined)}.  The budget left no room "
-                       "to try their other grids and kernels, so their settings are the "
-                       "sweep's (the default grid and kernel); a larger budget_s (--budget), "
-                       "or fewer roles (--roles), tries them.\n")
+                       "to try their other grids and kernels, so their settings keep the "
+                       "default grid and kernel; a larger budget_s (--budget), or fewer roles "
+                       "(candidates=, --roles), tries them.\n")
     return "\n".join(out)
 
 

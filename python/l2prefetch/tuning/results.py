@@ -181,8 +181,9 @@ class BatchReport:
     spread: Optional[InstanceSpread] = None
     #: Replays per graph instance in this batch's groups (None: not measured).
     rounds: Optional[int] = None
-    #: Promising roles whose other grids and kernels the budget left untried (search
-    #: step 4): their settings are the sweep's, at the default grid and kernel.
+    #: Roles promising after the sweep whose other grids and kernels the budget left
+    #: untried (search step 4): their settings keep the default grid and kernel.  (A role
+    #: that lost the sweep and paid in some layers only is never refined, nor named here.)
     not_refined: list[str] = dataclasses.field(default_factory=list)
 
     @property

@@ -375,11 +375,11 @@ def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any)
             print(f"[l2prefetch tune] {hint}", file=progress, flush=True)
     coarse = [rep.batch for rep in result.batches if rep.not_refined]
     if coarse:   # not a fault: the result stands, a larger budget may find more
+        names = {name for rep in result.batches for name in rep.not_refined}
         note = (f"at batch(es) {', '.join(map(str, coarse))} the budget left no room to try "
-                f"other grids and kernels for "
-                f"{sum(len(rep.not_refined) for rep in result.batches)} promising role(s) "
-                "(the report names them); a larger budget_s (--budget), or fewer roles "
-                "(--roles), tries them")
+                f"other grids and kernels for {len(names)} promising role(s) (the report "
+                "names them); a larger budget_s (--budget), or fewer roles (candidates=, "
+                "--roles), tries them")
         logger.info("%s", note)
         if progress is not None:
             print(f"[l2prefetch tune] {note}", file=progress, flush=True)
