@@ -174,8 +174,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grids", type=lambda t: _list(t, "--grids", high=65535),
                         default=[16, 32, 64],
                         help="loader CTA counts to try (default 16,32,64): the sweep runs "
-                        "at a role's default (32), the others for promising roles where the budget leaves room "
-                        "(the report names those it did not)")
+                        "at a role's default (32), the others for promising roles where "
+                        "the budget leaves room (the report names those it did not)")
     parser.add_argument("--kernels", default=None, type=_kernel_names,
                         help="kernel variants to try, comma-separated; 'default' is the "
                         "device's (default: the device's, then the other loaders it supports)")

@@ -369,20 +369,19 @@ def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any)
                      + (f" and preparing each batch{' (its compilations)' if compiled else ''}"
                         if prepared else "")
                      + " took it (see below); raise budget_s (--budget)")
-    for hint in hints:
-        logger.warning("%s", hint)
-        if progress is not None:
-            print(f"[l2prefetch tune] {hint}", file=progress, flush=True)
+    said = [(logging.WARNING, hint) for hint in hints]
     coarse = [rep.batch for rep in result.batches if rep.not_refined]
-    if coarse:   # not a fault: the result stands, a larger budget may find more
+    if coarse:   # not a fault (logged as info): the result stands, a larger budget may find more
         names = {name for rep in result.batches for name in rep.not_refined}
-        note = (f"at batch(es) {', '.join(map(str, coarse))} the budget left no room to try "
-                f"other grids and kernels for {len(names)} promising role(s) (the report "
-                "names them); a larger budget_s (--budget), or fewer roles (candidates=, "
-                "--roles), tries them")
-        logger.info("%s", note)
+        said.append((logging.INFO,
+                     f"at batch(es) {', '.join(map(str, coarse))} the budget left no room to "
+                     f"try other grids and kernels for {len(names)} promising role(s) (the "
+                     "report names them); a larger budget_s (--budget), or fewer roles "
+                     "(candidates=, --roles), tries them"))
+    for level, text in said:
+        logger.log(level, "%s", text)
         if progress is not None:
-            print(f"[l2prefetch tune] {note}", file=progress, flush=True)
+            print(f"[l2prefetch tune] {text}", file=progress, flush=True)
     if progress is not None:
         went = _time_went(roles_s, result.batches, compiled)
         print(f"[l2prefetch tune] done in {result.elapsed_s:.0f} s: {went}", file=progress,
