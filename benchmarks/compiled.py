@@ -59,26 +59,41 @@ from torch._library.effects import EffectType  # noqa: E402
 spin_op.register_effect(EffectType.ORDERED)
 
 
-def plant(model, us):
-    """A spin of ``us`` before every layer's post_attention_layernorm (its pre-hook), as
-    an effectful custom op: Dynamo keeps it where it drops ``torch.cuda._sleep``."""
+#: Where :func:`plant` puts the spin in an HF model's layers (both before the MLP).
+SITES = ("norm", "oproj")
+
+
+def plant(model, us, site="norm"):
+    """A spin of ``us`` in every layer, as an effectful custom op (Dynamo keeps it where
+    it drops ``torch.cuda._sleep``): ``site`` ``norm``, in post_attention_layernorm's
+    pre-hook, reading the residual sum (compiled, Inductor runs the add+norm kernel
+    before it, beside the window's loads: RESULTS run 27); ``oproj``, in o_proj's forward
+    hook, reading its output, where a tensor-parallel all-reduce sits (compiled, before
+    the add+norm, as the vLLM-shaped model's all-reduce slot)."""
     cycles = int(us * spin_cycles_per_us())
+    if site == "oproj":
+        return [layer.self_attn.o_proj.register_forward_hook(
+            lambda m, args, out: torch.ops.l2p_bench.spin(out, cycles))
+            for layer in model.model.layers]
+    if site != "norm":
+        raise ValueError(f"site must be one of {SITES}, not {site!r}")
     return [layer.post_attention_layernorm.register_forward_pre_hook(
         lambda m, args: torch.ops.l2p_bench.spin(args[0], cycles))
         for layer in model.model.layers]
 
 
-def build(name, window):
+def build(name, window, site="norm"):
     """(model, step, handles to remove) for ``name``: an HF model with ``window`` us
-    planted before every MLP (:func:`plant`), or ``vllm``: benchmarks/vllm_model.py's
-    default decoder, its spin in the all-reduce slot after o_proj (also before the MLP)."""
+    planted before every MLP at ``site`` (:func:`plant`), or ``vllm``:
+    benchmarks/vllm_model.py's default decoder, its spin in the all-reduce slot after
+    o_proj (also before the MLP; ``site`` does not apply)."""
     if name == "vllm":
         cycles = int(window * spin_cycles_per_us()) if window else 0
         torch.manual_seed(0)
         model = vm.Model(vm.Config(), spin_cycles=cycles).to("cuda", torch.bfloat16).eval()
         return model, vm.Decode(model), []
     model = hf_model(name)
-    planted = plant(model, window) if window else []
+    planted = plant(model, window, site) if window else []
     return model, DecodeStep(model), planted
 
 
@@ -151,9 +166,10 @@ HEADER = ("| model | window | step | batch | step us | tuned ratio (95%) | gain 
           "|---|---:|---|---:|---:|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
 
 
-def row(name, window, step_name, rep, took):
-    """One batch's row of the table (its header: :data:`HEADER`): a batch not prepared or
-    never probed has blank step, ceiling and share cells, and says why."""
+def row(name, window, step_name, rep, took, label=None):
+    """One batch's row of the table (its header: :data:`HEADER`; ``label``: the window
+    cell, default ``window``): a batch not prepared or never probed has blank step,
+    ceiling and share cells, and says why."""
     conf = rep.confirmed
     kept = list(rep.plan) if conf is not None else []
     probed = any(role.gap_us is not None for role in rep.roles)
@@ -173,7 +189,8 @@ def row(name, window, step_name, rep, took):
         loads = "" if conf.loads is None else conf.loads.format(2)
         loads_us = None if conf.loads is None else conf.loads.estimate
     roles = "; ".join(f"{n} [{s.label()}]" for n, s in kept) or "-"
-    return (f"| {name} | {window:g} | {step_name} | {rep.batch} | "
+    label = f"{window:g}" if label is None else label
+    return (f"| {name} | {label} | {step_name} | {rep.batch} | "
             f"{'' if math.isnan(rep.step_us) else f'{rep.step_us:.1f}'} | "
             f"{ratio} | {gain} | {loads} | {same} | "
             f"{roles} | {took:.0f} | {'' if top is None else f'{top:.2f}'} | "
@@ -190,6 +207,8 @@ def main(argv=None):
     parser.add_argument("--batches", default="1")
     parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--mode", default="default")
+    parser.add_argument("--site", default="norm", choices=SITES,
+                        help="where an HF model's spin sits (plant(); default norm)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--reports", default=None, metavar="DIR",
                         help="write each tune's Markdown report there (every role's gaps)")
@@ -209,8 +228,11 @@ def main(argv=None):
     rows = list(HEADER)
     for name in args.models.split(","):
         for window in [float(w) for w in args.windows.split(",")]:
+            # the window column and report name: the spin's site where it is not norm's
+            label = f"{window:g}" if args.site == "norm" or name == "vllm" or not window \
+                else f"{window:g}-{args.site}"
             for way in args.ways.split(","):
-                model, step, planted = build(name, window)
+                model, step, planted = build(name, window, args.site)
                 for b in batches:
                     step.state(b)
                 if way == "compiled":
@@ -222,12 +244,12 @@ def main(argv=None):
                                      compiled=args.mode if way == "compiled" else False)
                 took = time.monotonic() - t0
                 if args.reports:
-                    path = os.path.join(args.reports, f"{name}-{window:g}-{way}.md")
+                    path = os.path.join(args.reports, f"{name}-{label}-{way}.md")
                     with open(path, "w") as f:
                         f.write(result.markdown())
                 step_name = way if way == "eager" else f"compiled ({args.mode})"
                 for rep in result.batches:
-                    rows.append(row(name, window, step_name, rep, took))
+                    rows.append(row(name, window, step_name, rep, took, label))
                     print(rows[-1], flush=True)
                 for handle in planted:
                     handle.remove()

@@ -113,3 +113,31 @@ def test_a_batch_never_probed_has_blank_cells_and_says_why():
     assert starved == ("| llama | 40 | eager | 1 | 1000.0 | nothing measured (the budget ran "
                        "out) |  |  |  | - | 100 | 20.00 |  |  | 20.00 |  |")
     assert starved.count("|") == columns
+
+
+def test_plant_puts_the_spin_at_the_site_asked_for(monkeypatch):
+    """``--site oproj``: o_proj's forward hook (where a TP all-reduce sits); ``norm``: the
+    norm's pre-hook; another site is refused before anything is registered."""
+    import torch
+
+    import benchmarks.compiled as bc
+
+    monkeypatch.setattr(bc, "spin_cycles_per_us", lambda device=None: 1000.0)
+    layers = [SimpleNamespace(self_attn=SimpleNamespace(o_proj=torch.nn.Linear(2, 2)),
+                              post_attention_layernorm=torch.nn.LayerNorm(2))
+              for _ in range(2)]
+    model = SimpleNamespace(model=SimpleNamespace(layers=layers))
+    handles = bc.plant(model, 40, "oproj")
+    assert len(handles) == 2
+    for layer in layers:
+        assert len(layer.self_attn.o_proj._forward_hooks) == 1
+        assert not layer.post_attention_layernorm._forward_pre_hooks
+    for h in handles:
+        h.remove()
+    handles = bc.plant(model, 40)
+    for layer in layers:
+        assert not layer.self_attn.o_proj._forward_hooks
+        assert len(layer.post_attention_layernorm._forward_pre_hooks) == 1
+    with pytest.raises(ValueError, match="site must be one of"):
+        bc.plant(model, 40, "mlp")
+    assert all(len(layer.post_attention_layernorm._forward_pre_hooks) == 1 for layer in layers)
