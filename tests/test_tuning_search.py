@@ -211,6 +211,62 @@ def test_a_role_with_nothing_else_to_try_is_not_named_unrefined():
     assert rep.plan and rep.not_refined == []
 
 
+class OverrunSweeps(PlantedBackend):
+    """Each group of more than 5 arms (a sweep) takes ``extra_s`` longer than its
+    estimate, as a compiled batch 8 did after its compilations (RESULTS run 29)."""
+
+    def __init__(self, *args, extra_s: float = 2.5, **kw):
+        super().__init__(*args, **kw)
+        self.extra_s = extra_s
+
+    def measure(self, batch, arms, instances):
+        out = super().measure(batch, arms, instances)
+        if len(arms) > 5:
+            self.clock.t += self.extra_s
+        return out
+
+
+def test_a_lead_the_budget_left_no_verify_is_confirmed_alone():
+    """The sweep overran: no verify fits, the confirmation does.  The lead alone is
+    confirmed (fresh instances), and kept: its gain and its loads against its empty forks
+    are both shown."""
+    backend = OverrunSweeps({"A": pays(8.0)}, seed=5)
+    (rep,), _ = run(backend, [role("A")], budget_s=9.0)
+    a = by_name(rep)["A"]
+    assert not any(t.stage == "verify" for t in a.trials)
+    assert [name for name, _ in rep.plan] == ["A"]
+    assert a.kept and a.reason == S.CONFIRMED_UNVERIFIED
+    (conf,) = rep.confirmations
+    assert conf.gain.low > 0 and conf.loads.low > 0
+    # its report row says it skipped the verify, not a plain "kept"
+    from types import SimpleNamespace
+    from l2prefetch.tuning.report import markdown
+
+    result = SimpleNamespace(roles=[role("A")], batches=[rep], device=None, settings={},
+                             step=None, versions={}, budget_s=9.0, elapsed_s=9.0)
+    assert f"| {S.CONFIRMED_UNVERIFIED} |" in markdown(result)
+
+
+def test_an_unverified_lead_whose_forks_alone_pay_is_not_kept():
+    """Forks that pay with empty tables: the lead's confirmation shows a gain, but not its
+    loads against its empty forks, which its verify would have asked: no plan."""
+    backend = OverrunSweeps({"A": pays(0.3)}, fork_cost_us=-6.0, seed=5)
+    (rep,), _ = run(backend, [role("A")], budget_s=9.0)
+    a = by_name(rep)["A"]
+    assert not any(t.stage == "verify" for t in a.trials)
+    assert rep.plan == () and not a.kept
+    assert rep.confirmations[0].gain.low > 0
+    assert "did not show its loads against its empty forks" in a.reason
+
+
+def test_no_unverified_lead_is_confirmed_where_a_verify_ran():
+    """A verify that ran and failed is a verdict: nothing is confirmed in its place."""
+    backend = PlantedBackend({"A": pays(0.0), "B": pays(0.0)}, fork_cost_us=0.0, seed=2)
+    (rep,), _ = run(backend, [role("A"), role("B")])
+    assert rep.plan == ()
+    assert all(r.reason != S.CONFIRMED_UNVERIFIED for r in rep.roles)
+
+
 def test_a_loss_beside_its_empty_forks_is_not_kept():
     """Loads that beat (a) but not their own empty forks do not pay for themselves."""
     backend = PlantedBackend({"A": pays(-0.2)}, fork_cost_us=-5.0, seed=5)

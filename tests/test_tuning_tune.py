@@ -1745,3 +1745,4 @@ def test_a_profile_prints_as_one_line(tmp_path):
     assert made == "Profile(path=None, device=None, step=compiled, entries=0, points=[])", made
     assert text.startswith(f"Profile(path={str(path)!r}, device={FAKE_DEVICE['name']!r}, "
                            f"step=eager, entries={len(profile.plan)}, points=["), text
+

@@ -167,7 +167,8 @@ def markdown(result: Any) -> str:
                 "" if best is None else _t(best.d),
                 "" if best is None else best.gain.format(2),
                 "" if best is None else best.instances,
-                "kept" if role.kept else role.reason])
+                # a lead kept without a verify (the budget ran out) says so
+                "kept" if role.kept and role.chosen is not None else role.reason])
         out.append("Roles (the best or verified setting of each):\n")
         out.append(table(["role", "layers", "max MiB", "gap us", "loads' gap us", "window us",
                           "setting",

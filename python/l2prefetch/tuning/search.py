@@ -54,8 +54,10 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
    where the backend pairs them: GraphBackend's ``placement="shared"``), beside the
    plan's forks with empty tables (the report splits the gain into the loads' share and
    the forks' own); if the interval of its gain is not above zero, the weakest role is
-   dropped and the rest is confirmed again.  **A plan is returned only if its confirmation is a
-   gain**; otherwise the batch's plan is empty, which is a valid result.
+   dropped and the rest is confirmed again.  Where the budget had room for no verify, the
+   lead alone is confirmed, and kept only if its loads against its empty forks are shown
+   too (what its verify would have asked).  **A plan is returned only if its confirmation
+   is a gain**; otherwise the batch's plan is empty, which is a valid result.
 
 **Sequential sampling.**  The groups of steps 3 to 6 are measured on
 ``instances`` instances per arm first.  A candidate is then decided
@@ -143,6 +145,12 @@ REFUSED_OUTPUTS = "refused: outputs with its loads differ from the step's"
 #: the outputs: the forks, not the loads, at fault.
 EMPTY_FORKS_DIFFER = ("dropped at confirmation: the plan's forks with empty tables changed "
                       "the outputs (a bug: report it)")
+#: A role's reason where the budget had no room for its verify.
+NOT_VERIFIED = "not verified: the budget ran out"
+#: A role's reason where the budget had room for no verify and it, the lead, was
+#: confirmed without one (its gain and its loads against its empty forks both shown).
+CONFIRMED_UNVERIFIED = ("kept without a verify (the budget ran out before it): its "
+                        "confirmation showed its gain, and its loads against its empty forks")
 #: A role's reason where the budget ran out before its sweep.
 UNMEASURED = "not measured: the budget ran out"
 #: A batch's reason where the budget ran out before any role was measured (tune's last
@@ -264,7 +272,10 @@ def _search_batch(st: _State) -> BatchReport:
     _layer_roles(st, promising, lost)                  # 5. layers
     kept = _verify_roles(st, promising)                # 6. verify
     chosen = _combine(st, kept)                        # 7. combine
-    _confirm(st, chosen)                               # 8. confirm
+    unverified = not chosen and _unverified_lead(st, promising)
+    if unverified:
+        chosen = [unverified]
+    _confirm(st, chosen, unverified=bool(unverified))  # 8. confirm
     st.report.spread = InstanceSpread.of(st.sampler.no_forks, st.budget.prepared.capture_s)
     st.report.elapsed_s = st.clock() - t0
     return st.report
@@ -600,7 +611,7 @@ def _verify_roles(st: _State, promising: list[tuple[Role, Trial]]
                           "which gained more and passed its verify")
             continue
         if not st.budget.fits(3, final_reserve):
-            rep.reason = "not verified: the budget ran out"
+            rep.reason = NOT_VERIFIED
             continue
         # one round each: where refine and layers ran, their reserves left every verify
         # its whole sampling; where the sweep left less, the first (most promising)
@@ -691,9 +702,26 @@ def _combine(st: _State, kept: list[tuple[Role, Trial]]) -> list[tuple[str, Sett
     return chosen
 
 
-def _confirm(st: _State, chosen: list[tuple[str, Setting]]) -> None:
+def _unverified_lead(st: _State, promising: list[tuple[Role, Trial]]
+                     ) -> Optional[tuple[str, Setting]]:
+    """Where the budget had room for no verify (every promising role's reason is
+    :data:`NOT_VERIFIED`), the lead's (role name, setting): confirmation alone is on
+    fresh instances, so it can stand for the verify of one role (RESULTS run 29: a
+    compiled batch 8 whose compilations took twice batch 1's found +54.7 us and shipped
+    nothing)."""
+    if not promising or any(st.reports[role.name].reason != NOT_VERIFIED
+                            for role, _ in promising):
+        return None
+    role, trial = _by_gain(promising)[0]
+    return role.name, trial.setting
+
+
+def _confirm(st: _State, chosen: list[tuple[str, Setting]], unverified: bool = False
+             ) -> None:
     """The plan against (a) on fresh instances; the weakest role dropped while its
-    confirmation is not a gain.  Sets the batch's plan only on a confirmed gain."""
+    confirmation is not a gain.  Sets the batch's plan only on a confirmed gain; with
+    ``unverified`` (one role that skipped its verify, :func:`_unverified_lead`) only where
+    its loads against its empty forks are shown too, as a verify asks."""
     if not chosen:
         return
     reports = st.reports
@@ -714,10 +742,16 @@ def _confirm(st: _State, chosen: list[tuple[str, Setting]]) -> None:
                             forks=measured.diff(NO_FORKS, EMPTY_PLAN),
                             empty_identical=measured.identical.get(EMPTY_PLAN, True))
         st.report.confirmations.append(conf)
-        if conf.identical and conf.empty_identical and conf.gain.excludes_zero_above():
+        loads_shown = not unverified or (conf.loads is not None
+                                         and conf.loads.excludes_zero_above())
+        if (conf.identical and conf.empty_identical and conf.gain.excludes_zero_above()
+                and loads_shown):
             st.report.plan = plan
             st.report.reason = (f"confirmed: {conf.gain.format(2)} us per step, "
                                 f"{conf.ratio:.4f}x")
+            if unverified:
+                reports[plan[0][0]].kept = True
+                reports[plan[0][0]].reason = CONFIRMED_UNVERIFIED
             return
         name, _ = chosen.pop()
         reports[name].kept = False
@@ -725,5 +759,7 @@ def _confirm(st: _State, chosen: list[tuple[str, Setting]]) -> None:
             f"{REFUSED_OUTPUTS} (the plan with it, at confirmation)" if not conf.identical
             else EMPTY_FORKS_DIFFER if not conf.empty_identical
             else "dropped at confirmation: the plan with it was not a confirmed gain "
-                 f"({conf.gain.format(2)} us)")
+                 f"({conf.gain.format(2)} us)" if not conf.gain.excludes_zero_above()
+            else "not verified (the budget ran out), and its confirmation did not show its "
+                 f"loads against its empty forks ({conf.loads.format(2)} us)")
     st.report.reason = "no combination of the kept roles was confirmed"
