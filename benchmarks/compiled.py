@@ -3,7 +3,8 @@
 For each model (benchmarks.common.hf_model: ``llama``, ``qwen3`` or a
 benchmarks/configs name; ``vllm``: benchmarks/vllm_model.py's decoder), each window (a
 spin of that many us before every MLP, planted as a custom op that torch.compile keeps:
-``l2p_bench::spin``, in each layer's post_attention_layernorm pre-hook; 0: nothing
+``l2p_bench::spin``, in each layer's post_attention_layernorm pre-hook, or with ``--site
+oproj`` in o_proj's forward hook, where a TP all-reduce sits (:func:`plant`); 0: nothing
 planted) and each way the step runs (``eager``; ``compiled``: the model's forward
 compiled by torch.compile with ``--mode``, the prompts run eagerly first), tune runs
 unaided (discovered roles, every fork mode, ``--budget`` s) and a row per batch gives:
@@ -19,7 +20,8 @@ window (:func:`window_loads`, their verify's (d) - (b)) over that window's own c
 (:func:`window_ceiling`).
 
     python -m benchmarks.compiled [--models llama] [--windows 0,40] [--ways eager,compiled]
-                                  [--batches 1] [--budget 120] [--mode default] [--out F.md]
+                                  [--batches 1] [--budget 120] [--mode default]
+                                  [--site norm|oproj] [--out F.md]
                                   [--reports DIR] [--caps MIB,..] [--grids N,..]
                                   [--roles "NAME;NAME"]
 
@@ -131,8 +133,8 @@ def window_ceiling(rep, window):
 
 def window_loads(rep, kept, window):
     """What the kept roles whose window covers the planted ``window`` gain by their loads
-    alone: their verified (d) - (b), summed (None for 0 or none kept there): the
-    numerator beside :func:`window_ceiling`."""
+    alone: their verified (d) - (b) (a lead kept without a verify: its confirmation's),
+    summed (None for 0 or none kept there): the numerator beside :func:`window_ceiling`."""
     if not window:
         return None
     kept_names = {name for name, _ in kept}

@@ -238,6 +238,9 @@ def test_a_lead_the_budget_left_no_verify_is_confirmed_alone():
     assert a.kept and a.reason == S.CONFIRMED_UNVERIFIED
     (conf,) = rep.confirmations
     assert conf.gain.low > 0 and conf.loads.low > 0
+    # its chosen trial is the confirmation's: the plan's setting and numbers
+    assert a.chosen.stage == "confirm" and a.chosen.setting == rep.plan[0][1]
+    assert a.chosen.gain == conf.gain and a.chosen.vs_empty == conf.loads
     # its report row says it skipped the verify, not a plain "kept"
     from types import SimpleNamespace
     from l2prefetch.tuning.report import markdown
@@ -257,14 +260,33 @@ def test_an_unverified_lead_whose_forks_alone_pay_is_not_kept():
     assert rep.plan == () and not a.kept
     assert rep.confirmations[0].gain.low > 0
     assert "did not show its loads against its empty forks" in a.reason
+    assert rep.reason == S.UNVERIFIED_LEAD_LOST
+
+
+@pytest.mark.parametrize("order", ["ABC", "BAC"])
+def test_the_unverified_lead_is_the_role_that_gained_most(order):
+    """Two promising roles and no verify fits: the one that gained most in its sweep
+    (swept last, or first) is confirmed alone, the other stays not verified."""
+    backend = OverrunSweeps({"A": pays(3.0), "B": pays(4.0), "C": pays(9.0)}, seed=5,
+                            extra_s=3.0)
+    (rep,), _ = run(backend, [role(name) for name in order], budget_s=14.0)
+    roles = by_name(rep)
+    assert all(not any(t.stage == "verify" for t in r.trials) for r in rep.roles)
+    assert [name for name, _ in rep.plan] == ["B"]
+    assert roles["B"].reason == S.CONFIRMED_UNVERIFIED
+    assert roles["A"].reason == S.NOT_VERIFIED and roles["C"].reason == S.UNMEASURED
 
 
 def test_no_unverified_lead_is_confirmed_where_a_verify_ran():
-    """A verify that ran and failed is a verdict: nothing is confirmed in its place."""
-    backend = PlantedBackend({"A": pays(0.0), "B": pays(0.0)}, fork_cost_us=0.0, seed=2)
-    (rep,), _ = run(backend, [role("A"), role("B")])
-    assert rep.plan == ()
-    assert all(r.reason != S.CONFIRMED_UNVERIFIED for r in rep.roles)
+    """A verify that ran and failed is a verdict: nothing is confirmed in its place, also
+    where the budget left a later role no verify."""
+    backend = OverrunSweeps({"A": pays(0.6), "B": pays(0.5)}, fork_cost_us=-3.0, seed=2,
+                            extra_s=0.0)
+    (rep,), _ = run(backend, [role("A"), role("B")], budget_s=12.0)
+    roles = by_name(rep)
+    verified = [r.role for r in rep.roles if any(t.stage == "verify" for t in r.trials)]
+    assert verified and not any(r.kept for r in rep.roles)
+    assert rep.plan == () and rep.confirmations == []
 
 
 def test_a_loss_beside_its_empty_forks_is_not_kept():

@@ -1746,3 +1746,30 @@ def test_a_profile_prints_as_one_line(tmp_path):
     assert text.startswith(f"Profile(path={str(path)!r}, device={FAKE_DEVICE['name']!r}, "
                            f"step=eager, entries={len(profile.plan)}, points=["), text
 
+
+
+def test_tune_says_where_a_plan_rests_on_its_confirmation_alone(caplog):
+    """A batch whose lead was kept without a verify (no verify fit the budget): tune's
+    last lines say so, and how to have the others verified and combined."""
+    from types import SimpleNamespace
+
+    from l2prefetch.tuning import search as S, tuner
+    from l2prefetch.tuning.results import BatchReport, RoleReport
+
+    def batch(b, reason):
+        rep = BatchReport(b)
+        rep.step_us, rep.elapsed_s = 1000.0, 50.0
+        rep.roles = [RoleReport("r", 6, 1 << 20)]
+        rep.roles[0].reason = reason
+        return rep
+
+    result = SimpleNamespace(step={"compiled": "default"}, elapsed_s=120.0,
+                             batches=[batch(1, "kept: gain +1.00 [+0.50, +1.50] us per step"),
+                                      batch(8, S.CONFIRMED_UNVERIFIED)])
+    out = io.StringIO()
+    with caplog.at_level(logging.INFO, logger=tuner.logger.name):
+        tuner._last_lines(result, 10.0, SimpleNamespace(within_compilation=False), out)
+    line = ("at batch(es) 8 no verify fit the budget: the plan is the lead role alone, kept "
+            "on its confirmation")
+    assert line in out.getvalue() and line in caplog.text
+    assert "at batch(es) 1" not in out.getvalue()

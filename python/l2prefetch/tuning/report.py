@@ -167,8 +167,9 @@ def markdown(result: Any) -> str:
                 "" if best is None else _t(best.d),
                 "" if best is None else best.gain.format(2),
                 "" if best is None else best.instances,
-                # a lead kept without a verify (the budget ran out) says so
-                "kept" if role.kept and role.chosen is not None else role.reason])
+                # a lead kept on its confirmation alone (no verify fit) says so
+                "kept" if role.kept and (best is None or best.stage != "confirm")
+                else role.reason])
         out.append("Roles (the best or verified setting of each):\n")
         out.append(table(["role", "layers", "max MiB", "gap us", "loads' gap us", "window us",
                           "setting",

@@ -101,7 +101,7 @@ The budget is shared by the batches.  Before each group the tuner estimates
 its cost from the step's measured capture and replay times; the final
 confirmations are reserved first.  The sweeps leave each promising role's verify one
 round, and the lead's refine (the role gaining most so far) its first round: a later
-sweep gets fewer caps, or none, before the best role goes unrefined (a refined grid kept
+sweep gets fewer caps, or none, before the lead goes unrefined (a refined grid kept
 57% of a window's ceiling where the default kept 45%, RESULTS run 28).  That refine
 runs where it leaves each verify one round; the other refines, more instances of any,
 and the layers step leave each verify to come the most its sequential
@@ -135,9 +135,10 @@ from .results import BatchReport, Confirmation, InstanceSpread, RoleReport, Tria
 from .sampling import Check, Measured, Sampler
 from .stats import mean_interval
 
-__all__ = ["DEFAULT_CAPS_MIB", "DEFAULT_GRIDS", "DEFAULT_MIN_GAIN_US", "DEFAULT_RESOLUTION",
-           "LEAD_INSTANCES_FACTOR", "MAX_INSTANCES", "MIN_INSTANCES", "NOTHING_MEASURED",
-           "NOT_PREPARED", "REFUSED_OUTPUTS", "lead_max_instances", "search"]
+__all__ = ["CONFIRMED_UNVERIFIED", "DEFAULT_CAPS_MIB", "DEFAULT_GRIDS", "DEFAULT_MIN_GAIN_US",
+           "DEFAULT_RESOLUTION", "LEAD_INSTANCES_FACTOR", "MAX_INSTANCES", "MIN_INSTANCES",
+           "NOTHING_MEASURED", "NOT_PREPARED", "NOT_VERIFIED", "REFUSED_OUTPUTS",
+           "UNVERIFIED_LEAD_LOST", "lead_max_instances", "search"]
 
 #: A role's reason where its verified loads changed the step's outputs.
 REFUSED_OUTPUTS = "refused: outputs with its loads differ from the step's"
@@ -151,6 +152,9 @@ NOT_VERIFIED = "not verified: the budget ran out"
 #: confirmed without one (its gain and its loads against its empty forks both shown).
 CONFIRMED_UNVERIFIED = ("kept without a verify (the budget ran out before it): its "
                         "confirmation showed its gain, and its loads against its empty forks")
+#: A batch's reason where no verify fit the budget and its lead alone was not confirmed.
+UNVERIFIED_LEAD_LOST = ("no verify fit the budget, and the lead alone was not confirmed "
+                        "(raise the budget: budget_s, --budget)")
 #: A role's reason where the budget ran out before its sweep.
 UNMEASURED = "not measured: the budget ran out"
 #: A batch's reason where the budget ran out before any role was measured (tune's last
@@ -344,16 +348,18 @@ def _sweep_roles(st: _State, order: list[Role]
                  ) -> tuple[list[tuple[Role, Trial]], list[Role]]:
     """Each role's sweep, within the budget: the promising (role, best trial) and the
     roles that lost.  Once a role is promising, the later sweeps leave the lead's (the
-    most gaining so far) refine group its first round (:func:`_refine_roles`)."""
+    most gaining so far) refine group its first round (:func:`_refine_roles`); a role
+    that becomes the lead in the last sweep had only the former lead's refine held back,
+    so where that prices fewer alternatives its own may not fit."""
     final_reserve = st.budget.final_reserve()
     promising: list[tuple[Role, Trial]] = []
     lost: list[Role] = []
     for i, role in enumerate(order):
         rep = st.reports[role.name]
-        # one round of each verify to come, and of the lead's refine
-        kept = (len(promising) + 1) * st.budget.cost(3) + _lead_refine_cost(st, promising)
+        # one round of each verify to come, and of the lead's refine so far
+        held_back = (len(promising) + 1) * st.budget.cost(3) + _lead_refine_cost(st, promising)
         caps = st.budget.caps_for(role)
-        while caps and (st.budget.sweep_cost(len(caps)) + final_reserve + kept
+        while caps and (st.budget.sweep_cost(len(caps)) + final_reserve + held_back
                         > st.budget.left()):
             caps = st.budget.coarser(caps)
         if not caps:
@@ -368,7 +374,7 @@ def _sweep_roles(st: _State, order: list[Role]
         may_verify = len(promising) + len(lost) + len(order) - i
         whole = final_reserve + may_verify * st.budget.verify_cost() + later
         trial = _sweep(st, role, caps, rep, eta=st.budget.eta(len(order) - i),
-                       reserve=final_reserve + kept + later, extend_reserve=whole)
+                       reserve=final_reserve + held_back + later, extend_reserve=whole)
         st.budget.swept_estimate += st.budget.sweep_cost(len(caps))
         st.budget.swept_actual += st.clock() - started
         if trial is None:
@@ -749,9 +755,11 @@ def _confirm(st: _State, chosen: list[tuple[str, Setting]], unverified: bool = F
             st.report.plan = plan
             st.report.reason = (f"confirmed: {conf.gain.format(2)} us per step, "
                                 f"{conf.ratio:.4f}x")
-            if unverified:
-                reports[plan[0][0]].kept = True
-                reports[plan[0][0]].reason = CONFIRMED_UNVERIFIED
+            if unverified:   # its row shows the confirmed setting and numbers
+                rep = reports[plan[0][0]]
+                rep.kept, rep.reason = True, CONFIRMED_UNVERIFIED
+                rep.chosen = _trial("confirm", plan[0][1], measured, PLAN, EMPTY_PLAN)
+                rep.trials.append(rep.chosen)
             return
         name, _ = chosen.pop()
         reports[name].kept = False
@@ -761,5 +769,7 @@ def _confirm(st: _State, chosen: list[tuple[str, Setting]], unverified: bool = F
             else "dropped at confirmation: the plan with it was not a confirmed gain "
                  f"({conf.gain.format(2)} us)" if not conf.gain.excludes_zero_above()
             else "not verified (the budget ran out), and its confirmation did not show its "
-                 f"loads against its empty forks ({conf.loads.format(2)} us)")
-    st.report.reason = "no combination of the kept roles was confirmed"
+                 "loads against its empty forks"
+                 + ("" if conf.loads is None else f" ({conf.loads.format(2)} us)"))
+    st.report.reason = (UNVERIFIED_LEAD_LOST if unverified
+                        else "no combination of the kept roles was confirmed")

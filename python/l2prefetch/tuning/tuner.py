@@ -29,9 +29,10 @@ from .compiled import (COMPILE_MODES, compilations_differ, eager_stance, recompi
                        step_is_compiled)
 from .report import markdown, plot
 from .results import BatchReport
-from .search import (DEFAULT_CAPS_MIB, DEFAULT_GRIDS, DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION,
-                     MAX_INSTANCES, MIN_INSTANCES, NOT_PREPARED, NOTHING_MEASURED,
-                     REFUSED_OUTPUTS, lead_max_instances, search)
+from .search import (CONFIRMED_UNVERIFIED, DEFAULT_CAPS_MIB, DEFAULT_GRIDS,
+                     DEFAULT_MIN_GAIN_US, DEFAULT_RESOLUTION, MAX_INSTANCES, MIN_INSTANCES,
+                     NOT_PREPARED, NOTHING_MEASURED, REFUSED_OUTPUTS, lead_max_instances,
+                     search)
 
 __all__ = ["TuneResult", "check_max_instances", "tune"]
 
@@ -378,6 +379,13 @@ def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any)
                      f"try other grids and kernels for {len(names)} promising role(s) (the "
                      "report names them); a larger budget_s (--budget), or fewer roles "
                      "(candidates=, --roles), tries them"))
+    alone = [rep.batch for rep in result.batches
+             if any(r.reason == CONFIRMED_UNVERIFIED for r in rep.roles)]
+    if alone:   # the plan stands (confirmed), on fewer measurements than usual
+        said.append((logging.INFO,
+                     f"at batch(es) {', '.join(map(str, alone))} no verify fit the budget: "
+                     "the plan is the lead role alone, kept on its confirmation; a larger "
+                     "budget_s (--budget) verifies and combines the others"))
     for level, text in said:
         logger.log(level, "%s", text)
         if progress is not None:
