@@ -276,10 +276,9 @@ def _search_batch(st: _State) -> BatchReport:
     _layer_roles(st, promising, lost)                  # 5. layers
     kept = _verify_roles(st, promising)                # 6. verify
     chosen = _combine(st, kept)                        # 7. combine
-    unverified = not chosen and _unverified_lead(st, promising)
-    if unverified:
-        chosen = [unverified]
-    _confirm(st, chosen, unverified=bool(unverified))  # 8. confirm
+    lead = None if chosen else _unverified_lead(st, promising)
+    _confirm(st, [lead] if lead else chosen,           # 8. confirm
+             unverified=lead is not None)
     st.report.spread = InstanceSpread.of(st.sampler.no_forks, st.budget.prepared.capture_s)
     st.report.elapsed_s = st.clock() - t0
     return st.report
