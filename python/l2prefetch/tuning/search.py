@@ -438,8 +438,9 @@ def _refine_roles(st: _State, promising: list[tuple[Role, Trial]]) -> None:
             promising[promising.index((role, trial))] = (role, better)
 
 
-def _by_gain(promising: list[tuple[Role, Trial]]) -> list[tuple[Role, Trial]]:
-    return sorted(promising, key=lambda p: -p[1].gain.estimate)
+def _by_gain(roles: list[tuple[Role, Trial]]) -> list[tuple[Role, Trial]]:
+    """(role, trial)s in decreasing gain so far (stable: ties keep their order)."""
+    return sorted(roles, key=lambda p: -p[1].gain.estimate)
 
 
 def _lead_refine_cost(st: _State, promising: list[tuple[Role, Trial]]) -> float:
@@ -603,7 +604,7 @@ def _verify_roles(st: _State, promising: list[tuple[Role, Trial]]
     plan lost its confirmation (RESULTS run 22).  So once one is kept, the others are not
     verified; where it is not kept, the next one is."""
     final_reserve = st.budget.final_reserve()
-    promising = sorted(promising, key=lambda rt: -rt[1].gain.estimate)
+    promising = _by_gain(promising)
     kept: list[tuple[Role, Trial]] = []
     loaded: dict[Any, str] = {}     # where a kept role's forks start -> that role
     starts_of = [_starts(role, trial.setting) for role, trial in promising]
@@ -680,7 +681,7 @@ def _verify(st: _State, role: Role, setting: Setting, rep: RoleReport,
 def _combine(st: _State, kept: list[tuple[Role, Trial]]) -> list[tuple[str, Setting]]:
     """The kept roles in decreasing gain; where several and the budget allows, the plans
     of the first 1, 2, ... of them in one group, and the best one's roles."""
-    kept = sorted(kept, key=lambda rt: -rt[1].gain.estimate)
+    kept = _by_gain(kept)
     chosen = [(role.name, trial.setting) for role, trial in kept]
     if not chosen:
         # roles left unmeasured for want of budget: all of them (none has a trial; roles
