@@ -33,20 +33,25 @@ def test_the_ceiling_sums_each_kept_consumer_s_own_gap_once():
     assert ceiling(rep, [("after self_attn.o_proj: mlp.gate_proj", None)]) == 20.0
 
 
-def test_the_window_ceiling_counts_the_consumers_of_roles_whose_window_covers_the_plant():
+def test_the_window_ceiling_is_the_gap_of_the_consumer_the_plant_precedes():
     def role(name, gap, window):
         return SimpleNamespace(role=name, gap_us=gap, window_us=window)
 
     rep = SimpleNamespace(roles=[
         role("after self_attn.o_proj: mlp.gate_proj", 28.0, 65.0),
         role("before post_attention_layernorm: mlp.gate_proj", 27.0, 58.0),
+        role("before post_attention_layernorm: mlp.gate_up_proj", 19.0, 22.0),
         role("after self_attn.q_proj: self_attn.k_proj", 6.0, 2.5),
+        # eager, the attention is a window of its own: not the planted one (run 30)
+        role("after self_attn.v_proj: self_attn.o_proj", 15.0, 51.0),
         role("after mlp.down_proj: next self_attn.q_proj", 14.0, 25.0),
         role("after model: lm_head", None, 80.0)])
     assert window_ceiling(rep, 40) == pytest.approx(28.0)
-    assert window_ceiling(rep, 20) == pytest.approx(28.0 + 14.0)
+    assert window_ceiling(rep, 20) == pytest.approx(28.0)
     assert window_ceiling(rep, 0) is None
     assert window_ceiling(rep, 100) == 0.0
+    # a fused gate_up_proj is the consumer too (Phi-3, the vLLM-shaped model)
+    assert window_ceiling(SimpleNamespace(roles=rep.roles[2:]), 20) == pytest.approx(19.0)
 
 
 def test_the_window_s_loads_are_the_kept_window_roles_own_verified_loads():
@@ -57,10 +62,13 @@ def test_the_window_s_loads_are_the_kept_window_roles_own_verified_loads():
     rep = SimpleNamespace(roles=[
         role("after self_attn.o_proj: mlp.gate_proj", 65.0, 15.5),
         role("before post_attention_layernorm: mlp.gate_proj", 58.0, 14.0),
-        role("after self_attn.q_proj: self_attn.k_proj", 2.4, 3.6)])
+        role("after self_attn.q_proj: self_attn.k_proj", 2.4, 3.6),
+        role("after self_attn.v_proj: self_attn.o_proj", 51.0, 2.8)])
     kept = [("after self_attn.o_proj: mlp.gate_proj", None),
-            ("after self_attn.q_proj: self_attn.k_proj", None)]
-    assert window_loads(rep, kept, 40) == pytest.approx(15.5)   # not q -> k's, not unkept
+            ("after self_attn.q_proj: self_attn.k_proj", None),
+            ("after self_attn.v_proj: self_attn.o_proj", None)]
+    # not q -> k's (no window), not o_proj's (the attention's window), not the unkept
+    assert window_loads(rep, kept, 40) == pytest.approx(15.5)
     assert window_loads(rep, kept, 0) is None
     assert window_loads(rep, kept[1:], 40) is None
 
