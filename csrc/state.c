@@ -89,14 +89,6 @@ l2p_driver *l2p_use_driver(l2p_state *st)
     return NULL;
 }
 
-l2p_driver *l2p_hold_driver(l2p_state *st)
-{
-    l2p_driver *d = l2p_use_driver(st);
-    if (d)
-        l2p_driver_incref(d);
-    return d;
-}
-
 l2p_device *l2p_use_device(l2p_state *st, l2p_driver *d, int device)
 {
     l2p_device *dev;
@@ -245,13 +237,19 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
     return nv;
 }
 
-l2p_nvrtc *l2p_hold_nvrtc(l2p_state *st)
-{
-    l2p_nvrtc *n = l2p_use_nvrtc(st);
-    if (n)
-        l2p_nvrtc_incref(n);
-    return n;
-}
+/* Defines l2p_hold_<lib> (l2p.h): l2p_use_<lib> with a reference of the
+ * caller's own. */
+#define DEFINE_HOLD(lib)                                                                   \
+    l2p_##lib *l2p_hold_##lib(l2p_state *st)                                               \
+    {                                                                                      \
+        l2p_##lib *p = l2p_use_##lib(st);                                                  \
+        if (p)                                                                             \
+            l2p_##lib##_incref(p);                                                         \
+        return p;                                                                          \
+    }
+
+DEFINE_HOLD(driver)
+DEFINE_HOLD(nvrtc)
 
 /* ---- module functions: the state ---- */
 
@@ -336,28 +334,46 @@ static void *with_env_path(l2p_state *st, const char *name, PyObject *path,
     return result;
 }
 
-static void *open_driver(l2p_state *st) { return l2p_use_driver(st); }
-static void *open_nvrtc(l2p_state *st) { return l2p_use_nvrtc(st); }
+/* Defines static int swap_<lib>(l2p_state *st, PyObject *arg), the testing
+ * hooks' swap of st-><lib>: new objects use the library at path arg (a str:
+ * opened now by l2p_use_<lib>, with $env naming it) or the default one again
+ * (None: opened on next use).  Objects made before keep the instance they hold;
+ * the old one is dropped (its library stays loaded).  When the open fails the
+ * old one stays, unless another call opened one while this one ran Python code
+ * (the search, the error).  0, or -1 with an exception. */
+#define DEFINE_SWAP(lib, env)                                                              \
+    static void *open_##lib(l2p_state *st) { return l2p_use_##lib(st); }                  \
+                                                                                           \
+    static int swap_##lib(l2p_state *st, PyObject *arg)                                    \
+    {                                                                                      \
+        if (arg != Py_None && !PyUnicode_Check(arg)) {                                     \
+            PyErr_Format(PyExc_TypeError, "path must be a str or None, not %s",            \
+                         Py_TYPE(arg)->tp_name);                                           \
+            return -1;                                                                     \
+        }                                                                                  \
+        l2p_##lib *old = st->lib;                                                          \
+        st->lib = NULL;                                                                    \
+        if (arg != Py_None && !with_env_path(st, env, arg, open_##lib)) {                  \
+            if (st->lib)   /* opened by another call meanwhile */                          \
+                l2p_##lib##_decref(old);                                                   \
+            else                                                                           \
+                st->lib = old;                                                             \
+            return -1;                                                                     \
+        }                                                                                  \
+        l2p_##lib##_decref(old);                                                           \
+        return 0;                                                                          \
+    }
+
+DEFINE_SWAP(driver, "L2PREFETCH_LIBCUDA")
+DEFINE_SWAP(nvrtc, "L2PREFETCH_LIBNVRTC")
 
 /* _use_driver(path=None): testing hook.  New objects use the driver at path
  * (the recording stand-in), or the default one again with None.  Existing
  * objects keep the driver they were created with. */
 PyObject *l2p_py_use_driver(PyObject *module, PyObject *arg)
 {
-    l2p_state *st = l2p_get_state(module);
-    if (arg != Py_None && !PyUnicode_Check(arg))
-        return PyErr_Format(PyExc_TypeError, "path must be a str or None, not %s", Py_TYPE(arg)->tp_name);
-    l2p_driver *old = st->driver;
-    st->driver = NULL;
-    if (arg != Py_None && !with_env_path(st, "L2PREFETCH_LIBCUDA", arg, open_driver)) {
-        if (st->driver)   /* opened by another call while the failure ran Python code */
-            l2p_driver_decref(old);
-        else
-            st->driver = old;
+    if (swap_driver(l2p_get_state(module), arg) < 0)
         return NULL;
-    }
-    if (old)
-        l2p_driver_decref(old);
     Py_RETURN_NONE;
 }
 
@@ -367,18 +383,8 @@ PyObject *l2p_py_use_driver(PyObject *module, PyObject *arg)
 PyObject *l2p_py_use_nvrtc(PyObject *module, PyObject *arg)
 {
     l2p_state *st = l2p_get_state(module);
-    if (arg != Py_None && !PyUnicode_Check(arg))
-        return PyErr_Format(PyExc_TypeError, "path must be a str or None, not %s", Py_TYPE(arg)->tp_name);
-    l2p_nvrtc *old = st->nvrtc;
-    st->nvrtc = NULL;
-    if (arg != Py_None && !with_env_path(st, "L2PREFETCH_LIBNVRTC", arg, open_nvrtc)) {
-        if (st->nvrtc)   /* opened by another call while the search ran Python code */
-            l2p_nvrtc_decref(old);
-        else
-            st->nvrtc = old;
+    if (swap_nvrtc(st, arg) < 0)
         return NULL;
-    }
-    l2p_nvrtc_decref(old);   /* the library stays loaded */
     l2p_forget_kernels(st);  /* images of the old NVRTC */
     Py_RETURN_NONE;
 }
