@@ -2,11 +2,12 @@
  * args.c: the arguments calls parse the same way: a METH_FASTCALL signature
  * (positional and keyword arguments, with the messages CPython's own
  * functions give), a CUDA device (`device=` of PreparedWeightRanges and
- * PrefetchController, device_info's), and a tuple or list of strings as the
+ * PrefetchController, device_info's), and a sequence of strings as the
  * `const char **` a plain-C call takes (NVRTC's options, the site-packages
- * folders nvrtc.c searches).  The signature and the strings run no Python
- * code; parsing a torch.device, or asking torch for its current device, does:
- * callers do it before what they read of their own.
+ * folders nvrtc.c searches).  The signature runs no Python code, nor do the
+ * strings once their sequence is copied; parsing a torch.device, or asking
+ * torch for its current device, does: callers do it before what they read of
+ * their own.
  */
 #include "l2p.h"
 
@@ -185,17 +186,20 @@ int l2p_parse_args(const l2p_signature *sig, PyObject *const *args, Py_ssize_t n
 
 /* ---- strings for a plain-C call ---- */
 
-const char **l2p_c_strings(PyObject *seq, PyTypeObject *type, const char *what)
+const char **l2p_c_strings(PyObject *seq, PyTypeObject *type, const char *what, PyObject **held,
+                           Py_ssize_t *n)
 {
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    const char **out = PyMem_Calloc((size_t)n + 1, sizeof *out);
+    PyObject *items = PySequence_Tuple(seq);   /* the last Python code: its __iter__ */
+    if (!items)
+        return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(items);
+    const char **out = PyMem_Calloc((size_t)count + 1, sizeof *out);
     if (!out) {
         PyErr_NoMemory();
-        return NULL;
+        goto fail;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = items[i];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *o = PyTuple_GET_ITEM(items, i);
         if (!PyObject_TypeCheck(o, type)) {
             PyErr_Format(PyExc_TypeError, "%s must be %s, not %s", what, type->tp_name,
                          Py_TYPE(o)->tp_name);
@@ -204,8 +208,11 @@ const char **l2p_c_strings(PyObject *seq, PyTypeObject *type, const char *what)
         if (!(out[i] = PyBytes_Check(o) ? PyBytes_AS_STRING(o) : PyUnicode_AsUTF8(o)))
             goto fail;
     }
+    *held = items;
+    *n = count;
     return out;
 fail:
     PyMem_Free(out);
+    Py_DECREF(items);
     return NULL;
 }

@@ -482,15 +482,11 @@ static double now_ms(void)
 static PyObject *nvrtc_build(l2p_state *st, l2p_nvrtc *n, const char *source, PyObject *options,
                              int ptx)
 {
-    PyObject *opts = PySequence_Tuple(options);
-    if (!opts)
+    PyObject *opts;   /* a tuple of the options, that the strings are borrowed from */
+    Py_ssize_t nopts;
+    const char **argv = l2p_c_strings(options, &PyUnicode_Type, "NVRTC options", &opts, &nopts);
+    if (!argv)
         return NULL;
-    Py_ssize_t nopts = PyTuple_GET_SIZE(opts);
-    const char **argv = l2p_c_strings(opts, &PyUnicode_Type, "NVRTC options");
-    if (!argv) {
-        Py_DECREF(opts);
-        return NULL;
-    }
     char *image = NULL, *log = NULL;
     size_t size = 0;
     const char *failed = NULL;

@@ -82,13 +82,15 @@ int l2p_parse_device(PyObject *obj, int *out);
 int l2p_default_device(int *out);
 /* l2p_parse_device, with None meaning l2p_default_device. */
 int l2p_device_arg(PyObject *obj, int *out);
-/* The items of seq (a tuple, or a list nothing changes while the array is in
- * use) as a NULL-terminated array of C strings borrowed from them: each an
- * instance of type, &PyUnicode_Type (its UTF-8) or &PyBytes_Type; another item
- * is TypeError "<what> must be <type>, not <its type>".  A string holding a NUL
- * is cut there, as any C string is.  Runs no Python code.  PyMem_Free it; NULL
- * with an exception. */
-const char **l2p_c_strings(PyObject *seq, PyTypeObject *type, const char *what);
+/* The items of seq (any iterable: copied into a new tuple, *held, that nothing
+ * else can change while the array is in use) as a NULL-terminated array of *n
+ * C strings borrowed from it: each an instance of type, &PyUnicode_Type (its
+ * UTF-8) or &PyBytes_Type; another item is TypeError "<what> must be <type>,
+ * not <its type>".  A string holding a NUL is cut there, as any C string is.
+ * Only the copy runs Python code (seq's __iter__).  PyMem_Free the array, then
+ * drop *held; NULL with an exception. */
+const char **l2p_c_strings(PyObject *seq, PyTypeObject *type, const char *what, PyObject **held,
+                           Py_ssize_t *n);
 
 /* state.c: the module state and what it holds. */
 l2p_state *l2p_get_state(PyObject *module);

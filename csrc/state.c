@@ -210,21 +210,19 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
 {
     if (st->nvrtc)
         return st->nvrtc;
-    PyObject *dirs = site_dirs();
+    PyObject *dirs = site_dirs(), *held;
     if (!dirs)
         return NULL;
-    /* No Python code from here on: the list and its bytes stay as they are. */
-    Py_ssize_t n = PyList_GET_SIZE(dirs);
-    const char **cdirs = l2p_c_strings(dirs, &PyBytes_Type, "site-packages folders");
-    if (!cdirs) {
-        Py_DECREF(dirs);
+    Py_ssize_t n;
+    const char **cdirs = l2p_c_strings(dirs, &PyBytes_Type, "site-packages folders", &held, &n);
+    Py_DECREF(dirs);
+    if (!cdirs)
         return NULL;
-    }
     int found = 0;
     char msg[5 * PATH_MAX];   /* the places tried (nvrtc.c) and a line around them */
     l2p_nvrtc *nv = l2p_nvrtc_open(cdirs, (int)n, &found, msg, sizeof msg);
     PyMem_Free(cdirs);
-    Py_DECREF(dirs);
+    Py_DECREF(held);
     if (!nv) {
         raise_unavailable(st, msg, found ? "nvrtc_load_failed" : "nvrtc_not_found");
         return NULL;
