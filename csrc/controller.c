@@ -1142,24 +1142,16 @@ PyDoc_STRVAR(controller_doc,
 "Python code (a stream's properties, iterating batches): calls from several\n"
 "threads are serialised there, never interleaved.  Cannot be pickled.");
 
-static PyType_Slot controller_slots[] = {
-    {Py_tp_new, controller_new},
-    {Py_tp_init, controller_init},
-    {Py_tp_dealloc, controller_dealloc},
-    {Py_tp_traverse, controller_traverse},
-    {Py_tp_clear, controller_clear},
-    {Py_tp_getset, controller_getset},
-    {Py_tp_methods, controller_methods},
-    {Py_tp_members, controller_members},
-    {Py_tp_repr, controller_repr},
-    {Py_mp_length, controller_len},
-    {Py_tp_doc, (void *)controller_doc},
-    {0, NULL},
-};
-
-PyType_Spec l2p_controller_spec = {
-    .name = "l2prefetch._C.PrefetchController",
-    .basicsize = sizeof(controller),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
-    .slots = controller_slots,
-};
+L2P_DEFINE_TYPE(l2p_controller_spec, "PrefetchController", controller,
+                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+                {Py_tp_new, controller_new},
+                {Py_tp_init, controller_init},
+                {Py_tp_dealloc, controller_dealloc},
+                {Py_tp_traverse, controller_traverse},
+                {Py_tp_clear, controller_clear},
+                {Py_tp_getset, controller_getset},
+                {Py_tp_methods, controller_methods},
+                {Py_tp_members, controller_members},
+                {Py_tp_repr, controller_repr},
+                {Py_mp_length, controller_len},
+                {Py_tp_doc, (void *)controller_doc});

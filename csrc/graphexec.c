@@ -126,18 +126,10 @@ PyDoc_STRVAR(graph_exec_doc,
 "instantiated it: launch(stream), close(); destroyed at the latest when collected.\n"
 "Not made from Python.");
 
-static PyType_Slot graph_exec_slots[] = {
-    {Py_tp_dealloc, graph_exec_dealloc},
-    {Py_tp_methods, graph_exec_methods},
-    {Py_tp_getset, graph_exec_getset},
-    {Py_tp_repr, graph_exec_repr},
-    {Py_tp_doc, (void *)graph_exec_doc},
-    {0, NULL},
-};
-
-PyType_Spec l2p_graph_exec_spec = {
-    .name = "l2prefetch._C.GraphExec",
-    .basicsize = sizeof(graph_exec),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = graph_exec_slots,
-};
+L2P_DEFINE_TYPE(l2p_graph_exec_spec, "GraphExec", graph_exec,
+                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+                {Py_tp_dealloc, graph_exec_dealloc},
+                {Py_tp_methods, graph_exec_methods},
+                {Py_tp_getset, graph_exec_getset},
+                {Py_tp_repr, graph_exec_repr},
+                {Py_tp_doc, (void *)graph_exec_doc});

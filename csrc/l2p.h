@@ -1,9 +1,9 @@
 /*
- * l2p.h: what the C units of l2prefetch._C share: the module state's layout
- * and the entry points of each unit, in the order the units build on each
- * other (DESIGN.md): errors, args, state, ranges, stream, kernels, prepared,
- * capture, graphexec, graph, controller, bench; module.c, the top, exports only
- * the module.
+ * l2p.h: what the C units of l2prefetch._C share: the module state's layout,
+ * the frame of its heap types, and the entry points of each unit, in the
+ * order the units build on each other (DESIGN.md): errors, args, state,
+ * ranges, stream, kernels, prepared, capture, graphexec, graph, controller,
+ * bench; module.c, the top, exports only the module.
  */
 #ifndef L2P_H
 #define L2P_H
@@ -38,6 +38,20 @@ typedef struct {
 #define L2P_STATE_OBJECTS(X)                                                            \
     X(prepared_type) X(controller_type) X(graph_exec_type) X(error) X(cuda_error)       \
     X(nvrtc_error) X(unavailable_error) X(cubins) X(kernel_info)
+
+/* The frame the heap types (prepared.c, graphexec.c, controller.c) share. */
+
+/* Defines PyType_Spec spec: the heap type l2prefetch._C.<pyname> (a string
+ * literal) of ctype instances, with tpflags and the slots after them (the
+ * table's end added). */
+#define L2P_DEFINE_TYPE(spec, pyname, ctype, tpflags, ...)                                  \
+    static PyType_Slot spec##_slots[] = {__VA_ARGS__, {0, NULL}};                           \
+    PyType_Spec spec = {                                                                    \
+        .name = "l2prefetch._C." pyname,                                                    \
+        .basicsize = sizeof(ctype),                                                         \
+        .flags = (tpflags),                                                                 \
+        .slots = spec##_slots,                                                              \
+    }
 
 /* errors.c: status -> exception, in one place.  All return NULL / -1. */
 PyObject *l2p_raise_cuda(l2p_state *st, l2p_driver *d, const char *operation, CUresult status);

@@ -481,22 +481,14 @@ PyDoc_STRVAR(prepared_doc,
 "sm_80-sm_89).  With no weights, device= picks the device (an empty launch: the\n"
 "control for measurements).");
 
-static PyType_Slot prepared_slots[] = {
-    {Py_tp_new, prepared_new},
-    {Py_tp_dealloc, prepared_dealloc},
-    {Py_tp_traverse, prepared_traverse},
-    {Py_tp_clear, prepared_clear},
-    {Py_tp_getset, prepared_getset},
-    {Py_tp_methods, prepared_methods},
-    {Py_tp_members, prepared_members},
-    {Py_tp_repr, prepared_repr},
-    {Py_tp_doc, (void *)prepared_doc},
-    {0, NULL},
-};
-
-PyType_Spec l2p_prepared_spec = {
-    .name = "l2prefetch._C.PreparedWeightRanges",
-    .basicsize = sizeof(l2p_prepared),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
-    .slots = prepared_slots,
-};
+L2P_DEFINE_TYPE(l2p_prepared_spec, "PreparedWeightRanges", l2p_prepared,
+                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+                {Py_tp_new, prepared_new},
+                {Py_tp_dealloc, prepared_dealloc},
+                {Py_tp_traverse, prepared_traverse},
+                {Py_tp_clear, prepared_clear},
+                {Py_tp_getset, prepared_getset},
+                {Py_tp_methods, prepared_methods},
+                {Py_tp_members, prepared_members},
+                {Py_tp_repr, prepared_repr},
+                {Py_tp_doc, (void *)prepared_doc});
