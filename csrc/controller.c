@@ -1066,21 +1066,20 @@ static PyObject *get_points(controller *self, void *c)
 static PyObject *get_eager(controller *self, void *c) { return PyBool_FromLong(self->eager); }
 
 static PyGetSetDef controller_getset[] = {
-    {"stream", (getter)get_stream, NULL, "The side stream as a torch.cuda.ExternalStream (None when disabled).", NULL},
-    {"stream_handle", (getter)get_stream_handle, NULL, "The side stream's CUstream handle as an int (0 when disabled).", NULL},
-    {"device", (getter)get_device, NULL, "CUDA device index.", NULL},
-    {"enabled", (getter)get_enabled, NULL, "False when L2PREFETCH_DISABLE was set at construction: forks do nothing.", NULL},
-    {"pending", (getter)get_pending, NULL, "Whether a fork awaits join().", NULL},
-    {"closed", (getter)get_closed, NULL, "Whether close() was called.", NULL},
-    {"graph_fork", (getter)get_graph_fork, NULL,
-     "How a fork goes into a CUDA graph being captured: 'inline' (the prefetch node on the\n"
-     "captured stream with launch-order edges; the default), 'branch' (the side stream)\n"
-     "or 'leaf' (a sink of the graph after the fork's node).\n"
-     "add(..., graph_fork=) overrides it per key; get_mode() says what a key uses.",
-     NULL},
-    {"points", (getter)get_points, NULL, "Point names in registration order.", NULL},
-    {"eager", (getter)get_eager, NULL,
-     "Whether fork() launches outside CUDA graph captures (False: only while capturing).", NULL},
+    L2P_GETTER(stream, "The side stream as a torch.cuda.ExternalStream (None when disabled)."),
+    L2P_GETTER(stream_handle, "The side stream's CUstream handle as an int (0 when disabled)."),
+    L2P_GETTER(device, "CUDA device index."),
+    L2P_GETTER(enabled, "False when L2PREFETCH_DISABLE was set at construction: forks do nothing."),
+    L2P_GETTER(pending, "Whether a fork awaits join()."),
+    L2P_GETTER(closed, "Whether close() was called."),
+    L2P_GETTER(graph_fork,
+               "How a fork goes into a CUDA graph being captured: 'inline' (the prefetch node on the\n"
+               "captured stream with launch-order edges; the default), 'branch' (the side stream)\n"
+               "or 'leaf' (a sink of the graph after the fork's node).\n"
+               "add(..., graph_fork=) overrides it per key; get_mode() says what a key uses."),
+    L2P_GETTER(points, "Point names in registration order."),
+    L2P_GETTER(eager,
+               "Whether fork() launches outside CUDA graph captures (False: only while capturing)."),
     {NULL},
 };
 

@@ -117,7 +117,7 @@ static PyMethodDef graph_exec_methods[] = {
 };
 
 static PyGetSetDef graph_exec_getset[] = {
-    {"closed", (getter)get_closed, NULL, "Whether close() ran (the graph is destroyed).", NULL},
+    L2P_GETTER(closed, "Whether close() ran (the graph is destroyed)."),
     {NULL},
 };
 

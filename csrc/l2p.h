@@ -53,6 +53,9 @@ typedef struct {
         .slots = spec##_slots,                                                              \
     }
 
+/* A PyGetSetDef row: the read-only attribute name, read by get_<name>. */
+#define L2P_GETTER(name, doc) {#name, (getter)get_##name, NULL, doc, NULL}
+
 /* errors.c: status -> exception, in one place.  All return NULL / -1. */
 PyObject *l2p_raise_cuda(l2p_state *st, l2p_driver *d, const char *operation, CUresult status);
 int l2p_raise_cuda_int(l2p_state *st, l2p_driver *d, const char *operation, CUresult status);

@@ -429,17 +429,17 @@ static PyObject *get_launch_priority(l2p_prepared *self, void *c)
 }
 
 static PyGetSetDef prepared_getset[] = {
-    {"weights", (getter)get_weights, NULL, "The weights, retained for this object's lifetime.", NULL},
-    {"ranges", (getter)get_ranges, NULL, "((ptr, nbytes), ...): the byte ranges launched.", NULL},
-    {"nbytes", (getter)get_nbytes, NULL, "Total bytes one launch pulls into L2.", NULL},
-    {"grid", (getter)get_grid, NULL, "CTAs per launch.", NULL},
-    {"block", (getter)get_block, NULL, "Threads per CTA (fixed by the kernel variant).", NULL},
-    {"smem", (getter)get_smem, NULL, "Dynamic shared memory per CTA in bytes.", NULL},
-    {"carveout", (getter)get_carveout, NULL, "Preferred shared-memory carveout (percent) or None.", NULL},
-    {"priority", (getter)get_priority, NULL, "Whether launches carry the greatest stream priority.", NULL},
-    {"launch_priority", (getter)get_launch_priority, NULL, "The priority value launches carry, or None.", NULL},
-    {"device", (getter)get_device, NULL, "CUDA device index.", NULL},
-    {"kernel", (getter)get_kernel, NULL, "Kernel variant name.", NULL},
+    L2P_GETTER(weights, "The weights, retained for this object's lifetime."),
+    L2P_GETTER(ranges, "((ptr, nbytes), ...): the byte ranges launched."),
+    L2P_GETTER(nbytes, "Total bytes one launch pulls into L2."),
+    L2P_GETTER(grid, "CTAs per launch."),
+    L2P_GETTER(block, "Threads per CTA (fixed by the kernel variant)."),
+    L2P_GETTER(smem, "Dynamic shared memory per CTA in bytes."),
+    L2P_GETTER(carveout, "Preferred shared-memory carveout (percent) or None."),
+    L2P_GETTER(priority, "Whether launches carry the greatest stream priority."),
+    L2P_GETTER(launch_priority, "The priority value launches carry, or None."),
+    L2P_GETTER(device, "CUDA device index."),
+    L2P_GETTER(kernel, "Kernel variant name."),
     {NULL},
 };
 
