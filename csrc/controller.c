@@ -433,18 +433,12 @@ static int controller_clear(controller *self)
 
 static void controller_dealloc(controller *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    if (self->weakreflist)
-        PyObject_ClearWeakRefs((PyObject *)self);
+    l2p_dealloc_begin((PyObject *)self, self->weakreflist);
     end_quietly(self);
     for (int p = 0; p < self->npoints; p++)
         Py_DECREF(self->points[p].name);
     PyMem_Free(self->points);
-    if (self->drv)
-        l2p_driver_decref(self->drv);
-    tp->tp_free(self);
-    Py_DECREF(tp);
+    l2p_dealloc_end((PyObject *)self, self->drv);
 }
 
 /* ---- add ---- */

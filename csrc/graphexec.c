@@ -85,15 +85,12 @@ static PyObject *graph_exec_close(graph_exec *self, PyObject *unused)
  * unraisable, CUDA_ERROR_DEINITIALIZED (interpreter exit) is ignored. */
 static void graph_exec_dealloc(graph_exec *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     if (self->exec) {
         CUresult r = self->drv->fn.cuGraphExecDestroy(self->exec);
         self->exec = NULL;
         l2p_report_in_dealloc(self->drv, "cuGraphExecDestroy", r, (PyObject *)self);
     }
-    l2p_driver_decref(self->drv);
-    tp->tp_free(self);
-    Py_DECREF(tp);
+    l2p_dealloc_end((PyObject *)self, self->drv);
 }
 
 static PyObject *get_closed(graph_exec *self, void *c)

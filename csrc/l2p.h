@@ -56,6 +56,25 @@ typedef struct {
 /* A PyGetSetDef row: the read-only attribute name, read by get_<name>. */
 #define L2P_GETTER(name, doc) {#name, (getter)get_##name, NULL, doc, NULL}
 
+/* A tp_dealloc begins, for a GC type with weak references: untracked, the
+ * weak references cleared. */
+static inline void l2p_dealloc_begin(PyObject *self, PyObject *weakreflist)
+{
+    PyObject_GC_UnTrack(self);
+    if (weakreflist)
+        PyObject_ClearWeakRefs(self);
+}
+
+/* A tp_dealloc ends, once the object released what else it holds: its driver
+ * instance dropped (NULL: none), the object freed, then its type's reference. */
+static inline void l2p_dealloc_end(PyObject *self, l2p_driver *drv)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    l2p_driver_decref(drv);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
 /* errors.c: status -> exception, in one place.  All return NULL / -1. */
 PyObject *l2p_raise_cuda(l2p_state *st, l2p_driver *d, const char *operation, CUresult status);
 int l2p_raise_cuda_int(l2p_state *st, l2p_driver *d, const char *operation, CUresult status);

@@ -343,17 +343,11 @@ static int prepared_clear(l2p_prepared *self)
 
 static void prepared_dealloc(l2p_prepared *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    if (self->weakreflist)
-        PyObject_ClearWeakRefs((PyObject *)self);
+    l2p_dealloc_begin((PyObject *)self, self->weakreflist);
     prepared_clear(self);
     Py_CLEAR(self->ranges_tuple);
     PyMem_Free(self->table);
-    if (self->drv)
-        l2p_driver_decref(self->drv);
-    tp->tp_free(self);
-    Py_DECREF(tp);
+    l2p_dealloc_end((PyObject *)self, self->drv);
 }
 
 PyDoc_STRVAR(launch_doc,
