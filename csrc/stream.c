@@ -89,6 +89,35 @@ int l2p_current_stream(int device, CUstream *out)
     return python_stream(device, out);
 }
 
+/* 0 when stream (an object with .cuda_stream) is on cuda:device, or does not
+ * say which (.device.index); -1 with ValueError naming both when it is on
+ * another, or with what its properties raised. */
+static int check_stream_device(PyObject *stream, int device)
+{
+    PyObject *dev = NULL, *idx = NULL;
+    int rc = -1;
+    if (l2p_optional_attr(stream, "device", &dev) < 0 ||
+        (dev && l2p_optional_attr(dev, "index", &idx) < 0))
+        goto done;
+    if (idx && PyLong_Check(idx) && !PyBool_Check(idx)) {
+        int overflow = 0;
+        long v = PyLong_AsLongAndOverflow(idx, &overflow);
+        if (v == -1 && !overflow && PyErr_Occurred())
+            goto done;
+        if (overflow || v != device) {
+            PyErr_Format(PyExc_ValueError,
+                         "the stream is on %S but the prefetch is for cuda:%d: pass a stream of cuda:%d",
+                         dev, device, device);
+            goto done;
+        }
+    }
+    rc = 0;
+done:
+    Py_XDECREF(idx);
+    Py_XDECREF(dev);
+    return rc;
+}
+
 int l2p_parse_stream(PyObject *stream, int device, CUstream *out)
 {
     if (stream == NULL || stream == Py_None)
@@ -112,24 +141,9 @@ int l2p_parse_stream(PyObject *stream, int device, CUstream *out)
                      "stream must be None, an int CUstream handle or a torch.cuda.Stream, not %s", Py_TYPE(stream)->tp_name);
         return -1;
     }
-    /* A stream of another device, when it says which (.device.index). */
-    PyObject *dev = NULL, *idx = NULL;
     int rc = -1;
-    if (l2p_optional_attr(stream, "device", &dev) < 0 ||
-        (dev && l2p_optional_attr(dev, "index", &idx) < 0))
+    if (check_stream_device(stream, device) < 0)
         goto done;
-    if (idx && PyLong_Check(idx) && !PyBool_Check(idx)) {
-        int overflow = 0;
-        long v = PyLong_AsLongAndOverflow(idx, &overflow);
-        if (v == -1 && !overflow && PyErr_Occurred())
-            goto done;
-        if (overflow || v != device) {
-            PyErr_Format(PyExc_ValueError,
-                         "the stream is on %S but the prefetch is for cuda:%d: pass a stream of cuda:%d",
-                         dev, device, device);
-            goto done;
-        }
-    }
     /* One level only: a .cuda_stream that is itself an object (a Mock, say) is
      * an error, not something to unwrap without end. */
     if (!PyLong_Check(handle) || PyBool_Check(handle)) {
@@ -139,8 +153,6 @@ int l2p_parse_stream(PyObject *stream, int device, CUstream *out)
     }
     rc = l2p_parse_stream(handle, device, out);
 done:
-    Py_XDECREF(idx);
-    Py_XDECREF(dev);
     Py_DECREF(handle);
     return rc;
 }
