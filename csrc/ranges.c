@@ -318,9 +318,7 @@ static int describe_tensor(PyObject *w, Py_ssize_t index, weight_info *out)
         PyErr_Format(PyExc_ValueError, "weight %zd: element_size() must be >= 1, got %R", index, es);
         goto done;
     }
-    if (place(out, base, stride, item, item, index) < 0)
-        goto done;
-    rc = 0;
+    rc = place(out, base, stride, item, item, index);
 done:
     Py_XDECREF(shape_obj);
     Py_XDECREF(dtype);
@@ -391,10 +389,9 @@ static int describe_cai(PyObject *w, PyObject *cai, Py_ssize_t index, weight_inf
         !(strides = as_tuple(strides_obj, index, "__cuda_array_interface__ strides")))
         goto done;
     uint64_t base;
-    if (get_u64(PyTuple_GET_ITEM(data, 0), &base, index, "the data pointer") < 0 ||
-        place(out, base, strides, 1, item, index) < 0)
+    if (get_u64(PyTuple_GET_ITEM(data, 0), &base, index, "the data pointer") < 0)
         goto done;
-    rc = 0;
+    rc = place(out, base, strides, 1, item, index);
 done:
     Py_XDECREF(shape);
     Py_XDECREF(typestr);
