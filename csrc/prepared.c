@@ -167,6 +167,59 @@ static int weights_device(l2p_state *st, PyObject *weights, l2p_weight_device *d
     return 0;
 }
 
+/* self's parameter block, capacity index cap, and its ranges tuple, from its
+ * nranges ranges. */
+static int fill_table(l2p_prepared *self, const l2p_range *ranges, int cap)
+{
+    self->table = PyMem_Calloc(1, sizeof *self->table +
+                                      (size_t)l2p_capacities[cap] * sizeof self->table->ranges[0]);
+    self->ranges_tuple = PyTuple_New(self->nranges);
+    if (!self->table || !self->ranges_tuple) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t granules = 0;
+    for (Py_ssize_t i = 0; i < self->nranges; i++) {
+        self->table->ranges[i] = ranges[i];
+        granules += ranges[i].nbytes / 16;
+        self->nbytes += ranges[i].nbytes;
+        PyObject *t = Py_BuildValue("(KK)", (unsigned long long)ranges[i].ptr,
+                                    (unsigned long long)ranges[i].nbytes);
+        if (!t)
+            return -1;
+        PyTuple_SET_ITEM(self->ranges_tuple, i, t);
+    }
+    self->table->count = (uint64_t)self->nranges;
+    self->table->granules = granules;
+    self->params[0] = self->table;
+    return 0;
+}
+
+/* self's launch configuration and attributes, from its variant, grid,
+ * priority and carveout. */
+static void fill_config(l2p_prepared *self)
+{
+    const l2p_variant *v = &l2p_variants[self->variant];
+    CUlaunchConfig *c = &self->cfg;
+    c->gridDimX = (unsigned)self->grid;
+    c->gridDimY = c->gridDimZ = 1;
+    c->blockDimX = v->block;
+    c->blockDimY = c->blockDimZ = 1;
+    c->sharedMemBytes = v->smem;
+    c->attrs = self->attrs;
+    c->numAttrs = 0;
+    if (self->priority) {   /* the context's greatest (most urgent) priority */
+        CUlaunchAttribute *a = &self->attrs[c->numAttrs++];
+        a->id = CU_LAUNCH_ATTRIBUTE_PRIORITY;
+        a->value.priority = self->dev->greatest_priority;
+    }
+    if (self->carveout != NO_CARVEOUT) {
+        CUlaunchAttribute *a = &self->attrs[c->numAttrs++];
+        a->id = CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+        a->value.sharedMemCarveout = (unsigned)self->carveout;
+    }
+}
+
 static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"weights", "byte_cap", "grid", "carveout", "priority", "kernel",
@@ -204,53 +257,53 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     l2p_driver *held = NULL;
     int device = -1;
     if (weights_device(st, tuple, devs, names, &device) < 0)
-        goto error;
+        goto done;
     if (device >= 0 && asked_device >= 0 && device != asked_device) {
         PyErr_Format(PyExc_ValueError, "device=cuda:%d but the weights are on cuda:%d", asked_device, device);
-        goto error;
+        goto done;
     }
     if (device < 0) {
         device = asked_device;
         if (device < 0 && l2p_default_device(&device) < 0)
-            goto error;
+            goto done;
     }
     if (nranges > (Py_ssize_t)l2p_capacities[L2P_NUM_CAPACITIES - 1]) {
         PyErr_Format(PyExc_ValueError,
                      "%zd ranges, but one PreparedWeightRanges holds at most %u: split the weights "
                      "over several (or cap them with byte_cap)",
                      nranges, l2p_capacities[L2P_NUM_CAPACITIES - 1]);
-        goto error;
+        goto done;
     }
 
     /* Held to the end: the allocations and the compile below can run Python
      * code (a finalizer, a warning filter) that swaps the module's driver. */
     l2p_driver *d = l2p_hold_driver(st);
     if (!d)
-        goto error;
+        goto done;
     held = d;
     l2p_device *dev = l2p_use_device(st, d, device);
     if (!dev)
-        goto error;
+        goto done;
     int sm = dev->cc_major * 10 + dev->cc_minor;
     int variant = kernel_obj == Py_None ? l2p_variant_default(sm)
                                         : l2p_variant_arg(kernel_obj);
     if (variant < 0) {
         if (!PyErr_Occurred())   /* the variant table names no default for sm */
             PyErr_Format(PyExc_ValueError, "no default kernel variant for sm_%d: pass kernel=", sm);
-        goto error;
+        goto done;
     }
     if (l2p_variant_check_sm(variant, sm, device) < 0)
-        goto error;
+        goto done;
     const l2p_variant *v = &l2p_variants[variant];
     if (v->smem > (unsigned)dev->smem_optin) {
         PyErr_Format(PyExc_ValueError, "kernel variant '%s' needs %u bytes of shared memory per CTA; "
                      "cuda:%d allows %d", v->name, v->smem, device, dev->smem_optin);
-        goto error;
+        goto done;
     }
     if (carveout != NO_CARVEOUT && d->version < L2P_CARVEOUT_DRIVER_VERSION) {
         PyErr_Format(PyExc_ValueError, "carveout needs a CUDA 12.4 driver or newer (this one is %d.%d); "
                      "pass carveout=None", d->version / 1000, (d->version % 1000) / 10);
-        goto error;
+        goto done;
     }
     int cap = 0;
     while ((Py_ssize_t)l2p_capacities[cap] < nranges)
@@ -258,7 +311,7 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 
     self = (l2p_prepared *)type->tp_alloc(type, 0);
     if (!self)
-        goto error;
+        goto done;
     self->drv = d;
     l2p_driver_incref(d);
     self->dev = dev;
@@ -270,62 +323,19 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     self->carveout = (int)carveout;
     self->priority = priority_obj == Py_True;
     self->variant = variant;
-    if (l2p_kernel_function(st, d, dev, variant, cap, &self->func) < 0)
-        goto error;
-
-    self->table = PyMem_Calloc(1, sizeof *self->table +
-                                      (size_t)l2p_capacities[cap] * sizeof self->table->ranges[0]);
-    self->ranges_tuple = PyTuple_New(nranges);
-    if (!self->table || !self->ranges_tuple) {
-        PyErr_NoMemory();
-        goto error;
+    if (l2p_kernel_function(st, d, dev, variant, cap, &self->func) < 0 ||
+        fill_table(self, ranges, cap) < 0) {
+        Py_CLEAR(self);
+        goto done;
     }
-    uint64_t granules = 0;
-    for (Py_ssize_t i = 0; i < nranges; i++) {
-        self->table->ranges[i] = ranges[i];
-        granules += ranges[i].nbytes / 16;
-        self->nbytes += ranges[i].nbytes;
-        PyObject *t = Py_BuildValue("(KK)", (unsigned long long)ranges[i].ptr,
-                                    (unsigned long long)ranges[i].nbytes);
-        if (!t)
-            goto error;
-        PyTuple_SET_ITEM(self->ranges_tuple, i, t);
-    }
-    self->table->count = (uint64_t)nranges;
-    self->table->granules = granules;
-    self->params[0] = self->table;
-
-    CUlaunchConfig *c = &self->cfg;
-    c->gridDimX = (unsigned)grid;
-    c->gridDimY = c->gridDimZ = 1;
-    c->blockDimX = v->block;
-    c->blockDimY = c->blockDimZ = 1;
-    c->sharedMemBytes = v->smem;
-    c->attrs = self->attrs;
-    c->numAttrs = 0;
-    if (self->priority) {   /* the context's greatest (most urgent) priority */
-        CUlaunchAttribute *a = &self->attrs[c->numAttrs++];
-        a->id = CU_LAUNCH_ATTRIBUTE_PRIORITY;
-        a->value.priority = dev->greatest_priority;
-    }
-    if (carveout != NO_CARVEOUT) {
-        CUlaunchAttribute *a = &self->attrs[c->numAttrs++];
-        a->id = CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
-        a->value.sharedMemCarveout = (unsigned)carveout;
-    }
-    PyMem_Free(ranges);
-    PyMem_Free(devs);
-    Py_XDECREF(names);
-    l2p_driver_decref(held);
-    return (PyObject *)self;   /* tp_alloc (PyType_GenericAlloc) already tracks it */
-error:
-    Py_XDECREF(self);
+    fill_config(self);
+done:
     Py_XDECREF(tuple);
     PyMem_Free(ranges);
     PyMem_Free(devs);
     Py_XDECREF(names);
     l2p_driver_decref(held);
-    return NULL;
+    return (PyObject *)self;   /* NULL on failure; tp_alloc (PyType_GenericAlloc) tracks it */
 }
 
 static int prepared_traverse(l2p_prepared *self, visitproc visit, void *arg)
