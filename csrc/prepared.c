@@ -312,6 +312,10 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     self = (l2p_prepared *)type->tp_alloc(type, 0);
     if (!self)
         goto done;
+    /* Out of the collector's sight until whole: the compile and the allocations
+     * below can run Python code (a finalizer) that would find it through
+     * gc.get_objects() with no table, no ranges and no kernel. */
+    PyObject_GC_UnTrack(self);
     self->drv = d;
     l2p_driver_incref(d);
     self->dev = dev;
@@ -329,13 +333,14 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         goto done;
     }
     fill_config(self);
+    PyObject_GC_Track(self);
 done:
     Py_XDECREF(tuple);
     PyMem_Free(ranges);
     PyMem_Free(devs);
     Py_XDECREF(names);
     l2p_driver_decref(held);
-    return (PyObject *)self;   /* NULL on failure; tp_alloc (PyType_GenericAlloc) tracks it */
+    return (PyObject *)self;   /* NULL on failure */
 }
 
 static int prepared_traverse(l2p_prepared *self, visitproc visit, void *arg)

@@ -292,6 +292,46 @@ def test_finalizer_during_construction_swaps_the_driver(fake, eager_gc):
         t.launch(STREAM)
 
 
+class Chain:
+    """Cyclic garbage whose finalizer runs hook and leaves another Chain behind while
+    ``on[0]``: with gc thresholds of 1, hook runs at every collection, so at every
+    container allocation of a C call."""
+
+    def __init__(self, hook, on):
+        self.hook, self.on, self.me = hook, on, self
+
+    def __del__(self):
+        if self.on[0]:
+            self.hook()
+            Chain(self.hook, self.on)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_finalizer_during_construction_finds_no_half_built_object(fake, eager_gc):
+    """A finalizer that runs at each collection mid-construction (the table's and the
+    ranges' allocations) and walks gc.get_objects() meets only whole objects: the one
+    being built is out of the collector's sight until its table, ranges and kernel are
+    in place (before, its ranges getter read NULL: a crash)."""
+    keep = PWR([arr(2)])   # a whole one, for the finalizer to find
+    seen, on = [], [True]
+
+    def look():
+        for o in gc.get_objects():
+            if type(o) is PWR:
+                seen.append((o.ranges, o.nbytes, repr(o)))
+                o.launch(STREAM)
+
+    Chain(look, on)
+    try:
+        t = PWR([arr(0), arr(1)])
+    finally:
+        on[0] = False
+    assert t.ranges == ((P0, 2048), (device_ptr(0, 65536), 2048))
+    assert t in gc.get_objects()   # tracked once whole
+    assert len(seen) > 1   # it ran inside the construction, not once before it
+    assert {(r, n) for r, n, _ in seen} <= {(keep.ranges, 2048), (t.ranges, 4096)}
+
+
 @pytest.fixture(scope="module")
 def fakenvrtc_path(tmp_path_factory):
     return build_fakenvrtc(str(tmp_path_factory.mktemp("fakenvrtc")))
