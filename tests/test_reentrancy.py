@@ -313,12 +313,13 @@ def test_finalizer_during_construction_finds_no_half_built_object(fake, eager_gc
     being built is out of the collector's sight until its table, ranges and kernel are
     in place (before, its ranges getter read NULL: a crash)."""
     keep = PWR([arr(2)])   # a whole one, for the finalizer to find
-    seen, on = [], [True]
+    seen, on, runs = [], [True], [0]
 
     def look():
+        runs[0] += 1
         for o in gc.get_objects():
             if type(o) is PWR:
-                seen.append((o.ranges, o.nbytes, repr(o)))
+                seen.append((o, o.ranges, o.nbytes, repr(o)))
                 o.launch(STREAM)
 
     Chain(look, on)
@@ -326,10 +327,14 @@ def test_finalizer_during_construction_finds_no_half_built_object(fake, eager_gc
         t = PWR([arr(0), arr(1)])
     finally:
         on[0] = False
+    if runs[0] == 0:   # 3.12+: the collector runs between bytecodes, not inside C calls
+        pytest.skip("this Python runs no finalizer inside a C call's allocations")
     assert t.ranges == ((P0, 2048), (device_ptr(0, 65536), 2048))
     assert t in gc.get_objects()   # tracked once whole
-    assert len(seen) > 1   # it ran inside the construction, not once before it
-    assert {(r, n) for r, n, _ in seen} <= {(keep.ranges, 2048), (t.ranges, 4096)}
+    assert runs[0] > 1   # inside the construction, not once before it
+    assert sum(o is keep for o, *_ in seen) == runs[0]
+    assert not any(o is t for o, *_ in seen)
+    assert all(sum(n for _, n in r) == nbytes for _, r, nbytes, _ in seen)
 
 
 @pytest.fixture(scope="module")
