@@ -431,13 +431,19 @@ static int controller_clear(controller *self)
     return 0;
 }
 
+/* The point names add() interned, and their array. */
+static void free_points(controller *self)
+{
+    for (int p = 0; p < self->npoints; p++)
+        Py_DECREF(self->points[p].name);
+    PyMem_Free(self->points);
+}
+
 static void controller_dealloc(controller *self)
 {
     l2p_dealloc_begin((PyObject *)self, self->weakreflist);
     end_quietly(self);
-    for (int p = 0; p < self->npoints; p++)
-        Py_DECREF(self->points[p].name);
-    PyMem_Free(self->points);
+    free_points(self);
     l2p_dealloc_end((PyObject *)self, self->drv);
 }
 
@@ -1098,8 +1104,7 @@ static PyMethodDef controller_methods[] = {
     {"close", (PyCFunction)controller_close, METH_NOARGS, close_doc},
     {"__enter__", (PyCFunction)controller_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))controller_exit, METH_FASTCALL, NULL},
-    {"__reduce_ex__", controller_reduce, METH_VARARGS, NULL},
-    {"__reduce__", controller_reduce, METH_VARARGS, NULL},
+    L2P_NO_PICKLE(controller_reduce),
     {NULL},
 };
 

@@ -56,6 +56,12 @@ typedef struct {
 /* A PyGetSetDef row: the read-only attribute name, read by get_<name>. */
 #define L2P_GETTER(name, doc) {#name, (getter)get_##name, NULL, doc, NULL}
 
+/* The PyMethodDef rows __reduce_ex__ and __reduce__, both served by reduce (a
+ * function raising TypeError): for objects holding this process's CUDA
+ * resources, which pickle and copy cannot carry elsewhere. */
+#define L2P_NO_PICKLE(reduce)                                                               \
+    {"__reduce_ex__", (reduce), METH_VARARGS, NULL}, {"__reduce__", (reduce), METH_VARARGS, NULL}
+
 /* A tp_dealloc begins, for a GC type with weak references: untracked, the
  * weak references cleared. */
 static inline void l2p_dealloc_begin(PyObject *self, PyObject *weakreflist)

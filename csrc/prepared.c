@@ -469,8 +469,7 @@ static PyObject *prepared_reduce(PyObject *self, PyObject *args)
 
 static PyMethodDef prepared_methods[] = {
     {"launch", (PyCFunction)(void (*)(void))prepared_launch, METH_FASTCALL | METH_KEYWORDS, launch_doc},
-    {"__reduce_ex__", prepared_reduce, METH_VARARGS, NULL},
-    {"__reduce__", prepared_reduce, METH_VARARGS, NULL},
+    L2P_NO_PICKLE(prepared_reduce),
     {NULL},
 };
 
