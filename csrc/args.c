@@ -189,7 +189,7 @@ int l2p_parse_args(const l2p_signature *sig, PyObject *const *args, Py_ssize_t n
 const char **l2p_c_strings(PyObject *seq, PyTypeObject *type, const char *what, PyObject **held,
                            Py_ssize_t *n)
 {
-    PyObject *items = PySequence_Tuple(seq);   /* the last Python code: its __iter__ */
+    PyObject *items = PySequence_Tuple(seq);   /* the last Python code: __iter__, a collection */
     if (!items)
         return NULL;
     Py_ssize_t count = PyTuple_GET_SIZE(items);

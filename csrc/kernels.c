@@ -476,8 +476,8 @@ static double now_ms(void)
 /* Compiles source with options (a sequence of str) on n; returns (image bytes,
  * log str) or raises NvrtcError carrying the log, the options and the numbered
  * source.  The caller holds a reference to n (taken before anything that can
- * run Python: copying the options runs their __iter__, which may swap the
- * module's NVRTC) and keeps source alive.  The compile runs without the GIL on
+ * run Python: copying the options can start a collection, whose finalizers may
+ * swap the module's NVRTC) and keeps source alive.  The compile runs without the GIL on
  * a tuple of the options, so nothing it reads can be freed meanwhile. */
 static PyObject *nvrtc_build(l2p_state *st, l2p_nvrtc *n, const char *source, PyObject *options,
                              int ptx)
@@ -806,7 +806,7 @@ PyObject *l2p_py_compile_source(PyObject *module, PyObject *const *args, Py_ssiz
     if (!src)
         return NULL;
     l2p_state *st = l2p_get_state(module);
-    l2p_nvrtc *n = l2p_hold_nvrtc(st);   /* before nvrtc_build copies the options (their __iter__) */
+    l2p_nvrtc *n = l2p_hold_nvrtc(st);   /* before nvrtc_build copies the options (a collection) */
     if (!n)
         return NULL;
     PyObject *built = nvrtc_build(st, n, src, args[1], 0);

@@ -129,8 +129,9 @@ int l2p_device_arg(PyObject *obj, int *out);
  * C strings borrowed from it: each an instance of type, &PyUnicode_Type (its
  * UTF-8) or &PyBytes_Type; another item is TypeError "<what> must be <type>,
  * not <its type>".  A string holding a NUL is cut there, as any C string is.
- * Only the copy runs Python code (seq's __iter__).  PyMem_Free the array, then
- * drop *held; NULL with an exception. */
+ * Only the copy runs Python code: the __iter__ of seq if it is no tuple or
+ * list, and the finalizers of a collection its allocation starts.  PyMem_Free
+ * the array, then drop *held; NULL with an exception. */
 const char **l2p_c_strings(PyObject *seq, PyTypeObject *type, const char *what, PyObject **held,
                            Py_ssize_t *n);
 

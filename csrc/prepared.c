@@ -168,31 +168,45 @@ static int weights_device(l2p_state *st, PyObject *weights, l2p_weight_device *d
 }
 
 /* self's parameter block, capacity index cap, and its ranges tuple, from its
- * nranges ranges. */
+ * nranges ranges.  The (ptr, nbytes) pairs are made first and the tuple last,
+ * with no allocation while it is filled: a collection started by one (and the
+ * finalizers it runs) would find a tracked tuple with NULL slots. */
 static int fill_table(l2p_prepared *self, const l2p_range *ranges, int cap)
 {
+    Py_ssize_t n = self->nranges, made = 0;
+    int rc = -1;
+    PyObject **pairs = PyMem_Calloc((size_t)n + 1, sizeof *pairs);
     self->table = PyMem_Calloc(1, sizeof *self->table +
                                       (size_t)l2p_capacities[cap] * sizeof self->table->ranges[0]);
-    self->ranges_tuple = PyTuple_New(self->nranges);
-    if (!self->table || !self->ranges_tuple) {
+    if (!pairs || !self->table) {
         PyErr_NoMemory();
-        return -1;
+        goto done;
     }
     uint64_t granules = 0;
-    for (Py_ssize_t i = 0; i < self->nranges; i++) {
-        self->table->ranges[i] = ranges[i];
-        granules += ranges[i].nbytes / 16;
-        self->nbytes += ranges[i].nbytes;
-        PyObject *t = Py_BuildValue("(KK)", (unsigned long long)ranges[i].ptr,
-                                    (unsigned long long)ranges[i].nbytes);
-        if (!t)
-            return -1;
-        PyTuple_SET_ITEM(self->ranges_tuple, i, t);
+    for (; made < n; made++) {
+        self->table->ranges[made] = ranges[made];
+        granules += ranges[made].nbytes / 16;
+        self->nbytes += ranges[made].nbytes;
+        pairs[made] = Py_BuildValue("(KK)", (unsigned long long)ranges[made].ptr,
+                                    (unsigned long long)ranges[made].nbytes);
+        if (!pairs[made])
+            goto done;
     }
-    self->table->count = (uint64_t)self->nranges;
+    if (!(self->ranges_tuple = PyTuple_New(n)))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {   /* each pair's reference moves into the tuple */
+        PyTuple_SET_ITEM(self->ranges_tuple, i, pairs[i]);
+        pairs[i] = NULL;
+    }
+    self->table->count = (uint64_t)n;
     self->table->granules = granules;
     self->params[0] = self->table;
-    return 0;
+    rc = 0;
+done:
+    for (Py_ssize_t i = 0; pairs && i < made; i++)
+        Py_XDECREF(pairs[i]);
+    PyMem_Free(pairs);
+    return rc;
 }
 
 /* self's launch configuration and attributes, from its variant, grid,

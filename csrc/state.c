@@ -227,7 +227,7 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
         raise_unavailable(st, msg, found ? "nvrtc_load_failed" : "nvrtc_not_found");
         return NULL;
     }
-    if (st->nvrtc) {   /* another thread opened one while site ran Python code */
+    if (st->nvrtc) {   /* opened meanwhile, by Python code site or the copy ran */
         l2p_nvrtc_decref(nv);
         return st->nvrtc;
     }
@@ -236,7 +236,7 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
 }
 
 /* Defines l2p_hold_<lib> (l2p.h): l2p_use_<lib> with a reference of the
- * caller's own. */
+ * caller's own.  Below: l2p_hold_driver and l2p_hold_nvrtc. */
 #define DEFINE_HOLD(lib)                                                                   \
     l2p_##lib *l2p_hold_##lib(l2p_state *st)                                               \
     {                                                                                      \
@@ -246,8 +246,8 @@ l2p_nvrtc *l2p_use_nvrtc(l2p_state *st)
         return p;                                                                          \
     }
 
-DEFINE_HOLD(driver)
-DEFINE_HOLD(nvrtc)
+DEFINE_HOLD(driver)   /* l2p_hold_driver */
+DEFINE_HOLD(nvrtc)    /* l2p_hold_nvrtc */
 
 /* ---- module functions: the state ---- */
 
@@ -332,8 +332,8 @@ static void *with_env_path(l2p_state *st, const char *name, PyObject *path,
     return result;
 }
 
-/* Defines static int swap_<lib>(l2p_state *st, PyObject *arg), the testing
- * hooks' swap of st-><lib>: new objects use the library at path arg (a str:
+/* Defines static int swap_<lib>(l2p_state *st, PyObject *arg) (and the
+ * open_<lib> it hands with_env_path), the testing hooks' swap of st-><lib>: new objects use the library at path arg (a str:
  * opened now by l2p_use_<lib>, with $env naming it) or the default one again
  * (None: opened on next use).  Objects made before keep the instance they hold;
  * the old one is dropped (its library stays loaded).  When the open fails the
@@ -362,8 +362,8 @@ static void *with_env_path(l2p_state *st, const char *name, PyObject *path,
         return 0;                                                                          \
     }
 
-DEFINE_SWAP(driver, "L2PREFETCH_LIBCUDA")
-DEFINE_SWAP(nvrtc, "L2PREFETCH_LIBNVRTC")
+DEFINE_SWAP(driver, "L2PREFETCH_LIBCUDA")   /* swap_driver, open_driver */
+DEFINE_SWAP(nvrtc, "L2PREFETCH_LIBNVRTC")   /* swap_nvrtc, open_nvrtc */
 
 /* _use_driver(path=None): testing hook.  New objects use the driver at path
  * (the recording stand-in), or the default one again with None.  Existing

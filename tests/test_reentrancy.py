@@ -311,8 +311,12 @@ def test_finalizer_during_construction_finds_no_half_built_object(fake, eager_gc
     """A finalizer that runs at each collection mid-construction (the table's and the
     ranges' allocations) and walks gc.get_objects() meets only whole objects: the one
     being built is out of the collector's sight until its table, ranges and kernel are
-    in place (before, its ranges getter read NULL: a crash)."""
-    keep = PWR([arr(2)])   # a whole one, for the finalizer to find
+    in place, and its ranges tuple is tracked only once filled.  Before, it found the
+    object with half its ranges and no kernel (its launch failed), and a tuple with NULL
+    slots (reading one crashed)."""
+    n = 25   # a tuple this long is no free-list one: each pair's allocation can collect
+    weights = [arr(i) for i in range(n)]
+    keep = PWR([arr(n)])   # a whole one, for the finalizer to find
     seen, on, runs = [], [True], [0]
 
     def look():
@@ -321,20 +325,31 @@ def test_finalizer_during_construction_finds_no_half_built_object(fake, eager_gc
             if type(o) is PWR:
                 seen.append((o, o.ranges, o.nbytes, repr(o)))
                 o.launch(STREAM)
+            elif type(o) is tuple and len(o) == n:
+                list(o)   # a NULL slot: a crash
 
-    Chain(look, on)
-    try:
-        t = PWR([arr(0), arr(1)])
-    finally:
-        on[0] = False
-    if runs[0] == 0:   # 3.12+: the collector runs between bytecodes, not inside C calls
-        pytest.skip("this Python runs no finalizer inside a C call's allocations")
-    assert t.ranges == ((P0, 2048), (device_ptr(0, 65536), 2048))
+    def construct(**kwargs):
+        runs[0], on[0] = 0, True
+        Chain(look, on)
+        try:
+            return PWR(weights, **kwargs)
+        finally:
+            on[0] = False
+
+    # the collections before tp_alloc: the same call, refused by its kernel= after
+    # the ranges are computed
+    with pytest.raises(ValueError):
+        construct(kernel="no such kernel")
+    before = runs[0]
+    t = construct()
+    if runs[0] <= before:
+        pytest.skip("no collection ran between this Python's allocation of the object and "
+                    "its return (3.12+ collects at the eval breaker)")
+    assert t.ranges == tuple((device_ptr(0, i * 65536), 2048) for i in range(n))
     assert t in gc.get_objects()   # tracked once whole
-    assert runs[0] > 1   # inside the construction, not once before it
-    assert sum(o is keep for o, *_ in seen) == runs[0]
+    assert sum(o is keep for o, *_ in seen) == runs[0] + before
     assert not any(o is t for o, *_ in seen)
-    assert all(sum(n for _, n in r) == nbytes for _, r, nbytes, _ in seen)
+    assert all(sum(b for _, b in r) == nbytes for _, r, nbytes, _ in seen)
 
 
 @pytest.fixture(scope="module")
