@@ -66,14 +66,16 @@ spin_op.register_effect(EffectType.ORDERED)
 SITES = ("norm", "oproj")
 
 
-def plant(model, us, site="norm"):
+def plant(model, us, site="norm", cycles=None):
     """A spin of ``us`` in every layer, as an effectful custom op (Dynamo keeps it where
     it drops ``torch.cuda._sleep``): ``site`` ``norm``, in post_attention_layernorm's
-    pre-hook, reading the residual sum (compiled, Inductor runs the add+norm kernel
-    before it, beside the window's loads: RESULTS run 27); ``oproj``, in o_proj's forward
-    hook, reading its output, where a tensor-parallel all-reduce sits (compiled, before
-    the add+norm, as the vLLM-shaped model's all-reduce slot)."""
-    cycles = int(us * spin_cycles_per_us())
+    pre-hook, reading the residual sum (compiled, Inductor runs the add and the norm's
+    reduction before it, beside the window's loads: RESULTS runs 27, 30); ``oproj``, in
+    o_proj's forward hook, reading its output, where a tensor-parallel all-reduce sits
+    (compiled, before the add+norm, as the vLLM-shaped model's all-reduce slot).
+    ``cycles``: the spin's clock cycles (default: ``us`` at this GPU's clock)."""
+    if cycles is None:
+        cycles = int(us * spin_cycles_per_us())
     if site == "oproj":
         return [layer.self_attn.o_proj.register_forward_hook(
             lambda m, args, out: torch.ops.l2p_bench.spin(out, cycles))
