@@ -14,6 +14,7 @@ fork.
     python -m benchmarks.probe_schedule [--site norm|oproj] [--forks oproj_after,...]
 """
 import argparse
+import functools
 import re
 
 import torch
@@ -52,16 +53,17 @@ def _model(site, fork):
     return model, controller
 
 
-_on_cpu = []
+@functools.cache
+def _spin_on_cpu():
+    """The spin's CPU kernel, a no-op (registered once per process)."""
+    spin_op.register_kernel("cpu")(lambda after, cycles: None)
 
 
 def schedule(site, fork):
     """The compiled layer's calls in order after its attention: the kernel or op names,
     the spin as ``spin`` and the fork as ``fork``."""
     from torch._inductor.utils import run_and_get_code
-    if not _on_cpu:   # the spin, a no-op on the CPU
-        spin_op.register_kernel("cpu")(lambda after, cycles: None)
-        _on_cpu.append(True)
+    _spin_on_cpu()
     model, controller = _model(site, fork)   # the controller lives while it is compiled
     step = torch.compile(model.forward)
     ids = torch.zeros((1, 1), dtype=torch.long)
