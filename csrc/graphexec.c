@@ -114,7 +114,7 @@ static PyMethodDef graph_exec_methods[] = {
 };
 
 static PyGetSetDef graph_exec_getset[] = {
-    L2P_GETTER(closed, "Whether close() ran (the graph is destroyed)."),
+    L2P_GETTER(graph_exec, closed, "Whether close() ran (the graph is destroyed)."),
     {NULL},
 };
 
