@@ -370,6 +370,20 @@ def test_attachment_join_in_compiled_code():
     assert controller.calls == expected_calls(2, BATCH) * 2
 
 
+def test_attach_to_the_torch_compile_wrapper_hooks_its_module():
+    """attach(torch.compile(model), ...): the hooks go on the module, the join's too, so
+    the compiled code holds every op as where they were attached before compiling."""
+    torch.manual_seed(0)
+    model, controller = Model(), Recorder()
+    backend = Graphs()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    with hooks.attach(compiled, controller, points(model)):
+        assert not compiled._forward_hooks
+        compiled(torch.randn(BATCH, 1, 16))
+    assert backend.events() == expected_events(2, BATCH)
+    assert controller.calls == expected_calls(2, BATCH)
+
+
 @throws_through_torch
 def test_eager_hooks_do_not_go_through_the_registry():
     model, controller, attachment = hooked()

@@ -22,8 +22,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from _compile_model import Model, expected_calls, points
 from conftest import CXX_THROW_ABORTS
 from l2prefetch import hooks, ops
+from l2prefetch.plan import PlanEntry
 from l2prefetch.profile import (EAGER_STEP, StepMismatchError, check_step, describe_step,
-                                parse_profile, step_record)
+                                load_profile, parse_profile, profile_document, save_profile,
+                                step_record, versions)
 from l2prefetch.tuning.compiled import Switchboard, recompile, step_is_compiled
 
 BATCH = 3
@@ -157,6 +159,49 @@ def test_step_is_compiled(how):
     assert all(not m._forward_pre_hooks for m in model.modules())          # hooks removed
 
 
+class _Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Model()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class _WithHead(torch.nn.Module):
+    """vLLM's shape: the decoder compiled, the head (compute_logits) run eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _Decoder()
+        self.lm_head = torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.model(x))
+
+
+@pytest.mark.parametrize("how", ["module.compile()", "forward"])
+def test_a_warmed_compiled_decoder_beside_an_eager_head_is_found_compiled(how):
+    """The warm-up traced the decoder before the detection's hooks existed, so its frames
+    run none of them; only the eager head's did."""
+    lm = _WithHead().eval()
+    if how == "module.compile()":
+        lm.model.compile(backend="eager")
+    else:
+        lm.model.forward = torch.compile(lm.model.forward, backend="eager")
+    x = torch.randn(BATCH, 1, 16)
+    with torch.no_grad():     # the server's warm-up, in the grad mode the detection runs in
+        lm(x)
+    assert step_is_compiled(lm, lambda batch: lm(x), BATCH)
+    assert all(not m._forward_pre_hooks for m in lm.modules())
+
+
+def test_an_eager_step_that_leaves_a_module_unused_is_found_eager():
+    model = _WithHead().eval()
+    x = torch.randn(BATCH, 1, 16)
+    assert not step_is_compiled(model, lambda batch: model.model(x), BATCH)   # no lm_head
+
+
 def test_a_step_that_fails_while_tune_finds_out_how_it_runs_is_a_step_error():
     from l2prefetch.tuning import StepError, tune
 
@@ -193,6 +238,17 @@ def test_tune_refuses_an_inductor_mode_that_captures_its_own_graphs_or_none(mode
                                          r"compiled in the Inductor modes 'default', "
                                          r"'max-autotune-no-cudagraphs'"):
         tune(model, lambda batch: None, [1], progress=None, compiled=mode)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_a_mode_that_captures_its_own_graphs_is_told_to_compile_in_another(mode):
+    from l2prefetch.tuning import tune
+
+    with pytest.raises(ValueError) as caught:
+        tune(Model().eval(), lambda batch: None, [1], progress=None, compiled=mode)
+    assert f"{mode!r} captures CUDA graphs of its own: compile the step in one of " \
+           "those" in str(caught.value)
+    assert "pass compiled=True" not in str(caught.value)
 
 
 # ---- the step record ----
@@ -471,3 +527,35 @@ def test_the_screen_refuses_sites_whose_hooks_run_outside_the_compiled_code():
     assert lines == ["1 compilation; 0 of 1 site kinds change Inductor's kernels; 2 run "
                      "their hooks outside the compiled code: after1, before1"]
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+
+# ---- torch.compile(model): the wrapper's paths are its module's ----
+
+def _saved_profile(tmp_path, model):
+    entry = PlanEntry("p", 0, [1], (model.layers[1].attn.o_proj.weight,))
+    document = profile_document(
+        model, [entry], {"p": [("layers.0.mlp", 0)]}, batches=[1],
+        device={"name": "X", "sm": 90, "sm_count": 1, "l2_bytes": 1, "driver_version": 1},
+        versions=versions(), step=step_record(True, "default"), tuning={}, results=[])
+    path = tmp_path / "p.json"
+    save_profile(path, document)
+    return path, document
+
+
+def test_a_profile_loads_for_the_torch_compile_wrapper_of_its_model(tmp_path):
+    model = Model().eval()
+    path, _ = _saved_profile(tmp_path, model)
+    compiled = torch.compile(model, backend="eager")     # an OptimizedModule: _orig_mod.*
+    loaded = load_profile(path, compiled, check_device=False)
+    loaded.check_model(compiled)
+    loaded.check_model(model)
+    assert loaded.hook_points(compiled) == {"p": [(model.layers[0].mlp, 0)]}
+    assert loaded.plan[0].weights[0] is model.layers[1].attn.o_proj.weight
+
+
+def test_a_profile_written_for_the_wrapper_names_the_models_own_paths(tmp_path):
+    model = Model().eval()
+    _, document = _saved_profile(tmp_path, torch.compile(model, backend="eager"))
+    assert document["model"]["class"] == "Model"
+    assert list(document["model"]["weights"]) == ["layers.1.attn.o_proj.weight"]

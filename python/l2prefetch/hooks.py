@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from . import _torch
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_hook_choices
+from .model_paths import compiled_module
 # The package's one disabled(), also public here: attach() is what it turns off.
 from .controller import disabled
 from .profile import check_step
@@ -370,6 +371,8 @@ def attach(model: torch.nn.Module, controller: Controller,
         return Attachment()
 
     torch = _torch.require("l2prefetch.hooks.attach")
+    # torch.compile(model): its module's hooks run in the compiled code, the join's too
+    model = compiled_module(model)
     resolved = _check_attach(model, controller, points, torch)
     op_handle, fork_op, join_op = _register_ops(controller, torch)
     try:

@@ -17,7 +17,19 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-__all__ = ["layer_count", "layer_of", "named_tensors", "tensor_paths"]
+__all__ = ["compiled_module", "layer_count", "layer_of", "named_tensors", "tensor_paths"]
+
+
+def compiled_module(model: Any) -> Any:
+    """The module that ``torch.compile(module)`` wrapped, where ``model`` is that wrapper
+    (an ``OptimizedModule``, whose paths all begin ``_orig_mod.``), else ``model``: the
+    wrapper runs the module's own hooks in its compiled code, and a profile names the
+    module's paths, whichever way it was compiled."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    while wrapper is not None and isinstance(model, wrapper):
+        model = model._orig_mod
+    return model
 
 
 def layer_of(path: str) -> tuple[Optional[int], str]:

@@ -21,7 +21,17 @@ is being compiled.  Hand-written layer code::
     ...
     l2prefetch.ops.join(handle, after=logits)           # once, at the end of the step
 
-(``torch.ops.l2prefetch.fork`` / ``join`` are the same ops.)  Pass as
+(``torch.ops.l2prefetch.fork`` / ``join`` are the same ops.)  The op cannot
+tell compiled code from an eager call, so for a profile's controller it counts
+every fork as compiled (:func:`l2prefetch.profile.check_step`): layer code that
+also runs eagerly calls ``controller.fork(...)`` there, as the hooks do::
+
+    if torch.compiler.is_compiling():
+        l2prefetch.ops.fork(handle, "oproj_down", layer_idx, batch, after=h)
+    else:
+        controller.fork("oproj_down", layer_idx, batch)
+
+Pass as
 ``after`` the output of the work the fork follows, and to ``join`` the step's
 final output: it keeps Inductor from moving the op before that work.  How the
 ops stay in place under Dynamo, AOTAutograd and Inductor, and why ``after``

@@ -42,7 +42,7 @@ from . import _C, _torch
 from ._files import loads_json, read_text, write_atomic
 from ._version import __version__
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_entry, site_hook_choices
-from .model_paths import layer_count, layer_of, named_tensors, tensor_paths
+from .model_paths import compiled_module, layer_count, layer_of, named_tensors, tensor_paths
 from .plan import MAX_BATCH, MAX_LAYER, PlanEntry
 
 __all__ = ["EAGER_STEP", "PROFILE_FORMAT", "PROFILE_VERSION", "Profile",
@@ -219,6 +219,7 @@ class Profile:
     def check_model(self, model: Any) -> None:
         """Raise :class:`ProfileMismatchError` unless ``model`` is the model this profile's
         plan was resolved in."""
+        model = compiled_module(model)
         where = f"profile {self.path}" if self.path else "this profile"
         fix = ("its plan holds that model's weights and its sites are that model's "
                "modules: load the profile for this model (tuning.load_profile(path, model))")
@@ -282,6 +283,7 @@ class Profile:
         """``point -> [(module, layer)]`` (``(module, layer, "before")`` for a site
         hooked before its module) for :func:`l2prefetch.hooks.attach` (``model``
         must be the profile's own: :meth:`check_model`)."""
+        model = compiled_module(model)
         self.check_model(model)
         return {point: [(model.get_submodule(path) if path else model, *rest)
                         for path, *rest in sites] for point, sites in self.sites.items()}
@@ -568,6 +570,7 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     controller), the file and the model are.
     """
     where = os.fspath(source)
+    model = compiled_module(model)   # torch.compile(model): the paths are its module's
     data = parse_profile(read_text(where, "profile"), where)
     if check_device and _C.env_flag("L2PREFETCH_DISABLE"):
         # prefetching is off: nothing is prepared, and a server started without a driver
@@ -635,6 +638,7 @@ def profile_document(model: Any, plan: Sequence[PlanEntry], sites: Mapping[str, 
     measurements, one record per batch) are stored as given.  A weight that is not
     ``model``'s is a ValueError.
     """
+    model = compiled_module(model)
     paths = tensor_paths(model)
     site_of = {(point, layer): (path, *hook) for point, point_sites in sites.items()
                for path, layer, *hook in point_sites}

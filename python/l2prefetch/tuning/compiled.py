@@ -97,28 +97,34 @@ def eager_stance() -> Iterator[None]:
 def step_is_compiled(model: Any, step: Callable[[int], Any], batch: int) -> bool:
     """Whether ``step(batch)`` runs ``model``'s modules in code torch.compile made.
 
-    Runs the step once with a forward pre-hook on every module that holds
-    parameters: a hook Dynamo traces sees ``torch.compiler.is_compiling()``, and
-    a compiled frame traced before the hooks existed does not run them at all;
-    an eager step runs them, not compiling.  Call :func:`recompile` afterwards
-    (the hooks are gone, a frame compiled now still holds them).
+    Runs the step with a forward pre-hook on every module that holds parameters: a
+    hook Dynamo traces sees ``torch.compiler.is_compiling()``, an eager step runs
+    them, not compiling.  A frame compiled before the hooks existed runs none of
+    them, so where some module's hook did not run and none ran compiling (a warmed
+    compiled decoder beside an eager head, as vLLM runs ``lm_head``), every frame is
+    dropped (:func:`recompile`) and the step runs once more.  Call :func:`recompile`
+    afterwards (the hooks are gone, a frame compiled now still holds them).
     """
     import torch
 
-    seen: list[bool] = []
+    compiling: dict[int, bool] = {}   # id(module) -> whether its hook ran compiling
 
     def pre(module: Any, args: Any) -> None:
-        seen.append(torch.compiler.is_compiling())
+        compiling[id(module)] = compiling.get(id(module), False) or \
+            torch.compiler.is_compiling()
 
     handles = [module.register_forward_pre_hook(pre) for module in model.modules()
                if any(True for _ in module.parameters(recurse=False))]
     try:
         with torch.no_grad():
             step(batch)
+            if len(compiling) < len(handles) and not any(compiling.values()):
+                recompile()   # frames compiled before the hooks: traced anew with them
+                step(batch)
     finally:
         for handle in handles:
             handle.remove()
-    return not seen or any(seen)
+    return any(compiling.values())
 
 
 _CALL = re.compile(r"^\s+(?:\w+ = )?((?:triton_|cpp_fused_|extern_kernels\.|aten\.|torch\.ops\.)"

@@ -19,14 +19,15 @@ from typing import Any, Optional, Union
 
 from .. import _C, hooks
 from ..mechanisms import GRAPH_FORKS, graph_fork_choices
+from ..model_paths import compiled_module
 from ..plan import check_batches
 from .discovery import Role, find_roles, role_hints
 from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile, step_record,
                        versions)
 from . import measure  # GraphBackend looked up when tune() runs (the tests replace it)
 from .arms import Backend, Setting, StepError
-from .compiled import (COMPILE_MODES, compilations_differ, eager_stance, recompile,
-                       step_is_compiled)
+from .compiled import (COMPILE_MODES, OWN_GRAPH_MODES, compilations_differ, eager_stance,
+                       recompile, step_is_compiled)
 from .report import markdown, plot
 from .results import BatchReport
 from .search import (CONFIRMED_UNVERIFIED, DEFAULT_CAPS_MIB, DEFAULT_GRIDS,
@@ -145,9 +146,12 @@ def _check_compiled(compiled: object) -> Optional[str]:
     if compiled not in COMPILE_MODES:
         raise ValueError(f"compiled={compiled!r}: the tuner measures steps compiled in the "
                          f"Inductor modes {', '.join(map(repr, COMPILE_MODES))}, which leave "
-                         "CUDA graphs to the caller ('reduce-overhead' and 'max-autotune' "
-                         "capture their own); pass compiled=True for other torch.compile "
-                         "settings")
+                         "CUDA graphs to the caller; "
+                         + (f"{compiled!r} captures CUDA graphs of its own: compile the step "
+                            "in one of those (the server's capture then holds the forks)"
+                            if compiled in OWN_GRAPH_MODES else
+                            "('reduce-overhead' and 'max-autotune' capture their own); pass "
+                            "compiled=True for other torch.compile settings"))
     return compiled
 
 
@@ -287,6 +291,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     confirmation.
     """
     batches = _check_model_and_step(model, step, batches, budget_s)
+    model = compiled_module(model)   # torch.compile(model): its module's paths and hooks
     max_instances = _check_sampling(instances, max_instances, rounds, min_gain_us, resolution)
     known = _check_settings(caps_mib, grids, graph_forks, kernels)
     if backend is not None and not isinstance(backend, Backend):
