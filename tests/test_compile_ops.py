@@ -384,6 +384,40 @@ def test_attach_to_the_torch_compile_wrapper_hooks_its_module():
     assert controller.calls == expected_calls(2, BATCH)
 
 
+@pytest.mark.parametrize("how", ["wrapper", "forward", "module.compile()"])
+def test_attach_after_the_first_compiled_call_warns_that_nothing_forks(how, caplog):
+    """Dynamo does not guard on a module's empty hook dicts: frames traced before attach
+    run none of its hooks (torch.compile of a function that calls the model: not seen)."""
+    torch.manual_seed(0)
+    model, controller = Model().eval(), Recorder()
+    if how == "wrapper":
+        target = torch.compile(model, backend="eager")
+    elif how == "forward":
+        model.forward = torch.compile(model.forward, backend="eager")
+        target = model
+    else:
+        model.compile(backend="eager")
+        target = model
+    x = torch.randn(BATCH, 1, 16)
+    target(x)
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(target, controller, points(model)):
+            target(x)
+    assert "torch.compile already traced Model.forward" in caplog.text
+    assert not any(call[0] == "fork" for call in controller.calls)   # what it warns of
+
+
+def test_attach_before_the_first_compiled_call_does_not_warn(caplog):
+    torch.manual_seed(0)
+    model, controller = Model().eval(), Recorder()
+    compiled = torch.compile(model, backend="eager")
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(compiled, controller, points(model)):
+            compiled(torch.randn(BATCH, 1, 16))
+    assert "already traced" not in caplog.text
+    assert controller.calls == expected_calls(2, BATCH)
+
+
 @throws_through_torch
 def test_eager_hooks_do_not_go_through_the_registry():
     model, controller, attachment = hooked()

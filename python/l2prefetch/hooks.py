@@ -38,6 +38,7 @@ attach nothing, which turns prefetching off without a code change.
 from __future__ import annotations
 
 import logging
+import sys
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
@@ -383,7 +384,29 @@ def attach(model: torch.nn.Module, controller: Controller,
             _ops().unregister(op_handle)
         raise
     _log_attach(model, sites, join, op_handle)
+    if _traced_before(model):
+        logger.warning(
+            "attach: torch.compile already traced %s.forward, and Dynamo does not guard on "
+            "a module's empty hook dicts, so its compiled frames run none of the hooks "
+            "added now and nothing forks there: attach before the first compiled call (or "
+            "call torch._dynamo.reset() after attaching)", type(model).__name__)
     return Attachment(controller, handles, sites, op_handle)
+
+
+def _traced_before(model: Any) -> bool:
+    """Whether torch.compile holds a compiled frame of ``model``'s class's forward (the
+    model compiled with ``model.compile()``, ``torch.compile(model)`` or of its forward,
+    and called).  Not seen: a compiled function that calls the model, whose frame
+    holds the forward inlined."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")   # not loaded: nothing compiled
+    entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
+    code = getattr(getattr(type(model), "forward", None), "__code__", None)
+    if entries is None or code is None:
+        return False
+    try:
+        return bool(entries(code))
+    except Exception:   # a torch whose private helper changed: no warning, not a failed attach
+        return False
 
 
 #: The attribute that marks a hook function as one of :func:`attach`'s, naming its controller.

@@ -414,16 +414,11 @@ class Switchboard:
         self.sites = {point: [layer for _, layer, _ in where] for point, where in points.items()}
         self._routes: dict[tuple[str, int], list[tuple[str, int]]] = {}
         self._current: Any = None
+        recompile()   # frames compiled before the hooks would run none of them
         self.attachment = hooks.attach(model, self, points, batch_fn=self._batch, join=False)
         try:
             self._join_handle = model.register_forward_hook(self._join_hook)
         except BaseException:
-            self.attachment.detach()
-            raise
-        try:
-            recompile()   # frames compiled before the hooks existed would not run them
-        except BaseException:   # an interrupt here leaves no hook behind
-            self._join_handle.remove()
             self.attachment.detach()
             raise
 
