@@ -323,8 +323,12 @@ def test_finalizer_during_construction_finds_no_half_built_object(fake, eager_gc
         runs[0] += 1
         for o in gc.get_objects():
             if type(o) is PWR:
-                seen.append((o, o.ranges, o.nbytes, repr(o)))
-                o.launch(STREAM)
+                try:
+                    o.launch(STREAM)
+                    launched = True
+                except Exception:
+                    launched = False
+                seen.append((o, o.ranges, o.nbytes, launched))
             elif type(o) is tuple and len(o) == n:
                 list(o)   # a NULL slot: a crash
 
@@ -348,7 +352,10 @@ def test_finalizer_during_construction_finds_no_half_built_object(fake, eager_gc
     assert t.ranges == tuple((device_ptr(0, i * 65536), 2048) for i in range(n))
     assert t in gc.get_objects()   # tracked once whole
     assert sum(o is keep for o, *_ in seen) == runs[0] + before
-    assert not any(o is t for o, *_ in seen)
+    # Python 3.12+ may also collect between the return and the finally (the eval
+    # breaker), where t is whole: what the finalizer met must be whole wherever it ran.
+    assert all(r == t.ranges for o, r, *_ in seen if o is t)
+    assert all(launched for *_, launched in seen)
     assert all(sum(b for _, b in r) == nbytes for _, r, nbytes, _ in seen)
 
 
