@@ -1065,20 +1065,21 @@ static PyObject *get_points(controller *self, void *c)
 }
 static PyObject *get_eager(controller *self, void *c) { return PyBool_FromLong(self->eager); }
 
+#define L2P_GETTER_SELF controller
 static PyGetSetDef controller_getset[] = {
-    L2P_GETTER(controller, stream, "The side stream as a torch.cuda.ExternalStream (None when disabled)."),
-    L2P_GETTER(controller, stream_handle, "The side stream's CUstream handle as an int (0 when disabled)."),
-    L2P_GETTER(controller, device, "CUDA device index."),
-    L2P_GETTER(controller, enabled, "False when L2PREFETCH_DISABLE was set at construction: forks do nothing."),
-    L2P_GETTER(controller, pending, "Whether a fork awaits join()."),
-    L2P_GETTER(controller, closed, "Whether close() was called."),
-    L2P_GETTER(controller, graph_fork,
+    L2P_GETTER(stream, "The side stream as a torch.cuda.ExternalStream (None when disabled)."),
+    L2P_GETTER(stream_handle, "The side stream's CUstream handle as an int (0 when disabled)."),
+    L2P_GETTER(device, "CUDA device index."),
+    L2P_GETTER(enabled, "False when L2PREFETCH_DISABLE was set at construction: forks do nothing."),
+    L2P_GETTER(pending, "Whether a fork awaits join()."),
+    L2P_GETTER(closed, "Whether close() was called."),
+    L2P_GETTER(graph_fork,
                "How a fork goes into a CUDA graph being captured: 'inline' (the prefetch node on the\n"
                "captured stream with launch-order edges; the default), 'branch' (the side stream)\n"
                "or 'leaf' (a sink of the graph after the fork's node).\n"
                "add(..., graph_fork=) overrides it per key; get_mode() says what a key uses."),
-    L2P_GETTER(controller, points, "Point names in registration order."),
-    L2P_GETTER(controller, eager,
+    L2P_GETTER(points, "Point names in registration order."),
+    L2P_GETTER(eager,
                "Whether fork() launches outside CUDA graph captures (False: only while capturing)."),
     {NULL},
 };

@@ -113,8 +113,9 @@ static PyMethodDef graph_exec_methods[] = {
     {NULL},
 };
 
+#define L2P_GETTER_SELF graph_exec
 static PyGetSetDef graph_exec_getset[] = {
-    L2P_GETTER(graph_exec, closed, "Whether close() ran (the graph is destroyed)."),
+    L2P_GETTER(closed, "Whether close() ran (the graph is destroyed)."),
     {NULL},
 };
 

@@ -54,12 +54,13 @@ typedef struct {
     }
 
 /* A PyGetSetDef row: the read-only attribute name, read by get_<name>, which
- * takes a ctype * and a closure.  The _Generic has no other branch, so a
- * get_<name> of any other signature fails to compile rather than hide behind
- * the cast to getter. */
-#define L2P_GETTER(ctype, name, doc)                                                        \
-    {#name, _Generic(get_##name, PyObject *(*)(ctype *, void *): (getter)get_##name), NULL, \
-     doc, NULL}
+ * takes the L2P_GETTER_SELF * (the object's C type, defined by the file above
+ * its table) and a closure.  The _Generic has no other branch, so a get_<name>
+ * of any other signature fails to compile rather than hide behind the cast to
+ * getter. */
+#define L2P_GETTER(name, doc)                                                               \
+    {#name, _Generic(get_##name, PyObject *(*)(L2P_GETTER_SELF *, void *): (getter)get_##name), \
+     NULL, doc, NULL}
 
 /* The PyMethodDef rows __reduce_ex__ and __reduce__, both served by reduce (a
  * function raising TypeError): for objects holding this process's CUDA

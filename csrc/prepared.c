@@ -451,18 +451,19 @@ static PyObject *get_launch_priority(l2p_prepared *self, void *c)
     return PyLong_FromLong(self->dev->greatest_priority);
 }
 
+#define L2P_GETTER_SELF l2p_prepared
 static PyGetSetDef prepared_getset[] = {
-    L2P_GETTER(l2p_prepared, weights, "The weights, retained for this object's lifetime."),
-    L2P_GETTER(l2p_prepared, ranges, "((ptr, nbytes), ...): the byte ranges launched."),
-    L2P_GETTER(l2p_prepared, nbytes, "Total bytes one launch pulls into L2."),
-    L2P_GETTER(l2p_prepared, grid, "CTAs per launch."),
-    L2P_GETTER(l2p_prepared, block, "Threads per CTA (fixed by the kernel variant)."),
-    L2P_GETTER(l2p_prepared, smem, "Dynamic shared memory per CTA in bytes."),
-    L2P_GETTER(l2p_prepared, carveout, "Preferred shared-memory carveout (percent) or None."),
-    L2P_GETTER(l2p_prepared, priority, "Whether launches carry the greatest stream priority."),
-    L2P_GETTER(l2p_prepared, launch_priority, "The priority value launches carry, or None."),
-    L2P_GETTER(l2p_prepared, device, "CUDA device index."),
-    L2P_GETTER(l2p_prepared, kernel, "Kernel variant name."),
+    L2P_GETTER(weights, "The weights, retained for this object's lifetime."),
+    L2P_GETTER(ranges, "((ptr, nbytes), ...): the byte ranges launched."),
+    L2P_GETTER(nbytes, "Total bytes one launch pulls into L2."),
+    L2P_GETTER(grid, "CTAs per launch."),
+    L2P_GETTER(block, "Threads per CTA (fixed by the kernel variant)."),
+    L2P_GETTER(smem, "Dynamic shared memory per CTA in bytes."),
+    L2P_GETTER(carveout, "Preferred shared-memory carveout (percent) or None."),
+    L2P_GETTER(priority, "Whether launches carry the greatest stream priority."),
+    L2P_GETTER(launch_priority, "The priority value launches carry, or None."),
+    L2P_GETTER(device, "CUDA device index."),
+    L2P_GETTER(kernel, "Kernel variant name."),
     {NULL},
 };
 

@@ -1,6 +1,7 @@
 """csrc/l2p.h's L2P_GETTER refuses, at compile time, a getter whose signature the cast to
-``getter`` would otherwise hide: compiled here with the C compiler and flags that build
-the extension (setup.py), a right getter and a wrong one."""
+``getter`` would otherwise hide (one that does not take the file's L2P_GETTER_SELF *):
+compiled here with the C compiler that builds the extension, a right getter and a wrong
+one."""
 
 import os
 import shlex
@@ -18,7 +19,8 @@ SOURCE = """
 #include "{header}"
 typedef struct {{ PyObject_HEAD int x; }} obj;
 static PyObject *get_x({self_type} *self, void *c) {{ return PyLong_FromLong(1); }}
-PyGetSetDef rows[] = {{ L2P_GETTER(obj, x, "x"), {{NULL}} }};
+#define L2P_GETTER_SELF obj
+PyGetSetDef rows[] = {{ L2P_GETTER(x, "x"), {{NULL}} }};
 """
 
 
