@@ -5,7 +5,8 @@ the dotted path of a module or tensor in the model (``model.layers.3.mlp``),
 never by object: these are the helpers they share.  :func:`layer_of` reads the
 decoder layer out of a path, :func:`layer_count` counts a model's layers that
 way, :func:`named_tensors` lists every tensor a path can name and
-:func:`tensor_paths` names a tensor by its identity.
+:func:`tensor_paths` names a tensor by its identity.  :func:`compiled_module` is
+the module a ``torch.compile(module)`` wrapper wraps, whose paths those are.
 
 Importing this module imports neither torch nor the C extension: a model can
 only hold tensors if torch is already imported, so torch is looked up in
