@@ -324,6 +324,53 @@ def test_a_compiled_fork_of_a_controller_tuned_eagerly_is_refused():
     assert fine.calls == expected_calls(2, BATCH)
 
 
+class _HandWritten(torch.nn.Module):
+    """Layer code that forks and joins through l2prefetch.ops itself."""
+
+    def __init__(self, handle):
+        super().__init__()
+        self.handle = handle
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        ops.fork(self.handle, "p", 0, x.shape[0], after=h)
+        out = self.lin(h)
+        ops.join(self.handle, after=out)
+        return out
+
+
+def _hand_written_step(tuned_step, compiled):
+    """The calls a profile's controller (tuned as ``tuned_step``) got from _HandWritten
+    run eagerly or compiled; StepMismatchError where it refused."""
+    controller = Recorder(tuned_step=tuned_step)
+    handle = ops.register(controller)
+    try:
+        model = _HandWritten(handle).eval()
+        step = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        step(torch.randn(BATCH, 16))
+    finally:
+        ops.unregister(handle)
+    return controller.calls
+
+
+def test_hand_written_ops_run_eagerly_fork_as_an_eager_step():
+    """vLLM's enforce_eager: ops.fork called eagerly is the controller's own call."""
+    assert _hand_written_step(dict(EAGER_STEP), compiled=False) == [
+        ("fork", "p", 0, BATCH), ("join",)]
+    with pytest.raises(StepMismatchError, match="runs eagerly"):
+        _hand_written_step(step_record(True, "default"), compiled=False)
+
+
+@throws_through_torch
+def test_hand_written_ops_compiled_fork_as_a_compiled_step():
+    assert _hand_written_step(step_record(True, "default"), compiled=True) == [
+        ("fork", "p", 0, BATCH), ("join",)]
+    recompile()
+    with pytest.raises(StepMismatchError, match="tuned on an eager step"):
+        _hand_written_step(dict(EAGER_STEP), compiled=True)
+
+
 # ---- screening the sites (Inductor's CPU backend) ----
 
 def _screened(monkeypatch, model, sites, kind_of, differs):

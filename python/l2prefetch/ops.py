@@ -21,17 +21,12 @@ is being compiled.  Hand-written layer code::
     ...
     l2prefetch.ops.join(handle, after=logits)           # once, at the end of the step
 
-(``torch.ops.l2prefetch.fork`` / ``join`` are the same ops.)  The op cannot
-tell compiled code from an eager call, so for a profile's controller it counts
-every fork as compiled (:func:`l2prefetch.profile.check_step`): layer code that
-also runs eagerly calls ``controller.fork(...)`` there, as the hooks do::
-
-    if torch.compiler.is_compiling():
-        l2prefetch.ops.fork(handle, "oproj_down", layer_idx, batch, after=h)
-    else:
-        controller.fork("oproj_down", layer_idx, batch)
-
-Pass as
+:func:`fork` and :func:`join` put the ops in the graph while torch.compile
+traces and call the controller themselves when run eagerly (vLLM's
+``enforce_eager``), as the hooks do, so a profile's controller can tell how the
+step runs (:func:`l2prefetch.profile.check_step`).  ``torch.ops.l2prefetch.fork``
+/ ``join`` called directly are the ops alone, which cannot tell compiled code
+from an eager call: they count every fork as compiled.  Pass as
 ``after`` the output of the work the fork follows, and to ``join`` the step's
 final output: it keeps Inductor from moving the op before that work.  How the
 ops stay in place under Dynamo, AOTAutograd and Inductor, and why ``after``
@@ -109,47 +104,68 @@ def lookup(handle: int) -> Any:
     return controller
 
 
-def _fork(handle: int, point: str, layer: int, batch: int,
-          after: Optional[torch.Tensor] = None) -> None:
+def _fork_with(handle: int, point: str, layer: int, batch: int, compiled: bool) -> None:
+    """Fork on the controller under ``handle``; a profile's controller first checks that
+    the step runs as it was tuned (``compiled``: the op, in compiled code)."""
     controller = lookup(handle)
     step = getattr(controller, "tuned_step", None)
-    if step is not None:   # a profile's controller: tuned on a compiled step?
-        check_step(step, compiled=True)
+    if step is not None:   # a profile's controller: tuned the way this step runs?
+        check_step(step, compiled=compiled)
     controller.fork(point, layer, batch)
+
+
+def _fork(handle: int, point: str, layer: int, batch: int,
+          after: Optional[torch.Tensor] = None) -> None:
+    _fork_with(handle, point, layer, batch, compiled=True)
 
 
 def _join(handle: int, after: Optional[torch.Tensor] = None) -> None:
     lookup(handle).join()
 
 
-fork = torch.library.custom_op(
+_fork_op = torch.library.custom_op(
     "l2prefetch::fork", _fork, mutates_args=(),
     schema="(int handle, str point, int layer, SymInt batch, Tensor? after=None) -> ()")
-fork.__doc__ = """fork(handle, point, layer, batch, after=None)
-
-Fork the prefetch of ``(point, layer, batch)`` on the controller registered
-under ``handle`` (the controller's ``fork``, on torch's current stream).
-``after``: a tensor the fork must follow in compiled code (see the module
-docstring); it is not read."""
-
-join = torch.library.custom_op(
+_join_op = torch.library.custom_op(
     "l2prefetch::join", _join, mutates_args=(),
     schema="(int handle, Tensor? after=None) -> ()")
-join.__doc__ = """join(handle, after=None)
-
-Make torch's current stream wait for the prefetches forked on the controller
-registered under ``handle`` (the controller's ``join``).  ``after``: a tensor
-the join must follow in compiled code, such as the step's output."""
 
 
-@fork.register_fake
+def fork(handle: int, point: str, layer: int, batch: int,
+         after: Optional[torch.Tensor] = None) -> None:
+    """Fork the prefetch of ``(point, layer, batch)`` on the controller registered
+    under ``handle`` (the controller's ``fork``, on torch's current stream).
+
+    While torch.compile traces, this puts the ``l2prefetch::fork`` op in the graph;
+    called eagerly, it calls the controller itself, as the hooks do (a profile's
+    controller refuses either where it was tuned the other way).  ``after``: a
+    tensor the fork must follow in compiled code (see the module docstring); it is
+    not read."""
+    if torch.compiler.is_compiling():
+        _fork_op(handle, point, layer, batch, after)
+    else:
+        _fork_with(handle, point, layer, batch, compiled=False)
+
+
+def join(handle: int, after: Optional[torch.Tensor] = None) -> None:
+    """Make torch's current stream wait for the prefetches forked on the controller
+    registered under ``handle`` (the controller's ``join``): the ``l2prefetch::join``
+    op while torch.compile traces, the controller's own call eagerly.  ``after``: a
+    tensor the join must follow in compiled code, such as the step's output."""
+    if torch.compiler.is_compiling():
+        _join_op(handle, after)
+    else:
+        lookup(handle).join()
+
+
+@_fork_op.register_fake
 def _fork_fake(handle: int, point: str, layer: int, batch: int,
                after: Optional[torch.Tensor] = None) -> None:
     _lower_off_the_data_path()
     return None
 
 
-@join.register_fake
+@_join_op.register_fake
 def _join_fake(handle: int, after: Optional[torch.Tensor] = None) -> None:
     _lower_off_the_data_path()
     return None
@@ -213,7 +229,7 @@ def _lower_off_the_data_path() -> None:
                         latest = name
             return None if latest is None else ir.TensorBox.create(V.graph.get_buffer(latest))
 
-        fork_op, join_op = fork._opoverload, join._opoverload
+        fork_op, join_op = _fork_op._opoverload, _join_op._opoverload
 
         @register_lowering(fork_op, type_promotion_kind=None)
         def _fork_lowering(handle: int, point: str, layer: int, batch: Any,
@@ -257,7 +273,7 @@ def mark_ordered(op: Any) -> None:
 
 def _mark_effectful() -> None:
     """Register both ops as ORDERED-effectful."""
-    for op in (fork, join):
+    for op in (_fork_op, _join_op):
         mark_ordered(op)
 
 
