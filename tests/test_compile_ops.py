@@ -407,6 +407,23 @@ def test_attach_after_the_first_compiled_call_warns_that_nothing_forks(how, capl
     assert not any(call[0] == "fork" for call in controller.calls)   # what it warns of
 
 
+def test_attach_again_after_a_compiled_attachment_does_not_warn(caplog):
+    """Frames traced while an attachment's hooks were on guard on them: a later
+    attachment (a server swapping profiles) is traced anew and forks."""
+    torch.manual_seed(0)
+    model = Model().eval()
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(BATCH, 1, 16)
+    with hooks.attach(compiled, Recorder(), points(model)):
+        compiled(x)
+    second = Recorder()
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(compiled, second, points(model)):
+            compiled(x)
+    assert second.calls == expected_calls(2, BATCH)
+    assert "already traced" not in caplog.text
+
+
 def test_attach_before_the_first_compiled_call_does_not_warn(caplog):
     torch.manual_seed(0)
     model, controller = Model().eval(), Recorder()

@@ -21,7 +21,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from _compile_model import Model, expected_calls, points
 from conftest import CXX_THROW_ABORTS
-from l2prefetch import hooks, ops
+from l2prefetch import hooks, ops, tuning
 from l2prefetch.plan import PlanEntry
 from l2prefetch.profile import (EAGER_STEP, StepMismatchError, check_step, describe_step,
                                 load_profile, parse_profile, profile_document, save_profile,
@@ -606,3 +606,20 @@ def test_a_profile_written_for_the_wrapper_names_the_models_own_paths(tmp_path):
     _, document = _saved_profile(tmp_path, torch.compile(model, backend="eager"))
     assert document["model"]["class"] == "Model"
     assert list(document["model"]["weights"]) == ["layers.1.attn.o_proj.weight"]
+
+
+def test_roles_of_the_wrapper_name_its_modules_paths():
+    """tune(torch.compile(model), candidates=...) measures the module the wrapper wraps:
+    the roles the public builders make of the wrapper resolve there."""
+    model = Model().eval()
+    compiled = torch.compile(model, backend="eager")
+    plan = [PlanEntry("p", 0, [1], (model.layers[1].attn.o_proj.weight,))]
+    (role,) = tuning.roles_from_plan(compiled, plan, {"p": [(model.layers[0].mlp, 0)]})
+    assert role.hook_sites(model) == [(model.layers[0].mlp, 0)]
+    x = torch.randn(BATCH, 1, 16)
+    with torch.compiler.set_stance("force_eager"):
+        reads = tuning.discover(compiled, lambda: compiled(x), min_bytes=1)
+    roles = tuning.candidates(compiled, reads)
+    assert roles and not any("_orig_mod" in role.name for role in roles)
+    for role in roles:
+        assert role.hook_sites(model)

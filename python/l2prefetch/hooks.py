@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
@@ -87,12 +88,15 @@ class Attachment:
     ``l2prefetch::join`` op (until detach, which unregisters the controller).
     """
 
-    __slots__ = ("_controller", "_handles", "_op_handle", "sites")
+    __slots__ = ("_controller", "_handles", "_op_handle", "_frames", "sites")
 
     def __init__(self, controller: Any = None, handles: Sequence[Any] = (),
                  sites: Sequence[tuple[str, int, Any]] = (),
-                 op_handle: Optional[int] = None) -> None:
+                 op_handle: Optional[int] = None, frames: Any = None) -> None:
         self._controller = controller
+        # (a weak reference to the model, the compiled frames of its forward at attach):
+        # see _frames_of
+        self._frames = frames
         self._handles = list(handles)
         #: The controller's handle in :mod:`l2prefetch.ops`' registry, or None.
         self._op_handle = op_handle
@@ -133,6 +137,14 @@ class Attachment:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        frames, self._frames = self._frames, None
+        if frames is not None and handles:
+            # frames compiled while the hooks were on: they guard on them, and a later
+            # attach's hooks make Dynamo trace anew
+            model_ref, before = frames
+            model = model_ref()
+            if model is not None:
+                _hooked_frames.update(f for f in _frames_of(model) if f not in before)
         op_handle, self._op_handle = self._op_handle, None
         if op_handle is not None:
             _ops().unregister(op_handle)
@@ -384,29 +396,37 @@ def attach(model: torch.nn.Module, controller: Controller,
             _ops().unregister(op_handle)
         raise
     _log_attach(model, sites, join, op_handle)
-    if _traced_before(model):
+    frames = _frames_of(model)
+    if any(f not in _hooked_frames for f in frames):
         logger.warning(
             "attach: torch.compile already traced %s.forward, and Dynamo does not guard on "
             "a module's empty hook dicts, so its compiled frames run none of the hooks "
             "added now and nothing forks there: attach before the first compiled call (or "
             "call torch._dynamo.reset() after attaching)", type(model).__name__)
-    return Attachment(controller, handles, sites, op_handle)
+    return Attachment(controller, handles, sites, op_handle,
+                      (weakref.ref(model), weakref.WeakSet(frames)) if handles else None)
 
 
-def _traced_before(model: Any) -> bool:
-    """Whether torch.compile holds a compiled frame of ``model``'s class's forward (the
+#: Code Dynamo compiled for a forward while an attachment's hooks were on the module: it
+#: guards on those hooks, so a later attachment's are traced anew (no warning for it).
+_hooked_frames: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _frames_of(model: Any) -> list:
+    """The code of each frame torch.compile holds for ``model``'s class's forward (the
     model compiled with ``model.compile()``, ``torch.compile(model)`` or of its forward,
-    and called).  Not seen: a compiled function that calls the model, whose frame
-    holds the forward inlined."""
+    and called).  Not seen: a compiled function that calls the model, whose frame holds
+    the forward inlined, and every way under ``torch._dynamo.config.wrap_top_frame``,
+    which compiles one frame shared by every compiled callable instead."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")   # not loaded: nothing compiled
     entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
     code = getattr(getattr(type(model), "forward", None), "__code__", None)
     if entries is None or code is None:
-        return False
+        return []
     try:
-        return bool(entries(code))
-    except Exception:   # a torch whose private helper changed: no warning, not a failed attach
-        return False
+        return [entry.code for entry in entries(code)]
+    except Exception:   # a torch whose private helpers changed: no warning, not a failed attach
+        return []
 
 
 #: The attribute that marks a hook function as one of :func:`attach`'s, naming its controller.

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ContextManager, Optional
 
 from ..mechanisms import DEFAULT_SITE_HOOK, site_entry
-from ..model_paths import layer_of  # the runtime's too (profiles name sites by layer)
+from ..model_paths import compiled_module, layer_of  # the runtime's too
 from ..plan import PlanEntry
 
 __all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "describe_roles", "discover",
@@ -117,6 +117,7 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    model = compiled_module(model)   # torch.compile(model): the paths tune measures in
     if not callable(run):
         raise TypeError(f"run must be a callable that runs one forward of the model, "
                         f"got {type(run).__name__}")
@@ -362,6 +363,7 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    model = compiled_module(model)   # torch.compile(model): the paths tune measures in
     called = reads.called if isinstance(reads, Reads) and reads.called else None
     calls = reads.calls if isinstance(reads, Reads) else ()
     repeated = reads.repeated if isinstance(reads, Reads) else frozenset()
@@ -471,6 +473,7 @@ def roles_from_plan(model: Any, plan: Iterable[Any], hook_points: Any) -> list[R
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    model = compiled_module(model)   # torch.compile(model): the paths tune measures in
     points = hook_points(model) if callable(hook_points) else hook_points
     if not hasattr(points, "items"):
         raise TypeError("hook_points must map point names to [(module, layer)] or be a "
