@@ -268,7 +268,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     :class:`~l2prefetch.tuning.arms.Backend` (the tests' fake one plants effects).
 
     ``compiled``: how ``step`` runs the model.  None (the default): found out by
-    running it once (:func:`~l2prefetch.tuning.compiled.step_is_compiled`; with a
+    running it once, or twice where frames compiled before the check's hooks hide the
+    model (:func:`~l2prefetch.tuning.compiled.step_is_compiled`; with a
     ``backend`` given, its :attr:`~l2prefetch.tuning.arms.Backend.compiled`); True, or
     the Inductor mode it was compiled with (``"default"``,
     ``"max-autotune-no-cudagraphs"``; recorded in the profile), for a step that runs
