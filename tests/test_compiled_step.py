@@ -202,9 +202,10 @@ def test_an_eager_step_that_leaves_a_module_unused_is_found_eager():
     assert not step_is_compiled(model, lambda batch: model.model(x), BATCH)   # no lm_head
 
 
-def test_a_step_that_fails_while_tune_finds_out_how_it_runs_is_a_step_error():
-    from l2prefetch.tuning import StepError, tune
+def test_a_step_that_fails_while_tune_finds_out_how_it_runs_is_a_step_error(monkeypatch):
+    from l2prefetch.tuning import StepError, measure, tune
 
+    monkeypatch.setattr(measure, "cuda_device", lambda model, device=None: device)
     model = Model().eval()
 
     def step(batch):
@@ -213,6 +214,18 @@ def test_a_step_that_fails_while_tune_finds_out_how_it_runs_is_a_step_error():
     with pytest.raises(StepError, match=r"step\(1\) failed while finding out whether it "
                                         r"runs the model compiled: RuntimeError: boom"):
         tune(model, step, [1], progress=None)
+
+
+def test_tune_refuses_a_cpu_model_before_running_its_step():
+    """The step runs (and a compiled one compiles: seconds to minutes) only once the
+    model is known to be on a CUDA device."""
+    from l2prefetch.tuning import tune
+
+    model = Model().eval()
+    ran = []
+    with pytest.raises(ValueError, match="tuning measures CUDA graphs: the model is on cpu"):
+        tune(model, lambda batch: ran.append(batch), [1], progress=None)
+    assert ran == []
 
 
 def test_tune_refuses_to_measure_with_prefetching_switched_off(monkeypatch):

@@ -92,6 +92,16 @@ def test_without_a_gpu_it_lists_the_roles_shows_a_plan_and_compiles(tmp_path):
     assert not (tmp_path / demo.DEFAULT_OUT).exists()
 
 
+def test_with_prefetching_switched_off_it_refuses_without_a_gpu_too(tmp_path):
+    """README, Configuration: under L2PREFETCH_DISABLE the demo refuses to run."""
+    proc = l2p("demo", "--quiet", tmp_path=tmp_path,
+               env={"L2PREFETCH_LIBCUDA": NO_DRIVER, "L2PREFETCH_DISABLE": "1"})
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout == ""
+    assert proc.stderr == ("l2prefetch demo: L2PREFETCH_DISABLE is set, so nothing forks: "
+                           "unset it to run the demo\n")
+
+
 def test_without_torch_it_names_the_extras_and_compiles(tmp_path):
     proc = l2p("demo", "--quiet", tmp_path=tmp_path, no_torch=True)
     assert proc.returncode == 0, proc.stderr

@@ -990,6 +990,7 @@ def _graph_backend_arguments(monkeypatch, **tune_kwargs):
             raise Stop
 
     monkeypatch.setattr(measure, "GraphBackend", Recorder)
+    monkeypatch.setattr(measure, "cuda_device", lambda model, device=None: device)
     model, step = model_and_step()
     with pytest.raises(Stop):
         tuning.tune(model, step, [1], progress=None, kernels=[None], **tune_kwargs)

@@ -198,7 +198,7 @@ def _run_info(args: argparse.Namespace) -> int:
     unknown = unknown_disable_value()
     if disabled():
         print("L2PREFETCH_DISABLE is set: prefetching is off (controllers prepare nothing, "
-              "forks load nothing; tune and trace refuse to run)\n")
+              "forks load nothing; tune, trace and demo refuse to run)\n")
     elif unknown is not None:   # also logged, where logging shows it
         print(f"L2PREFETCH_DISABLE={unknown!r} is not a word l2prefetch "
               "knows, so prefetching stays on: 1 (true, yes, on) turns it off, 0 (false, "

@@ -51,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from .. import _C
+from ..controller import disabled
 from .._torch import cuda_reason, driver_reason
 from .._version import __version__
 from .cli import compile_forward, positive
@@ -367,6 +368,8 @@ def _run(args: argparse.Namespace) -> int:
         BUDGET_S if args.compile is None else COMPILED_BUDGET_S)
     files = outputs(args.out, args.compile)
     _check_out(args.out, files)
+    if disabled():   # nothing would fork, with a GPU or without one (README, Configuration)
+        raise _Bad("L2PREFETCH_DISABLE is set, so nothing forks: unset it to run the demo")
     torch = _import_torch()
     config = None
     if torch is not None and _installed("transformers"):

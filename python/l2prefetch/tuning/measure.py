@@ -126,6 +126,21 @@ class _Switched:
         self.switch.graph.replay()
 
 
+def cuda_device(model: Any, device: Any = None) -> Any:
+    """The CUDA device tuning measures on: ``device``, else the model's first parameter's;
+    a ValueError where that is not a CUDA device (checked before the step runs)."""
+    import torch
+
+    if device is None:
+        params = list(model.parameters())
+        device = params[0].device if params else torch.device("cuda")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"tuning measures CUDA graphs: the model is on {device}; move it to "
+                         "a CUDA device (discover() works on the CPU)")
+    return device
+
+
 class GraphBackend(Backend):
     """Measures arms of ``step(batch)`` in CUDA graphs on one device.
 
@@ -163,13 +178,7 @@ class GraphBackend(Backend):
         check_rounds(rounds)
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        if device is None:
-            params = list(model.parameters())
-            device = params[0].device if params else torch.device("cuda")
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"tuning measures CUDA graphs: the model is on {device}; move it to "
-                             "a CUDA device (discover() works on the CPU)")
+        device = cuda_device(model, device)
         self.torch, self.model, self.step, self.rounds = torch, model, step, rounds
         #: Whether the step runs in compiled code (then arms fork through self._board).
         self.compiled = bool(compiled)

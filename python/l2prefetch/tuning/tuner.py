@@ -505,6 +505,7 @@ def _graph_backend(model: Any, step: Callable[[int], Any], batch: int,
     default loader and the :data:`ALTERNATIVE_KERNELS` it supports."""
     if hooks.disabled():   # every arm would be the step without forks
         raise ValueError("L2PREFETCH_DISABLE is set, so nothing forks: unset it to tune")
+    measure.cuda_device(model, device)   # a CPU model refused before its step runs (compiles)
     try:
         found = step_is_compiled(model, step, batch)
     except Exception as exc:
