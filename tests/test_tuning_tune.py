@@ -386,6 +386,15 @@ def test_a_batch_the_step_rejects():
         raise ValueError(f"this server decodes at most 4 sequences, not {batch}")
     with pytest.raises(tuning.StepError, match="step\\(8\\) failed while discovering.*not 8"):
         tuning.tune(model, step, [8], backend=DeviceBackend({}), progress=None)
+
+    def verbose(batch):   # transformers' validation errors span several lines
+        raise ValueError("invalid config:\n  hidden_size 64\n\n  is not a multiple of 48")
+    with pytest.raises(tuning.StepError) as caught:
+        tuning.tune(model, verbose, [8], backend=DeviceBackend({}), progress=None)
+    assert str(caught.value) == ("step(8) failed while discovering the weights it reads: "
+                                 "ValueError: invalid config: hidden_size 64 is not a "
+                                 "multiple of 48")
+    assert isinstance(caught.value.__cause__, ValueError)
     # a step that fails at a later batch (its capture, on a GPU) stops tuning there
     model, step = model_and_step()
     backend = DeviceBackend({}, fail={8: RuntimeError("cannot capture")})

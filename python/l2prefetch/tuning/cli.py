@@ -356,13 +356,7 @@ def _list_roles(args: argparse.Namespace, options: _Options, model: Any, step: A
     if progress is not None:
         print(f"[l2prefetch tune] discovering the roles: the prompt, then one decode step "
               f"at batch {batch}", file=progress, flush=True)
-
-    def first_step() -> Any:
-        try:
-            return step(batch)
-        except Exception as exc:
-            raise StepError(f"step({batch}) failed while discovering the weights "
-                            f"it reads: {hf.error_line(exc)}") from exc
+    first_step = tuner.discovery_step(step, batch)
     try:
         if args.compile is not None:
             # the compiled step runs (Inductor's CPU backend without a GPU); discovery

@@ -35,7 +35,7 @@ from .search import (CONFIRMED_UNVERIFIED, DEFAULT_CAPS_MIB, DEFAULT_GRIDS,
                      NOT_PREPARED, NOTHING_MEASURED, REFUSED_OUTPUTS, lead_max_instances,
                      search)
 
-__all__ = ["TuneResult", "check_max_instances", "tune"]
+__all__ = ["TuneResult", "check_max_instances", "discovery_step", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +155,19 @@ def _check_compiled(compiled: object) -> Optional[str]:
     return compiled
 
 
+def discovery_step(step: Callable[[int], Any], batch: int) -> Callable[[], Any]:
+    """``step(batch)`` as discovery runs it: a failure is a :class:`StepError` naming
+    the batch, its cause on the same line (the CLI prints it as one) and chained."""
+    def run() -> Any:
+        try:
+            return step(batch)
+        except Exception as exc:
+            cause = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            raise StepError(f"step({batch}) failed while discovering the weights it "
+                            f"reads: {type(exc).__name__}: {cause}") from exc
+    return run
+
+
 def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
                         candidates: object, min_bytes: int,
                         compiled: bool = False) -> list[Role]:
@@ -163,14 +176,8 @@ def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
                         f"list of Role objects, got the string {candidates!r}: wrap it in a list")
     if candidates is None or (isinstance(candidates, Sequence) and candidates
                               and all(isinstance(c, str) for c in candidates)):
-        def run() -> Any:
-            try:
-                return step(batch)
-            except Exception as exc:
-                raise StepError(f"step({batch}) failed while discovering the weights it "
-                                f"reads: {type(exc).__name__}: {exc}") from exc
         # a compiled step: the same modules and weights, read from the eager module tree
-        roles = find_roles(model, run, min_bytes=min_bytes,
+        roles = find_roles(model, discovery_step(step, batch), min_bytes=min_bytes,
                            within=eager_stance() if compiled else None)
         if candidates is None:
             return roles
