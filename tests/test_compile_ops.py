@@ -407,6 +407,38 @@ def test_attach_after_the_first_compiled_call_warns_that_nothing_forks(how, capl
     assert not any(call[0] == "fork" for call in controller.calls)   # what it warns of
 
 
+def test_attach_after_another_instance_was_compiled_warns_so(caplog):
+    """Every instance of a class shares its forward's frames: one compiled and run
+    without hooks (a draft model of the target's class) leaves a second instance,
+    attached before its own first call, without forks; the warning says why."""
+    torch.manual_seed(0)
+    first, second, controller = Model().eval(), Model().eval(), Recorder()
+    x = torch.randn(BATCH, 1, 16)
+    torch.compile(first, backend="eager")(x)
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(second, controller, points(second)):
+            torch.compile(second, backend="eager")(x)
+    assert "for this model or another Model: every instance shares its frames" in caplog.text
+    assert "torch._dynamo.reset()" in caplog.text
+    assert not any(call[0] == "fork" for call in controller.calls)
+
+
+def test_attach_beside_another_live_compiled_attachment_does_not_warn(caplog):
+    """Frames traced while another instance's hooks are on guard on them: a second
+    instance's attachment is traced anew and forks, so no warning."""
+    torch.manual_seed(0)
+    first, second = Model().eval(), Model().eval()
+    x = torch.randn(BATCH, 1, 16)
+    with hooks.attach(first, Recorder(), points(first)):
+        torch.compile(first, backend="eager")(x)
+        controller = Recorder()
+        with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+            with hooks.attach(second, controller, points(second)):
+                torch.compile(second, backend="eager")(x)
+    assert "already traced" not in caplog.text
+    assert controller.calls == expected_calls(2, BATCH)
+
+
 def test_attach_again_after_a_compiled_attachment_does_not_warn(caplog):
     """Frames traced while an attachment's hooks were on guard on them: a later
     attachment (a server swapping profiles) is traced anew and forks."""

@@ -285,6 +285,9 @@ def test_parse_profile_reads_and_checks_the_step():
                        ({"compiled": False, "mode": "default", "torch": None},
                         "an eager step has no compile mode"),
                        ({"compiled": True, "mode": 3, "torch": None}, "step.mode"),
+                       ({"compiled": True, "mode": "reduce-overhead", "torch": None},
+                        "'step.mode' is 'reduce-overhead': the tuner measures steps compiled "
+                        "in 'default' or 'max-autotune-no-cudagraphs'"),
                        ({"compiled": True, "mode": None, "torch": None, "x": 1},
                         "unknown fields"),
                        ([], "'step' must be")]:
@@ -304,6 +307,13 @@ def test_describe_and_check_step():
         check_step(EAGER_STEP, True)
     with pytest.raises(StepMismatchError, match="tuned on a compiled .* runs eagerly"):
         check_step(compiled, False)
+    # given the controller: refused only where its fork would launch
+    check_step(compiled, False, Quiet(compiled))
+    check_step(EAGER_STEP, True, Quiet(compiled, enabled=False, eager=True))
+    with pytest.raises(StepMismatchError, match="runs eagerly"):
+        check_step(compiled, False, Quiet(compiled, eager=True))
+    with pytest.raises(StepMismatchError, match="runs eagerly"):
+        check_step(compiled, False, object())   # no enabled / eager: counts as launching
 
 
 def test_an_eager_fork_of_a_controller_tuned_compiled_is_refused():
@@ -337,6 +347,65 @@ def test_a_compiled_fork_of_a_controller_tuned_eagerly_is_refused():
     assert fine.calls == expected_calls(2, BATCH)
 
 
+class Quiet(Recorder):
+    """A controller whose forks do nothing outside a capture (``eager=False``), or
+    nothing at all (disabled)."""
+
+    def __init__(self, tuned_step, enabled=True, eager=False):
+        super().__init__(tuned_step)
+        self.enabled, self.eager = enabled, eager
+
+
+def test_a_fork_that_would_not_launch_is_not_refused(monkeypatch):
+    """A server whose prefill runs eagerly beside a compiled, captured decode (SGLang,
+    ``generate``): a profile's ``eager=False`` controller forks nothing outside a capture,
+    so its eager forks there pass; in a capture, or from an ``eager=True`` controller,
+    they are refused."""
+    compiled = step_record(True, "default")
+    for quiet in (Quiet(compiled), Quiet(compiled, enabled=False, eager=True)):
+        model = Model().eval()
+        with hooks.attach(model, quiet, points(model)):
+            model(torch.randn(BATCH, 1, 16))
+        assert quiet.calls == expected_calls(2, BATCH)
+    launching = Quiet(compiled, eager=True)
+    model = Model().eval()
+    with hooks.attach(model, launching, points(model)):
+        with pytest.raises(StepMismatchError, match="runs eagerly"):
+            model(torch.randn(BATCH, 1, 16))
+    assert launching.calls == []
+    # the same eager=False controller while its stream is being captured
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    capturing = Quiet(compiled)
+    model = Model().eval()
+    with hooks.attach(model, capturing, points(model)):
+        with pytest.raises(StepMismatchError, match="runs eagerly"):
+            model(torch.randn(BATCH, 1, 16))
+    assert capturing.calls == []
+
+
+def test_a_disabled_profile_controller_refuses_no_fork(monkeypatch):
+    """L2PREFETCH_DISABLE: fork does nothing, through the ops too (a profile's
+    controller is made disabled all the same, and keeps its tuned step)."""
+    from l2prefetch import PrefetchController
+
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "1")
+    for tuned, compiled in ((step_record(True, "default"), False), (dict(EAGER_STEP), True)):
+        controller = PrefetchController(eager=False)
+        controller.tuned_step = tuned
+        handle = ops.register(controller)
+        try:
+            assert not controller.enabled
+            if compiled:
+                torch.ops.l2prefetch.fork(handle, "p", 0, BATCH)
+            else:
+                ops.fork(handle, "p", 0, BATCH)
+            ops.join(handle)
+        finally:
+            ops.unregister(handle)
+            controller.close()
+
+
 class _HandWritten(torch.nn.Module):
     """Layer code that forks and joins through l2prefetch.ops itself."""
 
@@ -353,10 +422,11 @@ class _HandWritten(torch.nn.Module):
         return out
 
 
-def _hand_written_step(tuned_step, compiled):
-    """The calls a profile's controller (tuned as ``tuned_step``) got from _HandWritten
-    run eagerly or compiled; StepMismatchError where it refused."""
-    controller = Recorder(tuned_step=tuned_step)
+def _hand_written_step(tuned_step, compiled, controller=None):
+    """The calls a profile's controller (tuned as ``tuned_step``; a Recorder unless
+    given) got from _HandWritten run eagerly or compiled; StepMismatchError where it
+    refused."""
+    controller = Recorder(tuned_step=tuned_step) if controller is None else controller
     handle = ops.register(controller)
     try:
         model = _HandWritten(handle).eval()
@@ -373,6 +443,10 @@ def test_hand_written_ops_run_eagerly_fork_as_an_eager_step():
         ("fork", "p", 0, BATCH), ("join",)]
     with pytest.raises(StepMismatchError, match="runs eagerly"):
         _hand_written_step(step_record(True, "default"), compiled=False)
+    # an eager=False controller outside a capture forks nothing: not refused
+    quiet = Quiet(step_record(True, "default"))
+    assert _hand_written_step(None, compiled=False, controller=quiet) == [
+        ("fork", "p", 0, BATCH), ("join",)]
 
 
 @throws_through_torch
@@ -382,9 +456,95 @@ def test_hand_written_ops_compiled_fork_as_a_compiled_step():
     recompile()
     with pytest.raises(StepMismatchError, match="tuned on an eager step"):
         _hand_written_step(dict(EAGER_STEP), compiled=True)
+    recompile()   # a compiled prefill beside an eager, captured decode: not refused
+    quiet = Quiet(dict(EAGER_STEP))
+    assert _hand_written_step(None, compiled=True, controller=quiet) == [
+        ("fork", "p", 0, BATCH), ("join",)]
 
 
 # ---- screening the sites (Inductor's CPU backend) ----
+
+def test_tune_refuses_a_model_compiled_with_cuda_graphs_of_its_own():
+    """reduce-overhead and max-autotune, set by the caller in any way the model holds,
+    are refused as when named (compiled=...), before the step runs."""
+    from l2prefetch.tuning.compiled import OWN_GRAPH_MODES, own_graphs
+
+    def wrapped(model, mode):
+        return torch.compile(model, mode=mode)
+
+    def forward(model, mode):
+        model.forward = torch.compile(model.forward, mode=mode)
+        return model
+
+    def method(model, mode):
+        model.compile(mode=mode)
+        return model
+    ran = []
+    for make, how in ((wrapped, "torch.compile(model)"),
+                      (forward, "model.forward = torch.compile"), (method, "model.compile()")):
+        assert own_graphs(make(Model(), "max-autotune-no-cudagraphs")) is None
+        assert own_graphs(make(Model(), None)) is None
+        for mode in OWN_GRAPH_MODES:
+            model = make(Model(), mode)
+            assert how in own_graphs(model)
+            with pytest.raises(ValueError, match=r"^model: compiled with .* captures CUDA "
+                               r"graphs of its own .* compile it in 'default' or "):
+                tuning.tune(model, ran.append, [1], progress=None)
+    assert own_graphs(Model()) is None
+    assert ran == []
+
+
+def test_discover_reads_a_model_compiled_and_warmed_before_it():
+    """A frame compiled before discovery's hooks runs none of them: discover runs the
+    step eagerly, so it reads what the eager model reads (the whole model compiled, or
+    the decoder compiled beside an eager head, as vLLM runs lm_head)."""
+    x = torch.randn(BATCH, 1, 16)
+    eager = Model().eval()
+    want = [r.path for r in tuning.discover(eager, lambda: eager(x), min_bytes=1)]
+    assert len(want) > 2
+    whole = Model().eval()
+    whole.forward = torch.compile(whole.forward, backend="aot_eager")
+    with torch.no_grad():   # as discover runs it: no guard fails, the frame is reused
+        whole(x)
+    assert [r.path for r in tuning.discover(whole, lambda: whole(x), min_bytes=1)] == want
+    parts = Model().eval()
+    for block in parts.layers:
+        block.forward = torch.compile(block.forward, backend="aot_eager")
+    with torch.no_grad():
+        parts(x)
+    assert [r.path for r in tuning.discover(parts, lambda: parts(x), min_bytes=1)] == want
+
+
+def test_tune_refuses_a_model_with_hooks_attached():
+    """A server's attachment left on: its forks would run in every arm, those measured as
+    without forks too."""
+    model, first, second = Model().eval(), Recorder(), Recorder()
+    assert hooks.attached(model) == []
+    ran = []
+    with hooks.attach(model, first, points(model)), hooks.attach(model, second, points(model)):
+        assert hooks.attached(torch.compile(model)) == [first, second]
+        with pytest.raises(ValueError, match=r"^model: l2prefetch hooks are attached to it "
+                                             r".* detach them \(Attachment.detach\(\)\)"):
+            tuning.tune(model, ran.append, [1], progress=None)
+    assert hooks.attached(model) == [] and ran == []
+
+
+def test_kernel_numbers_are_dropped_in_cpu_and_gpu_code():
+    """Inductor's CPU code calls ``cpp_fused_add_3(...)``, its GPU code
+    ``triton_poi_fused_add_3.run(...)``: both lose the number, so that one kernel more
+    does not change the names of all after it."""
+    from l2prefetch.tuning.compiled import calls_in
+
+    cpu = "    cpp_fused_add_3(buf0, arg1)\n    extern_kernels.mm(buf0, arg2, out=buf1)\n"
+    gpu = ("        triton_poi_fused_add_3.run(buf0, arg1, 1024, stream=stream0)\n"
+           "        torch.ops.l2prefetch.fork.default(1, 'after_o', 0, 1, buf1)\n"
+           "        buf3 = torch.ops.l2prefetch.join.default(1, buf2)\n"
+           "        triton_red_fused_mean_pow_12.run(buf2, 4096, stream=stream0)\n")
+    assert calls_in([cpu]) == ["cpp_fused_add", "extern_kernels.mm"]
+    assert calls_in([gpu]) == ["triton_poi_fused_add", "fork after_o",
+                               "triton_red_fused_mean_pow"]
+    assert calls_in([gpu.replace("_3.run", "_4.run").replace("_12.", "_13.")]) == calls_in([gpu])
+
 
 def _screened(monkeypatch, model, sites, kind_of, differs):
     """screen_sites over a stand-in of Inductor: the step's kernels are ``k`` x 10, the

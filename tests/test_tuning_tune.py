@@ -588,6 +588,10 @@ def split_hook(data):
     (lambda d: d["results"][0].update(batch=4, spread={"recommended_k": 2}),
      r"'results'\[0\].batch must be one of 'batches' \[1, 8\], got 4"),
     (lambda d: d.update(results=[3]), r"'results'\[0\] must be an object, got 3"),
+    # two results for one batch: which one's spread would the runtime read?
+    (lambda d: d["results"].append(dict(d["results"][0])),
+     r"'results'\[2\] is batch 1 again \(also 'results'\[0\]\): one result per batch"),
+    (lambda d: d.update(version=1.0), r"has version 1.0; this l2prefetch reads version 1"),
     (lambda d: d.update(results={}), r"'results' must be a list"),
 ])
 def test_a_profile_that_contradicts_itself_is_refused_naming_the_file_and_field(

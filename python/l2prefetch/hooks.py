@@ -41,7 +41,7 @@ import logging
 import sys
 import types
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from . import _torch
@@ -54,8 +54,8 @@ from .profile import check_step
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Attachment", "BatchFn", "Controller", "Points", "Site", "attach", "default_batch",
-           "disabled", "first_tensor", "register_site_hook"]
+__all__ = ["Attachment", "BatchFn", "Controller", "Points", "Site", "attach", "attached",
+           "default_batch", "disabled", "first_tensor", "register_site_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Attachment:
     ``l2prefetch::join`` op (until detach, which unregisters the controller).
     """
 
-    __slots__ = ("_controller", "_handles", "_op_handle", "_frames", "sites")
+    __slots__ = ("_controller", "_handles", "_op_handle", "_frames", "sites", "__weakref__")
 
     def __init__(self, controller: Any = None, handles: Sequence[Any] = (),
                  sites: Sequence[tuple[str, int, Any]] = (),
@@ -138,6 +138,7 @@ class Attachment:
         for handle in handles:
             handle.remove()
         frames, self._frames = self._frames, None
+        _live.discard(self)
         if frames is not None and handles:
             # frames compiled while the hooks were on: they guard on them, and a later
             # attach's hooks make Dynamo trace anew
@@ -270,18 +271,20 @@ def _move_ahead(registered: Any, key: int) -> None:
             registered[k] = hook
 
 
-def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
+def _fork_hook(controller: Any, point: str, layer: int,
                batch_fn: Optional[BatchFn], tensor: type[torch.Tensor], is_compiling: Callable[[], bool],
                fork_op: Callable[..., None], handle: Optional[int],
-               before: bool, tuned_step: Optional[dict] = None) -> Callable[..., None]:
+               before: bool) -> Callable[..., None]:
     """The forward hook (``before``: pre-hook) with kwargs of one site; it returns None.
 
-    Eager: ``fork(point, layer, batch)``.  Being compiled: ``fork_op(handle, point,
-    layer, batch, after=<first tensor of the module's output>)`` (``before``: of its
-    input, so compiled code keeps the fork behind that input's producer).  With
-    ``tuned_step`` compiled (a profile's controller), an eager fork raises
-    :class:`~l2prefetch.profile.StepMismatchError`.
+    Eager: ``controller.fork(point, layer, batch)``.  Being compiled: ``fork_op(handle,
+    point, layer, batch, after=<first tensor of the module's output>)`` (``before``: of
+    its input, so compiled code keeps the fork behind that input's producer).  A
+    profile's controller tuned on a compiled step refuses an eager fork that would
+    launch (:func:`~l2prefetch.profile.check_step`).
     """
+    fork = controller.fork
+    tuned_step = getattr(controller, "tuned_step", None)
     refuse_eager = tuned_step is not None and bool(tuned_step.get("compiled"))
     batch_of = batch_fn if batch_fn is not None else (
         lambda module, args, kwargs: _batch_of(args, kwargs, tensor))
@@ -294,7 +297,7 @@ def _fork_hook(fork: Callable[[str, int, int], Any], point: str, layer: int,
                 fork_op(handle, point, layer, batch, _first_tensor(follows, tensor))
             else:
                 if refuse_eager:
-                    check_step(tuned_step, compiled=False)
+                    check_step(tuned_step, compiled=False, controller=controller)
                 fork(point, layer, batch)
 
     if before:
@@ -397,19 +400,38 @@ def attach(model: torch.nn.Module, controller: Controller,
         raise
     _log_attach(model, sites, join, op_handle)
     frames = _frames_of(model)
-    if any(f not in _hooked_frames for f in frames):
+    if any(f not in _hooked_frames and not _traced_hooked(f, model) for f in frames):
+        name = type(model).__name__
         logger.warning(
-            "attach: torch.compile already traced %s.forward, and Dynamo does not guard on "
-            "a module's empty hook dicts, so its compiled frames run none of the hooks "
-            "added now and nothing forks there: attach before the first compiled call (or "
-            "call torch._dynamo.reset() after attaching)", type(model).__name__)
-    return Attachment(controller, handles, sites, op_handle,
-                      (weakref.ref(model), weakref.WeakSet(frames)) if handles else None)
+            "attach: torch.compile already traced %s.forward (for this model or another "
+            "%s: every instance shares its frames), and Dynamo does not guard on a "
+            "module's empty hook dicts, so those frames run none of the hooks added now "
+            "and nothing forks there: attach before the first compiled call of any %s, "
+            "or call torch._dynamo.reset() after attaching", name, name, name)
+    attachment = Attachment(controller, handles, sites, op_handle,
+                            (weakref.ref(model), weakref.WeakSet(frames)) if handles else None)
+    if handles:
+        _live.add(attachment)
+    return attachment
 
 
 #: Code Dynamo compiled for a forward while an attachment's hooks were on the module: it
 #: guards on those hooks, so a later attachment's are traced anew (no warning for it).
 _hooked_frames: "weakref.WeakSet[Any]" = weakref.WeakSet()
+#: The attachments with hooks on (until detach): frames compiled since one of them began,
+#: for a model of the same class, were traced with its hooks on (not yet in _hooked_frames).
+_live: "weakref.WeakSet[Attachment]" = weakref.WeakSet()
+
+
+def _traced_hooked(frame: Any, model: Any) -> bool:
+    """Whether ``frame`` of ``model``'s class's forward was compiled while a live
+    attachment's hooks were on a model of that class (it guards on them)."""
+    for attachment in list(_live):
+        frames = attachment._frames
+        held = frames[0]() if frames is not None else None
+        if held is not None and type(held) is type(model) and frame not in frames[1]:
+            return True
+    return False
 
 
 def _frames_of(model: Any) -> list:
@@ -457,21 +479,37 @@ def _check_attach(model: Any, controller: Any, points: Any,
         raise TypeError(f"points must map point names to fork sites, got {type(points).__name__}")
     resolved = [(point, _sites(model, point, spec, torch.nn.Module))
                 for point, spec in points.items()]
-    # Attached already: one of this controller's hooks (tagged by _add_hooks) on a module
-    # of the model.  Read from the modules' own dicts, so that no user code (a hook
-    # object's or module's __getattr__) runs; a detached attachment's hooks are gone.
+    for module, owner in _tagged(model):   # attached already: it would fork twice
+        if owner is controller:
+            raise ValueError(
+                f"this {type(controller).__name__} is already attached to this "
+                f"{type(model).__name__} (its hooks are on a "
+                f"{type(module).__name__} of it) and would fork twice a step: "
+                "detach the first attachment (Attachment.detach(), or leave its "
+                "with-block) or attach once with all the points in one mapping")
+    return resolved
+
+
+def _tagged(model: Any) -> Iterator[tuple[Any, Any]]:
+    """``(module, controller)`` for each hook :func:`attach` put on a module of ``model``
+    (tagged by _add_hooks) and no detach removed.  Read from the modules' own dicts, so
+    that no user code (a hook object's or module's ``__getattr__``) runs."""
     for module in model.modules():
         state = vars(module)
         for kind in ("_forward_hooks", "_forward_pre_hooks"):
-            for hook in (state.get(kind) or {}).values():
-                if type(hook) is types.FunctionType and hook.__dict__.get(_TAG) is controller:
-                    raise ValueError(
-                        f"this {type(controller).__name__} is already attached to this "
-                        f"{type(model).__name__} (its hooks are on a "
-                        f"{type(module).__name__} of it) and would fork twice a step: "
-                        "detach the first attachment (Attachment.detach(), or leave its "
-                        "with-block) or attach once with all the points in one mapping")
-    return resolved
+            for hook in list((state.get(kind) or {}).values()):
+                if type(hook) is types.FunctionType and _TAG in hook.__dict__:
+                    yield module, hook.__dict__[_TAG]
+
+
+def attached(model: Any) -> list:
+    """The controllers whose hooks :func:`attach` put on ``model`` and are still on (the
+    ``torch.compile(model)`` wrapper: its module's), each once."""
+    found: list = []
+    for _, controller in _tagged(compiled_module(model)):
+        if not any(controller is seen for seen in found):
+            found.append(controller)
+    return found
 
 
 def _register_ops(controller: Any, torch: Any) -> tuple[Optional[int], Callable[..., Any],
@@ -500,14 +538,12 @@ def _add_hooks(model: Any, controller: Any,
     ``(point, layer, module)`` of each fork hook).  All or none: a failure removes those
     added."""
     is_compiling = torch.compiler.is_compiling
-    fork = controller.fork
-    tuned_step = getattr(controller, "tuned_step", None)
     handles, sites, hooked = [], [], []
     try:
         for point, point_sites in resolved:
             for module, layer, where in point_sites:
-                hook = _fork_hook(fork, point, layer, batch_fn, torch.Tensor, is_compiling,
-                                  fork_op, op_handle, where == "before", tuned_step)
+                hook = _fork_hook(controller, point, layer, batch_fn, torch.Tensor,
+                                  is_compiling, fork_op, op_handle, where == "before")
                 setattr(hook, _TAG, controller)   # what _check_attach finds
                 hooked.append((module, where, hook))
                 sites.append((point, layer, module))

@@ -110,7 +110,7 @@ def _fork_with(handle: int, point: str, layer: int, batch: int, compiled: bool) 
     controller = lookup(handle)
     step = getattr(controller, "tuned_step", None)
     if step is not None:   # a profile's controller: tuned the way this step runs?
-        check_step(step, compiled=compiled)
+        check_step(step, compiled=compiled, controller=controller)
     controller.fork(point, layer, batch)
 
 

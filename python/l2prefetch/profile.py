@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import reprlib
+import sys
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
@@ -85,6 +86,10 @@ class StepMismatchError(ProfileMismatchError):
 
 #: How a step ran that a profile without a ``"step"`` field was tuned on.
 EAGER_STEP = {"compiled": False, "mode": None, "torch": None}
+#: The Inductor modes a compiled step is tuned in (``tune(compiled=MODE)``, ``--compile
+#: MODE``), the ``"step"``'s ``"mode"``: those that leave CUDA graphs to the caller (the
+#: tuner captures the step itself, as a server does).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 def step_record(compiled: bool, mode: Optional[str] = None) -> dict:
@@ -109,11 +114,20 @@ def describe_step(step: Mapping) -> str:
             + (f", torch {step['torch']}" if step.get("torch") else "") + ")")
 
 
-def check_step(step: Optional[Mapping], compiled: bool) -> None:
+def check_step(step: Optional[Mapping], compiled: bool, controller: Any = None) -> None:
     """Raise :class:`StepMismatchError` unless a fork that runs ``compiled`` (in code
     torch.compile made, or eagerly) matches the profile's ``step`` (None: a controller
-    not made from a profile, which is not checked)."""
+    not made from a profile, which is not checked).
+
+    Given the ``controller`` the fork goes to, only a fork that would launch is
+    refused: none of a disabled controller (L2PREFETCH_DISABLE), none of an
+    ``eager=False`` one outside a CUDA graph capture, where its fork does nothing.  So
+    a server that runs its prefill another way than its captured decode step (SGLang
+    and ``generate`` compile only the decode) works, and the captured step is still
+    checked."""
     if step is None or bool(step.get("compiled")) == compiled:
+        return
+    if controller is not None and not _launches(controller):
         return
     if compiled:
         raise StepMismatchError(
@@ -127,6 +141,19 @@ def check_step(step: Optional[Mapping], compiled: bool) -> None:
         "but this fork runs eagerly (its hook was not traced by torch.compile: an eager "
         "step, or a graph break before the hooked module); tune the eager step (python -m "
         "l2prefetch tune MODEL, without --compile), or compile the step as it was tuned")
+
+
+def _launches(controller: Any) -> bool:
+    """Whether ``controller.fork`` would launch now: enabled, and eager or on a stream
+    being captured (torch's current stream, the one the fork takes).  An object without
+    ``enabled`` or ``eager`` (any object serves the ops) counts as launching."""
+    if not getattr(controller, "enabled", True):
+        return False
+    if getattr(controller, "eager", True):
+        return True
+    torch = sys.modules.get("torch")   # the hooks and ops imported it; else none captures
+    return bool(torch is not None and torch.cuda.is_available()
+                and torch.cuda.is_current_stream_capturing())
 
 
 def device_fingerprint(device: Any = None) -> dict:
@@ -422,7 +449,7 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
         raise _fail(where, f"is not an l2prefetch profile (no \"format\": "
                     f"\"{PROFILE_FORMAT}\")")
     version = data.get("version")
-    if version != PROFILE_VERSION or isinstance(version, bool):
+    if version != PROFILE_VERSION or type(version) is not int:   # not True, not 1.0
         raise _fail(where, f"has version {_show(version)}; this l2prefetch reads version "
                     f"{PROFILE_VERSION}")
     device = _require(data, "device", dict, where)
@@ -478,6 +505,10 @@ def _check_step(step: dict, where: str) -> None:
     if not compiled and step["mode"] is not None:
         raise _fail(where, f"'step.mode' is {_show(step['mode'])} but 'step.compiled' is "
                     "false: an eager step has no compile mode")
+    if step["mode"] is not None and step["mode"] not in COMPILE_MODES:
+        raise _fail(where, f"'step.mode' is {_show(step['mode'])}: the tuner measures steps "
+                    f"compiled in {' or '.join(map(repr, COMPILE_MODES))} (or null, "
+                    "not named)")
     unknown = sorted(set(step) - {"compiled", "mode", "torch"})
     if unknown:
         raise _fail(where, f"'step' has unknown fields {_show(unknown)}")
@@ -492,9 +523,16 @@ def _check_capture_k(data: dict, where: str) -> None:
     its spread was measured, ``spread.recommended_k`` (an int in 1..MAX_CAPTURE_K)."""
     if "results" not in data:
         return
+    batches: dict = {}
     for i, result in enumerate(_require(data, "results", list, where)):
         if not isinstance(result, dict):
             raise _fail(where, f"'results'[{i}] must be an object, got {_show(result)}")
+        batch = result.get("batch")
+        if _int_in(batch, 1, 2**31 - 1):
+            if batch in batches:
+                raise _fail(where, f"'results'[{i}] is batch {batch} again (also "
+                            f"'results'[{batches[batch]}]): one result per batch")
+            batches[batch] = i
         spread = result.get("spread")
         if spread is None:
             continue

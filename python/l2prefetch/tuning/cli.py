@@ -32,7 +32,7 @@ from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
 from . import hf, tuner
 from .arms import StepError
-from .compiled import compile_mode, eager_stance
+from .compiled import compile_mode
 from .discovery import describe_roles, find_roles, role_hints
 from .measure import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_TARGET_US
 from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
@@ -371,8 +371,7 @@ def _list_roles(args: argparse.Namespace, options: _Options, model: Any, step: A
                       f"the eager step's (which sites' forks change Inductor's kernels is "
                       f"screened when tune measures, on a GPU)",
                       file=progress, flush=True)
-        roles = find_roles(model, first_step, min_bytes=options.min_bytes,
-                           within=eager_stance() if args.compile is not None else None)
+        roles = find_roles(model, first_step, min_bytes=options.min_bytes)
     except StepError as exc:
         raise _Exit(exc, 1) from None
     except ValueError as exc:

@@ -35,20 +35,17 @@ from typing import Any, Optional
 
 from .. import hooks
 from ..mechanisms import DEFAULT_SITE_HOOK
+from ..profile import COMPILE_MODES   # what a profile's step may name, and the tuner measures
 from .discovery import Role
 
-__all__ = ["COMPILE_MODES", "OWN_GRAPH_MODES", "Switchboard", "board_for_roles",
+__all__ = ["COMPILE_MODES", "OWN_GRAPH_MODES", "Switchboard", "board_for_roles", "calls_in",
            "compilations_differ", "compile_mode", "eager_stance", "kernel_calls",
-           "recompile", "screen_roles", "screen_sites", "screened_board",
+           "own_graphs", "recompile", "screen_roles", "screen_sites", "screened_board",
            "step_is_compiled"]
 
 logger = logging.getLogger(__name__)
 
 
-#: The Inductor modes the tuner measures (``tune(compiled=MODE)``, ``--compile MODE``):
-#: those that leave CUDA graphs to the caller (the tuner captures the step itself, as a
-#: server does; "reduce-overhead" and "max-autotune" capture their own).
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 #: Inductor modes that capture CUDA graphs of their own: the tuner cannot measure them.
 OWN_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
@@ -66,6 +63,26 @@ def compile_mode(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r} is not an Inductor mode the tuner measures: "
                                      f"{use} (if {text!r} is the model, put --compile after "
                                      "it or write --compile=MODE)")
+
+
+def own_graphs(model: Any) -> Optional[str]:
+    """How ``model`` was compiled to capture CUDA graphs of Inductor's own (the
+    ``triton.cudagraphs`` of ``mode="reduce-overhead"`` or ``"max-autotune"``), as a
+    phrase; None where no compilation the model holds does.  It looks at what the
+    model holds: the ``torch.compile(model)`` wrapper, a compiled ``forward`` set on
+    the module, ``model.compile()``; not a compiled function that calls the model."""
+    module = getattr(model, "_orig_mod", model)
+    held = [("torch.compile(model)", model if model is not module else None),
+            ("model.forward = torch.compile(...)", vars(module).get("forward")),
+            ("model.compile()", vars(module).get("_compiled_call_impl"))]
+    for how, compiled in held:
+        config = getattr(compiled, "get_compiler_config", None)
+        if not callable(config):
+            continue
+        options = config() or {}
+        if options.get("triton.cudagraphs"):
+            return f"{how} in a mode that captures CUDA graphs of its own ({' or '.join(map(repr, OWN_GRAPH_MODES))})"
+    return None
 
 
 def compilations_differ(mode: Optional[str]) -> bool:
@@ -147,15 +164,21 @@ def kernel_calls(step: Callable[[int], Any], batch: int) -> Optional[list[str]]:
             if functorch is not None and hasattr(functorch, "enable_autograd_cache")
             else contextlib.nullcontext()), torch.no_grad():
         _, codes = run_and_get_code(step, batch)
-    if not codes:
-        return None
+    return calls_in(codes) if codes else None
+
+
+def calls_in(codes: Sequence[str]) -> list[str]:
+    """The calls in Inductor's output code, as :func:`kernel_calls` gives them: a
+    kernel's number dropped also before the ``.run`` of a Triton launch
+    (``triton_poi_fused_add_3.run(...)`` -> ``triton_poi_fused_add``), so that one
+    kernel more does not renumber, and so change, every kernel after it."""
     calls = []
     for code in codes:
         for name, point in _CALL.findall(code):
             if name.startswith(_FORK):
                 calls.append(f"fork {point}")
             elif "l2prefetch" not in name:
-                calls.append(re.sub(r"_\d+$", "", name))
+                calls.append(re.sub(r"_\d+(?:\.run)?$", "", name))
     return calls
 
 

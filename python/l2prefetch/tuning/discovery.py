@@ -30,11 +30,10 @@ prefetched, and a chain of following reads stops at them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ContextManager, Optional
+from typing import Any, Optional
 
 from ..mechanisms import DEFAULT_SITE_HOOK, site_entry
 from ..model_paths import compiled_module, layer_of  # the runtime's too
@@ -104,7 +103,9 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
     of at least ``min_bytes`` while ``run()`` executes one forward.
 
     ``run`` takes no arguments (e.g. ``lambda: model(input_ids=ids)``); it runs
-    under ``torch.no_grad()`` on whatever device the model is on.  Embedding
+    under ``torch.no_grad()`` on whatever device the model is on, and eagerly
+    (``torch.compiler.set_stance("force_eager")``): a compiled step reads the same
+    weights, and a frame compiled before the hooks here would run none of them.  Embedding
     tables are not reads (a lookup touches a few rows).  A module called
     several times is recorded at its first call; a parameter shared by two
     modules (tied embeddings) counts for the module that runs first.
@@ -170,7 +171,7 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
 
     handles = [module.register_forward_pre_hook(pre_hook) for module in names]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             run()
     finally:
         for handle in handles:
@@ -427,15 +428,11 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
     return roles
 
 
-def find_roles(model: Any, run: Callable[[], Any], *, min_bytes: int,
-               within: Optional[ContextManager] = None) -> list[Role]:
+def find_roles(model: Any, run: Callable[[], Any], *, min_bytes: int) -> list[Role]:
     """The candidate roles of one forward (:func:`candidates` of what :func:`discover`
-    records while ``run()`` runs), the reads recorded inside ``within`` (a compiled step:
-    the tuner's ``eager_stance()``, so that the eager module tree's hooks run).  What
+    records while ``run()`` runs, eagerly also where the step is compiled).  What
     ``tune`` and ``tune --list-roles`` both do."""
-    with within if within is not None else contextlib.nullcontext():
-        reads = discover(model, run, min_bytes=min_bytes)
-    return candidates(model, reads)
+    return candidates(model, discover(model, run, min_bytes=min_bytes))
 
 
 def role_hints(unknown: Iterable[str], names: Sequence[str]) -> str:

@@ -26,7 +26,7 @@ from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile
                        versions)
 from . import measure  # GraphBackend looked up when tune() runs (the tests replace it)
 from .arms import Backend, Setting, StepError
-from .compiled import (COMPILE_MODES, OWN_GRAPH_MODES, compilations_differ, eager_stance,
+from .compiled import (COMPILE_MODES, OWN_GRAPH_MODES, compilations_differ, own_graphs,
                        recompile, step_is_compiled)
 from .report import markdown, plot
 from .results import BatchReport
@@ -169,16 +169,14 @@ def discovery_step(step: Callable[[int], Any], batch: int) -> Callable[[], Any]:
 
 
 def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
-                        candidates: object, min_bytes: int,
-                        compiled: bool = False) -> list[Role]:
+                        candidates: object, min_bytes: int) -> list[Role]:
     if isinstance(candidates, (str, bytes)):
         raise TypeError("candidates must be None (discover them), a list of role names, or a "
                         f"list of Role objects, got the string {candidates!r}: wrap it in a list")
     if candidates is None or (isinstance(candidates, Sequence) and candidates
                               and all(isinstance(c, str) for c in candidates)):
         # a compiled step: the same modules and weights, read from the eager module tree
-        roles = find_roles(model, discovery_step(step, batch), min_bytes=min_bytes,
-                           within=eager_stance() if compiled else None)
+        roles = find_roles(model, discovery_step(step, batch), min_bytes=min_bytes)
         if candidates is None:
             return roles
         known = {role.name: role for role in roles}
@@ -292,11 +290,10 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     from it refuses forks that run the other way
     (:class:`~l2prefetch.profile.StepMismatchError`).
 
-    Raises TypeError/ValueError for bad arguments (naming them),
-    :class:`~l2prefetch.tuning.StepError` when the step fails or cannot be
-    captured at a batch.  The result's plan is empty when nothing was
-    confirmed to pay; it is never a plan that was slower than no plan in its
-    confirmation.
+    Raises TypeError/ValueError for bad arguments, naming them (also a model compiled to
+    capture graphs of its own, or with hooks attached), :class:`~l2prefetch.tuning.StepError`
+    when the step fails or cannot be captured at a batch.  The result's plan is empty
+    when nothing was confirmed to pay; never one slower than no plan in its confirmation.
     """
     batches = _check_model_and_step(model, step, batches, budget_s)
     model = compiled_module(model)   # torch.compile(model): its module's paths and hooks
@@ -427,6 +424,15 @@ def _check_model_and_step(model: Any, step: object, batches: object,
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    own = own_graphs(model)
+    if own is not None:
+        raise ValueError(f"model: compiled with {own}, and the tuner captures the compiled "
+                         f"step itself: compile it in {' or '.join(map(repr, COMPILE_MODES))} "
+                         "(the server's capture then holds the forks)")
+    if hooks.attached(model):
+        raise ValueError("model: l2prefetch hooks are attached to it (hooks.attach), and their "
+                         "forks would run in the tuner's arms, those without forks too: "
+                         "detach them (Attachment.detach()) before tuning")
     if not callable(step):
         raise TypeError(f"step must be a callable step(batch) -> output, got "
                         f"{type(step).__name__}")
@@ -538,7 +544,7 @@ def _offered_roles(backend: Backend, model: Any, step: Callable[[int], Any], bat
                    compiled: bool, progress: Any) -> tuple[list[Role], dict]:
     """The candidate roles the backend takes (:meth:`Backend.offer`), and those its
     screen leaves out, each with the reason."""
-    roles = _resolve_candidates(model, step, batch, candidates, min_bytes, compiled)
+    roles = _resolve_candidates(model, step, batch, candidates, min_bytes)
     caps_bytes = [int(c * (1 << 20)) for c in caps_mib]
     if compiled and progress is not None:
         print(f"[l2prefetch tune] screening the fork sites: Inductor's kernels without "
