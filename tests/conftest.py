@@ -36,6 +36,20 @@ def _gpu_reason():
 
 GPU_REASON = _gpu_reason()
 
+
+def _nvrtc_reason():
+    try:
+        _C.nvrtc_info()
+    except (l2prefetch.CudaUnavailableError, l2prefetch.Error) as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+#: Why NVRTC did not load (None: it did).  Most tests of the C extension compile the
+#: kernel with the real NVRTC, which needs no GPU: dev.sh's PINS install it, and the
+#: report's header says where it is missing.
+NVRTC_REASON = _nvrtc_reason()
+
 #: A C++ exception aborts the process: ASan preloaded into a python not linked to
 #: libstdc++, without libstdc++ preloaded too, has no real __cxa_throw to forward its
 #: interceptor to (dev.sh's sanitizer pass preloads both; a bare LD_PRELOAD=libasan.so
@@ -102,7 +116,11 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     return [f"l2prefetch {l2prefetch.__version__}: GPU tests "
-            + ("run" if GPU_REASON is None else f"skipped ({GPU_REASON})")]
+            + ("run" if GPU_REASON is None else f"skipped ({GPU_REASON})")
+            + ("" if NVRTC_REASON is None else
+               f"; NVRTC did not load, so the tests that compile the kernel (no GPU "
+               f"needed) fail: pip install nvidia-cuda-nvrtc, as dev.sh does "
+               f"({NVRTC_REASON})")]
 
 
 @pytest.fixture(scope="session")

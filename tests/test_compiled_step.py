@@ -14,6 +14,7 @@ controller tuned the other way, and tune() recording the step.
 from __future__ import annotations
 
 import json
+import unittest.mock
 
 import pytest
 import torch
@@ -373,15 +374,34 @@ def test_a_fork_that_would_not_launch_is_not_refused(monkeypatch):
         with pytest.raises(StepMismatchError, match="runs eagerly"):
             model(torch.randn(BATCH, 1, 16))
     assert launching.calls == []
-    # the same eager=False controller while its stream is being captured
+    # the same eager=False controller while its stream is being captured: the stream of
+    # its own device, which the fork takes
+    import contextlib
+
+    current = [0]
+
+    @contextlib.contextmanager
+    def device(index):
+        old, current[0] = current[0], index
+        try:
+            yield
+        finally:
+            current[0] = old
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[0] == 1)
     capturing = Quiet(compiled)
+    capturing.device = 1
     model = Model().eval()
     with hooks.attach(model, capturing, points(model)):
         with pytest.raises(StepMismatchError, match="runs eagerly"):
             model(torch.randn(BATCH, 1, 16))
     assert capturing.calls == []
+    elsewhere = Quiet(compiled)     # its device (0) is not capturing: its fork does nothing
+    elsewhere.device = 0
+    with hooks.attach(model, elsewhere, points(model)):
+        model(torch.randn(BATCH, 1, 16))
+    assert elsewhere.calls == expected_calls(2, BATCH)
 
 
 def test_a_disabled_profile_controller_refuses_no_fork(monkeypatch):
@@ -487,11 +507,17 @@ def test_tune_refuses_a_model_compiled_with_cuda_graphs_of_its_own():
         for mode in OWN_GRAPH_MODES:
             model = make(Model(), mode)
             assert how in own_graphs(model)
-            with pytest.raises(ValueError, match=r"^model: compiled with .* captures CUDA "
-                               r"graphs of its own .* compile it in 'default' or "):
+            with pytest.raises(ValueError, match=r"^model: compiled with .*triton.cudagraphs.*"
+                               r"captures CUDA graphs of its own.* compile it in 'default' or "):
                 tuning.tune(model, ran.append, [1], progress=None)
     assert own_graphs(Model()) is None
     assert ran == []
+    # the option itself, and what only looks compiled
+    option = torch.compile(Model(), options={"triton.cudagraphs": True})
+    assert "triton.cudagraphs" in own_graphs(option)
+    mocked = Model()
+    mocked.forward = unittest.mock.MagicMock()
+    assert own_graphs(mocked) is None
 
 
 def test_discover_reads_a_model_compiled_and_warmed_before_it():

@@ -395,6 +395,12 @@ def test_a_batch_the_step_rejects():
                                  "ValueError: invalid config: hidden_size 64 is not a "
                                  "multiple of 48")
     assert isinstance(caught.value.__cause__, ValueError)
+
+    def bare(batch):
+        raise RuntimeError()
+    with pytest.raises(tuning.StepError) as caught:
+        tuning.tune(model, bare, [8], backend=DeviceBackend({}), progress=None)
+    assert str(caught.value).endswith("reads: RuntimeError")
     # a step that fails at a later batch (its capture, on a GPU) stops tuning there
     model, step = model_and_step()
     backend = DeviceBackend({}, fail={8: RuntimeError("cannot capture")})

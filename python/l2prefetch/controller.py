@@ -328,9 +328,9 @@ class PrefetchController(_C.PrefetchController):
         steps.  Attach the forks with ``hooks.attach(model, controller,
         profile.hook_points)``.  The controller records how the tuned step ran
         (:attr:`tuned_step`: eager, or compiled by torch.compile), and a fork that
-        runs the other way raises :class:`~l2prefetch.profile.StepMismatchError`
-        (a fork in compiled code is the ``l2prefetch::fork`` op, an eager one is
-        the hook's own call).
+        runs the other way and would launch (in a capture, with ``eager=False``)
+        raises :class:`~l2prefetch.profile.StepMismatchError` (a fork in compiled
+        code is the ``l2prefetch::fork`` op, an eager one is the hook's own call).
         """
         from .profile import Profile, load_profile
 

@@ -88,14 +88,14 @@ class Attachment:
     ``l2prefetch::join`` op (until detach, which unregisters the controller).
     """
 
-    __slots__ = ("_controller", "_handles", "_op_handle", "_frames", "sites", "__weakref__")
+    __slots__ = ("_controller", "_handles", "_op_handle", "_frames", "sites")
 
     def __init__(self, controller: Any = None, handles: Sequence[Any] = (),
                  sites: Sequence[tuple[str, int, Any]] = (),
                  op_handle: Optional[int] = None, frames: Any = None) -> None:
         self._controller = controller
-        # (a weak reference to the model, the compiled frames of its forward at attach):
-        # see _frames_of
+        # (a weak reference to the model, the compiled frames of its forward at attach,
+        # [whether a fork hook ran while Dynamo traced]): see _frames_of
         self._frames = frames
         self._handles = list(handles)
         #: The controller's handle in :mod:`l2prefetch.ops`' registry, or None.
@@ -138,11 +138,13 @@ class Attachment:
         for handle in handles:
             handle.remove()
         frames, self._frames = self._frames, None
-        _live.discard(self)
-        if frames is not None and handles:
-            # frames compiled while the hooks were on: they guard on them, and a later
-            # attach's hooks make Dynamo trace anew
-            model_ref, before = frames
+        if frames is not None and handles and frames[2][0]:
+            # frames compiled while the hooks were on, where a fork hook ran while Dynamo
+            # traced: they guard on the hooks, and a later attach's make Dynamo trace
+            # anew.  Another instance's frame compiled meanwhile, without hooks, is taken
+            # for one of them (which frame a trace made is not known here): a later
+            # attach to that instance does not warn (README, "A compiled step").
+            model_ref, before, _ = frames
             model = model_ref()
             if model is not None:
                 _hooked_frames.update(f for f in _frames_of(model) if f not in before)
@@ -274,14 +276,15 @@ def _move_ahead(registered: Any, key: int) -> None:
 def _fork_hook(controller: Any, point: str, layer: int,
                batch_fn: Optional[BatchFn], tensor: type[torch.Tensor], is_compiling: Callable[[], bool],
                fork_op: Callable[..., None], handle: Optional[int],
-               before: bool) -> Callable[..., None]:
+               before: bool, traced: list) -> Callable[..., None]:
     """The forward hook (``before``: pre-hook) with kwargs of one site; it returns None.
 
     Eager: ``controller.fork(point, layer, batch)``.  Being compiled: ``fork_op(handle,
     point, layer, batch, after=<first tensor of the module's output>)`` (``before``: of
     its input, so compiled code keeps the fork behind that input's producer).  A
     profile's controller tuned on a compiled step refuses an eager fork that would
-    launch (:func:`~l2prefetch.profile.check_step`).
+    launch (:func:`~l2prefetch.profile.check_step`).  ``traced[0]`` becomes True
+    where the hook runs while Dynamo traces.
     """
     fork = controller.fork
     tuned_step = getattr(controller, "tuned_step", None)
@@ -293,6 +296,7 @@ def _fork_hook(controller: Any, point: str, layer: int,
         batch = batch_of(module, args, kwargs)
         if batch:
             if is_compiling():
+                traced[0] = True
                 follows = (args, kwargs) if before else output
                 fork_op(handle, point, layer, batch, _first_tensor(follows, tensor))
             else:
@@ -392,15 +396,16 @@ def attach(model: torch.nn.Module, controller: Controller,
     resolved = _check_attach(model, controller, points, torch)
     op_handle, fork_op, join_op = _register_ops(controller, torch)
     try:
+        traced = [False]   # set by a fork hook that runs while Dynamo traces
         handles, sites = _add_hooks(model, controller, resolved, batch_fn, join, torch,
-                                    op_handle, fork_op, join_op)
+                                    op_handle, fork_op, join_op, traced)
     except BaseException:
         if op_handle is not None:
             _ops().unregister(op_handle)
         raise
     _log_attach(model, sites, join, op_handle)
     frames = _frames_of(model)
-    if any(f not in _hooked_frames and not _traced_hooked(f, model) for f in frames):
+    if any(f not in _hooked_frames for f in frames):
         name = type(model).__name__
         logger.warning(
             "attach: torch.compile already traced %s.forward (for this model or another "
@@ -408,30 +413,13 @@ def attach(model: torch.nn.Module, controller: Controller,
             "module's empty hook dicts, so those frames run none of the hooks added now "
             "and nothing forks there: attach before the first compiled call of any %s, "
             "or call torch._dynamo.reset() after attaching", name, name, name)
-    attachment = Attachment(controller, handles, sites, op_handle,
-                            (weakref.ref(model), weakref.WeakSet(frames)) if handles else None)
-    if handles:
-        _live.add(attachment)
-    return attachment
+    return Attachment(controller, handles, sites, op_handle,
+                      (weakref.ref(model), weakref.WeakSet(frames), traced) if handles else None)
 
 
 #: Code Dynamo compiled for a forward while an attachment's hooks were on the module: it
 #: guards on those hooks, so a later attachment's are traced anew (no warning for it).
 _hooked_frames: "weakref.WeakSet[Any]" = weakref.WeakSet()
-#: The attachments with hooks on (until detach): frames compiled since one of them began,
-#: for a model of the same class, were traced with its hooks on (not yet in _hooked_frames).
-_live: "weakref.WeakSet[Attachment]" = weakref.WeakSet()
-
-
-def _traced_hooked(frame: Any, model: Any) -> bool:
-    """Whether ``frame`` of ``model``'s class's forward was compiled while a live
-    attachment's hooks were on a model of that class (it guards on them)."""
-    for attachment in list(_live):
-        frames = attachment._frames
-        held = frames[0]() if frames is not None else None
-        if held is not None and type(held) is type(model) and frame not in frames[1]:
-            return True
-    return False
 
 
 def _frames_of(model: Any) -> list:
@@ -532,8 +520,8 @@ def _register_ops(controller: Any, torch: Any) -> tuple[Optional[int], Callable[
 def _add_hooks(model: Any, controller: Any,
                resolved: list[tuple[str, list[tuple[Any, int, str]]]],
                batch_fn: Optional[BatchFn], join: bool, torch: Any, op_handle: Optional[int],
-               fork_op: Callable[..., Any],
-               join_op: Callable[..., Any]) -> tuple[list[Any], list[tuple[str, int, Any]]]:
+               fork_op: Callable[..., Any], join_op: Callable[..., Any],
+               traced: list) -> tuple[list[Any], list[tuple[str, int, Any]]]:
     """Each site's fork hook and, with ``join``, the root's join hook: (their handles, the
     ``(point, layer, module)`` of each fork hook).  All or none: a failure removes those
     added."""
@@ -543,7 +531,7 @@ def _add_hooks(model: Any, controller: Any,
         for point, point_sites in resolved:
             for module, layer, where in point_sites:
                 hook = _fork_hook(controller, point, layer, batch_fn, torch.Tensor,
-                                  is_compiling, fork_op, op_handle, where == "before")
+                                  is_compiling, fork_op, op_handle, where == "before", traced)
                 setattr(hook, _TAG, controller)   # what _check_attach finds
                 hooked.append((module, where, hook))
                 sites.append((point, layer, module))

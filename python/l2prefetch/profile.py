@@ -27,6 +27,7 @@ as warnings (the plan still applies; tune again to be sure).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -79,8 +80,11 @@ class StepMismatchError(ProfileMismatchError):
     fork that ``torch.compile`` traced runs as the ``l2prefetch::fork`` op in the
     compiled code (:mod:`l2prefetch.ops`); a fork from a hook that ran eagerly is
     an eager step's (a graph break that leaves a hooked module outside the
-    compiled code makes its forks eager ones).  The Inductor mode is recorded and
-    shown, not checked: nothing at a fork tells one mode from another.
+    compiled code makes its forks eager ones).  Only a fork that would launch is
+    refused (:func:`check_step`): a disabled controller's, or an ``eager=False`` one's
+    outside a capture, does nothing and passes.  The Inductor mode is recorded and
+    shown, and a profile must name one the tuner measures; a fork does not check it:
+    nothing at a fork tells one mode from another.
     """
 
 
@@ -145,15 +149,19 @@ def check_step(step: Optional[Mapping], compiled: bool, controller: Any = None) 
 
 def _launches(controller: Any) -> bool:
     """Whether ``controller.fork`` would launch now: enabled, and eager or on a stream
-    being captured (torch's current stream, the one the fork takes).  An object without
-    ``enabled`` or ``eager`` (any object serves the ops) counts as launching."""
+    being captured (torch's current stream on the controller's device, the one the fork
+    takes).  An object without ``enabled`` or ``eager`` (any object serves the ops)
+    counts as launching."""
     if not getattr(controller, "enabled", True):
         return False
     if getattr(controller, "eager", True):
         return True
     torch = sys.modules.get("torch")   # the hooks and ops imported it; else none captures
-    return bool(torch is not None and torch.cuda.is_available()
-                and torch.cuda.is_current_stream_capturing())
+    if torch is None or not torch.cuda.is_available():
+        return False
+    device = getattr(controller, "device", None)
+    with torch.cuda.device(device) if type(device) is int else contextlib.nullcontext():
+        return bool(torch.cuda.is_current_stream_capturing())
 
 
 def device_fingerprint(device: Any = None) -> dict:

@@ -66,22 +66,24 @@ def compile_mode(text: str) -> str:
 
 
 def own_graphs(model: Any) -> Optional[str]:
-    """How ``model`` was compiled to capture CUDA graphs of Inductor's own (the
-    ``triton.cudagraphs`` of ``mode="reduce-overhead"`` or ``"max-autotune"``), as a
-    phrase; None where no compilation the model holds does.  It looks at what the
-    model holds: the ``torch.compile(model)`` wrapper, a compiled ``forward`` set on
-    the module, ``model.compile()``; not a compiled function that calls the model."""
-    module = getattr(model, "_orig_mod", model)
-    held = [("torch.compile(model)", model if model is not module else None),
-            ("model.forward = torch.compile(...)", vars(module).get("forward")),
-            ("model.compile()", vars(module).get("_compiled_call_impl"))]
+    """How ``model`` was compiled to capture CUDA graphs of Inductor's own
+    (``triton.cudagraphs``: ``mode="reduce-overhead"`` or ``"max-autotune"``, or that
+    option), as a phrase; None where no compilation the model holds does.  It looks at
+    what the model holds: ``torch.compile(model)`` wrappers, a compiled ``forward``
+    set on the module, ``model.compile()``; not a compiled function that calls the
+    model, nor Dynamo's own ``backend="cudagraphs"``."""
+    held = []
+    while hasattr(model, "_orig_mod"):   # torch.compile(model), as compiled_module unwraps
+        held.append(("torch.compile(model)", model))
+        model = model._orig_mod
+    held += [("model.forward = torch.compile(...)", vars(model).get("forward")),
+             ("model.compile()", vars(model).get("_compiled_call_impl"))]
     for how, compiled in held:
         config = getattr(compiled, "get_compiler_config", None)
-        if not callable(config):
-            continue
-        options = config() or {}
-        if options.get("triton.cudagraphs"):
-            return f"{how} in a mode that captures CUDA graphs of its own ({' or '.join(map(repr, OWN_GRAPH_MODES))})"
+        options = config() if callable(config) else None
+        if type(options) is dict and options.get("triton.cudagraphs") is True:
+            return (f"{how} with Inductor's triton.cudagraphs (its modes "
+                    f"{' and '.join(map(repr, OWN_GRAPH_MODES))} set it)")
     return None
 
 

@@ -30,8 +30,10 @@ prefetched, and a chain of following reads stops at them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
@@ -170,8 +172,11 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
                           tensors=tensors))
 
     handles = [module.register_forward_pre_hook(pre_hook) for module in names]
+    # where Dynamo was never imported nothing was compiled (and importing it costs ~1 s)
+    eager = (torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules
+             else contextlib.nullcontext())
     try:
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        with torch.no_grad(), eager:
             run()
     finally:
         for handle in handles:

@@ -164,7 +164,8 @@ def discovery_step(step: Callable[[int], Any], batch: int) -> Callable[[], Any]:
         except Exception as exc:
             cause = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
             raise StepError(f"step({batch}) failed while discovering the weights it "
-                            f"reads: {type(exc).__name__}: {cause}") from exc
+                            f"reads: {type(exc).__name__}" + (f": {cause}" if cause else "")
+                            ) from exc
     return run
 
 
@@ -426,9 +427,10 @@ def _check_model_and_step(model: Any, step: object, batches: object,
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     own = own_graphs(model)
     if own is not None:
-        raise ValueError(f"model: compiled with {own}, and the tuner captures the compiled "
-                         f"step itself: compile it in {' or '.join(map(repr, COMPILE_MODES))} "
-                         "(the server's capture then holds the forks)")
+        raise ValueError(f"model: compiled with {own}, which captures CUDA graphs of its own, "
+                         f"and the tuner captures the compiled step itself: compile it in "
+                         f"{' or '.join(map(repr, COMPILE_MODES))} (the server's capture then "
+                         "holds the forks)")
     if hooks.attached(model):
         raise ValueError("model: l2prefetch hooks are attached to it (hooks.attach), and their "
                          "forks would run in the tuner's arms, those without forks too: "
