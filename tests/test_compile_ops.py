@@ -423,17 +423,57 @@ def test_attach_after_another_instance_was_compiled_warns_so(caplog):
     assert not any(call[0] == "fork" for call in controller.calls)
 
 
-def test_another_instance_compiled_without_hooks_beside_an_attachment_still_warns(caplog):
+def test_ops_traced_names_the_compilations_that_traced_a_handle():
+    model, controller = Model().eval(), Recorder()
+    with hooks.attach(model, controller, points(model)) as attachment:
+        handle = attachment.op_handle
+        assert ops.traced(handle) == frozenset()
+        model(torch.randn(BATCH, 1, 16))                     # eager: nothing traced
+        assert ops.traced(handle) == frozenset()
+        torch.compile(model, backend="eager")(torch.randn(BATCH, 1, 16))
+        made = {made_by for _, made_by in hooks._compiled_entries(model)}   # forward's
+        assert made and made <= ops.traced(handle)
+    assert ops.traced(handle) == frozenset()                 # unregistered by detach
+
+
+@throws_through_torch
+def test_a_traced_attachment_whose_compiled_call_failed_counts_as_traced(caplog):
+    """What marks an attachment's frames as traced with its hooks is the trace itself
+    (the ops' fake implementations run), not a compiled call that completed: a profile
+    refused on the first compiled call (tuned eagerly) leaves frames that guard on its
+    hooks, so the right profile attached next is traced anew and gets no warning."""
+    from l2prefetch.profile import EAGER_STEP, StepMismatchError
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(BATCH, 1, 16)
+    wrong = Recorder()
+    wrong.tuned_step = dict(EAGER_STEP)
+    with hooks.attach(compiled, wrong, points(model)):
+        with pytest.raises(StepMismatchError):
+            compiled(x)
+    right = Recorder()
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(compiled, right, points(model)):
+            compiled(x)
+    assert "already traced" not in caplog.text
+    assert right.calls == expected_calls(2, BATCH)
+
+
+@pytest.mark.parametrize("target_compiled", [False, True])
+def test_another_instance_compiled_without_hooks_beside_an_attachment_still_warns(
+        target_compiled, caplog):
     """A draft model of the target's class compiled and run without hooks while the
-    target's attachment is on, the target run eagerly: the draft's frame runs none of
-    the hooks a later attach puts on it.  The target's detach marks no frame as traced
-    with hooks, since none of its hooks ran while Dynamo traced.  (Had the target been
-    compiled too, both frames would be marked: hooks.Attachment.detach says so.)"""
+    target's attachment is on: the draft's frame runs none of the hooks a later attach
+    puts on it.  The target's detach marks as traced with its hooks only the frames of
+    compilations that traced its ops: none where the target ran eagerly, the target's
+    own where it ran compiled, not the draft's."""
     torch.manual_seed(0)
     target, draft = Model().eval(), Model().eval()
     x = torch.randn(BATCH, 1, 16)
     with hooks.attach(target, Recorder(), points(target)):
-        target(x)
+        (torch.compile(target, backend="eager") if target_compiled else target)(x)
         torch.compile(draft, backend="eager")(x)
     controller = Recorder()
     with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):

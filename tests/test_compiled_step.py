@@ -402,6 +402,12 @@ def test_a_fork_that_would_not_launch_is_not_refused(monkeypatch):
     with hooks.attach(model, elsewhere, points(model)):
         model(torch.randn(BATCH, 1, 16))
     assert elsewhere.calls == expected_calls(2, BATCH)
+    for spelled in ("cuda:1", torch.device("cuda", 1)):   # a stand-in's device, any spelling
+        named = Quiet(compiled)
+        named.device = spelled
+        with hooks.attach(model, named, points(model)):
+            with pytest.raises(StepMismatchError, match="runs eagerly"):
+                model(torch.randn(BATCH, 1, 16))
 
 
 def test_a_disabled_profile_controller_refuses_no_fork(monkeypatch):

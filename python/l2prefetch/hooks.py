@@ -94,8 +94,8 @@ class Attachment:
                  sites: Sequence[tuple[str, int, Any]] = (),
                  op_handle: Optional[int] = None, frames: Any = None) -> None:
         self._controller = controller
-        # (a weak reference to the model, the compiled frames of its forward at attach,
-        # [whether a fork hook ran while Dynamo traced]): see _frames_of
+        # (a weak reference to the model, the compiled frames of its forward at attach):
+        # see _frames_of
         self._frames = frames
         self._handles = list(handles)
         #: The controller's handle in :mod:`l2prefetch.ops`' registry, or None.
@@ -138,17 +138,21 @@ class Attachment:
         for handle in handles:
             handle.remove()
         frames, self._frames = self._frames, None
-        if frames is not None and handles and frames[2][0]:
-            # frames compiled while the hooks were on, where a fork hook ran while Dynamo
-            # traced: they guard on the hooks, and a later attach's make Dynamo trace
-            # anew.  Another instance's frame compiled meanwhile, without hooks, is taken
-            # for one of them (which frame a trace made is not known here): a later
-            # attach to that instance does not warn (README, "A compiled step").
-            model_ref, before, _ = frames
+        op_handle, self._op_handle = self._op_handle, None
+        traced = _ops().traced(op_handle) if op_handle is not None else frozenset()
+        if frames is not None and handles and traced:
+            # frames compiled while the hooks were on by a compilation that traced one of
+            # their ops (its compile id): they guard on the hooks, and a later attach's
+            # make Dynamo trace anew.  Where this torch names no compilation (an op's or a
+            # frame's id None), every frame compiled meanwhile counts, another instance's
+            # without hooks too.
+            model_ref, before = frames
             model = model_ref()
             if model is not None:
-                _hooked_frames.update(f for f in _frames_of(model) if f not in before)
-        op_handle, self._op_handle = self._op_handle, None
+                _hooked_frames.update(
+                    code for code, made_by in _compiled_entries(model)
+                    if code not in before
+                    and (made_by is None or made_by in traced or None in traced))
         if op_handle is not None:
             _ops().unregister(op_handle)
 
@@ -276,15 +280,14 @@ def _move_ahead(registered: Any, key: int) -> None:
 def _fork_hook(controller: Any, point: str, layer: int,
                batch_fn: Optional[BatchFn], tensor: type[torch.Tensor], is_compiling: Callable[[], bool],
                fork_op: Callable[..., None], handle: Optional[int],
-               before: bool, traced: list) -> Callable[..., None]:
+               before: bool) -> Callable[..., None]:
     """The forward hook (``before``: pre-hook) with kwargs of one site; it returns None.
 
     Eager: ``controller.fork(point, layer, batch)``.  Being compiled: ``fork_op(handle,
     point, layer, batch, after=<first tensor of the module's output>)`` (``before``: of
     its input, so compiled code keeps the fork behind that input's producer).  A
     profile's controller tuned on a compiled step refuses an eager fork that would
-    launch (:func:`~l2prefetch.profile.check_step`).  ``traced[0]`` becomes True
-    where the hook runs while Dynamo traces.
+    launch (:func:`~l2prefetch.profile.check_step`).
     """
     fork = controller.fork
     tuned_step = getattr(controller, "tuned_step", None)
@@ -296,7 +299,6 @@ def _fork_hook(controller: Any, point: str, layer: int,
         batch = batch_of(module, args, kwargs)
         if batch:
             if is_compiling():
-                traced[0] = True
                 follows = (args, kwargs) if before else output
                 fork_op(handle, point, layer, batch, _first_tensor(follows, tensor))
             else:
@@ -396,9 +398,8 @@ def attach(model: torch.nn.Module, controller: Controller,
     resolved = _check_attach(model, controller, points, torch)
     op_handle, fork_op, join_op = _register_ops(controller, torch)
     try:
-        traced = [False]   # set by a fork hook that runs while Dynamo traces
         handles, sites = _add_hooks(model, controller, resolved, batch_fn, join, torch,
-                                    op_handle, fork_op, join_op, traced)
+                                    op_handle, fork_op, join_op)
     except BaseException:
         if op_handle is not None:
             _ops().unregister(op_handle)
@@ -414,7 +415,7 @@ def attach(model: torch.nn.Module, controller: Controller,
             "and nothing forks there: attach before the first compiled call of any %s, "
             "or call torch._dynamo.reset() after attaching", name, name, name)
     return Attachment(controller, handles, sites, op_handle,
-                      (weakref.ref(model), weakref.WeakSet(frames), traced) if handles else None)
+                      (weakref.ref(model), weakref.WeakSet(frames)) if handles else None)
 
 
 #: Code Dynamo compiled for a forward while an attachment's hooks were on the module: it
@@ -428,13 +429,19 @@ def _frames_of(model: Any) -> list:
     and called).  Not seen: a compiled function that calls the model, whose frame holds
     the forward inlined, and every way under ``torch._dynamo.config.wrap_top_frame``,
     which compiles one frame shared by every compiled callable instead."""
+    return [code for code, _ in _compiled_entries(model)]
+
+
+def _compiled_entries(model: Any) -> list:
+    """``(code, compile id)`` of each frame :func:`_frames_of` names (the id: Dynamo's
+    ``CompileId`` of the compilation that made it, None where this torch has none)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")   # not loaded: nothing compiled
     entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
     code = getattr(getattr(type(model), "forward", None), "__code__", None)
     if entries is None or code is None:
         return []
     try:
-        return [entry.code for entry in entries(code)]
+        return [(entry.code, getattr(entry, "compile_id", None)) for entry in entries(code)]
     except Exception:   # a torch whose private helpers changed: no warning, not a failed attach
         return []
 
@@ -520,8 +527,8 @@ def _register_ops(controller: Any, torch: Any) -> tuple[Optional[int], Callable[
 def _add_hooks(model: Any, controller: Any,
                resolved: list[tuple[str, list[tuple[Any, int, str]]]],
                batch_fn: Optional[BatchFn], join: bool, torch: Any, op_handle: Optional[int],
-               fork_op: Callable[..., Any], join_op: Callable[..., Any],
-               traced: list) -> tuple[list[Any], list[tuple[str, int, Any]]]:
+               fork_op: Callable[..., Any],
+               join_op: Callable[..., Any]) -> tuple[list[Any], list[tuple[str, int, Any]]]:
     """Each site's fork hook and, with ``join``, the root's join hook: (their handles, the
     ``(point, layer, module)`` of each fork hook).  All or none: a failure removes those
     added."""
@@ -531,7 +538,7 @@ def _add_hooks(model: Any, controller: Any,
         for point, point_sites in resolved:
             for module, layer, where in point_sites:
                 hook = _fork_hook(controller, point, layer, batch_fn, torch.Tensor,
-                                  is_compiling, fork_op, op_handle, where == "before", traced)
+                                  is_compiling, fork_op, op_handle, where == "before")
                 setattr(hook, _TAG, controller)   # what _check_attach finds
                 hooked.append((module, where, hook))
                 sites.append((point, layer, module))

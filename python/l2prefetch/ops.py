@@ -50,7 +50,7 @@ from .profile import check_step
 
 torch = require("l2prefetch.ops")
 
-__all__ = ["fork", "join", "lookup", "mark_ordered", "register", "unregister"]
+__all__ = ["fork", "join", "lookup", "mark_ordered", "register", "traced", "unregister"]
 
 # handle -> weak reference to its controller.  A dead reference stays until
 # unregister() so that the op can say the controller was collected; handles
@@ -58,6 +58,10 @@ __all__ = ["fork", "join", "lookup", "mark_ordered", "register", "unregister"]
 _registry: dict[int, weakref.ReferenceType] = {}
 _handles = itertools.count(1)
 _lock = threading.Lock()
+#: Registered handle -> the compilations (Dynamo's compile ids; None: not known) that
+#: traced its fork or join op: the fake implementations run while Dynamo traces, whether
+#: or not the compiled call then succeeds (hooks.Attachment.detach reads it).
+_traced: dict[int, set] = {}
 
 
 def register(controller: Any) -> int:
@@ -87,6 +91,15 @@ def unregister(handle: int) -> None:
     """Take ``handle`` out of the registry; an unknown handle is ignored."""
     with _lock:
         _registry.pop(handle, None)
+        _traced.pop(handle, None)
+
+
+def traced(handle: int) -> frozenset:
+    """The compilations that traced a fork or join op of ``handle`` since it was
+    registered (until :func:`unregister`), as Dynamo's compile ids (None where this
+    torch names none); empty where none did."""
+    with _lock:
+        return frozenset(_traced.get(handle, ()))
 
 
 def lookup(handle: int) -> Any:
@@ -161,14 +174,25 @@ def join(handle: int, after: Optional[torch.Tensor] = None) -> None:
 @_fork_op.register_fake
 def _fork_fake(handle: int, point: str, layer: int, batch: int,
                after: Optional[torch.Tensor] = None) -> None:
+    _note_traced(handle)
     _lower_off_the_data_path()
     return None
 
 
 @_join_op.register_fake
 def _join_fake(handle: int, after: Optional[torch.Tensor] = None) -> None:
+    _note_traced(handle)
     _lower_off_the_data_path()
     return None
+
+
+def _note_traced(handle: Any) -> None:
+    """Note which compilation traced an op of ``handle`` (:func:`traced`)."""
+    context = getattr(getattr(torch, "_guards", None), "CompileContext", None)
+    compile_id = context.current_compile_id() if context is not None else None
+    with _lock:
+        if type(handle) is int and handle in _registry:
+            _traced.setdefault(handle, set()).add(compile_id)
 
 
 _lowered = False

@@ -159,8 +159,13 @@ def _launches(controller: Any) -> bool:
     torch = sys.modules.get("torch")   # the hooks and ops imported it; else none captures
     if torch is None or not torch.cuda.is_available():
         return False
-    device = getattr(controller, "device", None)
-    with torch.cuda.device(device) if type(device) is int else contextlib.nullcontext():
+    device = getattr(controller, "device", None)   # an index, 'cuda:1', a torch.device
+    if device is not None and type(device) is not int:
+        try:
+            device = torch.device(device).index
+        except (TypeError, RuntimeError):
+            device = None
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         return bool(torch.cuda.is_current_stream_capturing())
 
 
