@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from .. import hooks
 from ..mechanisms import DEFAULT_SITE_HOOK
+from ..model_paths import compiled_module
 from ..profile import COMPILE_MODES   # what a profile's step may name, and the tuner measures
 from .discovery import Role
 
@@ -69,15 +70,13 @@ def own_graphs(model: Any) -> Optional[str]:
     """How ``model`` was compiled to capture CUDA graphs of Inductor's own
     (``triton.cudagraphs``: ``mode="reduce-overhead"`` or ``"max-autotune"``, or that
     option), as a phrase; None where no compilation the model holds does.  It looks at
-    what the model holds: ``torch.compile(model)`` wrappers, a compiled ``forward``
+    what the model holds: the ``torch.compile(model)`` wrapper, a compiled ``forward``
     set on the module, ``model.compile()``; not a compiled function that calls the
     model, nor Dynamo's own ``backend="cudagraphs"``."""
-    held = []
-    while hasattr(model, "_orig_mod"):   # torch.compile(model), as compiled_module unwraps
-        held.append(("torch.compile(model)", model))
-        model = model._orig_mod
-    held += [("model.forward = torch.compile(...)", vars(model).get("forward")),
-             ("model.compile()", vars(model).get("_compiled_call_impl"))]
+    module = compiled_module(model)
+    held = [("torch.compile(model)", model if model is not module else None),
+            ("model.forward = torch.compile(...)", vars(module).get("forward")),
+            ("model.compile()", vars(module).get("_compiled_call_impl"))]
     for how, compiled in held:
         config = getattr(compiled, "get_compiler_config", None)
         options = config() if callable(config) else None
