@@ -56,7 +56,8 @@ class Read:
     """One module's weight read in a forward.
 
     ``path`` is the module's path in the model, ``layer`` the decoder layer
-    index parsed from it (or None), ``nbytes`` the bytes of its own
+    index parsed from it (or None), ``relative`` the path below the decoder layer
+    (the whole path outside layers), ``nbytes`` the bytes of its own
     parameters, ``order`` its position among the reads, ``params`` the
     parameters' paths, ``routed`` whether it reads a batch-dependent subset
     (routed experts: recorded, never prefetched).
@@ -64,17 +65,13 @@ class Read:
 
     path: str
     layer: Optional[int]
+    relative: str
     nbytes: int
     order: int
     params: tuple[str, ...]
     routed: bool
     module: Any = dataclasses.field(repr=False, compare=False)
     tensors: tuple[Any, ...] = dataclasses.field(repr=False, compare=False)
-
-    @property
-    def relative(self) -> str:
-        """The path below the decoder layer (the whole path outside layers)."""
-        return layer_of(self.path)[1]
 
 
 class Reads(list):
@@ -129,9 +126,9 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
     if min_bytes < 1:
         raise ValueError(f"min_bytes must be an int >= 1, got {min_bytes}")
 
-    names = {}
+    where = {}   # module -> (path, decoder layer, path below it)
     for name, module in model.named_modules():
-        names.setdefault(module, name)
+        where.setdefault(module, (name, *layer_of(name)))
     param_names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         param_names.setdefault(id(p), name)
@@ -144,9 +141,10 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
     seen_params: set[int] = set()
 
     def pre_hook(module: Any, args: Any) -> None:
-        path = names.get(module)
-        if path is None:
+        found = where.get(module)
+        if found is None:
             return
+        path, layer, relative = found
         if module is model:            # a forward of the model: count the runs of each anew
             runs.clear()
         runs[path] = runs.get(path, 0) + 1
@@ -164,14 +162,14 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
             return
         for _, p in own:
             seen_params.add(id(p))
-        layer, relative = layer_of(path)
         tensors = tuple(p for _, p in own)
-        reads.append(Read(path=path, layer=layer, nbytes=nbytes, order=len(reads),
+        reads.append(Read(path=path, layer=layer, relative=relative, nbytes=nbytes,
+                          order=len(reads),
                           params=tuple(param_names.get(id(p), f"{path}.{n}") for n, p in own),
                           routed=_is_routed(relative, tensors), module=module,
                           tensors=tensors))
 
-    handles = [module.register_forward_pre_hook(pre_hook) for module in names]
+    handles = [module.register_forward_pre_hook(pre_hook) for module in where]
     # where Dynamo was never imported nothing was compiled (and importing it costs ~1 s)
     eager = (torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules
              else contextlib.nullcontext())
@@ -369,7 +367,6 @@ def candidates(model: Any, reads: Sequence[Read], *, max_bytes: int = DEFAULT_MA
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    model = compiled_module(model)   # torch.compile(model): the paths tune measures in
     called = reads.called if isinstance(reads, Reads) and reads.called else None
     calls = reads.calls if isinstance(reads, Reads) else ()
     repeated = reads.repeated if isinstance(reads, Reads) else frozenset()
