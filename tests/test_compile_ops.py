@@ -483,6 +483,52 @@ def test_another_instance_compiled_without_hooks_beside_an_attachment_still_warn
     assert not any(call[0] == "fork" for call in controller.calls)
 
 
+def test_a_reset_while_attached_forgets_the_compilations_before_it(caplog):
+    """torch._dynamo.reset() numbers compilations from 0 again: a draft compiled after a
+    reset (as the README's advice has it) gets the compile id of the target's first
+    compilation before it, and must not count as traced with the target's hooks."""
+    torch.manual_seed(0)
+    target, draft = Model().eval(), Model().eval()
+    x = torch.randn(BATCH, 1, 16)
+    with hooks.attach(target, Recorder(), points(target)) as attachment:
+        torch.compile(target, backend="eager")(x)
+        assert ops.traced(attachment.op_handle)
+        torch._dynamo.reset()
+        assert ops.traced(attachment.op_handle) == frozenset()
+        torch.compile(draft, backend="eager")(x)
+    controller = Recorder()
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(draft, controller, points(draft)):
+            torch.compile(draft, backend="eager")(x)
+    assert "torch.compile already traced Model.forward" in caplog.text
+    assert not any(call[0] == "fork" for call in controller.calls)
+
+
+class _BreaksFirst(Model):
+    def forward(self, x):
+        torch._dynamo.graph_break()   # the hooks' ops are traced in the resume frames
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_graph_break_before_the_hooks_leaves_no_false_warning(caplog):
+    """The forward's own frame ends before any hooked module: its resume frames trace the
+    ops and guard on the hooks, so a second attachment forks and nothing warns."""
+    torch.manual_seed(0)
+    model = _BreaksFirst().eval()
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(BATCH, 1, 16)
+    with hooks.attach(compiled, Recorder(), points(model)):
+        compiled(x)
+    second = Recorder()
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(compiled, second, points(model)):
+            compiled(x)
+    assert second.calls == expected_calls(2, BATCH)
+    assert "already traced" not in caplog.text
+
+
 def test_attach_again_after_a_compiled_attachment_does_not_warn(caplog):
     """Frames traced while an attachment's hooks were on guard on them: a later
     attachment (a server swapping profiles) is traced anew and forks."""

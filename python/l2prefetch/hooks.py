@@ -145,14 +145,18 @@ class Attachment:
             # their ops (its compile id): they guard on the hooks, and a later attach's
             # make Dynamo trace anew.  Where this torch names no compilation (an op's or a
             # frame's id None), every frame compiled meanwhile counts, another instance's
-            # without hooks too.
+            # without hooks too.  Where the ops were traced but by none of the forward's
+            # new frames, they were traced in its resume frames (a graph break before the
+            # first hooked module), which guard on the hooks, and the forward's frames
+            # run none: those count too (a draft's frame compiled meanwhile with them).
             model_ref, before = frames
             model = model_ref()
             if model is not None:
-                _hooked_frames.update(
-                    code for code, made_by in _compiled_entries(model)
-                    if code not in before
-                    and (made_by is None or made_by in traced or None in traced))
+                new = [(code, made_by) for code, made_by in _compiled_entries(model)
+                       if code not in before]
+                mine = [code for code, made_by in new
+                        if made_by is None or made_by in traced or None in traced]
+                _hooked_frames.update(mine or [code for code, _ in new])
         if op_handle is not None:
             _ops().unregister(op_handle)
 

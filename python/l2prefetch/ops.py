@@ -60,7 +60,9 @@ _handles = itertools.count(1)
 _lock = threading.Lock()
 #: Registered handle -> the compilations (Dynamo's compile ids; None: not known) that
 #: traced its fork or join op: the fake implementations run while Dynamo traces, whether
-#: or not the compiled call then succeeds (hooks.Attachment.detach reads it).
+#: or not the compiled call then succeeds (hooks.Attachment.detach reads it).  Emptied
+#: when torch._dynamo.reset() has run since (:func:`_forget_before_reset`): it numbers
+#: compilations from 0 again, and an old id would name a new compilation.
 _traced: dict[int, set] = {}
 
 
@@ -99,6 +101,7 @@ def traced(handle: int) -> frozenset:
     registered (until :func:`unregister`), as Dynamo's compile ids (None where this
     torch names none); empty where none did."""
     with _lock:
+        _forget_before_reset()
         return frozenset(_traced.get(handle, ()))
 
 
@@ -191,8 +194,28 @@ def _note_traced(handle: Any) -> None:
     context = getattr(getattr(torch, "_guards", None), "CompileContext", None)
     compile_id = context.current_compile_id() if context is not None else None
     with _lock:
+        _forget_before_reset()
         if type(handle) is int and handle in _registry:
             _traced.setdefault(handle, set()).add(compile_id)
+
+
+def _reset_sentinel(args: Any) -> None:
+    """A compile-start callback that does nothing: torch._dynamo.reset() clears every
+    such callback, so its absence says a reset ran since it was put there."""
+
+
+def _forget_before_reset() -> None:
+    """Empty :data:`_traced` where torch._dynamo.reset() has run since the last look (the
+    sentinel callback gone), then put the sentinel back; hold ``_lock``.  Where Dynamo
+    was never imported nothing was compiled; where this torch has no callback handler,
+    nothing is forgotten (and an id noted before a reset may name a later compilation)."""
+    handler = getattr(sys.modules.get("torch._dynamo.callback"), "callback_handler", None)
+    callbacks = getattr(handler, "start_callbacks", None)
+    if not isinstance(callbacks, list) or any(cb is _reset_sentinel for cb in callbacks):
+        return
+    for compile_ids in _traced.values():
+        compile_ids.clear()
+    handler.register_start_callback(_reset_sentinel)
 
 
 _lowered = False
