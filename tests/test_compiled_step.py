@@ -317,6 +317,38 @@ def test_describe_and_check_step():
         check_step(compiled, False, object())   # no enabled / eager: counts as launching
 
 
+def test_check_step_reads_the_controllers_device_as_the_fork_takes_it(monkeypatch):
+    """A controller with eager=False refuses an eager fork only on a stream being
+    captured on its own device; a device that is not a CUDA index names none (torch's
+    current device), and an index this host lacks counts as launching, not as a torch
+    error (torch.cuda faked: one GPU, capturing on device 0 only)."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
+                        lambda: current[-1:] in ([], [0]))
+
+    class Device:   # torch.cuda.device, recorded
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            current.append(self.index)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    compiled = step_record(True, "default")
+    for device in (None, 0, "cuda:0", torch.device("cuda", 0), "cpu", "cpu:0"):
+        with pytest.raises(StepMismatchError, match="runs eagerly"):
+            check_step(compiled, False, Quiet(compiled, device=device))
+    with pytest.raises(StepMismatchError, match="runs eagerly"):
+        check_step(compiled, False, Quiet(compiled, device="cuda:1"))   # no such GPU
+    current.append(1)   # torch's current device 1, capturing nowhere but on 0
+    check_step(compiled, False, Quiet(compiled, device="cpu:0"))
+
+
 def test_an_eager_fork_of_a_controller_tuned_compiled_is_refused():
     model = Model().eval()
     refused = Recorder(tuned_step=step_record(True, "default"))
@@ -352,9 +384,9 @@ class Quiet(Recorder):
     """A controller whose forks do nothing outside a capture (``eager=False``), or
     nothing at all (disabled)."""
 
-    def __init__(self, tuned_step, enabled=True, eager=False):
+    def __init__(self, tuned_step, enabled=True, eager=False, device=None):
         super().__init__(tuned_step)
-        self.enabled, self.eager = enabled, eager
+        self.enabled, self.eager, self.device = enabled, eager, device
 
 
 def test_a_fork_that_would_not_launch_is_not_refused(monkeypatch):
@@ -388,6 +420,7 @@ def test_a_fork_that_would_not_launch_is_not_refused(monkeypatch):
         finally:
             current[0] = old
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[0] == 1)
     capturing = Quiet(compiled)

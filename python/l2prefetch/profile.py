@@ -162,9 +162,12 @@ def _launches(controller: Any) -> bool:
     device = getattr(controller, "device", None)   # an index, 'cuda:1', a torch.device
     if device is not None and type(device) is not int:
         try:
-            device = torch.device(device).index
+            found = torch.device(device)
         except (TypeError, RuntimeError):
-            device = None
+            found = None
+        device = found.index if found is not None and found.type == "cuda" else None
+    if device is not None and not 0 <= device < torch.cuda.device_count():
+        return True   # no such GPU here: its fork cannot be a no-op, so it counts
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         return bool(torch.cuda.is_current_stream_capturing())
 
