@@ -65,13 +65,14 @@ class Read:
 
     path: str
     layer: Optional[int]
-    relative: str
     nbytes: int
     order: int
     params: tuple[str, ...]
     routed: bool
     module: Any = dataclasses.field(repr=False, compare=False)
     tensors: tuple[Any, ...] = dataclasses.field(repr=False, compare=False)
+    #: keyword-only: added after the others, whose positions stay as they were
+    relative: str = dataclasses.field(kw_only=True)
 
 
 class Reads(list):
