@@ -21,7 +21,8 @@ from torch import nn
 
 from l2prefetch.tuning.discovery import Role, RoleSite
 from l2prefetch.tuning.arms import (NO_FORKS, Arm, Backend, Prepared, Probe, Setting,
-                                      StepError, no_forks_of, parse_arm_key)
+                                      no_forks_of, parse_arm_key)
+from l2prefetch.tuning.errors import StepError
 
 MIB = 1 << 20
 

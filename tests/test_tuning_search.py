@@ -11,6 +11,7 @@ import pytest
 
 from l2prefetch.plan import GRAPH_FORKS
 from l2prefetch.tuning import arms as A, results as R, search as S
+from l2prefetch.tuning.errors import StepError
 from l2prefetch.tuning.sampling import Measured
 from l2prefetch.tuning.stats import diff_interval, mean_interval, t_quantile
 
@@ -445,7 +446,7 @@ def test_a_small_budget_gets_coarser_and_never_returns_an_unconfirmed_plan():
 
 def test_step_errors_propagate():
     backend = PlantedBackend({"A": pays(1.0)}, fail={8: RuntimeError("batch 8 too big")})
-    with pytest.raises(A.StepError, match="step\\(8\\) failed"):
+    with pytest.raises(StepError, match="step\\(8\\) failed"):
         run(backend, [role("A")], batches=(1, 8))
 
 

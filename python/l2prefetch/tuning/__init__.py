@@ -17,7 +17,8 @@ no GPU; measuring needs torch with CUDA.
 
 from .discovery import Read, Reads, Role, RoleSite, candidates, discover, roles_from_plan
 from ..profile import Profile, ProfileMismatchError, load_profile
-from .arms import Setting, StepError
+from .arms import Setting
+from .errors import StepError
 from .tuner import TuneResult, tune
 
 __all__ = [

@@ -21,15 +21,11 @@ from ..mechanisms import DEFAULT_GRAPH_FORK
 from .discovery import Role, describe_bytes
 
 __all__ = ["ARM_KINDS", "Arm", "Backend", "DEFAULT_GRID", "EMPTY", "EMPTY_PLAN", "LOADS",
-           "NO_FORKS", "PLAN", "Prepared", "Probe", "SAME_CODE", "Setting", "StepError",
+           "NO_FORKS", "PLAN", "Prepared", "Probe", "SAME_CODE", "Setting",
            "arm_key", "no_forks_of", "parse_arm_key"]
 
 #: The loader's CTAs in a role's default setting.
 DEFAULT_GRID = 32
-
-
-class StepError(RuntimeError):
-    """The step could not be run or captured at a batch (the cause is chained)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,8 +252,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def prepare(self, batch: int) -> Prepared:
-        """Run and capture the step once at ``batch``, time it (:class:`StepError` if
-        it fails or cannot be captured)."""
+        """Run and capture the step once at ``batch``, time it
+        (:class:`~l2prefetch.tuning.StepError` if it fails or cannot be captured)."""
 
     @abc.abstractmethod
     def probe(self, batch: int, roles: Sequence[Role]) -> Optional[dict[str, Probe]]:

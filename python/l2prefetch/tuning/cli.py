@@ -31,9 +31,9 @@ from .._parser import Parser as _Parser  # usage errors as one line, exit status
 from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
 from . import hf, tuner
-from .arms import StepError
+from .errors import StepError
 from .compiled import compile_mode
-from .discovery import describe_roles, find_roles, role_hints
+from .discovery import describe_roles, discovery_step, find_roles, role_hints
 from .measure import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_TARGET_US
 from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
 
@@ -356,7 +356,7 @@ def _list_roles(args: argparse.Namespace, options: _Options, model: Any, step: A
     if progress is not None:
         print(f"[l2prefetch tune] discovering the roles: the prompt, then one decode step "
               f"at batch {batch}", file=progress, flush=True)
-    first_step = tuner.discovery_step(step, batch)
+    first_step = discovery_step(step, batch)
     try:
         if args.compile is not None:
             # the compiled step runs (Inductor's CPU backend without a GPU); discovery

@@ -514,7 +514,7 @@ def _on_gpu(args: argparse.Namespace, torch: Any, config: Any, budget: float,
             files: Mapping[str, list]) -> int:
     from .. import hooks
     from . import hf
-    from .arms import StepError
+    from .errors import StepError
 
     if hooks.disabled():
         raise _Bad("L2PREFETCH_DISABLE is set, so nothing forks: unset it to run the demo")

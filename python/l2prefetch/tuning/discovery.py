@@ -40,9 +40,10 @@ from typing import Any, Optional
 from ..mechanisms import DEFAULT_SITE_HOOK, site_entry
 from ..model_paths import compiled_module, layer_of  # the runtime's too
 from ..plan import PlanEntry
+from .errors import StepError
 
 __all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "describe_roles", "discover",
-           "find_roles", "role_hints", "roles_from_plan"]
+           "discovery_step", "find_roles", "resolve_roles", "role_hints", "roles_from_plan"]
 
 MIB = 1 << 20
 #: The largest load a candidate is built for (the tuner's largest cap).
@@ -436,6 +437,55 @@ def find_roles(model: Any, run: Callable[[], Any], *, min_bytes: int) -> list[Ro
     records while ``run()`` runs, eagerly also where the step is compiled).  What
     ``tune`` and ``tune --list-roles`` both do."""
     return candidates(model, discover(model, run, min_bytes=min_bytes))
+
+
+def discovery_step(step: Callable[[int], Any], batch: int) -> Callable[[], Any]:
+    """``step(batch)`` as discovery runs it: a failure is a :class:`StepError` naming
+    the batch, its cause on the same line (the CLI prints it as one) and chained."""
+    def run() -> Any:
+        try:
+            return step(batch)
+        except Exception as exc:
+            cause = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            raise StepError(f"step({batch}) failed while discovering the weights it "
+                            f"reads: {type(exc).__name__}" + (f": {cause}" if cause else "")
+                            ) from exc
+    return run
+
+
+def resolve_roles(model: Any, step: Callable[[int], Any], batch: int,
+                  candidates: object, min_bytes: int) -> list[Role]:
+    """tune()'s ``candidates``: None, the roles :func:`find_roles` discovers from
+    ``step(batch)`` (:func:`discovery_step`); role names, those of them; :class:`Role`
+    objects, as given (checked)."""
+    if isinstance(candidates, (str, bytes)):
+        raise TypeError("candidates must be None (discover them), a list of role names, or a "
+                        f"list of Role objects, got the string {candidates!r}: wrap it in a list")
+    if candidates is None or (isinstance(candidates, Sequence) and candidates
+                              and all(isinstance(c, str) for c in candidates)):
+        # a compiled step: the same modules and weights, read from the eager module tree
+        roles = find_roles(model, discovery_step(step, batch), min_bytes=min_bytes)
+        if candidates is None:
+            return roles
+        known = {role.name: role for role in roles}
+        unknown = [c for c in candidates if c not in known]
+        if unknown:
+            raise ValueError(f"unknown role(s) {role_hints(unknown, list(known))}; this "
+                             "model's roles are: " + "; ".join(map(repr, known)))
+        return [known[c] for c in candidates]
+    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
+        raise TypeError("candidates must be None (discover them), a list of role names, or a "
+                        f"list of Role objects, got {type(candidates).__name__}")
+    roles = list(candidates)
+    for i, role in enumerate(roles):
+        if not isinstance(role, Role):
+            raise TypeError(f"candidates[{i}] must be a Role (from tuning.candidates() or "
+                            f"tuning.roles_from_plan()) or a role name, got "
+                            f"{type(role).__name__}")
+    names = [role.name for role in roles]
+    if len(set(names)) != len(names):
+        raise ValueError(f"candidates name a role twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    return roles
 
 
 def role_hints(unknown: Iterable[str], names: Sequence[str]) -> str:

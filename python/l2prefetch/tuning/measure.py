@@ -35,7 +35,8 @@ from typing import Any, Optional
 
 from .. import CudaError, Error, hooks
 from ..mechanisms import GRAPH_FORK_MODES
-from .arms import NO_FORKS, SAME_CODE, Arm, Backend, Prepared, Probe, StepError, no_forks_of
+from .arms import NO_FORKS, SAME_CODE, Arm, Backend, Prepared, Probe, no_forks_of
+from .errors import StepError
 from .compiled import board_for_roles, screened_board
 from .discovery import Role
 from .outputs import clone, compare_outputs, compare_within, copy_into

@@ -7,7 +7,7 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
 :mod:`l2prefetch.tuning.arms`):
 
 1. **prepare**: run and capture the step once (a step that fails or cannot
-   be captured is a :class:`~l2prefetch.tuning.arms.StepError`), time it, probe the windows and the
+   be captured is a :class:`~l2prefetch.tuning.StepError`), time it, probe the windows and the
    cold-to-hot gaps where the backend can (:meth:`~l2prefetch.tuning.arms.Backend.probe`).
    A batch whose share of the budget is no more than the last batch's preparation took
    (a compiled step's compilations) and the least measuring that can ship a plan (one

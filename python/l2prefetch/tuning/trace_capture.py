@@ -181,7 +181,7 @@ def trace(model: Any, step: Callable[[int], Any], batch: int, forks: Forks, *,
     cannot be read.
     """
     from .. import PreparedWeightRanges, _torch, hooks
-    from .arms import StepError
+    from .errors import StepError
 
     torch = _torch.require("l2prefetch.tuning.trace")
 

@@ -21,11 +21,12 @@ from .. import _C, hooks
 from ..mechanisms import GRAPH_FORKS, graph_fork_choices
 from ..model_paths import compiled_module
 from ..plan import check_batches
-from .discovery import Role, find_roles, role_hints
+from .discovery import Role, resolve_roles
 from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile, step_record,
                        versions)
 from . import measure  # GraphBackend looked up when tune() runs (the tests replace it)
-from .arms import Backend, Setting, StepError
+from .arms import Backend, Setting
+from .errors import StepError
 from .compiled import (COMPILE_MODES, OWN_GRAPH_MODES, compilations_differ, own_graphs,
                        recompile, step_is_compiled)
 from .report import markdown, plot
@@ -35,7 +36,7 @@ from .search import (CONFIRMED_UNVERIFIED, DEFAULT_CAPS_MIB, DEFAULT_GRIDS,
                      NOT_PREPARED, NOTHING_MEASURED, REFUSED_OUTPUTS, lead_max_instances,
                      search)
 
-__all__ = ["TuneResult", "check_max_instances", "discovery_step", "tune"]
+__all__ = ["TuneResult", "check_max_instances", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,52 +154,6 @@ def _check_compiled(compiled: object) -> Optional[str]:
                             "('reduce-overhead' and 'max-autotune' capture their own); pass "
                             "compiled=True for other torch.compile settings"))
     return compiled
-
-
-def discovery_step(step: Callable[[int], Any], batch: int) -> Callable[[], Any]:
-    """``step(batch)`` as discovery runs it: a failure is a :class:`StepError` naming
-    the batch, its cause on the same line (the CLI prints it as one) and chained."""
-    def run() -> Any:
-        try:
-            return step(batch)
-        except Exception as exc:
-            cause = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-            raise StepError(f"step({batch}) failed while discovering the weights it "
-                            f"reads: {type(exc).__name__}" + (f": {cause}" if cause else "")
-                            ) from exc
-    return run
-
-
-def _resolve_candidates(model: Any, step: Callable[[int], Any], batch: int,
-                        candidates: object, min_bytes: int) -> list[Role]:
-    if isinstance(candidates, (str, bytes)):
-        raise TypeError("candidates must be None (discover them), a list of role names, or a "
-                        f"list of Role objects, got the string {candidates!r}: wrap it in a list")
-    if candidates is None or (isinstance(candidates, Sequence) and candidates
-                              and all(isinstance(c, str) for c in candidates)):
-        # a compiled step: the same modules and weights, read from the eager module tree
-        roles = find_roles(model, discovery_step(step, batch), min_bytes=min_bytes)
-        if candidates is None:
-            return roles
-        known = {role.name: role for role in roles}
-        unknown = [c for c in candidates if c not in known]
-        if unknown:
-            raise ValueError(f"unknown role(s) {role_hints(unknown, list(known))}; this "
-                             "model's roles are: " + "; ".join(map(repr, known)))
-        return [known[c] for c in candidates]
-    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
-        raise TypeError("candidates must be None (discover them), a list of role names, or a "
-                        f"list of Role objects, got {type(candidates).__name__}")
-    roles = list(candidates)
-    for i, role in enumerate(roles):
-        if not isinstance(role, Role):
-            raise TypeError(f"candidates[{i}] must be a Role (from tuning.candidates() or "
-                            f"tuning.roles_from_plan()) or a role name, got "
-                            f"{type(role).__name__}")
-    names = [role.name for role in roles]
-    if len(set(names)) != len(names):
-        raise ValueError(f"candidates name a role twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
-    return roles
 
 
 def merge_plan(roles: Sequence[Role], reports: Sequence[BatchReport]) -> tuple[list, dict]:
@@ -546,7 +501,7 @@ def _offered_roles(backend: Backend, model: Any, step: Callable[[int], Any], bat
                    compiled: bool, progress: Any) -> tuple[list[Role], dict]:
     """The candidate roles the backend takes (:meth:`Backend.offer`), and those its
     screen leaves out, each with the reason."""
-    roles = _resolve_candidates(model, step, batch, candidates, min_bytes)
+    roles = resolve_roles(model, step, batch, candidates, min_bytes)
     caps_bytes = [int(c * (1 << 20)) for c in caps_mib]
     if compiled and progress is not None:
         print(f"[l2prefetch tune] screening the fork sites: Inductor's kernels without "
