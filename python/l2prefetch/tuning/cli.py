@@ -31,9 +31,9 @@ from .._parser import Parser as _Parser  # usage errors as one line, exit status
 from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
 from . import hf, tuner
-from .errors import StepError
 from .compiled import compile_mode
 from .discovery import describe_roles, discovery_step, find_roles, role_hints
+from .errors import StepError
 from .measure import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_TARGET_US
 from .search import DEFAULT_RESOLUTION, MAX_INSTANCES
 

@@ -473,7 +473,7 @@ def resolve_roles(model: Any, step: Callable[[int], Any], batch: int,
             raise ValueError(f"unknown role(s) {role_hints(unknown, list(known))}; this "
                              "model's roles are: " + "; ".join(map(repr, known)))
         return [known[c] for c in candidates]
-    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
+    if not isinstance(candidates, Sequence):
         raise TypeError("candidates must be None (discover them), a list of role names, or a "
                         f"list of Role objects, got {type(candidates).__name__}")
     roles = list(candidates)
@@ -483,8 +483,9 @@ def resolve_roles(model: Any, step: Callable[[int], Any], batch: int,
                             f"tuning.roles_from_plan()) or a role name, got "
                             f"{type(role).__name__}")
     names = [role.name for role in roles]
-    if len(set(names)) != len(names):
-        raise ValueError(f"candidates name a role twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    twice = sorted(n for n in set(names) if names.count(n) > 1)
+    if twice:
+        raise ValueError(f"candidates name a role twice: {twice}")
     return roles
 
 

@@ -36,9 +36,9 @@ from typing import Any, Optional
 from .. import CudaError, Error, hooks
 from ..mechanisms import GRAPH_FORK_MODES
 from .arms import NO_FORKS, SAME_CODE, Arm, Backend, Prepared, Probe, no_forks_of
-from .errors import StepError
 from .compiled import board_for_roles, screened_board
 from .discovery import Role
+from .errors import StepError
 from .outputs import clone, compare_outputs, compare_within, copy_into
 from .probe import WindowProbe
 from .rig import LoaderSwitch, NoForks, Rig, build_controller

@@ -34,8 +34,8 @@ from ..mechanisms import DEFAULT_GRAPH_FORK, GRAPH_FORKS
 from ..profile import (describe_step, load_profile, parse_profile, profile_batches,
                        profile_step)
 from . import hf
-from .errors import StepError
 from .discovery import candidates, discover
+from .errors import StepError
 
 __all__ = ["add_parser", "run"]
 

@@ -26,9 +26,9 @@ from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile
                        versions)
 from . import measure  # GraphBackend looked up when tune() runs (the tests replace it)
 from .arms import Backend, Setting
-from .errors import StepError
 from .compiled import (COMPILE_MODES, OWN_GRAPH_MODES, compilations_differ, own_graphs,
                        recompile, step_is_compiled)
+from .errors import StepError
 from .report import markdown, plot
 from .results import BatchReport
 from .search import (CONFIRMED_UNVERIFIED, DEFAULT_CAPS_MIB, DEFAULT_GRIDS,
