@@ -512,9 +512,11 @@ class _BreaksFirst(Model):
         return self.head(x)
 
 
-def test_a_graph_break_before_the_hooks_leaves_no_false_warning(caplog):
+def test_a_graph_break_before_the_hooks_still_forks_on_a_second_attachment(caplog):
     """The forward's own frame ends before any hooked module: its resume frames trace the
-    ops and guard on the hooks, so a second attachment forks and nothing warns."""
+    ops and guard on the hooks, so a second attachment forks.  attach cannot tell such a
+    frame from one that runs hooked modules (its own frame traced no op) and warns: a
+    warning too many, where guessing (marking it) hid warnings that were due."""
     torch.manual_seed(0)
     model = _BreaksFirst().eval()
     compiled = torch.compile(model, backend="eager")
@@ -522,11 +524,48 @@ def test_a_graph_break_before_the_hooks_leaves_no_false_warning(caplog):
     with hooks.attach(compiled, Recorder(), points(model)):
         compiled(x)
     second = Recorder()
-    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
-        with hooks.attach(compiled, second, points(model)):
-            compiled(x)
+    with hooks.attach(compiled, second, points(model)):
+        compiled(x)
     assert second.calls == expected_calls(2, BATCH)
-    assert "already traced" not in caplog.text
+
+
+def test_frames_that_traced_none_of_the_ops_are_not_counted_as_hooked(caplog):
+    """Two cases where a frame compiled during an attachment runs none of a later
+    attachment's hooks although the attachment's ops were traced elsewhere: another
+    instance's forward, compiled while the target ran inside a compiled function (its
+    ops traced in that function's frame); and a forward whose frame ends at a graph
+    break after a module the first attachment left unhooked.  Both must warn."""
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, 1, 16)
+    target, other = Model().eval(), Model().eval()
+    step = torch.compile(lambda v: target(v), backend="eager")
+    with hooks.attach(target, Recorder(), points(target)):
+        step(x)
+        torch.compile(other, backend="eager")(x)
+    late = Recorder()
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(other, late, points(other)):
+            torch.compile(other, backend="eager")(x)
+    assert "torch.compile already traced Model.forward" in caplog.text
+    assert not any(call[0] == "fork" for call in late.calls)
+
+    class _BreaksAfterFirst(Model):
+        def forward(self, x):
+            x = self.layers[0](x)
+            torch._dynamo.graph_break()
+            return self.head(self.layers[1](x))
+
+    torch._dynamo.reset()
+    caplog.clear()
+    model = _BreaksAfterFirst().eval()
+    compiled = torch.compile(model, backend="eager")
+    with hooks.attach(compiled, Recorder(), {"p": [(model.layers[1].mlp, 1)]}):
+        compiled(x)
+    swapped = Recorder()
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(compiled, swapped, {"p": [(model.layers[0].mlp, 0)]}):
+            compiled(x)
+    assert "torch.compile already traced _BreaksAfterFirst.forward" in caplog.text
 
 
 def test_attach_again_after_a_compiled_attachment_does_not_warn(caplog):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from l2prefetch import tuning
-from l2prefetch.tuning import candidates, discover
+from l2prefetch.tuning import Read, candidates, discover
 
 import _tuning_fakes as fakes
 
@@ -289,3 +291,12 @@ def test_hf_models_discover_unchanged():
         assert ("before post_attention_layernorm: mlp.gate_proj" in roles) == dense, roles
         if "moe" in model_type or model_type == "mixtral":
             assert any(r.routed for r in reads), model_type
+
+
+def test_a_read_derives_its_path_below_the_layer_from_its_path():
+    """Read's constructor is as it was (relative is not an argument), and a copy with
+    another path gets that path's relative."""
+    read = Read("model.layers.3.mlp.gate_proj", 3, 1 << 20, 0, ("w",), False, None, ())
+    assert read.relative == "mlp.gate_proj"
+    moved = dataclasses.replace(read, path="lm_head", layer=None)
+    assert moved.relative == "lm_head"

@@ -145,18 +145,17 @@ class Attachment:
             # their ops (its compile id): they guard on the hooks, and a later attach's
             # make Dynamo trace anew.  Where this torch names no compilation (an op's or a
             # frame's id None), every frame compiled meanwhile counts, another instance's
-            # without hooks too.  Where the ops were traced but by none of the forward's
-            # new frames, they were traced in its resume frames (a graph break before the
-            # first hooked module), which guard on the hooks, and the forward's frames
-            # run none: those count too (a draft's frame compiled meanwhile with them).
+            # without hooks too.  Where a graph break puts every hooked module in the
+            # forward's resume frames, its own frame traced no op and is not counted: a
+            # later attach warns although its hooks run there (a warning too many, never
+            # one too few; tests/test_compile_ops.py).
             model_ref, before = frames
             model = model_ref()
             if model is not None:
-                new = [(code, made_by) for code, made_by in _compiled_entries(model)
-                       if code not in before]
-                mine = [code for code, made_by in new
-                        if made_by is None or made_by in traced or None in traced]
-                _hooked_frames.update(mine or [code for code, _ in new])
+                _hooked_frames.update(
+                    code for code, made_by in _compiled_entries(model)
+                    if code not in before
+                    and (made_by is None or made_by in traced or None in traced))
         if op_handle is not None:
             _ops().unregister(op_handle)
 

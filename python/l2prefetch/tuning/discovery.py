@@ -72,8 +72,10 @@ class Read:
     routed: bool
     module: Any = dataclasses.field(repr=False, compare=False)
     tensors: tuple[Any, ...] = dataclasses.field(repr=False, compare=False)
-    #: keyword-only: added after the others, whose positions stay as they were
-    relative: str = dataclasses.field(kw_only=True)
+    relative: str = dataclasses.field(init=False)   # from path, once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "relative", layer_of(self.path)[1])
 
 
 class Reads(list):
@@ -165,8 +167,7 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
         for _, p in own:
             seen_params.add(id(p))
         tensors = tuple(p for _, p in own)
-        reads.append(Read(path=path, layer=layer, relative=relative, nbytes=nbytes,
-                          order=len(reads),
+        reads.append(Read(path=path, layer=layer, nbytes=nbytes, order=len(reads),
                           params=tuple(param_names.get(id(p), f"{path}.{n}") for n, p in own),
                           routed=_is_routed(relative, tensors), module=module,
                           tensors=tensors))
