@@ -21,7 +21,7 @@ and makes Dynamo compile the step anew (:func:`recompile`):
 Where a fork lands in compiled code and why it leaves Inductor's fusions as they
 were: python/l2prefetch/DESIGN.md, "How the custom ops stay in place".
 Discovery and the window probe read the eager module tree
-(:func:`eager_stance`: the same weights, the same modules).
+(:func:`~l2prefetch.tuning.discovery.eager_stance`: the same weights, the same modules).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ..profile import COMPILE_MODES   # what a profile's step may name, and the 
 from .discovery import Role
 
 __all__ = ["COMPILE_MODES", "OWN_GRAPH_MODES", "Switchboard", "board_for_roles", "calls_in",
-           "compilations_differ", "compile_mode", "eager_stance", "kernel_calls",
+           "compilations_differ", "compile_mode", "kernel_calls",
            "own_graphs", "recompile", "screen_roles", "screen_sites", "screened_board",
            "step_is_compiled"]
 
@@ -100,16 +100,6 @@ def recompile() -> None:
     import torch
 
     torch._dynamo.reset()
-
-
-@contextlib.contextmanager
-def eager_stance() -> Iterator[None]:
-    """Run compiled functions eagerly inside (``torch.compiler.set_stance("force_eager")``):
-    the modules' hooks run on every call, as discovery and the probe need."""
-    import torch
-
-    with torch.compiler.set_stance("force_eager"):
-        yield
 
 
 def step_is_compiled(model: Any, step: Callable[[int], Any], batch: int) -> bool:

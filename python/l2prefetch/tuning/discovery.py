@@ -43,7 +43,7 @@ from ..plan import PlanEntry
 from .errors import StepError
 
 __all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "describe_roles", "discover",
-           "discovery_step", "find_roles", "resolve_roles", "role_hints", "roles_from_plan"]
+           "discovery_step", "eager_stance", "find_roles", "resolve_roles", "role_hints", "roles_from_plan"]
 
 MIB = 1 << 20
 #: The largest load a candidate is built for (the tuner's largest cap).
@@ -99,6 +99,17 @@ def _is_routed(relative: str, params: Sequence[Any]) -> bool:
     if any(part.isdigit() for part in relative.split(".")):
         return True
     return any(p.dim() >= 3 for p in params)
+
+
+def eager_stance() -> contextlib.AbstractContextManager:
+    """Run compiled functions eagerly inside (``torch.compiler.set_stance("force_eager")``):
+    the modules' hooks run on every call, as discovery and the window probe need.  Where
+    Dynamo was never imported nothing was compiled (and importing it costs about 1 s):
+    nothing to do."""
+    torch = sys.modules.get("torch")
+    if torch is None or "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
 
 
 def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) -> Reads:
@@ -173,11 +184,8 @@ def discover(model: Any, run: Callable[[], Any], *, min_bytes: int = 1 << 20) ->
                           tensors=tensors))
 
     handles = [module.register_forward_pre_hook(pre_hook) for module in where]
-    # where Dynamo was never imported nothing was compiled (and importing it costs ~1 s)
-    eager = (torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules
-             else contextlib.nullcontext())
     try:
-        with torch.no_grad(), eager:
+        with torch.no_grad(), eager_stance():
             run()
     finally:
         for handle in handles:

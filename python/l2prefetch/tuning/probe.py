@@ -6,7 +6,7 @@ around each consumer give the window from a fork to its consumer and the
 consumer's cold time; in the second, each consumer's weights are loaded on the
 main stream right before it, which gives its hot time.  The difference is the
 most a prefetch of it can save.  A compiled step is probed in its eager module
-tree (:func:`~l2prefetch.tuning.compiled.eager_stance`): an estimate that orders
+tree (:func:`~l2prefetch.tuning.discovery.eager_stance`): an estimate that orders
 the roles, not a measurement of the compiled code.
 """
 
@@ -21,8 +21,7 @@ from typing import Any, Optional
 from .. import PreparedWeightRanges
 from ..hooks import register_site_hook
 from .arms import Probe
-from .compiled import eager_stance
-from .discovery import KINDS, Role
+from .discovery import KINDS, Role, eager_stance
 
 __all__ = ["PROBE_REPLAYS", "WindowProbe"]
 
