@@ -693,6 +693,63 @@ def test_a_fork_on_a_fused_input_leaves_inductor_fusing_as_without_it(where):
     assert first_mm < at
 
 
+
+def _touch(after):
+    """Reads nothing: an extern op Inductor cannot fuse, as a planted spin or an
+    all-reduce in the norm's pre-hook is."""
+
+
+touch_op = torch.library.custom_op("l2p_test::touch", _touch, mutates_args=(),
+                                   schema="(Tensor after) -> ()")
+touch_op.register_fake(lambda after: None)
+ops.mark_ordered(touch_op)
+
+
+@pytest.mark.skipif(not _CXX, reason="Inductor's CPU backend needs a C++ compiler")
+def test_a_before_site_whose_input_a_fallback_op_reads_next_forks_behind_that_input():
+    """An extern op in the norm's pre-hook (a planted spin) reads the residual add, so
+    Inductor realizes the add for it anyway: the fork before the norm then follows the
+    add's kernel itself, right before that op (not the matmul before the add), with the
+    kernels and the output bitwise as without the fork."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    block = NormBlock().to(torch.bfloat16)
+    planted = block.norm.register_forward_pre_hook(
+        lambda m, args: torch.ops.l2p_test.touch(args[0]))
+    x, residual = torch.randn(2, 1, 64).bfloat16(), torch.randn(2, 1, 64).bfloat16()
+
+    def calls(code):
+        return [line.strip() for line in code.splitlines()
+                if re.match(r"\s+(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.)\S*\(", line)]
+
+    try:
+        with torch.no_grad(), config.patch(compile_threads=1):
+            torch._dynamo.reset()
+            expected, (plain,) = run_and_get_code(torch.compile(block, fullgraph=True), x,
+                                                  residual)
+            controller = Recorder()
+            with hooks.attach(block, controller, {"p": [(block.norm, 0, "before")]},
+                              join=False):
+                torch._dynamo.reset()
+                out, (forked,) = run_and_get_code(torch.compile(block, fullgraph=True), x,
+                                                  residual)
+            torch._dynamo.reset()
+    finally:
+        planted.remove()
+    assert controller.calls == [("fork", "p", 0, 2)]
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    lines = calls(forked)
+    at = next(i for i, line in enumerate(lines) if line.startswith("torch.ops.l2prefetch.fork"))
+    assert [re.sub(r"buf\d+", "buf", line) for line in lines[:at] + lines[at + 1:]] == \
+        [re.sub(r"buf\d+", "buf", line) for line in calls(plain)]
+    touched = re.fullmatch(r"torch\.ops\.l2p_test\.touch\.default\((buf\d+)\)", lines[at + 1])
+    assert touched, lines[at + 1]
+    assert lines[at].endswith(f", {touched.group(1)})"), lines[at]
+    assert lines[at - 1].startswith("cpp_fused_") and touched.group(1) in lines[at - 1]
+
+
 # ---- the registry ----
 
 def test_register_lookup_unregister():

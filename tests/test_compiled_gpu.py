@@ -6,7 +6,9 @@ max-autotune-no-cudagraphs), each step captured in a CUDA graph, as a server run
 * forks at every site kind (after a module, before it, q -> k -> v chains, before the
   layer's input norm and the MLP's norm) in every graph fork mode leave the logits
   bitwise those of the same compiled code forking nowhere, and (default mode, where
-  two compilations agree) of the step compiled without hooks, and they do load;
+  two compilations agree) of the step compiled without hooks, and they do load; also
+  with a spin planted as a custom op in the MLP norm's pre-hook, which realizes the
+  residual add that the fork before that norm then follows (ops._lower_off_the_data_path);
 * the premise: two compilations of the step give the same logits in the default mode
   (under max-autotune-no-cudagraphs they did not, run 23);
 * tune() on the compiled step finds it compiled, records it, ships a plan whose
@@ -26,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 from _captured import captured, fresh_frames  # noqa: E402
 from l2prefetch import PrefetchController, hooks  # noqa: E402
 from l2prefetch.mechanisms import GRAPH_FORKS  # noqa: E402
+from l2prefetch.ops import mark_ordered  # noqa: E402
 from l2prefetch.plan import PlanEntry  # noqa: E402
 from l2prefetch.profile import StepMismatchError, load_profile  # noqa: E402
 from l2prefetch.tuning import tune  # noqa: E402
@@ -42,12 +45,27 @@ MODES = ["default", "max-autotune-no-cudagraphs"]
 _fresh = pytest.fixture(autouse=True)(fresh_frames)
 
 
-def _llama():
+def _spin(after, cycles):
+    torch.cuda._sleep(cycles)
+
+
+_spin_op = torch.library.custom_op("l2p_gpu_test::spin", _spin, mutates_args=(),
+                                   schema="(Tensor after, int cycles) -> ()")
+_spin_op.register_fake(lambda after, cycles: None)
+mark_ordered(_spin_op)
+
+
+def _llama(planted=False):
+    """The model and its step; ``planted``: a 20000-cycle spin as a custom op (which
+    Dynamo keeps) in every post_attention_layernorm's pre-hook, reading its input."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816,
                                       num_hidden_layers=2, num_attention_heads=8,
                                       num_key_value_heads=2, vocab_size=4096)
     model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    for layer in model.model.layers if planted else ():
+        layer.post_attention_layernorm.register_forward_pre_hook(
+            lambda m, args: torch.ops.l2p_gpu_test.spin(args[0], 20000))
     step = DecodeStep(model, prompt_len=16, max_cache_len=32)
     for batch in BATCHES:
         step.state(batch)          # the prompts run eagerly, before compiling
@@ -79,11 +97,13 @@ def _sites(model):
     return points, weights
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bitwise(mode):
+@pytest.mark.parametrize("mode,planted", [(mode, False) for mode in MODES]
+                         + [("default", True)])
+def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bitwise(
+        mode, planted):
     """The screen names the site kinds whose forks change Inductor's kernels (printed);
     forks at all the others, in every graph fork mode, leave the logits bitwise."""
-    model, step = _llama()
+    model, step = _llama(planted)
     compile_forward(model, mode)
     reference = {b: captured(step, b)[0] for b in BATCHES}
     points, weights = _sites(model)
@@ -93,7 +113,7 @@ def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bit
              for sites in points.values() for m, layer, *rest in sites]
     bad = screen_sites(model, step, 1, every,
                        lambda site: point_of[(id(site[0]), site[1], site[2])], print)
-    print(f"{mode}: not offered: {sorted(bad)}")
+    print(f"{mode}{', planted' if planted else ''}: not offered: {sorted(bad)}")
     assert "after_oproj" not in bad and "q_k" not in bad
     points = {p: sites for p, sites in points.items() if p not in bad}
     board = Switchboard(model, [site for site in every

@@ -40,6 +40,7 @@ l2prefetch`` does not import it (``hooks.attach`` does, lazily).
 from __future__ import annotations
 
 import itertools
+import operator
 import sys
 import threading
 import weakref
@@ -221,6 +222,12 @@ def _forget_before_reset() -> None:
 _lowered = False
 
 
+def _with_effects() -> Any:
+    """torch.ops.higher_order.with_effects, the node AOTAutograd wraps each effectful
+    op in (None where this torch has none)."""
+    return getattr(torch.ops.higher_order, "with_effects", None)
+
+
 def _lower_off_the_data_path() -> None:
     """Register the ops' Inductor lowering, once, when Inductor is in this process.
 
@@ -244,16 +251,47 @@ def _lower_off_the_data_path() -> None:
         if _lowered:
             return
         from torch._inductor import ir
-        from torch._inductor.lowering import register_lowering
+        from torch._inductor.lowering import fallbacks, lowerings, register_lowering
         from torch._inductor.virtualized import V
+
+        fork_op, join_op = _fork_op._opoverload, _join_op._opoverload
+
+        def realized_next() -> bool:
+            """Whether the node after the op being lowered, past getitems and other
+            fork and join ops, reads its ``after`` as a fallback kernel (a custom op
+            with no lowering: an all-reduce, a planted spin), which realizes ``after``
+            as it is.  Realizing it for the op instead, one node earlier, leaves every
+            kernel as it was, and the op then follows ``after`` itself rather than the
+            buffers it reads, which lets a before-site fork start after the fused
+            kernel that makes its module's input (RESULTS, run 34)."""
+            node = V.graph.current_node
+            if node is None or node.op != "call_function":
+                return False
+            args = node.args[2:] if node.target is _with_effects() else node.args
+            mine = [a for a in (*args, *node.kwargs.values())
+                    if isinstance(a, torch.fx.Node)
+                    and isinstance(a.meta.get("val"), torch.Tensor)]
+            if len(mine) != 1:
+                return False
+            reader = node.next
+            while reader.op == "call_function":
+                target, args = reader.target, reader.args
+                if target is _with_effects():
+                    target, args = args[1], args[2:]
+                if target is not operator.getitem and target not in (fork_op, join_op):
+                    return (isinstance(target, torch._ops.OpOverload) and mine[0] in args
+                            and (target not in lowerings or target in fallbacks))
+                reader = reader.next
+            return False
 
         def settled(after: Any) -> Any:
             """``after`` where a kernel Inductor never fuses made it (an extern kernel:
-            cuBLAS's GEMM, attention, a fallback op), else the latest such buffer that
-            its computation reads, through the buffers Inductor may fuse (a pointwise
-            or reduction kernel, a GEMM template with its epilogue); None where it
-            reads only the graph's inputs."""
-            if not isinstance(after, ir.TensorBox):
+            cuBLAS's GEMM, attention, a fallback op) or where the next node realizes it
+            anyway (:func:`realized_next`), else the latest such buffer that its
+            computation reads, through the buffers Inductor may fuse (a pointwise or
+            reduction kernel, a GEMM template with its epilogue); None where it reads
+            only the graph's inputs."""
+            if not isinstance(after, ir.TensorBox) or realized_next():
                 return after
             node = after.data
             while isinstance(node, ir.BaseView):
@@ -275,8 +313,6 @@ def _lower_off_the_data_path() -> None:
                     elif latest is None or made[name] > made[latest]:
                         latest = name
             return None if latest is None else ir.TensorBox.create(V.graph.get_buffer(latest))
-
-        fork_op, join_op = _fork_op._opoverload, _join_op._opoverload
 
         @register_lowering(fork_op, type_promotion_kind=None)
         def _fork_lowering(handle: int, point: str, layer: int, batch: Any,
