@@ -750,6 +750,111 @@ def test_a_before_site_whose_input_a_fallback_op_reads_next_forks_behind_that_in
     assert lines[at - 1].startswith("cpp_fused_") and touched.group(1) in lines[at - 1]
 
 
+
+def _copy(x):
+    return x.clone()
+
+
+copy_op = torch.library.custom_op("l2p_test::copy", _copy, mutates_args=(),
+                                  schema="(Tensor x) -> Tensor")
+copy_op.register_fake(lambda x: torch.empty_like(x))
+
+
+def _sum_bits(t):
+    return t.view(torch.int16).long().sum().item()
+
+
+@pytest.mark.skipif(not _CXX, reason="Inductor's CPU backend needs a C++ compiler")
+def test_a_fork_whose_next_reader_is_a_fallback_without_effects_stays_off_the_data_path():
+    """A custom op that is not effectful (an all-reduce) next reads the fork's ``after``:
+    Inductor hands it a copy of the unrealized add, so the fork must not realize the
+    add itself (the norm would then read it rounded): it follows the matmul, with the
+    kernels and the output bitwise as without the fork."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    o, up = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+    o, up = o.bfloat16(), up.bfloat16()
+    controller = Recorder()
+    handle = ops.register(controller)
+
+    def step(x, residual, forked):
+        h = (residual + o(x)) * 1.7      # pointwise on the matmul (the add alone folds in)
+        if forked:
+            ops.fork(handle, "p", 0, 2, after=h)
+        v = torch.ops.l2p_test.copy(h).float()
+        n = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+        out = h + up(n) * h.float().sum(-1, keepdim=True).to(h.dtype)
+        if forked:      # an op after the copy: the effect tokens sink after it, not the fork
+            ops.join(handle, after=out)
+        return out
+
+    x, residual = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()
+
+    def kernels(code):
+        return re.findall(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+)\(", code, re.M)
+
+    try:
+        with torch.no_grad(), config.patch(compile_threads=1):
+            torch._dynamo.reset()
+            expected, (plain,) = run_and_get_code(
+                torch.compile(lambda a, b: step(a, b, False), fullgraph=True), x, residual)
+            torch._dynamo.reset()
+            out, (forked,) = run_and_get_code(
+                torch.compile(lambda a, b: step(a, b, True), fullgraph=True), x, residual)
+            torch._dynamo.reset()
+    finally:
+        ops.unregister(handle)
+    assert controller.calls == [("fork", "p", 0, 2), ("join",)]
+    assert _sum_bits(out) == _sum_bits(expected)
+    assert kernels(forked) == kernels(plain)
+    fork = next(line.strip() for line in forked.splitlines()
+                if line.strip().startswith("torch.ops.l2prefetch.fork"))
+    first_mm = re.findall(r"^\s+extern_kernels\.(?:mm|addmm)\(.*out=(buf\d+)\)$", forked,
+                          re.M)[0]
+    assert fork.endswith(f", {first_mm})"), fork
+
+
+@pytest.mark.skipif(not _CXX, reason="Inductor's CPU backend needs a C++ compiler")
+def test_a_join_after_work_on_the_graphs_inputs_alone_runs_after_that_work():
+    """The join's ``after`` reads only the graph's inputs (no matmul before it): the op
+    gets one of those inputs, which gives it a device, so Inductor's CPU backend emits
+    it after the fused kernel (with no tensor at all it went before that kernel, after
+    the kernel's inputs were freed, and the compiled code failed); the output is
+    bitwise that of the function compiled without the join."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    controller = Recorder()
+    handle = ops.register(controller)
+
+    def step(a, r, joined):
+        v = a.float()
+        out = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(a.dtype) + r
+        if joined:
+            ops.join(handle, after=out)
+        return out
+
+    a, r = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()
+    try:
+        with torch.no_grad(), config.patch(compile_threads=1):
+            torch._dynamo.reset()
+            expected = torch.compile(lambda x, y: step(x, y, False), fullgraph=True)(a, r)
+            torch._dynamo.reset()
+            out, (code,) = run_and_get_code(
+                torch.compile(lambda x, y: step(x, y, True), fullgraph=True), a, r)
+            torch._dynamo.reset()
+    finally:
+        ops.unregister(handle)
+    assert controller.calls == [("join",)]
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    calls = [line.strip() for line in code.splitlines()
+             if re.match(r"\s+(cpp_fused_\w+|torch\.ops\.)\S*\(", line)]
+    assert calls[0].startswith("cpp_fused_") and calls[1].startswith(
+        "torch.ops.l2prefetch.join.default("), calls
+
+
 # ---- the registry ----
 
 def test_register_lookup_unregister():

@@ -115,6 +115,7 @@ def test_forks_at_every_site_kind_the_screen_offers_keep_the_compiled_logits_bit
                        lambda site: point_of[(id(site[0]), site[1], site[2])], print)
     print(f"{mode}{', planted' if planted else ''}: not offered: {sorted(bad)}")
     assert "after_oproj" not in bad and "q_k" not in bad
+    assert not planted or "before_norm" not in bad   # the fork that follows the realized add
     points = {p: sites for p, sites in points.items() if p not in bad}
     board = Switchboard(model, [site for site in every
                                 if point_of[(id(site[0]), site[1], site[2])] not in bad])

@@ -251,19 +251,25 @@ def _lower_off_the_data_path() -> None:
         if _lowered:
             return
         from torch._inductor import ir
+        from torch._inductor import lowering
         from torch._inductor.lowering import fallbacks, lowerings, register_lowering
         from torch._inductor.virtualized import V
 
         fork_op, join_op = _fork_op._opoverload, _join_op._opoverload
+        user_lowerings = getattr(lowering, "user_lowerings", {})   # torch 2.13 has them
 
         def realized_next() -> bool:
             """Whether the node after the op being lowered, past getitems and other
-            fork and join ops, reads its ``after`` as a fallback kernel (a custom op
-            with no lowering: an all-reduce, a planted spin), which realizes ``after``
-            as it is.  Realizing it for the op instead, one node earlier, leaves every
-            kernel as it was, and the op then follows ``after`` itself rather than the
-            buffers it reads, which lets a before-site fork start after the fused
-            kernel that makes its module's input (RESULTS, run 34)."""
+            fork and join ops, is an effectful custom op with no lowering that reads
+            ``after`` and mutates nothing (a planted spin): Inductor lowers it to a
+            fallback kernel that realizes ``after`` in place.  Realizing it for the op
+            instead, one node earlier, leaves every kernel as it was, and the op then
+            follows ``after`` itself rather than the buffers it reads, which lets a
+            before-site fork start after the fused kernel that makes its module's
+            input (RESULTS, run 34).  Not any other reader: a fallback that is not
+            effectful (an all-reduce) gets a copy of an unrealized ``after`` to meet
+            its layout constraint, a mutating one a buffer Inductor then reinplaces,
+            and one with a user lowering may fuse it."""
             node = V.graph.current_node
             if node is None or node.op != "call_function":
                 return False
@@ -275,11 +281,13 @@ def _lower_off_the_data_path() -> None:
                 return False
             reader = node.next
             while reader.op == "call_function":
-                target, args = reader.target, reader.args
-                if target is _with_effects():
-                    target, args = args[1], args[2:]
+                effectful = reader.target is _with_effects()
+                target, args = (reader.args[1], reader.args[2:]) if effectful else (
+                    reader.target, reader.args)
                 if target is not operator.getitem and target not in (fork_op, join_op):
-                    return (isinstance(target, torch._ops.OpOverload) and mine[0] in args
+                    return (effectful and isinstance(target, torch._ops.OpOverload)
+                            and mine[0] in args and not target._schema.is_mutable
+                            and target not in user_lowerings
                             and (target not in lowerings or target in fallbacks))
                 reader = reader.next
             return False
@@ -289,8 +297,11 @@ def _lower_off_the_data_path() -> None:
             cuBLAS's GEMM, attention, a fallback op) or where the next node realizes it
             anyway (:func:`realized_next`), else the latest such buffer that its
             computation reads, through the buffers Inductor may fuse (a pointwise or
-            reduction kernel, a GEMM template with its epilogue); None where it reads
-            only the graph's inputs."""
+            reduction kernel, a GEMM template with its epilogue); where it reads only
+            the graph's inputs, one of them (no kernel waits on it, but the op gets a
+            device: without one, Inductor's CPU backend emitted the op before the
+            pending fused kernel whose inputs it had already freed); None where it
+            reads nothing."""
             if not isinstance(after, ir.TensorBox) or realized_next():
                 return after
             node = after.data
@@ -301,10 +312,12 @@ def _lower_off_the_data_path() -> None:
             if isinstance(node, ir.ExternKernel):
                 return after
             made = {buf.get_name(): i for i, buf in enumerate(V.graph.buffers)}
-            latest, todo, seen = None, [node], set()
+            latest, todo, seen, graph_input = None, [node], set(), None
             while todo:
                 for name in todo.pop().get_read_names():
                     if name in seen or name not in made:   # seen, or a graph input
+                        if graph_input is None and name in V.graph.graph_inputs:
+                            graph_input = V.graph.graph_inputs[name]
                         continue
                     seen.add(name)
                     buf = V.graph.get_buffer(name)
@@ -312,7 +325,9 @@ def _lower_off_the_data_path() -> None:
                         todo.append(buf)
                     elif latest is None or made[name] > made[latest]:
                         latest = name
-            return None if latest is None else ir.TensorBox.create(V.graph.get_buffer(latest))
+            if latest is None:
+                return graph_input
+            return ir.TensorBox.create(V.graph.get_buffer(latest))
 
         @register_lowering(fork_op, type_promotion_kind=None)
         def _fork_lowering(handle: int, point: str, layer: int, batch: Any,
