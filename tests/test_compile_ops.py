@@ -764,15 +764,30 @@ def _sum_bits(t):
     return t.view(torch.int16).long().sum().item()
 
 
+def _compiled_without_and_with(step, *inputs):
+    """``step(*inputs, False)`` then ``step(*inputs, True)``, each compiled by Inductor
+    (fullgraph, after a Dynamo reset), no grad: [(output, generated code)] of both."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    results = []
+    with torch.no_grad(), config.patch(compile_threads=1):
+        for with_op in (False, True):
+            def run(*args, with_op=with_op):
+                return step(*args, with_op)
+            torch._dynamo.reset()
+            out, (code,) = run_and_get_code(torch.compile(run, fullgraph=True), *inputs)
+            results.append((out, code))
+        torch._dynamo.reset()
+    return results
+
+
 @pytest.mark.skipif(not _CXX, reason="Inductor's CPU backend needs a C++ compiler")
 def test_a_fork_whose_next_reader_is_a_fallback_without_effects_stays_off_the_data_path():
     """A custom op that is not effectful (an all-reduce) next reads the fork's ``after``:
     Inductor hands it a copy of the unrealized add, so the fork must not realize the
     add itself (the norm would then read it rounded): it follows the matmul, with the
     kernels and the output bitwise as without the fork."""
-    from torch._inductor import config
-    from torch._inductor.utils import run_and_get_code
-
     torch.manual_seed(0)
     o, up = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
     o, up = o.bfloat16(), up.bfloat16()
@@ -796,14 +811,7 @@ def test_a_fork_whose_next_reader_is_a_fallback_without_effects_stays_off_the_da
         return re.findall(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+)\(", code, re.M)
 
     try:
-        with torch.no_grad(), config.patch(compile_threads=1):
-            torch._dynamo.reset()
-            expected, (plain,) = run_and_get_code(
-                torch.compile(lambda a, b: step(a, b, False), fullgraph=True), x, residual)
-            torch._dynamo.reset()
-            out, (forked,) = run_and_get_code(
-                torch.compile(lambda a, b: step(a, b, True), fullgraph=True), x, residual)
-            torch._dynamo.reset()
+        (expected, plain), (out, forked) = _compiled_without_and_with(step, x, residual)
     finally:
         ops.unregister(handle)
     assert controller.calls == [("fork", "p", 0, 2), ("join",)]
@@ -823,9 +831,6 @@ def test_a_join_after_work_on_the_graphs_inputs_alone_runs_after_that_work():
     it after the fused kernel (with no tensor at all it went before that kernel, after
     the kernel's inputs were freed, and the compiled code failed); the output is
     bitwise that of the function compiled without the join."""
-    from torch._inductor import config
-    from torch._inductor.utils import run_and_get_code
-
     controller = Recorder()
     handle = ops.register(controller)
 
@@ -838,13 +843,7 @@ def test_a_join_after_work_on_the_graphs_inputs_alone_runs_after_that_work():
 
     a, r = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()
     try:
-        with torch.no_grad(), config.patch(compile_threads=1):
-            torch._dynamo.reset()
-            expected = torch.compile(lambda x, y: step(x, y, False), fullgraph=True)(a, r)
-            torch._dynamo.reset()
-            out, (code,) = run_and_get_code(
-                torch.compile(lambda x, y: step(x, y, True), fullgraph=True), a, r)
-            torch._dynamo.reset()
+        (expected, _), (out, code) = _compiled_without_and_with(step, a, r)
     finally:
         ops.unregister(handle)
     assert controller.calls == [("join",)]
