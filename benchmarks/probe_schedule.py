@@ -1,15 +1,16 @@
 """Probe (run 30's question), on the CPU: where does Inductor put a fork and the planted
-spin among a layer's kernels?  The compiled rows' window roles keep 100-118% of the
+spin among a layer's kernels?  The compiled rows' window roles kept 100-118% of the
 window's ceiling where the spin sits in o_proj's forward hook and 9-80% where it sits in
-post_attention_layernorm's pre-hook (RESULTS runs 25-30).  The order of the compiled
-code's calls says why, and Inductor's scheduler orders them alike for the CPU and the
-GPU: a one-layer Llama-shaped model (hidden 64) with the spin planted at ``--site``
-(:func:`benchmarks.compiled.plant`; the spin a no-op on the CPU) and one fork at each
-``--forks`` site (``oproj_after``: after o_proj; ``norm_before`` / ``norm_after``:
-before / after post_attention_layernorm; a stand-in controller: nothing is launched)
-is compiled by Inductor and the calls of its generated ``call()`` from the attention's
-output projection on are printed: kernels, extern kernels (a GEMM), the spin and the
-fork.
+post_attention_layernorm's pre-hook (RESULTS runs 25-30), until the fork before the norm
+followed the add that the spin realizes (run 34: 100-115% there too).  The order of the
+compiled code's calls says why, and Inductor's scheduler orders them alike for the CPU
+and the GPU: a one-layer Llama-shaped model (hidden 64) with the spin planted at
+``--site`` (:func:`benchmarks.compiled.plant`; the spin a no-op on the CPU) and one fork
+at each ``--forks`` site (``oproj_after``: after o_proj; ``norm_before`` /
+``norm_after``: before / after post_attention_layernorm; a stand-in controller: nothing
+is launched) is compiled by Inductor and the calls of its generated ``call()`` from the
+attention's output projection on are printed: kernels, extern kernels (a GEMM), the spin
+and the fork.
 
     python -m benchmarks.probe_schedule [--site norm|oproj] [--forks oproj_after,...]
 """

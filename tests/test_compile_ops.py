@@ -630,6 +630,11 @@ def test_inductor_keeps_each_fork_behind_its_matmul(kind):
     assert events == expected_events(2, BATCH)
 
 
+def _kernels(code):
+    """The fused and extern kernels that Inductor's generated ``code`` calls, in order."""
+    return re.findall(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+)\(", code, re.M)
+
+
 class NormBlock(torch.nn.Module):
     """A Llama-like layer in bf16: o_proj, the residual add, an RMSNorm that computes in
     float32 (Inductor inlines the add into the norm's kernel, unrounded), then a GEMV."""
@@ -671,9 +676,6 @@ def test_a_fork_on_a_fused_input_leaves_inductor_fusing_as_without_it(where):
     block = NormBlock().to(torch.bfloat16)
     x, residual = torch.randn(2, 1, 64).bfloat16(), torch.randn(2, 1, 64).bfloat16()
 
-    def kernels(code):
-        return re.findall(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+)\(", code, re.M)
-
     with torch.no_grad(), config.patch(compile_threads=1):
         torch._dynamo.reset()
         expected, (plain,) = run_and_get_code(torch.compile(block, fullgraph=True), x,
@@ -686,7 +688,7 @@ def test_a_fork_on_a_fused_input_leaves_inductor_fusing_as_without_it(where):
         torch._dynamo.reset()
     assert controller.calls == [("fork", "p", 0, 2)]
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
-    assert kernels(forked) == kernels(plain)
+    assert _kernels(forked) == _kernels(plain)
     lines = [line.strip() for line in forked.splitlines()]
     at = next(i for i, line in enumerate(lines) if line.startswith("torch.ops.l2prefetch.fork"))
     first_mm = next(i for i, line in enumerate(lines) if line.startswith("extern_kernels.mm"))
@@ -766,7 +768,8 @@ def _sum_bits(t):
 
 def _compiled_without_and_with(step, *inputs):
     """``step(*inputs, False)`` then ``step(*inputs, True)``, each compiled by Inductor
-    (fullgraph, after a Dynamo reset), no grad: [(output, generated code)] of both."""
+    (fullgraph, after a Dynamo reset) and run on copies of ``inputs`` (a step may mutate
+    them), no grad: [(output, generated code)] of both."""
     from torch._inductor import config
     from torch._inductor.utils import run_and_get_code
 
@@ -776,7 +779,8 @@ def _compiled_without_and_with(step, *inputs):
             def run(*args, with_op=with_op):
                 return step(*args, with_op)
             torch._dynamo.reset()
-            out, (code,) = run_and_get_code(torch.compile(run, fullgraph=True), *inputs)
+            out, (code,) = run_and_get_code(torch.compile(run, fullgraph=True),
+                                            *(x.clone() for x in inputs))
             results.append((out, code))
         torch._dynamo.reset()
     return results
@@ -807,16 +811,13 @@ def test_a_fork_whose_next_reader_is_a_fallback_without_effects_stays_off_the_da
 
     x, residual = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()
 
-    def kernels(code):
-        return re.findall(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+)\(", code, re.M)
-
     try:
         (expected, plain), (out, forked) = _compiled_without_and_with(step, x, residual)
     finally:
         ops.unregister(handle)
     assert controller.calls == [("fork", "p", 0, 2), ("join",)]
     assert _sum_bits(out) == _sum_bits(expected)
-    assert kernels(forked) == kernels(plain)
+    assert _kernels(forked) == _kernels(plain)
     fork = next(line.strip() for line in forked.splitlines()
                 if line.strip().startswith("torch.ops.l2prefetch.fork"))
     first_mm = re.findall(r"^\s+extern_kernels\.(?:mm|addmm)\(.*out=(buf\d+)\)$", forked,
@@ -827,10 +828,10 @@ def test_a_fork_whose_next_reader_is_a_fallback_without_effects_stays_off_the_da
 @pytest.mark.skipif(not _CXX, reason="Inductor's CPU backend needs a C++ compiler")
 def test_a_join_after_work_on_the_graphs_inputs_alone_runs_after_that_work():
     """The join's ``after`` reads only the graph's inputs (no matmul before it): the op
-    gets one of those inputs, which gives it a device, so Inductor's CPU backend emits
-    it after the fused kernel (with no tensor at all it went before that kernel, after
-    the kernel's inputs were freed, and the compiled code failed); the output is
-    bitwise that of the function compiled without the join."""
+    gets an empty tensor on that device, so Inductor's CPU backend emits it after the
+    fused kernel (with no tensor at all it went before that kernel, after the kernel's
+    inputs were freed, and the compiled code failed); the kernels and the output are
+    those of the function compiled without the join."""
     controller = Recorder()
     handle = ops.register(controller)
 
@@ -843,7 +844,7 @@ def test_a_join_after_work_on_the_graphs_inputs_alone_runs_after_that_work():
 
     a, r = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()
     try:
-        (expected, _), (out, code) = _compiled_without_and_with(step, a, r)
+        (expected, plain), (out, code) = _compiled_without_and_with(step, a, r)
     finally:
         ops.unregister(handle)
     assert controller.calls == [("join",)]
@@ -852,6 +853,36 @@ def test_a_join_after_work_on_the_graphs_inputs_alone_runs_after_that_work():
              if re.match(r"\s+(cpp_fused_\w+|torch\.ops\.)\S*\(", line)]
     assert calls[0].startswith("cpp_fused_") and calls[1].startswith(
         "torch.ops.l2prefetch.join.default("), calls
+    assert _kernels(code) == _kernels(plain)
+
+
+@pytest.mark.skipif(not _CXX, reason="Inductor's CPU backend needs a C++ compiler")
+def test_a_join_after_work_on_an_input_the_graph_mutates_stays_after_the_fork():
+    """The join's ``after`` reads only an input that the graph mutates in place: the op
+    reads no input (handed one, it was ordered before the kernel that writes the input
+    back, ahead of the fork it closes), so the fork runs first."""
+    controller = Recorder()
+    handle = ops.register(controller)
+
+    def step(x, r, w, with_ops):
+        m = (r * 2) @ w
+        if with_ops:
+            ops.fork(handle, "p", 0, 2, after=m)
+        r.add_(1)
+        out = torch.relu(m) + x      # not m + x: the fork, a second user of m, keeps
+        # Inductor from folding that add into the matmul (addmm), DESIGN.md says
+        if with_ops:
+            ops.join(handle, after=r * 5)
+        return out
+
+    x, w = torch.randn(2, 64), torch.randn(64, 64)
+    try:
+        (expected, plain), (out, code) = _compiled_without_and_with(step, x, torch.randn(2, 64), w)
+    finally:
+        ops.unregister(handle)
+    assert controller.calls == [("fork", "p", 0, 2), ("join",)]
+    assert torch.equal(out, expected)
+    assert _kernels(code) == _kernels(plain)
 
 
 # ---- the registry ----

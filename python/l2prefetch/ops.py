@@ -237,9 +237,12 @@ def _lower_off_the_data_path() -> None:
     the consumer then reads the add back rounded to bf16 instead of computing
     on its float32 value, and the logits change (python/l2prefetch/DESIGN.md,
     "How the custom ops stay in place").  The lowering hands the op, in place
-    of an ``after`` not yet realized, the last buffer that ``after`` reads: the
-    op still follows the work that ``after`` waits for, and Inductor fuses as
-    it would without the op.  Called from the fake implementations, which run
+    of an ``after`` that no extern kernel made, the latest extern buffer that
+    ``after`` reads: the op still follows the work that ``after`` waits for, and
+    Inductor fuses as it would without the op.  Except where the next node
+    realizes ``after`` anyway (``realized_next``: the op then takes it as it is)
+    and where ``after`` reads no extern buffer (the op then gets an empty tensor
+    on ``after``'s device).  Called from the fake implementations, which run
     while Dynamo and AOTAutograd trace, before Inductor lowers; importing
     Inductor here only when something already did keeps ``import
     l2prefetch.ops`` and eager use free of it.
@@ -297,11 +300,11 @@ def _lower_off_the_data_path() -> None:
             cuBLAS's GEMM, attention, a fallback op) or where the next node realizes it
             anyway (:func:`realized_next`), else the latest such buffer that its
             computation reads, through the buffers Inductor may fuse (a pointwise or
-            reduction kernel, a GEMM template with its epilogue); where it reads only
-            the graph's inputs, one of them (no kernel waits on it, but the op gets a
-            device: without one, Inductor's CPU backend emitted the op before the
-            pending fused kernel whose inputs it had already freed); None where it
-            reads nothing."""
+            reduction kernel, a GEMM template with its epilogue); where it reads none,
+            an empty tensor on its device.  That gives the op a device but no read: a
+            deviceless op went before the CPU backend's pending fused kernel, whose
+            inputs that kernel had freed, and a graph input handed over instead would
+            order the op before the kernel that mutates that input."""
             if not isinstance(after, ir.TensorBox) or realized_next():
                 return after
             node = after.data
@@ -312,12 +315,10 @@ def _lower_off_the_data_path() -> None:
             if isinstance(node, ir.ExternKernel):
                 return after
             made = {buf.get_name(): i for i, buf in enumerate(V.graph.buffers)}
-            latest, todo, seen, graph_input = None, [node], set(), None
+            latest, todo, seen = None, [node], set()
             while todo:
                 for name in todo.pop().get_read_names():
                     if name in seen or name not in made:   # seen, or a graph input
-                        if graph_input is None and name in V.graph.graph_inputs:
-                            graph_input = V.graph.graph_inputs[name]
                         continue
                     seen.add(name)
                     buf = V.graph.get_buffer(name)
@@ -326,7 +327,8 @@ def _lower_off_the_data_path() -> None:
                     elif latest is None or made[name] > made[latest]:
                         latest = name
             if latest is None:
-                return graph_input
+                return lowering.empty_strided([0], [1], dtype=after.get_dtype(),
+                                              device=after.get_device())
             return ir.TensorBox.create(V.graph.get_buffer(latest))
 
         @register_lowering(fork_op, type_promotion_kind=None)
