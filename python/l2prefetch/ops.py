@@ -255,7 +255,6 @@ def _lower_off_the_data_path() -> None:
             return
         from torch._inductor import ir
         from torch._inductor import lowering
-        from torch._inductor.lowering import fallbacks, lowerings, register_lowering
         from torch._inductor.virtualized import V
 
         fork_op, join_op = _fork_op._opoverload, _join_op._opoverload
@@ -291,7 +290,8 @@ def _lower_off_the_data_path() -> None:
                     return (effectful and isinstance(target, torch._ops.OpOverload)
                             and mine[0] in args and not target._schema.is_mutable
                             and target not in user_lowerings
-                            and (target not in lowerings or target in fallbacks))
+                            and (target not in lowering.lowerings
+                                 or target in lowering.fallbacks))
                 reader = reader.next
             return False
 
@@ -302,9 +302,9 @@ def _lower_off_the_data_path() -> None:
             computation reads, through the buffers Inductor may fuse (a pointwise or
             reduction kernel, a GEMM template with its epilogue); where it reads none,
             an empty tensor on its device.  That gives the op a device but no read: a
-            deviceless op went before the CPU backend's pending fused kernel, whose
-            inputs that kernel had freed, and a graph input handed over instead would
-            order the op before the kernel that mutates that input."""
+            deviceless op went before the CPU backend's pending fused kernel, after
+            the frees of that kernel's inputs, and a graph input handed over instead
+            would order the op before the kernel that mutates that input."""
             if not isinstance(after, ir.TensorBox) or realized_next():
                 return after
             node = after.data
@@ -331,13 +331,13 @@ def _lower_off_the_data_path() -> None:
                                               device=after.get_device())
             return ir.TensorBox.create(V.graph.get_buffer(latest))
 
-        @register_lowering(fork_op, type_promotion_kind=None)
+        @lowering.register_lowering(fork_op, type_promotion_kind=None)
         def _fork_lowering(handle: int, point: str, layer: int, batch: Any,
                            after: Any = None) -> Any:
             return ir.FallbackKernel.create(fork_op, handle, point, layer, batch,
                                             settled(after))
 
-        @register_lowering(join_op, type_promotion_kind=None)
+        @lowering.register_lowering(join_op, type_promotion_kind=None)
         def _join_lowering(handle: int, after: Any = None) -> Any:
             return ir.FallbackKernel.create(join_op, handle, settled(after))
 
