@@ -767,23 +767,29 @@ def _sum_bits(t):
 
 
 def _compiled_without_and_with(step, *inputs):
-    """``step(*inputs, False)`` then ``step(*inputs, True)``, each compiled by Inductor
-    (fullgraph, after a Dynamo reset) and run on copies of ``inputs`` (a step may mutate
-    them), no grad: [(output, generated code)] of both."""
+    """``step(handle, *inputs, False)`` then ``step(handle, *inputs, True)``, ``handle``
+    a registered :class:`Recorder`'s, each compiled by Inductor (fullgraph, after a
+    Dynamo reset) and run on copies of ``inputs`` (a step may mutate them), no grad:
+    (the recorder's calls, [(output, generated code)] of both)."""
     from torch._inductor import config
     from torch._inductor.utils import run_and_get_code
 
+    controller = Recorder()
+    handle = ops.register(controller)
     results = []
-    with torch.no_grad(), config.patch(compile_threads=1):
-        for with_op in (False, True):
-            def run(*args, with_op=with_op):
-                return step(*args, with_op)
+    try:
+        with torch.no_grad(), config.patch(compile_threads=1):
+            for with_ops in (False, True):
+                def run(*args, with_ops=with_ops):
+                    return step(handle, *args, with_ops)
+                torch._dynamo.reset()
+                out, (code,) = run_and_get_code(torch.compile(run, fullgraph=True),
+                                                *(x.clone() for x in inputs))
+                results.append((out, code))
             torch._dynamo.reset()
-            out, (code,) = run_and_get_code(torch.compile(run, fullgraph=True),
-                                            *(x.clone() for x in inputs))
-            results.append((out, code))
-        torch._dynamo.reset()
-    return results
+    finally:
+        ops.unregister(handle)
+    return controller.calls, results
 
 
 @pytest.mark.skipif(not _CXX, reason="Inductor's CPU backend needs a C++ compiler")
@@ -795,10 +801,7 @@ def test_a_fork_whose_next_reader_is_a_fallback_without_effects_stays_off_the_da
     torch.manual_seed(0)
     o, up = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
     o, up = o.bfloat16(), up.bfloat16()
-    controller = Recorder()
-    handle = ops.register(controller)
-
-    def step(x, residual, forked):
+    def step(handle, x, residual, forked):
         h = (residual + o(x)) * 1.7      # pointwise on the matmul (the add alone folds in)
         if forked:
             ops.fork(handle, "p", 0, 2, after=h)
@@ -811,11 +814,8 @@ def test_a_fork_whose_next_reader_is_a_fallback_without_effects_stays_off_the_da
 
     x, residual = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()
 
-    try:
-        (expected, plain), (out, forked) = _compiled_without_and_with(step, x, residual)
-    finally:
-        ops.unregister(handle)
-    assert controller.calls == [("fork", "p", 0, 2), ("join",)]
+    calls, ((expected, plain), (out, forked)) = _compiled_without_and_with(step, x, residual)
+    assert calls == [("fork", "p", 0, 2), ("join",)]
     assert _sum_bits(out) == _sum_bits(expected)
     assert _kernels(forked) == _kernels(plain)
     fork = next(line.strip() for line in forked.splitlines()
@@ -832,10 +832,7 @@ def test_a_join_after_work_on_the_graphs_inputs_alone_runs_after_that_work():
     fused kernel (with no tensor at all it went before that kernel, after the kernel's
     inputs were freed, and the compiled code failed); the kernels and the output are
     those of the function compiled without the join."""
-    controller = Recorder()
-    handle = ops.register(controller)
-
-    def step(a, r, joined):
+    def step(handle, a, r, joined):
         v = a.float()
         out = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(a.dtype) + r
         if joined:
@@ -843,11 +840,8 @@ def test_a_join_after_work_on_the_graphs_inputs_alone_runs_after_that_work():
         return out
 
     a, r = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()
-    try:
-        (expected, plain), (out, code) = _compiled_without_and_with(step, a, r)
-    finally:
-        ops.unregister(handle)
-    assert controller.calls == [("join",)]
+    calls, ((expected, plain), (out, code)) = _compiled_without_and_with(step, a, r)
+    assert calls == [("join",)]
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
     calls = [line.strip() for line in code.splitlines()
              if re.match(r"\s+(cpp_fused_\w+|torch\.ops\.)\S*\(", line)]
@@ -861,10 +855,7 @@ def test_a_join_after_work_on_an_input_the_graph_mutates_stays_after_the_fork():
     """The join's ``after`` reads only an input that the graph mutates in place: the op
     reads no input (handed one, it was ordered before the kernel that writes the input
     back, ahead of the fork it closes), so the fork runs first."""
-    controller = Recorder()
-    handle = ops.register(controller)
-
-    def step(x, r, w, with_ops):
+    def step(handle, x, r, w, with_ops):
         m = (r * 2) @ w
         if with_ops:
             ops.fork(handle, "p", 0, 2, after=m)
@@ -876,11 +867,9 @@ def test_a_join_after_work_on_an_input_the_graph_mutates_stays_after_the_fork():
         return out
 
     x, w = torch.randn(2, 64), torch.randn(64, 64)
-    try:
-        (expected, plain), (out, code) = _compiled_without_and_with(step, x, torch.randn(2, 64), w)
-    finally:
-        ops.unregister(handle)
-    assert controller.calls == [("fork", "p", 0, 2), ("join",)]
+    calls, ((expected, plain), (out, code)) = _compiled_without_and_with(
+        step, x, torch.randn(2, 64), w)
+    assert calls == [("fork", "p", 0, 2), ("join",)]
     assert torch.equal(out, expected)
     assert _kernels(code) == _kernels(plain)
 
