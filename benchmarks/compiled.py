@@ -70,7 +70,8 @@ def plant(model, us, site="norm", cycles=None):
     """A spin of ``us`` in every layer, as an effectful custom op (Dynamo keeps it where
     it drops ``torch.cuda._sleep``): ``site`` ``norm``, in post_attention_layernorm's
     pre-hook, reading the residual sum (compiled, Inductor runs the add and the norm's
-    reduction before it, beside the window's loads: RESULTS runs 27, 30); ``oproj``, in
+    reduction before it; a fork before the norm follows that kernel since RESULTS run 34,
+    and ran beside it before: runs 27, 30); ``oproj``, in
     o_proj's forward hook, reading its output, where a tensor-parallel all-reduce sits
     (compiled, before the add+norm, as the vLLM-shaped model's all-reduce slot).
     ``cycles``: the spin's clock cycles (default: ``us`` at this GPU's clock)."""
