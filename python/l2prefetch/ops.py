@@ -222,12 +222,6 @@ def _forget_before_reset() -> None:
 _lowered = False
 
 
-def _with_effects() -> Any:
-    """torch.ops.higher_order.with_effects, the node AOTAutograd wraps each effectful
-    op in (None where this torch has none)."""
-    return getattr(torch.ops.higher_order, "with_effects", None)
-
-
 def _lower_off_the_data_path() -> None:
     """Register the ops' Inductor lowering, once, when Inductor is in this process.
 
@@ -259,6 +253,8 @@ def _lower_off_the_data_path() -> None:
 
         fork_op, join_op = _fork_op._opoverload, _join_op._opoverload
         user_lowerings = getattr(lowering, "user_lowerings", {})   # torch 2.13 has them
+        # the node AOTAutograd wraps each effectful op in (None where this torch has none)
+        with_effects = getattr(torch.ops.higher_order, "with_effects", None)
 
         def realized_next() -> bool:
             """Whether the node after the op being lowered, past getitems and other
@@ -275,7 +271,7 @@ def _lower_off_the_data_path() -> None:
             node = V.graph.current_node
             if node is None or node.op != "call_function":
                 return False
-            args = node.args[2:] if node.target is _with_effects() else node.args
+            args = node.args[2:] if node.target is with_effects else node.args
             mine = [a for a in (*args, *node.kwargs.values())
                     if isinstance(a, torch.fx.Node)
                     and isinstance(a.meta.get("val"), torch.Tensor)]
@@ -283,7 +279,7 @@ def _lower_off_the_data_path() -> None:
                 return False
             reader = node.next
             while reader.op == "call_function":
-                effectful = reader.target is _with_effects()
+                effectful = reader.target is with_effects
                 target, args = (reader.args[1], reader.args[2:]) if effectful else (
                     reader.target, reader.args)
                 if target is not operator.getitem and target not in (fork_op, join_op):
