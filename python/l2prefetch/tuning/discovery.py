@@ -43,7 +43,8 @@ from ..plan import PlanEntry
 from .errors import StepError
 
 __all__ = ["Read", "Reads", "Role", "RoleSite", "candidates", "describe_roles", "discover",
-           "discovery_step", "eager_stance", "find_roles", "resolve_roles", "role_hints", "roles_from_plan"]
+           "discovery_step", "eager_stance", "find_roles", "resolve_roles", "role_hints",
+           "roles_from_plan"]
 
 MIB = 1 << 20
 #: The largest load a candidate is built for (the tuner's largest cap).
