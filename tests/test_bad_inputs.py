@@ -45,6 +45,7 @@ from l2prefetch import PlanEntry, _C, deepseek_v3, hooks, kimi_k3, tuning  # noq
 from l2prefetch.__main__ import main  # noqa: E402
 from l2prefetch.cli import build_synthetic_kimi, plan_main  # noqa: E402
 from l2prefetch.plan import gate, plan_from_json  # noqa: E402
+from l2prefetch.profile import save_profile  # noqa: E402
 from l2prefetch.tuning import load_profile  # noqa: E402
 from conftest import FakeArray, Raising, cuda_tensor, device_ptr  # noqa: E402
 
@@ -229,6 +230,13 @@ def planted_nvrtc_loaded(tmp_path, fakenvrtc):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _changed_after_load(e, change):
+    """load_profile for e.model, then ``change(e.model)``, then the profile's check_model."""
+    profile = load_profile(e.profile(), e.model, check_device=False)
+    change(e.model)
+    return profile.check_model(e.model)
 
 
 def exit_status(fn, *args):
@@ -1264,6 +1272,48 @@ ROWS = [
         Raises(ValueError, r"device must be a CUDA device \('cuda' or 'cuda:N'\), got 'cpu'")),
     row("load_profile", "a torch that sees no GPU", lambda e: load_profile(e.profile(), e.model),
         Raises(l2prefetch.CudaUnavailableError, r"torch .* sees no CUDA device .*check_device=False")),
+    row("load_profile", "another class's profile",
+        lambda e: load_profile(e.profile(lambda d: d["model"].update({"class": "LlamaForCausalLM"})),
+                               e.model, check_device=False),
+        Raises(tuning.ProfileMismatchError, r"class 'LlamaForCausalLM' in the profile, Sequential here")),
+    row("load_profile", "a misspelt top-level field (Step)",
+        lambda e: load_profile(e.profile(lambda d: d.update(Step={"compiled": True})), e.model,
+                               check_device=False),
+        Raises(ValueError, r"profile .*p.json: unknown fields \['Step'\]")),
+    row("load_profile", "an unknown device field",
+        lambda e: load_profile(e.profile(lambda d: d["device"].update(mig="1g")), e.model,
+                               check_device=False),
+        Raises(ValueError, r"unknown fields \['device.mig'\]")),
+    row("load_profile", "an unknown model field",
+        lambda e: load_profile(e.profile(lambda d: d["model"].update(klass="x")), e.model,
+                               check_device=False),
+        Raises(ValueError, r"unknown fields \['model.klass'\]")),
+    row("load_profile", "a point named by a lone surrogate",
+        lambda e: load_profile(e.profile(lambda d: d["plan"][0].update(point="\ud800")), e.model,
+                               check_device=False),
+        Raises(ValueError, r"plan\[0\].point must be a non-empty str of printable characters")),
+    row("load_profile", "a site whose layer is a superscript digit",
+        lambda e: load_profile(e.profile(lambda d: d["plan"][0].update(site="layers.\u00b2.mlp")),
+                               e.model, check_device=False),
+        Raises(tuning.ProfileMismatchError, r"plan\[0\] forks at .*, which is not a module of this model")),
+    row("load_profile", "a site with a 5000-digit layer",
+        lambda e: load_profile(e.profile(lambda d: d["plan"][0].update(site="l." + "1" * 5000)),
+                               e.model, check_device=False),
+        Raises(tuning.ProfileMismatchError, r"which is not a module of this model")),
+    row("load_profile", "source an int", lambda e: load_profile(3, e.model, check_device=False),
+        Raises(TypeError, r"source must be the profile's path \(str or os.PathLike\), got int")),
+    row("load_profile", "model None", lambda e: load_profile(e.profile(), None, check_device=False),
+        Raises(TypeError, r"model must be the torch.nn.Module the profile was tuned for, got NoneType")),
+    row("Profile.check_model", "the model converted to float16 after loading",
+        lambda e: _changed_after_load(e, lambda m: m.half()),
+        Raises(tuning.ProfileMismatchError, r"0.weight is \[4, 4\] float16 here, \[4, 4\] float32")),
+    row("Profile.check_model", "a weight assigned anew after loading",
+        lambda e: _changed_after_load(e, lambda m: setattr(m[0], "weight", nn.Parameter(torch.zeros(4, 4)))),
+        Raises(tuning.ProfileMismatchError, r"plan\[0\] \('attn', layer 0\) holds weights that are not "
+                                            r"this Sequential's")),
+    row("save_profile", "a directory as the path",
+        lambda e: save_profile(e.tmp_path, json.loads(e.profile().read_text())),
+        Raises(ValueError, r"profile .* is a directory: name a file to write")),
     row("from_profile", "a profile loaded for another model of the same shapes",
         lambda e: PC.from_profile(load_profile(e.profile(), e.twin, check_device=False), e.model),
         Raises(tuning.ProfileMismatchError, r"was loaded for another Sequential object, not this Sequential")),

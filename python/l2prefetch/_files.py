@@ -288,7 +288,25 @@ def loads_json(text: Union[str, bytes], where: str) -> Any:
     What does not parse raises as ``json.loads`` raises it (``json.JSONDecodeError``,
     ``RecursionError`` for nesting too deep), for the caller to say in its words.
     """
-    data = json.loads(text, object_pairs_hook=_pairs, parse_int=_int)
+    bad: list = []   # what the hooks found; the walk that names its place runs only then
+
+    def pairs(items: list) -> dict:
+        out = _pairs(items)
+        if isinstance(out, _Duplicated):
+            bad.append(out)
+        return out
+
+    def parse_int(digits: str) -> Any:
+        if len(digits) <= _MAX_DIGITS:
+            return int(digits)
+        value = _int(digits)   # a sign and 4300 digits still converts
+        if isinstance(value, _LongNumber):
+            bad.append(value)
+        return value
+
+    data = json.loads(text, object_pairs_hook=pairs, parse_int=parse_int)
+    if not bad:
+        return data
     # A loop, not recursion (the parser nests deeper than a recursive walk can);
     # each place is a (parent, key) link, so the walk costs one pair per value.
     stack: list = [(data, None)]

@@ -36,12 +36,13 @@ def compiled_module(model: Any) -> Any:
 def layer_of(path: str) -> tuple[Optional[int], str]:
     """(decoder layer index, path below the layer) of a module path.
 
-    The layer is the first all-digit component (``model.layers.3.mlp`` -> 3,
-    ``mlp``); a path with none has no layer and keeps its whole path.
+    The layer is the first component of ASCII digits, at most 18 (``model.layers.3.mlp``
+    -> 3, ``mlp``); a path with none has no layer and keeps its whole path.  (``str.isdigit``
+    alone takes ``²``, which ``int`` refuses, and 5000 digits, which it converts slowly.)
     """
     parts = path.split(".")
     for i, part in enumerate(parts):
-        if part.isdigit():
+        if part.isascii() and part.isdigit() and len(part) <= 18:
             return int(part), ".".join(parts[i + 1:])
     return None, path
 

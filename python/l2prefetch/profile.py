@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 from . import _C, _torch
-from ._files import loads_json, read_text, write_atomic
+from ._files import check_output, loads_json, read_text, write_atomic
 from ._version import __version__
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_entry, site_hook_choices
 from .model_paths import compiled_module, layer_count, layer_of, named_tensors, tensor_paths
@@ -67,6 +67,10 @@ DOCUMENT_KEYS = ("format", "version", "created", "device", "versions", "step", "
 #: null: PlanEntry's defaults).
 ENTRY_KEYS = ("point", "layer", "batches", "weights", "site", "hook", "byte_cap", "grid",
               "carveout", "priority", "kernel", "graph_fork")
+#: The fields of ``model`` (the fingerprint) and of ``device`` (DEVICE_KEYS, and the
+#: driver, which only warns where it differs).
+MODEL_KEYS = ("class", "layers", "weights")
+DEVICE_FIELDS = (*DEVICE_KEYS, "driver_version")
 
 
 class ProfileMismatchError(ValueError):
@@ -273,7 +277,9 @@ class Profile:
                         else f"another {type(bound).__name__} object")
                 raise ProfileMismatchError(f"{where} was loaded for {what}, not this "
                                            f"{type(model).__name__}: {fix}")
-            return
+            # The same object, but changed since (model.half(), weights assigned anew):
+            # its fingerprint again, and below, whether the plan still holds its tensors.
+            _check_model(self.data, model, self.path if self.path else "(loaded)")
         mine = {id(t) for t in named_tensors(model).values()}
         for i, entry in enumerate(self.plan):
             if any(id(w) not in mine for w in entry.weights):
@@ -359,6 +365,15 @@ def _kind(kind: Union[type, tuple]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
+def _check_known(data: Mapping, known: Sequence[str], place: str, where: str) -> None:
+    """Refuse a field this version does not write (a misspelt ``step`` would read as an
+    eager profile); ``place``: the fields' parent in the file (``model.``)."""
+    unknown = sorted(str(k) for k in data if k not in known)
+    if unknown:
+        raise _fail(where, f"unknown fields {_show([place + k for k in unknown])} (this "
+                    f"version reads {_show([place + k for k in known])})")
+
+
 def _require(data: Mapping, key: str, kind: Union[type, tuple], where: str,
              place: str = "") -> Any:
     """``data[key]``, which must be of ``kind`` (bool is no int); ``place`` is the field's
@@ -388,7 +403,7 @@ def _check_fingerprint(weights: dict, where: str) -> None:
                         f"{_show(described)}")
 
 
-def _check_entry(i: int, entry: Any, data: dict, owner: dict, where: str) -> None:
+def _check_entry(i: int, entry: Any, data: dict, tuned: set, owner: dict, where: str) -> None:
     """plan[i]: its fields, and that it agrees with the rest of the file.  ``owner`` maps
     each (point, layer, batch) already planned to the entry that plans it, and each
     (point, layer) to its first entry (one hook per point and layer, whatever the batch)."""
@@ -399,8 +414,9 @@ def _check_entry(i: int, entry: Any, data: dict, owner: dict, where: str) -> Non
     if missing or unknown:
         raise _fail(where, f"plan[{i}]: missing fields {missing}, unknown fields {unknown}")
     point, layer, batches = entry["point"], entry["layer"], entry["batches"]
-    if not isinstance(point, str) or not point:
-        raise _fail(where, f"plan[{i}].point must be a non-empty str, got {_show(point)}")
+    if not isinstance(point, str) or not point or not point.isprintable():
+        raise _fail(where, f"plan[{i}].point must be a non-empty str of printable characters, "
+                    f"got {_show(point)}")
     if not _int_in(layer, 0, MAX_LAYER):
         raise _fail(where, f"plan[{i}].layer must be an int in 0..{MAX_LAYER}, got "
                     f"{_show(layer)}")
@@ -438,7 +454,6 @@ def _check_entry(i: int, entry: Any, data: dict, owner: dict, where: str) -> Non
     if not isinstance(batches, list) or not batches:
         raise _fail(where, f"plan[{i}].batches must be a non-empty list of the profile's "
                     f"batches, got {_show(batches)}")
-    tuned = set(data["batches"])
     for batch in batches:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch not in tuned:
             raise _fail(where, f"plan[{i}].batches holds {_show(batch)}, which is not one of "
@@ -468,7 +483,9 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
     if version != PROFILE_VERSION or type(version) is not int:   # not True, not 1.0
         raise _fail(where, f"has version {_show(version)}; this l2prefetch reads version "
                     f"{PROFILE_VERSION}")
+    _check_known(data, DOCUMENT_KEYS, "", where)
     device = _require(data, "device", dict, where)
+    _check_known(device, DEVICE_FIELDS, "device.", where)
     for key in DEVICE_KEYS:
         value = _require(device, key, str if key == "name" else int, where, "device.")
         if key != "name" and not _int_in(value, 0, 2**63 - 1):
@@ -476,6 +493,9 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
     if "driver_version" in device:
         _require(device, "driver_version", (int, type(None)), where, "device.")
     model = _require(data, "model", dict, where)
+    _check_known(model, MODEL_KEYS, "model.", where)
+    if "class" in model:
+        _require(model, "class", str, where, "model.")
     layers = _require(model, "layers", int, where, "model.")
     if not _int_in(layers, 0, 2**63 - 1):
         raise _fail(where, f"'model.layers' must be an int >= 0, got {_show(layers)}")
@@ -495,8 +515,9 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
     if len(set(batches)) != len(batches):
         raise _fail(where, f"'batches' names a batch more than once: {_show(batches)}")
     owner: dict = {}
+    tuned = set(batches)
     for i, entry in enumerate(_require(data, "plan", list, where)):
-        _check_entry(i, entry, data, owner, where)
+        _check_entry(i, entry, data, tuned, owner, where)
     _check_capture_k(data, where)
     return data
 
@@ -540,6 +561,7 @@ def _check_capture_k(data: dict, where: str) -> None:
     if "results" not in data:
         return
     batches: dict = {}
+    tuned = set(data["batches"])
     for i, result in enumerate(_require(data, "results", list, where)):
         if not isinstance(result, dict):
             raise _fail(where, f"'results'[{i}] must be an object, got {_show(result)}")
@@ -556,7 +578,7 @@ def _check_capture_k(data: dict, where: str) -> None:
         if not isinstance(spread, dict):
             raise _fail(where, f"{name} must be an object or null, got {_show(spread)}")
         if not _int_in(result.get("batch"), 1, 2**31 - 1) or \
-                result["batch"] not in data["batches"]:
+                result["batch"] not in tuned:
             raise _fail(where, f"'results'[{i}].batch must be one of 'batches' "
                         f"{_show(data['batches'])}, got {_show(result.get('batch'))}")
         k = spread.get("recommended_k")
@@ -584,6 +606,8 @@ def _check_model(data: dict, model: Any, where: str) -> None:
     fp = data["model"]
     here_layers = layer_count(model)
     diffs = []
+    if "class" in fp and fp["class"] != type(model).__name__:
+        diffs.append(f"class {_show(fp['class'])} in the profile, {type(model).__name__} here")
     if fp["layers"] != here_layers:
         diffs.append(f"{_show(fp['layers'])} decoder layers in the profile, {here_layers} in "
                      "this model")
@@ -623,8 +647,14 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     :meth:`~l2prefetch.PrefetchController.from_profile` checks it on an enabled
     controller), the file and the model are.
     """
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"source must be the profile's path (str or os.PathLike), got "
+                        f"{type(source).__name__}")
     where = os.fspath(source)
     model = compiled_module(model)   # torch.compile(model): the paths are its module's
+    if not callable(getattr(model, "named_modules", None)):
+        raise TypeError(f"model must be the torch.nn.Module the profile was tuned for, got "
+                        f"{type(model).__name__}")
     data = parse_profile(read_text(where, "profile"), where)
     if check_device and _C.env_flag("L2PREFETCH_DISABLE"):
         # prefetching is off: nothing is prepared, and a server started without a driver
@@ -636,7 +666,7 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     _check_model(data, model, where)
     tensors = named_tensors(model)
     modules = dict(model.named_modules())
-    plan, sites = [], {}
+    plan, sites, seen = [], {}, set()
     for i, raw in enumerate(data["plan"]):
         if raw["site"] not in modules:
             raise ProfileMismatchError(f"profile {where}: plan[{i}] forks at "
@@ -650,10 +680,10 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
         except (TypeError, ValueError) as exc:
             raise _fail(where, f"plan[{i}] is not a valid plan entry: {exc}") from exc
         plan.append(entry)
-        point_sites = sites.setdefault(raw["point"], [])
         site = site_entry(raw["site"], raw["layer"], raw.get("hook", DEFAULT_SITE_HOOK))
-        if site not in point_sites:  # one hook per site and layer
-            point_sites.append(site)
+        if (raw["point"], site) not in seen:  # one hook per site and layer
+            seen.add((raw["point"], site))
+            sites.setdefault(raw["point"], []).append(site)
     mine = versions()
     for key, value in data.get("versions", {}).items():  # checked: str -> str or null
         if key in mine and mine[key] != value:
@@ -761,4 +791,5 @@ def save_profile(path: Union[str, os.PathLike], document: Mapping) -> None:
                          f"is not a finite number, which JSON cannot hold (a bug: report "
                          f"it); nothing was written") from exc
     parse_profile(text, os.fspath(path))   # what is written is what load_profile accepts
+    check_output(path, "profile")   # not a directory, a FIFO or a device
     write_atomic(path, text + "\n", "profile")
