@@ -232,6 +232,11 @@ def planted_nvrtc_loaded(tmp_path, fakenvrtc):
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+def _loaded_after(change):
+    """A row's call: load_profile (no device check) of e.profile(change) for e.model."""
+    return lambda e: load_profile(e.profile(change), e.model, check_device=False)
+
+
 def _changed_after_load(e, change):
     """load_profile for e.model, then ``change(e.model)``, then the profile's check_model."""
     profile = load_profile(e.profile(), e.model, check_device=False)
@@ -1273,32 +1278,25 @@ ROWS = [
     row("load_profile", "a torch that sees no GPU", lambda e: load_profile(e.profile(), e.model),
         Raises(l2prefetch.CudaUnavailableError, r"torch .* sees no CUDA device .*check_device=False")),
     row("load_profile", "another class's profile",
-        lambda e: load_profile(e.profile(lambda d: d["model"].update({"class": "LlamaForCausalLM"})),
-                               e.model, check_device=False),
+        _loaded_after(lambda d: d["model"].update({"class": "LlamaForCausalLM"})),
         Raises(tuning.ProfileMismatchError, r"class 'LlamaForCausalLM' in the profile, Sequential here")),
     row("load_profile", "a misspelt top-level field (Step)",
-        lambda e: load_profile(e.profile(lambda d: d.update(Step={"compiled": True})), e.model,
-                               check_device=False),
+        _loaded_after(lambda d: d.update(Step={"compiled": True})),
         Raises(ValueError, r"profile .*p.json: unknown fields \['Step'\]")),
     row("load_profile", "an unknown device field",
-        lambda e: load_profile(e.profile(lambda d: d["device"].update(mig="1g")), e.model,
-                               check_device=False),
+        _loaded_after(lambda d: d["device"].update(mig="1g")),
         Raises(ValueError, r"unknown fields \['device.mig'\]")),
     row("load_profile", "an unknown model field",
-        lambda e: load_profile(e.profile(lambda d: d["model"].update(klass="x")), e.model,
-                               check_device=False),
+        _loaded_after(lambda d: d["model"].update(klass="x")),
         Raises(ValueError, r"unknown fields \['model.klass'\]")),
     row("load_profile", "a point named by a lone surrogate",
-        lambda e: load_profile(e.profile(lambda d: d["plan"][0].update(point="\ud800")), e.model,
-                               check_device=False),
+        _loaded_after(lambda d: d["plan"][0].update(point="\ud800")),
         Raises(ValueError, r"plan\[0\].point must be a non-empty str of printable characters")),
     row("load_profile", "a site whose layer is a superscript digit",
-        lambda e: load_profile(e.profile(lambda d: d["plan"][0].update(site="layers.\u00b2.mlp")),
-                               e.model, check_device=False),
+        _loaded_after(lambda d: d["plan"][0].update(site="layers.\u00b2.mlp")),
         Raises(tuning.ProfileMismatchError, r"plan\[0\] forks at .*, which is not a module of this model")),
     row("load_profile", "a site with a 5000-digit layer",
-        lambda e: load_profile(e.profile(lambda d: d["plan"][0].update(site="l." + "1" * 5000)),
-                               e.model, check_device=False),
+        _loaded_after(lambda d: d["plan"][0].update(site="l." + "1" * 5000)),
         Raises(tuning.ProfileMismatchError, r"which is not a module of this model")),
     row("load_profile", "source an int", lambda e: load_profile(3, e.model, check_device=False),
         Raises(TypeError, r"source must be the profile's path \(str or os.PathLike\), got int")),
