@@ -446,6 +446,11 @@ def test_the_memory_available_is_read_here():
                r"never loads"),
     ("fifo", r"generation_config.json is a FIFO, not a regular file"),
     ("config fifo", r"config.json is a FIFO, not a regular file"),
+    ("index fifo", r"model.safetensors.index.json maps 'lm_head.weight' to 'shard', which is not "
+                   r"a safetensors file of its directory \(model.safetensors\)"),
+    ("index outside", r"maps 'lm_head.weight' to '../x.safetensors', which is not a "
+                      r"safetensors file of its directory"),
+    ("index absolute", r"maps 'lm_head.weight' to '/.*', which is not a safetensors file"),
 ])
 def test_bad_checkpoints_are_one_line_and_exit_2(checkpoint, damage, words, capsys):
     weights = checkpoint / "model.safetensors"
@@ -468,6 +473,14 @@ def test_bad_checkpoints_are_one_line_and_exit_2(checkpoint, damage, words, caps
 
         torch.save({"x": torch.zeros(2)}, checkpoint / "pytorch_model.bin")
         weights.unlink()
+    elif damage.startswith("index"):   # transformers opens every shard its index names
+        shard = {"index fifo": "shard", "index outside": "../x.safetensors",
+                 "index absolute": str(checkpoint.parent / "fifo.safetensors")}[damage]
+        os.mkfifo(checkpoint / "shard")
+        os.mkfifo(checkpoint.parent / "fifo.safetensors")
+        (checkpoint.parent / "x.safetensors").write_bytes(data)
+        (checkpoint / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {"lm_head.weight": shard}}))
     elif damage == "fifo":
         (checkpoint / "generation_config.json").unlink()
         os.mkfifo(checkpoint / "generation_config.json")
@@ -479,6 +492,18 @@ def test_bad_checkpoints_are_one_line_and_exit_2(checkpoint, damage, words, caps
     code, out, err = status([str(checkpoint), "--list-roles", "--device", "cpu"], capsys)
     assert code == 2 and out == "", err
     assert re.search(words, one_line(err)), err
+
+
+def test_a_sharded_checkpoint_loads_through_its_checked_index(tmp_path, capsys):
+    """The index's weight_map names only files beside it, each checked: accepted."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "sharded"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).save_pretrained(
+        path, max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    code, out, err = status([str(path), "--list-roles", "--device", "cpu", "--quiet",
+                             "--min-bytes-mib", "0.001"], capsys)
+    assert code == 0 and "mlp" in out, err
 
 
 def test_a_config_json_fifo_does_not_hang(tmp_path, capsys):

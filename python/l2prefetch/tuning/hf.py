@@ -487,7 +487,31 @@ def _checkpoint_files(directory: str) -> list[str]:
                          "random weights (timing does not depend on the values)")
     for path in weights:
         _check_safetensors(path)
+    for name in entries:
+        if name.endswith(".index.json"):
+            _check_index(os.path.join(directory, name), {os.path.basename(w) for w in weights})
     return weights
+
+
+def _check_index(path: str, checked: set) -> None:
+    """A sharded checkpoint's index (``model.safetensors.index.json``): transformers
+    opens every file its ``weight_map`` names, so each must be one of the directory's
+    safetensors files checked above (not a path elsewhere, not a FIFO that would hang)."""
+    try:
+        index = loads_json(read_text(path, "checkpoint index"), f"checkpoint index {path}")
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise ValueError(f"checkpoint index {path} is not valid JSON: "
+                         f"{type(exc).__name__}: {exc}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"checkpoint index {path} has no 'weight_map' object of tensor "
+                         "name -> shard file")
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or shard not in checked:
+            raise ValueError(f"checkpoint index {path} maps {reprlib.repr(tensor)} to "
+                             f"{reprlib.repr(shard)}, which is not a safetensors file of "
+                             f"its directory ({', '.join(sorted(checked)) or 'none'}): a "
+                             "shard must be a file beside the index")
 
 
 def _shadowed(tf: Any, source: str) -> Optional[str]:
