@@ -297,3 +297,13 @@ def test_tune_is_registered_where_it_exists(monkeypatch, capsys):
     assert re.search(r"^\s+tune\s+tune the plan on this GPU", capsys.readouterr().out, re.M)
     assert cli.main(["tune", "--budget", "x"]) == 2
     assert "python -m l2prefetch tune: error: argument --budget" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`l2prefetch plan --all-points | head -1`: the pipe closes under the writer; the
+    command exits quietly (141, as a shell reports SIGPIPE), not with a BrokenPipeError."""
+    proc = subprocess.Popen([sys.executable, "-m", "l2prefetch", "plan", "--all-points"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()   # before it writes: its first write (or flush) finds no reader
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err

@@ -114,6 +114,20 @@ def test_without_torch_it_names_the_extras_and_compiles(tmp_path):
     assert "The loader kernel: " in out, out
 
 
+def test_a_set_the_forward_refuses_is_one_line(tmp_path, monkeypatch, capsys):
+    """--set num_key_value_heads=3: the config takes it, the attention does not (32 heads):
+    one line naming --set, exit 2, not the forward's traceback."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(demo, "gpu_reason", lambda torch: "no GPU (test)")
+    monkeypatch.setattr(demo, "_print_kernel", lambda: None)
+    assert cli.main(["demo", "--quiet", "--out", str(tmp_path / "o"), "--set",
+                     "num_key_value_heads=3", "--set", "num_hidden_layers=1"]) == 2
+    err = capsys.readouterr().err   # stdout has said what it would do on a GPU
+    assert len(err.splitlines()) == 1 and re.search(
+        r"^l2prefetch demo: --set: the model it builds fails its decode step: step\(1\) "
+        r"failed while discovering the weights it reads: RuntimeError", err), err
+
+
 def test_what_it_would_do_follows_the_options(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
     monkeypatch.setattr(demo, "gpu_reason", lambda torch: "no GPU (test)")

@@ -546,6 +546,21 @@ def test_a_missing_model_exits_2(capsys, monkeypatch):
     one_line_error(capsys, ["trace", "llama", "--set", "oops", "--role", ROLE], "KEY=VALUE")
 
 
+def test_a_profile_is_traced_by_default_at_the_first_batch_it_forks_at(tmp_path):
+    """A plan empty at batch 1 and kept at batch 8 (a common result): --batch left out
+    traces batch 8, not the first batch tuned (which failed, blaming a --batch not given)."""
+    import argparse
+
+    data = json.loads(open(fake_profile(tmp_path)).read())
+    data["plan"] = [{**e, "batches": [8]} for e in data["plan"] if 8 in e["batches"]]
+    path = tmp_path / "b8.json"
+    path.write_text(json.dumps(data))
+    args = argparse.Namespace(profile=str(path), batch=None, cap_mib=None, mode=None,
+                              grid=None, kernel=None)
+    trace_cli._check_profile(args)
+    assert data["batches"][0] == 1 and args.batch == 8
+
+
 def fake_profile(tmp_path):
     """A profile as tune writes it, of the tuner's stand-in llama (tests/_tuning_fakes.py):
     its o_proj role forks at batches 1 and 8."""

@@ -374,6 +374,10 @@ def test_a_model_type_transformers_lacks_is_refused_without_running_its_code(tmp
                                              r"CONSUMER', as --list-roles prints them"),
     (["llama", *SMALL, "--roles", "after mlp: x", "--roles", "after mlp: x"],
      r"--roles names 'after mlp: x' more than once"),
+    (["llama", *SMALL, "--batches", "8,1,8"], r"--batches names 8 more than once: give each "
+                                              r"batch once"),
+    (["llama", *SMALL, "--prompt-len", "100"], r"--max-cache-len \(64\) must exceed "
+                                               r"--prompt-len \(100\)"),
     (["llama", *SMALL, "--out", "/nonexistent/dir/p.json"],
      r"--out /nonexistent/dir/p.json cannot be written: /nonexistent/dir is not a directory"),
     (["llama", *SMALL, "--plot", "/nonexistent/dir/p.png"], r"--plot /nonexistent/dir/p.png "
@@ -392,6 +396,37 @@ def test_bad_tune_input_is_one_line_and_exit_2(argv, words, capsys):
                          else [*argv, "--list-roles"], capsys)
     assert code == 2 and out == "", err
     assert re.search(words, one_line(err)), err
+
+
+def test_an_output_may_not_replace_a_file_of_the_model(tmp_path, capsys):
+    """--out naming the config.json (or a checkpoint's file) that MODEL reads: refused."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(**LLAMA).save_pretrained(tmp_path)
+    config = tmp_path / "config.json"
+    before = config.read_bytes()
+    for model in (config, tmp_path):
+        code, out, err = status([str(model), "--out", str(config), "--list-roles", "--device",
+                                 "cpu"], capsys)
+        assert code == 2 and re.search(r"--out .*config.json is the file the model reads",
+                                       one_line(err)), err
+    assert config.read_bytes() == before
+
+
+def test_what_refuses_a_tune_is_said_before_the_model_is_built(monkeypatch, capsys):
+    """L2PREFETCH_DISABLE, and --plot without matplotlib: one line, nothing built."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # get past the GPU checks
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(hf, "load_model", lambda *a, **k: pytest.fail("built the model"))
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "1")
+    code, _, err = status(["llama", *SMALL], capsys)
+    assert code == 2 and "L2PREFETCH_DISABLE is set, so nothing forks" in one_line(err)
+    monkeypatch.delenv("L2PREFETCH_DISABLE")
+    find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    code, _, err = status(["llama", *SMALL, "--plot", "p.png"], capsys)
+    assert code == 2 and "--plot needs matplotlib, which is not installed" in one_line(err)
 
 
 def test_cuda_devices_are_checked_against_the_gpus_torch_sees(monkeypatch):

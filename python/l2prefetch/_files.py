@@ -30,15 +30,17 @@ Importing this module imports neither torch nor the C extension.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any, Union
 
 __all__ = ["check_output", "check_outputs", "check_regular", "loads_json", "open_regular",
-           "read_bytes", "read_text", "write_atomic"]
+           "read_bytes", "read_text", "stdout_to_devnull", "write_atomic"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -199,6 +201,22 @@ def check_outputs(outputs: Sequence[tuple[str, PathLike]],
         written[real] = what
         out.append(target)
     return out
+
+
+def stdout_to_devnull() -> None:
+    """Point the process's stdout at /dev/null, so that the interpreter's flush at exit,
+    into a pipe its reader closed, raises nothing (the Python docs' advice for SIGPIPE);
+    nothing where stdout is no file descriptor (a test's capture)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
+    finally:
+        os.close(devnull)
 
 
 def write_atomic(path: PathLike, data: Union[str, bytes], what: str) -> None:

@@ -161,12 +161,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _exit_code(exc.code)
     name = f"l2prefetch {args.command or 'info'}"
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()   # a closed pipe raises here, not in the exit's flush
+        return code
     except SystemExit as exc:
         return _exit_code(exc.code)
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # `... | head`: the reader left; say nothing more to it
+        from ._files import stdout_to_devnull
+
+        stdout_to_devnull()
+        return 141
     except UsageError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2

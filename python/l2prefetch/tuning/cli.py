@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import re
 import sys
@@ -301,15 +302,36 @@ def _check(args: argparse.Namespace, options: _Options, torch: Any) -> Any:
         tuner.check_max_instances(args.instances, args.max_instances, options=True)
     except ValueError as exc:
         raise _Exit(exc) from None
+    if len(set(args.batches)) < len(args.batches):
+        twice = sorted({b for b in args.batches if args.batches.count(b) > 1})
+        raise _Exit(f"--batches names {', '.join(map(str, twice))} more than once: give each "
+                    "batch once")
+    if args.max_cache_len <= args.prompt_len:
+        raise _Exit(f"--max-cache-len ({args.max_cache_len}) must exceed --prompt-len "
+                    f"({args.prompt_len}): the decode steps write after the prompt")
+    if not args.list_roles and _C.env_flag("L2PREFETCH_DISABLE"):
+        raise _Exit("L2PREFETCH_DISABLE is set, so nothing forks: unset it to tune")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise _Exit("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                    "(or leave out --plot)")
     if args.roles and len(set(args.roles)) < len(args.roles):
         twice = sorted({r for r in args.roles if args.roles.count(r) > 1})
         raise _Exit(f"--roles names {', '.join(map(repr, twice))} more than once: give each "
                     "role once")
-    try:   # the profile, the report and the plot can be written, and are three files
-        check_outputs(options.outputs)
+    try:   # the profile, the report and the plot can be written, are three files, and
+        # none is a file of the model's (its config.json, a checkpoint's weights)
+        check_outputs(options.outputs, _model_files(args.model))
     except (OSError, ValueError) as exc:
         raise _Exit(exc) from None
     return device
+
+
+def _model_files(source: str) -> list[tuple[str, str]]:
+    """The files MODEL names, as check_outputs' inputs: the file, or a directory's files
+    (a name that is no path: none)."""
+    if os.path.isdir(source):
+        return [("the model", os.path.join(source, name)) for name in sorted(os.listdir(source))]
+    return [("the model", source)] if os.path.lexists(source) else []
 
 
 def _build(args: argparse.Namespace, device: Any, torch: Any, progress: Any) -> tuple[Any, Any]:

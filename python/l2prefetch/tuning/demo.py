@@ -56,7 +56,9 @@ from .._torch import cuda_reason, driver_reason
 from .._version import __version__
 from .cli import compile_forward, positive
 from .compiled import compile_mode
-from .discovery import DEFAULT_MAX_BYTES, MIB, candidates, describe_roles, discover
+from .discovery import (DEFAULT_MAX_BYTES, MIB, candidates, describe_roles, discover,
+                        discovery_step)
+from .errors import StepError
 
 __all__ = ["CASES", "CONFIG", "add_parser", "build_model", "gpu_reason", "make_config",
            "outputs", "plant", "run", "spin_op"]
@@ -277,7 +279,10 @@ def _roles(model: Any, step: Any, where: str) -> list:
     """The model's candidate roles, from one decode step at BATCH."""
     t0 = time.monotonic()
     logger.info("one decode step on %s, to find the weights it reads and the roles", where)
-    reads = discover(model, lambda: step(BATCH))
+    try:
+        reads = discover(model, discovery_step(step, BATCH))
+    except StepError as exc:   # a --set the config takes and the forward does not
+        raise _Bad(f"--set: the model it builds fails its decode step: {exc}") from None
     roles = candidates(model, reads)
     logger.info("%d candidate roles in %.1f s", len(roles), time.monotonic() - t0)
     return roles
@@ -514,7 +519,6 @@ def _on_gpu(args: argparse.Namespace, torch: Any, config: Any, budget: float,
             files: Mapping[str, list]) -> int:
     from .. import hooks
     from . import hf
-    from .errors import StepError
 
     if hooks.disabled():
         raise _Bad("L2PREFETCH_DISABLE is set, so nothing forks: unset it to run the demo")

@@ -83,7 +83,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(default bfloat16)")
     parser.add_argument("--seed", type=int, default=0, help="random-weight seed (default 0)")
     parser.add_argument("--batch", type=_int("--batch", 1, 65535), default=None,
-                        help="the decode batch (default: the profile's first, else 1)")
+                        help="the decode batch (default: the first the profile forks at, else 1)")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--profile", "--plan", dest="profile", metavar="PROFILE.json",
                       help="trace the forks of this profile (as `tune` writes it)")
@@ -145,12 +145,12 @@ def _check_profile(args: argparse.Namespace) -> None:
                    "trace captures the step eagerly, where its forks are not the ones "
                    "measured (tracing a compiled step is not supported): its tune report "
                    "has what each fork gained")
-    tuned, forked = profile_batches(data)
+    _, forked = profile_batches(data)
     if not forked:
         raise _Bad(f"--profile {args.profile}: its plan is empty, so nothing forks (the "
                    "tuner found no prefetch that pays); trace a role with --role")
-    if args.batch is None:
-        args.batch = tuned[0]
+    if args.batch is None:   # the first batch it forks at (an empty plan at batch 1 is common)
+        args.batch = forked[0]
     if args.batch not in forked:
         raise _Bad(f"--batch {args.batch}: the profile forks at batches {forked} only")
 
