@@ -488,7 +488,7 @@ def _checkpoint_files(directory: str) -> list[str]:
     for path in weights:
         _check_safetensors(path)
     for name in entries:
-        if name.endswith(".index.json"):
+        if name.endswith(".safetensors.index.json"):   # a .bin index: its pickles never load
             _check_index(os.path.join(directory, name), {os.path.basename(w) for w in weights})
     return weights
 
@@ -510,8 +510,14 @@ def _check_index(path: str, checked: set) -> None:
         if not isinstance(shard, str) or shard not in checked:
             raise ValueError(f"checkpoint index {path} maps {reprlib.repr(tensor)} to "
                              f"{reprlib.repr(shard)}, which is not a safetensors file of "
-                             f"its directory ({', '.join(sorted(checked)) or 'none'}): a "
-                             "shard must be a file beside the index")
+                             f"its directory ({_some(sorted(checked))}): a shard must be a "
+                             "file beside the index")
+
+
+def _some(names: list) -> str:
+    """Up to three names, and how many more: a line's worth of a long list."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (", ".join(names[:3]) + more) if names else "none"
 
 
 def _shadowed(tf: Any, source: str) -> Optional[str]:
