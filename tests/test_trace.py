@@ -546,6 +546,17 @@ def test_a_missing_model_exits_2(capsys, monkeypatch):
     one_line_error(capsys, ["trace", "llama", "--set", "oops", "--role", ROLE], "KEY=VALUE")
 
 
+def test_options_a_profile_trace_would_ignore_are_refused(tmp_path, capsys):
+    """--min-bytes-mib chooses roles to discover, which a profile's trace does not do;
+    a negative --seed is refused as tune refuses it."""
+    good = fake_profile(tmp_path)
+    one_line_error(capsys, ["trace", "llama", "--profile", good, "--min-bytes-mib", "5"],
+                   "--min-bytes-mib set with --profile: a profile's entries carry their own "
+                   "settings")
+    one_line_error(capsys, ["trace", "llama", "--role", ROLE, "--seed", "-7"],
+                   "--seed must be in 0..4294967295, got -7")
+
+
 def test_a_profile_is_traced_by_default_at_the_first_batch_it_forks_at(tmp_path):
     """A plan empty at batch 1 and kept at batch 8 (a common result): --batch left out
     traces batch 8, not the first batch tuned (which failed, blaming a --batch not given)."""
@@ -556,7 +567,7 @@ def test_a_profile_is_traced_by_default_at_the_first_batch_it_forks_at(tmp_path)
     path = tmp_path / "b8.json"
     path.write_text(json.dumps(data))
     args = argparse.Namespace(profile=str(path), batch=None, cap_mib=None, mode=None,
-                              grid=None, kernel=None)
+                              grid=None, kernel=None, min_bytes_mib=None)
     trace_cli._check_profile(args)
     assert data["batches"][0] == 1 and args.batch == 8
 

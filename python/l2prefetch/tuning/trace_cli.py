@@ -81,7 +81,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "cuda; trace needs a CUDA GPU)")
     parser.add_argument("--dtype", default="bfloat16", help="weight dtype for random weights "
                         "(default bfloat16)")
-    parser.add_argument("--seed", type=int, default=0, help="random-weight seed (default 0)")
+    parser.add_argument("--seed", type=_int("--seed", 0, hf.MAX_SEED), default=0,
+                        help="random-weight seed (default 0)")
     parser.add_argument("--batch", type=_int("--batch", 1, 65535), default=None,
                         help="the decode batch (default: the first the profile forks at, else 1)")
     what = parser.add_mutually_exclusive_group(required=True)
@@ -106,7 +107,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="also a PNG, one Gantt row per stream (needs matplotlib)")
     parser.add_argument("--dot", default=None, help="also the loads graph's nodes and edges "
                         "(cuGraphDebugDotPrint) in this file")
-    parser.add_argument("--min-bytes-mib", type=_mib("--min-bytes-mib"), default=1.0,
+    parser.add_argument("--min-bytes-mib", type=_mib("--min-bytes-mib"), default=None,
                         help="with --role: smallest weight read that counts (MiB, default 1)")
     parser.add_argument("--prompt-len", type=_int("--prompt-len", 1, 1 << 20), default=8,
                         help="prompt tokens in the cache before the step (default 8)")
@@ -127,7 +128,8 @@ def _one_line(text: Any) -> str:
 def _check_profile(args: argparse.Namespace) -> None:
     """The profile as a file, read through ``_files`` and checked by ``parse_profile``
     (not yet against the model or the GPU), and the batch it forks at."""
-    given = [f"--{o.replace('_', '-')}" for o in ("cap_mib", "mode", "grid", "kernel")
+    given = [f"--{o.replace('_', '-')}" for o in ("cap_mib", "mode", "grid", "kernel",
+                                                    "min_bytes_mib")
              if getattr(args, o) is not None]
     if given:
         raise _Bad(f"{', '.join(given)} set with --profile: a profile's entries carry "
@@ -190,7 +192,7 @@ def _forks(args: argparse.Namespace, model: Any, step: Any, trace: Any) -> tuple
     batch = args.batch if args.batch is not None else 1
     try:
         reads = discover(model, lambda: step(batch),
-                         min_bytes=max(1, int(args.min_bytes_mib * MIB)))
+                         min_bytes=max(1, int((args.min_bytes_mib or 1.0) * MIB)))
     except ValueError as exc:
         raise _Bad(str(exc)) from None
     roles = {role.name: role for role in candidates(model, reads)}
