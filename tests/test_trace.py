@@ -557,6 +557,18 @@ def test_options_a_profile_trace_would_ignore_are_refused(tmp_path, capsys):
                    "--seed must be in 0..4294967295, got -7")
 
 
+def test_the_model_options_are_checked_before_the_gpu(monkeypatch, capsys):
+    """Without a GPU, a bad --dtype, --set or --prompt-len is named, not 'needs a GPU'."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    one_line_error(capsys, ["trace", "llama", "--role", ROLE, "--dtype", "float99"],
+                   "--dtype: ")
+    one_line_error(capsys, ["trace", "llama", "--role", ROLE, "--set", "oops"], "--set: ")
+    one_line_error(capsys, ["trace", "llama", "--role", ROLE, "--prompt-len", "64"],
+                   "--max-cache-len (64) must exceed --prompt-len (64)")
+
+
 def test_a_profile_is_traced_by_default_at_the_first_batch_it_forks_at(tmp_path):
     """A plan empty at batch 1 and kept at batch 8 (a common result): --batch left out
     traces batch 8, not the first batch tuned (which failed, blaming a --batch not given)."""

@@ -227,14 +227,21 @@ def _run(args: argparse.Namespace) -> int:
         raise _Bad(MISSING) from None
     from . import trace   # here: the parser (and --help) loads none of the trace modules
 
-    if hooks.disabled():
-        raise _Bad("L2PREFETCH_DISABLE is set, so nothing forks: unset it to trace")
-    if not torch.cuda.is_available():
-        raise _Bad(f"trace needs a CUDA GPU, and torch {torch.__version__} sees none")
+    try:   # the options that name the model, before the GPU is asked for
+        hf.dtype_of(args.dtype)
+    except ValueError as exc:
+        raise _Bad(f"--dtype: {exc}") from None
     try:
         overrides = hf.parse_overrides(args.overrides)
     except ValueError as exc:
         raise _Bad(f"--set: {exc}") from None
+    if args.max_cache_len <= args.prompt_len:
+        raise _Bad(f"--max-cache-len ({args.max_cache_len}) must exceed --prompt-len "
+                   f"({args.prompt_len}): the decode steps write after the prompt")
+    if hooks.disabled():
+        raise _Bad("L2PREFETCH_DISABLE is set, so nothing forks: unset it to trace")
+    if not torch.cuda.is_available():
+        raise _Bad(f"trace needs a CUDA GPU, and torch {torch.__version__} sees none")
     try:
         model = hf.load_model(args.model, overrides=overrides,
                               device=args.device, dtype=args.dtype, seed=args.seed)
