@@ -9,7 +9,10 @@ The model is :func:`benchmarks.compiled.build`'s (``--window`` us planted before
 MLP).  Per way (``eager``; ``compiled``: its forward compiled with ``--mode``) and arm
 (``none``; with ``--role NAME``, also ``empty``, the role's forks with empty tables, and
 ``loads``, its forks loading ``--cap`` MiB at ``--grid`` in ``--fork`` mode, attached
-before compiling as a server would), the step is captured in a CUDA graph and replayed
+before compiling as a server would; with ``--tail``, eager only, also ``tail``: the same
+loads with the hooked module's input appended as the table's last range, registered anew
+at each call, so the loader ends by re-reading what the next kernel reads first: does the
+eager norm's first kernel then start warm (run 35's question)?), the step is captured in a CUDA graph and replayed
 under ``torch.profiler`` as ``python -m l2prefetch trace`` does (5 replays, their median
 timeline).  Printed: ``--kernels`` kernels from the first spin (the planted window; from
 the first kernel when nothing is planted), each with its start and end relative to it,
@@ -19,6 +22,7 @@ shown; and the step's span, the first kernel's start to the last kernel's end.
 
     python -m benchmarks.probe_order [--model llama] [--window 40] [--batch 1]
         [--ways eager,compiled] [--kernels 40] [--role NAME --cap 48 --grid 32 --fork branch]
+        [--tail]
 """
 import argparse
 
@@ -26,7 +30,7 @@ import torch
 
 from benchmarks.common import no_gpu
 from benchmarks.compiled import build
-from l2prefetch import hooks
+from l2prefetch import PreparedWeightRanges, hooks
 from l2prefetch.mechanisms import GRAPH_FORKS
 from l2prefetch.tuning import candidates, discover
 from l2prefetch.tuning.cli import compile_forward
@@ -57,7 +61,10 @@ def one(args, way, arm):
             role = role_named(model, step, args.batch, args.role)
             forks = forks_of_role(model, role, args.batch, byte_cap=int(args.cap * MIB),
                                   grid=args.grid, mode=args.fork)
-            attachment = hooks.attach(model, forks.build(arm == "empty"), forks.points)
+            controller = forks.build(arm == "empty")
+            attachment = hooks.attach(model, controller, forks.points)
+            if arm == "tail":
+                planted = planted + tail_hooks(model, role, controller, args)
         if way == "compiled":
             compile_forward(model, args.mode)
         recompile()
@@ -70,6 +77,33 @@ def one(args, way, arm):
         for handle in planted:
             handle.remove()
         recompile()
+
+
+def tail_hooks(model, role, controller, args):
+    """For each of ``role``'s before-sites, a pre-hook ahead of the fork's that registers
+    the key's table anew: the role's weights cut at ``--cap`` MiB, then the module's
+    input (an address fixed within the capture).  Handles to remove."""
+    handles = []
+    for site in role.sites:
+        path, layer, *where = site.hook_site()
+        if where != ["before"]:
+            raise SystemExit(f"--tail: {role.name!r} is not hooked before its module")
+        module = model.get_submodule(path)
+
+        def pre(module, args_, kwargs, layer=layer, site=site):
+            x = hooks.first_tensor((args_, kwargs))
+            flat = [w.reshape(-1) for w in site.weights]
+            left, cut = int(args.cap * MIB), []
+            for w in flat:
+                n = min(w.numel(), left // w.element_size())
+                if n:
+                    cut.append(w[:n])
+                left -= n * w.element_size()
+            controller.add(role.name, layer, args.batch,
+                           PreparedWeightRanges(cut + [x.reshape(-1)], grid=args.grid),
+                           graph_fork=args.fork)
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+    return handles
 
 
 def main(argv=None):
@@ -85,6 +119,8 @@ def main(argv=None):
     parser.add_argument("--grid", type=int, default=32)
     parser.add_argument("--fork", default="branch", choices=GRAPH_FORKS,
                         help="the forks' graph mode")
+    parser.add_argument("--tail", action="store_true",
+                        help="eager: also the arm whose table ends with the module's input")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.kernels < 1 or args.grid < 1 or args.window < 0 or args.cap <= 0:
         parser.error("--batch, --kernels and --grid are at least 1, --window at least 0, "
@@ -93,11 +129,13 @@ def main(argv=None):
     for way in ways:
         if way not in ("eager", "compiled"):
             parser.error(f"--ways: {way!r} is neither eager nor compiled")
+    if args.tail and (not args.role or ways != ["eager"]):
+        parser.error("--tail needs --role and --ways eager")
     if no_gpu("benchmarks.probe_order"):
         return
     arms = ("none", "empty", "loads") if args.role else ("none",)
     for way in ways:
-        for arm in arms:
+        for arm in arms + (("tail",) if args.tail else ()):
             kernels = one(args, way, arm)
             spin = next((k for k in kernels
                          if "sleep" in k.name.lower() or "spin" in k.name.lower()), None)
