@@ -69,7 +69,7 @@ PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssi
         op = "the fork/join sequence";
         if ((r = d->fn.cuEventRecord(ev, cur)) == CUDA_SUCCESS &&
             (r = d->fn.cuStreamWaitEvent(side, ev, 0)) == CUDA_SUCCESS &&
-            (r = l2p_prepared_launch_raw(p, side)) == CUDA_SUCCESS &&
+            (r = l2p_prepared_launch_raw(p, side, NULL)) == CUDA_SUCCESS &&
             (r = d->fn.cuEventRecord(jev, side)) == CUDA_SUCCESS)
             r = d->fn.cuStreamWaitEvent(cur, jev, 0);
     }

@@ -161,7 +161,7 @@ static int is_kernel(const l2p_driver *d, CUgraphNode node)
 }
 
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
-                                   int order_edge, int early, CUgraphNode chain,
+                                   const l2p_range *extra, int order_edge, int early, CUgraphNode chain,
                                    CUgraphNode *node, const char **failed)
 {
     deps before = {0}, after = {0}, next = {0};
@@ -213,7 +213,7 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
      * own edges back: a programmatic edge left there would let the next captured
      * kernel start before X is done). */
     *failed = "cuLaunchKernelEx";
-    if ((r = l2p_prepared_launch_raw(prepared, s)) != CUDA_SUCCESS) {
+    if ((r = l2p_prepared_launch_raw(prepared, s, extra)) != CUDA_SUCCESS) {
         if (reedged &&
             d->fn.cuStreamUpdateCaptureDependencies(s, before.nodes, before.edges, before.n,
                                                     CU_STREAM_SET_CAPTURE_DEPENDENCIES)

@@ -695,7 +695,8 @@ static int parse_key(PyObject *const *key, long *layer, long *batch)
 
 /* The signatures of the methods that take a key or a stream. */
 static const l2p_signature fork_sig = {
-    .name = "fork", .params = (const char *const[]){"point", "layer", "batch", "stream", NULL},
+    .name = "fork",
+    .params = (const char *const[]){"point", "layer", "batch", "stream", "activation", NULL},
     .posonly = 3, .maxpos = 4, .required = 3};
 static const l2p_signature join_sig = {
     .name = "join", .params = (const char *const[]){"stream", NULL},
@@ -726,15 +727,16 @@ static int capture_of(controller *self, CUstream s, unsigned long long *id)
 /* The fork's launch on stream cur, capturing capture cap ('inline' or 'leaf',
  * capture.c): a leaf is chained to the capture's previous leaf.  Nothing is left
  * pending.  On failure *failed names the driver call. */
-static CUresult fork_in_capture(controller *self, PyObject *ranges, CUstream cur, int mode,
-                                unsigned long long cap, const char **failed)
+static CUresult fork_in_capture(controller *self, PyObject *ranges, const l2p_range *extra,
+                                CUstream cur, int mode, unsigned long long cap,
+                                const char **failed)
 {
     CUgraphNode chain = NULL, node = NULL;
     if (mode == GRAPH_FORK_LEAF && self->leaf_capture == cap)
         chain = self->leaf_tail;
     /* programmatic edges into the loader need sm_90 (NOTE [inline graph fork]) */
     int inl = mode == GRAPH_FORK_INLINE;
-    CUresult r = l2p_capture_inline_launch(self->drv, cur, ranges, inl,
+    CUresult r = l2p_capture_inline_launch(self->drv, cur, ranges, extra, inl,
                                            inl && self->dev->cc_major >= 9, chain, &node, failed);
     if (mode == GRAPH_FORK_LEAF && node) {
         self->leaf_tail = node;
@@ -746,8 +748,9 @@ static CUresult fork_in_capture(controller *self, PyObject *ranges, CUstream cur
 /* The fork's launch on the side stream after what cur has queued (event ev, the
  * (point, layer)'s): eager, or a 'branch' in capture cap; pending until join().
  * On failure *failed names the driver call. */
-static CUresult fork_to_side(controller *self, PyObject *ranges, CUevent ev, CUstream cur,
-                             unsigned long long cap, const char **failed)
+static CUresult fork_to_side(controller *self, PyObject *ranges, const l2p_range *extra,
+                             CUevent ev, CUstream cur, unsigned long long cap,
+                             const char **failed)
 {
     l2p_driver *d = self->drv;
     if (!self->pending)
@@ -763,13 +766,53 @@ static CUresult fork_to_side(controller *self, PyObject *ranges, CUevent ev, CUs
     }
     self->pending = 1;
     *failed = "cuLaunchKernelEx";
-    return l2p_prepared_launch_raw(ranges, self->side);
+    return l2p_prepared_launch_raw(ranges, self->side, extra);
+}
+
+/* The range of a fork's activation in *out: 1, or 0 when it has none (empty, or
+ * under 16 bytes), -1 with an exception.  It must be on the controller's device.
+ * Runs the activation's Python code (ranges.c). */
+static int activation_range(controller *self, PyObject *activation, l2p_range *out)
+{
+    l2p_weight_device dev = {0};
+    int rc = l2p_span_of(activation, out, &dev);
+    if (rc < 0) {
+        if (!l2p_error_is_base())
+            l2p_add_note("l2prefetch: while reading fork()'s activation");
+        return -1;
+    }
+    if (rc == 0)
+        return 0;
+    if (dev.kind == L2P_DEV_UNKNOWN) {   /* __cuda_array_interface__: ask the driver */
+        int ordinal = -1;
+        if (self->drv->fn.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                                (CUdeviceptr)out->ptr) != CUDA_SUCCESS)
+            ordinal = -1;
+        dev.kind = ordinal < 0 ? L2P_DEV_OTHER : L2P_DEV_CUDA;
+        dev.index = ordinal;
+    }
+    if (dev.kind != L2P_DEV_CUDA) {
+        PyErr_Format(PyExc_ValueError, "fork(): activation is not in CUDA device memory; pass a "
+                     "tensor on this controller's device, cuda:%d (what the site's next kernel "
+                     "reads), or None", self->device);
+        return -1;
+    }
+    if (dev.index != self->device) {
+        PyErr_Format(PyExc_ValueError, "fork(): activation is on cuda:%d, this controller on "
+                     "cuda:%d; pass a tensor on cuda:%d, or None", dev.index, self->device,
+                     self->device);
+        return -1;
+    }
+    return 1;
 }
 
 PyDoc_STRVAR(fork_doc,
-"fork($self, point, layer, batch, /, stream=None)\n--\n\n"
+"fork($self, point, layer, batch, /, stream=None, activation=None)\n--\n\n"
 "Launch the table registered for (point, layer, batch) on the side stream,\n"
 "after the work already queued on stream (default: torch's current stream).\n"
+"Where that table was made with warm_activation=True, activation (a tensor on\n"
+"this device: what the site's next kernel reads) is read last, in this launch\n"
+"only, so the loads do not evict it.\n"
 "While stream is being captured (graph_fork 'inline' or 'leaf', the controller's\n"
 "or the key's), the launch goes on stream itself: with launch-order edges,\n"
 "overlapping what follows ('inline'), or as a sink of the graph ('leaf').\n"
@@ -779,19 +822,23 @@ PyDoc_STRVAR(fork_doc,
 static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames)
 {
-    PyObject *vals[4] = {NULL, NULL, NULL, Py_None};
+    PyObject *vals[5] = {NULL, NULL, NULL, Py_None, Py_None};
     long layer, batch;
     int p;
     if (l2p_parse_args(&fork_sig, args, nargs, kwnames, vals) < 0 ||
         parse_key(vals, &layer, &batch) < 0 || check_open(self) < 0)
         return NULL;
-    PyObject *point = vals[0], *stream = vals[3];
+    PyObject *point = vals[0], *stream = vals[3], *activation = vals[4];
     slot *e = lookup(self, point, layer, batch, &p);
     if (!e || !self->enabled)
         Py_RETURN_FALSE;
     unsigned long long gen = self->gen;
+    /* read only where the table warms (looked at now: what follows runs Python code) */
+    int warm = activation != Py_None && l2p_prepared_warms(e->ranges), has_extra = 0;
     CUstream cur;
-    if (l2p_parse_stream(stream, self->device, &cur) < 0)   /* may run Python code */
+    l2p_range extra;
+    if (l2p_parse_stream(stream, self->device, &cur) < 0 ||   /* may run Python code */
+        (warm && (has_extra = activation_range(self, activation, &extra)) < 0))   /* too */
         return NULL;
     if (self->gen != gen) {   /* the tables changed meanwhile: look again */
         if (check_open(self) < 0)
@@ -825,14 +872,17 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     if (!cap && !self->eager)
         Py_RETURN_FALSE;
     const char *failed;
+    /* a table that replaced e's meanwhile may not warm: launch_raw then drops extra */
+    const l2p_range *with = has_extra ? &extra : NULL;
     CUresult r = cap && inline_ok
-                     ? fork_in_capture(self, e->ranges, cur, mode, cap, &failed)
-                     : fork_to_side(self, e->ranges, self->points[p].rows[layer]->event, cur, cap,
-                                    &failed);
+                     ? fork_in_capture(self, e->ranges, with, cur, mode, cap, &failed)
+                     : fork_to_side(self, e->ranges, with, self->points[p].rows[layer]->event,
+                                    cur, cap, &failed);
     if (r != CUDA_SUCCESS)
         return l2p_raise_cuda(st, d, failed, r);
     self->points[p].forks++;
-    self->points[p].bytes += l2p_prepared_nbytes(e->ranges);
+    self->points[p].bytes += l2p_prepared_nbytes(e->ranges) +
+                             (with && l2p_prepared_warms(e->ranges) ? extra.nbytes : 0);
     Py_RETURN_TRUE;
 }
 

@@ -76,6 +76,7 @@
 
 #define L2P_MAX_VARIANTS 16
 #define L2P_NUM_CAPACITIES 3
+#define L2P_MAX_TABLE 128u   /* the largest of l2p_capacities */
 
 typedef struct l2p_device {
     int ready;            /* attributes read and primary context retained */

@@ -57,7 +57,7 @@
 #define CACHE_MAX_BYTES (16 << 20)          /* images are tens of KiB */
 #define CACHE_MAX_TEXT "16 MiB"
 
-const unsigned int l2p_capacities[L2P_NUM_CAPACITIES] = {8, 32, 128};
+const unsigned int l2p_capacities[L2P_NUM_CAPACITIES] = {8, 32, L2P_MAX_TABLE};
 
 /* The loaders a plan (or the tuner) chooses between; chunk, stage and block
  * sizes were chosen by the sweep in benchmarks/RESULTS.md, run 10, kernels. */

@@ -190,6 +190,12 @@ enum { L2P_DEV_UNKNOWN = 0, L2P_DEV_CUDA = 1, L2P_DEV_OTHER = 2 };
  * (PyMem_Malloc'd).  Raises TypeError/ValueError/OverflowError otherwise. */
 PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **ranges,
                              Py_ssize_t *n, l2p_weight_device **devices, PyObject **device_names);
+/* The bytes of one tensor (or __cuda_array_interface__ object) as a range for a
+ * fork's activation: its span, the start rounded up to 16 bytes (the kernel's
+ * granule) and the size cut to match, so no byte outside it is read.  Returns 1
+ * with *out and *dev filled, 0 when nothing is left (empty, or under 16 bytes),
+ * -1 with an exception.  Runs the object's Python code, as weights' reading does. */
+int l2p_span_of(PyObject *obj, l2p_range *out, l2p_weight_device *dev);
 PyObject *l2p_py_compute_ranges(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames);
 
@@ -243,8 +249,11 @@ uint64_t l2p_prepared_nbytes(PyObject *obj);
 /* Whether its weights are still held (tp_clear of a cycle drops them): a
  * cleared table must not launch. */
 int l2p_prepared_alive(PyObject *obj);
-/* Launch on stream; returns CUresult (no exception). */
-CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream);
+/* Whether it keeps a slot for a fork's activation (warm_activation=True). */
+int l2p_prepared_warms(PyObject *obj);
+/* Launch on stream; returns CUresult (no exception).  extra (or NULL) is appended
+ * to the table for this launch only, where it warms. */
+CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream, const l2p_range *extra);
 /* prepared's launch as a kernel node's parameters (func, dimensions, its table). */
 void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p);
 l2p_driver *l2p_prepared_driver(PyObject *obj);
@@ -254,10 +263,10 @@ int l2p_capture_inline_available(const l2p_driver *d);
 /* Capture prepared's launch on s (capturing) as a node after s's last nodes;
  * with order_edge the next node gets a launch-order edge from it ('inline'),
  * else nothing depends on it ('leaf'); with early (and order_edge, no chain) its
- * edges from kernel nodes are programmatic (sm_90+ only).  On failure *failed
- * names the driver call. */
+ * edges from kernel nodes are programmatic (sm_90+ only); extra as in
+ * l2p_prepared_launch_raw.  On failure *failed names the driver call. */
 CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared,
-                                   int order_edge, int early, CUgraphNode chain,
+                                   const l2p_range *extra, int order_edge, int early, CUgraphNode chain,
                                    CUgraphNode *node, const char **failed);
 
 /* graphexec.c: GraphExec, an executable graph held with the driver that made it. */

@@ -136,7 +136,7 @@ static int module_exec(PyObject *module)
     st->graph_exec_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &l2p_graph_exec_spec, NULL);
     if (!st->graph_exec_type || PyModule_AddType(module, st->graph_exec_type) < 0)
         return -1;
-    if (PyModule_AddIntConstant(module, "MAX_RANGES", (long)l2p_capacities[L2P_NUM_CAPACITIES - 1]) < 0)
+    if (PyModule_AddIntConstant(module, "MAX_RANGES", (long)L2P_MAX_TABLE) < 0)
         return -1;
     return 0;
 }

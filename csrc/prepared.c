@@ -7,6 +7,10 @@
  * The range table is the kernel's parameter block (kernels/prefetch.cu,
  * L2pTable): no device memory to allocate or free, and captured CUDA graphs
  * copy it into the kernel node.  The smallest table capacity that fits is used.
+ *
+ * With warm_activation the table keeps one slot free: a fork may append the
+ * activation at its site (controller.c), so that the loads end by reading back
+ * what the next kernel reads first and they would otherwise evict (RESULTS run 36).
  */
 #include "l2p.h"
 
@@ -36,6 +40,8 @@ struct l2p_prepared {
     int grid;
     int carveout;             /* -2: None */
     int priority;             /* 0 or 1 */
+    int warm;                 /* warm_activation: one slot kept for a fork's activation */
+    unsigned capacity;        /* l2p_capacities[cap]: the table's ranges */
     int variant;
     CUfunction func;
     CUlaunchConfig cfg;
@@ -72,11 +78,26 @@ int l2p_prepared_alive(PyObject *obj)
     return ((l2p_prepared *)obj)->weights != NULL;
 }
 
-CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream)
+int l2p_prepared_warms(PyObject *obj)
+{
+    return ((l2p_prepared *)obj)->warm;
+}
+
+CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream, const l2p_range *extra)
 {
     l2p_prepared *self = (l2p_prepared *)obj;
     self->cfg.hStream = stream;
-    return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func, self->params, NULL);
+    if (!extra || !self->warm)
+        return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func, self->params, NULL);
+    /* A copy of the table with extra in its kept slot.  The launch (and a captured
+     * node) copies the parameters, so the copy can live on the stack. */
+    uint64_t words[2 + 2 * L2P_MAX_TABLE];
+    param_block *copy = (param_block *)words;
+    memcpy(copy, self->table, sizeof *copy + self->capacity * sizeof copy->ranges[0]);
+    copy->ranges[copy->count++] = *extra;
+    copy->granules += extra->nbytes / 16;
+    void *params[1] = {copy};
+    return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func, params, NULL);
 }
 
 void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p)
@@ -237,12 +258,13 @@ static void fill_config(l2p_prepared *self)
 static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"weights", "byte_cap", "grid", "carveout", "priority", "kernel",
-                             "device", NULL};
+                             "device", "warm_activation", NULL};
     PyObject *weights, *cap_obj = NULL, *grid_obj = NULL, *carveout_obj = Py_None,
-                       *priority_obj = Py_False, *kernel_obj = Py_None, *device_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$OOOOOO:PreparedWeightRanges", kwlist,
+                       *priority_obj = Py_False, *kernel_obj = Py_None, *device_obj = Py_None,
+                       *warm_obj = Py_False;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$OOOOOOO:PreparedWeightRanges", kwlist,
                                      &weights, &cap_obj, &grid_obj, &carveout_obj, &priority_obj,
-                                     &kernel_obj, &device_obj))
+                                     &kernel_obj, &device_obj, &warm_obj))
         return NULL;
     l2p_state *st = l2p_state_of_type(type);
     long byte_cap = 0, grid = 32, carveout = NO_CARVEOUT;
@@ -254,6 +276,9 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         return NULL;
     if (!PyBool_Check(priority_obj))
         return PyErr_Format(PyExc_TypeError, "priority must be a bool, not %s", Py_TYPE(priority_obj)->tp_name);
+    if (!PyBool_Check(warm_obj))
+        return PyErr_Format(PyExc_TypeError, "warm_activation must be a bool, not %s", Py_TYPE(warm_obj)->tp_name);
+    int warm = warm_obj == Py_True;
     if (kernel_obj != Py_None && !PyUnicode_Check(kernel_obj))
         return PyErr_Format(PyExc_TypeError, "kernel must be a variant name (str) or None, not %s", Py_TYPE(kernel_obj)->tp_name);
     int asked_device = -1;
@@ -281,11 +306,11 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         if (device < 0 && l2p_default_device(&device) < 0)
             goto done;
     }
-    if (nranges > (Py_ssize_t)l2p_capacities[L2P_NUM_CAPACITIES - 1]) {
+    if (nranges + warm > (Py_ssize_t)L2P_MAX_TABLE) {
         PyErr_Format(PyExc_ValueError,
-                     "%zd ranges, but one PreparedWeightRanges holds at most %u: split the weights "
+                     "%zd ranges, but one PreparedWeightRanges holds at most %u%s: split the weights "
                      "over several (or cap them with byte_cap)",
-                     nranges, l2p_capacities[L2P_NUM_CAPACITIES - 1]);
+                     nranges, L2P_MAX_TABLE - warm, warm ? " with warm_activation=True" : "");
         goto done;
     }
 
@@ -320,7 +345,7 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         goto done;
     }
     int cap = 0;
-    while ((Py_ssize_t)l2p_capacities[cap] < nranges)
+    while ((Py_ssize_t)l2p_capacities[cap] < nranges + warm)
         cap++;
 
     self = (l2p_prepared *)type->tp_alloc(type, 0);
@@ -340,6 +365,8 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     self->grid = (int)grid;
     self->carveout = (int)carveout;
     self->priority = priority_obj == Py_True;
+    self->warm = warm;
+    self->capacity = l2p_capacities[cap];
     self->variant = variant;
     if (l2p_kernel_function(st, d, dev, variant, cap, &self->func) < 0 ||
         fill_table(self, ranges, cap) < 0) {
@@ -423,7 +450,7 @@ static PyObject *prepared_launch(l2p_prepared *self, PyObject *const *args, Py_s
                                 "for cuda:%d", handle, self->device);
         }
     }
-    r = l2p_prepared_launch_raw((PyObject *)self, s);
+    r = l2p_prepared_launch_raw((PyObject *)self, s, NULL);
     if (r != CUDA_SUCCESS)
         return l2p_raise_cuda(st, self->drv, "cuLaunchKernelEx", r);
     Py_RETURN_NONE;
@@ -437,6 +464,7 @@ static PyObject *get_block(l2p_prepared *self, void *c) { return PyLong_FromUnsi
 static PyObject *get_smem(l2p_prepared *self, void *c) { return PyLong_FromUnsignedLong(self->cfg.sharedMemBytes); }
 static PyObject *get_priority(l2p_prepared *self, void *c) { return PyBool_FromLong(self->priority); }
 static PyObject *get_device(l2p_prepared *self, void *c) { return PyLong_FromLong(self->device); }
+static PyObject *get_warm_activation(l2p_prepared *self, void *c) { return PyBool_FromLong(self->warm); }
 static PyObject *get_kernel(l2p_prepared *self, void *c) { return PyUnicode_FromString(l2p_variants[self->variant].name); }
 static PyObject *get_carveout(l2p_prepared *self, void *c)
 {
@@ -464,6 +492,7 @@ static PyGetSetDef prepared_getset[] = {
     L2P_GETTER(launch_priority, "The priority value launches carry, or None."),
     L2P_GETTER(device, "CUDA device index."),
     L2P_GETTER(kernel, "Kernel variant name."),
+    L2P_GETTER(warm_activation, "Whether a fork may append its site's activation (one slot kept)."),
     {NULL},
 };
 
@@ -495,14 +524,16 @@ static PyMemberDef prepared_members[] = {
 
 PyDoc_STRVAR(prepared_doc,
 "PreparedWeightRanges(weights, *, byte_cap=0, grid=32, carveout=None, priority=False,\n"
-"                     kernel=None, device=None)\n--\n\n"
+"                     kernel=None, device=None, warm_activation=False)\n--\n\n"
 "The byte ranges of weights (tensors on one CUDA device), the compiled prefetch\n"
 "kernel and a ready launch configuration.  byte_cap (bytes, 0 for none) caps the\n"
 "total in order; grid is the CTA count (1..65535); carveout (-1..100) and\n"
 "priority=True (the context's greatest stream priority) become launch\n"
 "attributes; kernel names a variant (default: 'ring' on sm_90+, 'load' on\n"
 "sm_80-sm_89).  With no weights, device= picks the device (an empty launch: the\n"
-"control for measurements).");
+"control for measurements).  warm_activation=True keeps one range free for\n"
+"PrefetchController.fork(..., activation=): the loads then end by reading the\n"
+"tensor the site's next kernel reads, which they would otherwise evict.");
 
 L2P_DEFINE_TYPE(l2p_prepared_spec, "PreparedWeightRanges", l2p_prepared,
                 Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,

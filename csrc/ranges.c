@@ -425,6 +425,23 @@ static int describe(PyObject *w, Py_ssize_t index, weight_info *out)
     return rc;
 }
 
+int l2p_span_of(PyObject *obj, l2p_range *out, l2p_weight_device *dev)
+{
+    weight_info w;
+    int rc = describe(obj, 0, &w);
+    if (rc == 0 && !w.empty) {
+        uint64_t lo = (w.lo + 15) & ~(uint64_t)15, skip = lo - w.lo;
+        *dev = w.dev;
+        if (w.nbytes >= skip + 16) {
+            out->ptr = lo;
+            out->nbytes = w.nbytes - skip;
+            rc = 1;
+        }
+    }
+    info_clear(&w);
+    return rc;
+}
+
 PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **ranges,
                              Py_ssize_t *n, l2p_weight_device **devices, PyObject **device_names)
 {

@@ -1333,3 +1333,173 @@ def test_floor_fault_names_its_call(fake, name, n):
     assert info.value.operation.startswith(expected), info.value.operation
     assert info.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
     assert (fake.live("stream"), fake.live("event"), fake.bad_destroys()) == (0, 0, 0)
+
+
+# -- warm_activation: a fork that reads its site's activation last ---------------------------
+
+def _table_of(line):
+    """(count, granules, last range (ptr, nbytes)) of a logged prefetch launch."""
+    f = kv(line)
+    ptr, n = f["last"].split("+")
+    return int(f["count"]), int(f["granules"]), (int(ptr, 16), int(n))
+
+
+@pytest.fixture
+def warm(fake):
+    """A controller with ('mlp', 0, 1): two weights, warm_activation=True (ranges 4096
+    bytes), and ('attn', 0, 1): the same without it; log cleared."""
+    c = PC(device=0)
+    c.add("mlp", 0, 1, PWR([arr(0), arr(1)], warm_activation=True))
+    c.add("attn", 0, 1, PWR([arr(0), arr(1)]))
+    c.fork("attn", 0, 1, stream=STREAM)
+    c.join(stream=STREAM)
+    c.reset_stats()
+    fake.clear_log()
+    return c
+
+
+def test_warm_table_keeps_a_slot(fake):
+    eight = [arr(i, 8) for i in range(8)]
+    assert PWR(eight).warm_activation is False
+    PWR(eight).launch(STREAM)
+    t = PWR(eight, warm_activation=True)
+    assert t.warm_activation is True and len(t.ranges) == 8
+    t.launch(STREAM)   # a launch of its own appends nothing
+    plain, warmed = fake.log("cuLaunchKernelEx")
+    assert kv(plain)["func"] == "l2p_prefetch_8" and kv(warmed)["func"] == "l2p_prefetch_32"
+    assert _table_of(warmed) == (8, 8, (device_ptr(0, 7 * 65536), 16))
+    with pytest.raises(ValueError, match=r"128 ranges, but one PreparedWeightRanges holds at "
+                                         r"most 127 with warm_activation=True"):
+        PWR([arr(i, 8) for i in range(128)], warm_activation=True)
+    with pytest.raises(TypeError, match="warm_activation must be a bool, not int"):
+        PWR(eight, warm_activation=1)
+
+
+def test_fork_appends_the_activation_for_that_launch_only(fake, warm):
+    act = arr(9, 100)   # 200 bytes at a 64 KiB boundary
+    assert warm.fork("mlp", 0, 1, stream=STREAM, activation=act)
+    assert _table_of(fake.log("cuLaunchKernelEx")[-1]) == (3, 256 + 12, (act.ptr, 200))
+    warm.join(stream=STREAM)
+    assert warm.stats()["mlp"] == {"forks": 1, "bytes": 4096 + 200}
+    assert warm.fork("mlp", 0, 1, stream=STREAM)   # no activation: the table as made
+    assert _table_of(fake.log("cuLaunchKernelEx")[-1]) == (2, 256, (device_ptr(0, 65536), 2048))
+    assert warm.get("mlp", 0, 1).ranges == ((device_ptr(0, 0), 2048), (device_ptr(0, 65536), 2048))
+    warm.join(stream=STREAM)
+
+
+def test_fork_activation_start_rounded_up_to_16_bytes(fake, warm):
+    assert warm.fork("mlp", 0, 1, stream=STREAM, activation=FakeArray(device_ptr(0, 9 * 65536 + 4),
+                                                                       (50,)))
+    assert _table_of(fake.log("cuLaunchKernelEx")[-1])[2] == (device_ptr(0, 9 * 65536 + 16), 88)
+    warm.join(stream=STREAM)
+    # under 16 bytes left, or empty: nothing appended
+    for small in (FakeArray(device_ptr(0, 9 * 65536 + 4), (8,)), FakeArray(device_ptr(0, 0), (0,))):
+        assert warm.fork("mlp", 0, 1, stream=STREAM, activation=small)
+        assert _table_of(fake.log("cuLaunchKernelEx")[-1])[0] == 2
+        warm.join(stream=STREAM)
+
+
+def test_fork_activation_ignored_where_the_table_does_not_warm(fake, warm):
+    class Unread:
+        @property
+        def __cuda_array_interface__(self):
+            raise AssertionError("read")
+
+    assert warm.fork("attn", 0, 1, stream=STREAM, activation=Unread())
+    assert _table_of(fake.log("cuLaunchKernelEx")[-1])[0] == 2
+    warm.join(stream=STREAM)
+
+
+def test_fork_activation_on_another_device(fake):
+    reopen(fake, device_count=2)
+    c = PC(device=0)
+    c.add("mlp", 0, 1, PWR([arr(0)], warm_activation=True))
+    with pytest.raises(ValueError, match=r"fork\(\): activation is on cuda:1, this controller on "
+                                         r"cuda:0; pass a tensor on cuda:0, or None"):
+        c.fork("mlp", 0, 1, stream=STREAM, activation=arr(0, 64, device=1))
+    assert fake.log("cuLaunchKernelEx") == [] and not c.pending
+
+
+def test_fork_activation_errors(fake, warm):
+    with pytest.raises(ValueError, match=r"activation is not in CUDA device memory; pass a "
+                                         r"tensor on this controller's device, cuda:0"):
+        warm.fork("mlp", 0, 1, stream=STREAM, activation=FakeArray(0x1000, (64,)))
+    with pytest.raises(TypeError, match="not a tensor") as info:
+        warm.fork("mlp", 0, 1, stream=STREAM, activation=object())
+    assert "while reading fork()'s activation" in "".join(getattr(info.value, "__notes__", []))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match=r"activation is not in CUDA device memory"):
+        warm.fork("mlp", 0, 1, stream=STREAM, activation=torch.zeros(64))
+    assert fake.log("cuLaunchKernelEx") == [] and not warm.pending
+
+
+def test_fork_activation_that_swaps_the_table(fake, warm):
+    """Reading the activation runs its Python code: a table registered meanwhile is the one
+    launched, without the activation when it does not warm; a closed controller refuses."""
+    class Swap(FakeArray):
+        def __init__(self, then):
+            super().__init__(device_ptr(0, 9 * 65536), (64,))
+            self.then = then
+
+        @property
+        def __cuda_array_interface__(self):
+            self.then()
+            return super().__cuda_array_interface__
+
+    assert warm.fork("mlp", 0, 1, stream=STREAM,
+                     activation=Swap(lambda: warm.add("mlp", 0, 1, PWR([arr(3)]))))
+    assert _table_of(fake.log("cuLaunchKernelEx")[-1]) == (1, 128, (device_ptr(0, 3 * 65536), 2048))
+    warm.join(stream=STREAM)
+    assert warm.stats()["mlp"]["bytes"] == 2048
+    warm.add("mlp", 0, 1, PWR([arr(0)], warm_activation=True))
+    with pytest.raises(l2prefetch.Error, match="closed"):
+        warm.fork("mlp", 0, 1, stream=STREAM, activation=Swap(warm.close))
+
+
+@pytest.mark.parametrize("mode", ["inline", "leaf"])
+def test_fork_activation_in_a_capture(fake, mode):
+    c = PC(device=0, graph_fork=mode, eager=False)
+    c.add("mlp", 0, 1, PWR([arr(0)], warm_activation=True))
+    fake.set_capture(7)
+    fake.add_capture_node(0)
+    fake.clear_log()
+    act = arr(9, 512)
+    assert c.fork("mlp", 0, 1, stream=STREAM, activation=act)
+    launch, = fake.log("cuLaunchKernelEx")
+    assert kv(launch)["stream"] == CUR
+    assert _table_of(launch) == (2, 128 + 64, (act.ptr, 1024))
+    c.join(stream=STREAM)
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_attached_fork_passes_its_site_tensor(fake, where):
+    """hooks.attach: an eager fork of a PrefetchController gets the hooked module's input
+    (before) or output (after) as its activation; a CPU tensor there is not passed."""
+    torch = pytest.importorskip("torch")
+    from l2prefetch import hooks
+
+    class Twice(torch.nn.Module):
+        def forward(self, x, out):
+            return out
+
+    class OnStream(PC):   # torch here has no CUDA stream to default to
+        def fork(self, point, layer, batch, stream=None, activation=None):
+            return super().fork(point, layer, batch, stream=STREAM, activation=activation)
+
+    model = Twice()
+    c = OnStream(device=0)
+    c.add("p", 0, 1, PWR([arr(0)], warm_activation=True))
+    seen_in, seen_out = cuda_tensor(device_ptr(0, 9 * 65536), 64), \
+        cuda_tensor(device_ptr(0, 10 * 65536), 64)
+    with hooks.attach(model, c, {"p": [(model, 0, where)]}, batch_fn=lambda *a: 1,
+                      join=False):
+        fake.clear_log()
+        model(seen_in, seen_out)
+        expected = seen_in if where == "before" else seen_out
+        assert _table_of(fake.log("cuLaunchKernelEx")[-1]) == (2, 128 + 8,
+                                                              (expected.data_ptr(), 128))
+        c.join(stream=STREAM)
+        fake.clear_log()
+        model(torch.zeros(64), torch.zeros(64))   # CPU tensors: the weights alone
+        assert _table_of(fake.log("cuLaunchKernelEx")[-1])[0] == 1
+    c.join(stream=STREAM)

@@ -85,6 +85,69 @@ def test_prefetch_keeps_gemv_bitwise_identical():
     assert ctrl.stats()["p"] == {"forks": 20, "bytes": 20 * w.numel() * 2}
 
 
+@pytest.mark.parametrize("mode", ["eager", "inline", "branch", "leaf"])
+def test_warm_fork_reads_the_activation_and_keeps_numerics(mode):
+    """warm_activation: each fork also reads its activation (counted in the stats), eagerly
+    and in each graph mode; a view 2 bytes past an allocation's start is read from the
+    next 16-byte boundary (under compute-sanitizer, no byte outside it); bitwise."""
+    w, x = _rand((2048, 4096)), _rand((9, 4096))
+    act = x[1:]                                  # starts 8192 bytes in: aligned
+    odd = x.view(-1)[1:4097]                     # starts 2 bytes in: rounded up to 16
+    ref = torch.nn.functional.linear(act, w)
+    ctrl = PrefetchController(0, graph_fork="inline" if mode == "eager" else mode)
+    ctrl.add("p", 0, [8], PreparedWeightRanges([w], warm_activation=True))
+    wbytes = w.numel() * 2
+    if mode == "eager":
+        for seen in (act, odd):
+            assert ctrl.fork("p", 0, 8, activation=seen)
+            y = torch.nn.functional.linear(act, w)
+            ctrl.join()
+            assert torch.equal(y, ref)
+        torch.cuda.synchronize()
+        assert ctrl.stats()["p"] == {"forks": 2, "bytes": 2 * wbytes + act.numel() * 2
+                                     + 4096 * 2 - 14}
+        return
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            assert ctrl.fork("p", 0, 8, activation=odd)
+            out = torch.nn.functional.linear(act, w)
+            ctrl.join()
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(20):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    assert ctrl.stats()["p"] == {"forks": 1, "bytes": wbytes + 4096 * 2 - 14}
+
+
+def test_attached_warm_plan_keeps_a_block_bitwise():
+    """from_plan + hooks.attach with warm_activation entries before and after modules:
+    each eager fork reads the tensor its hook sees (the stats count it), output bitwise."""
+    from l2prefetch import PlanEntry, hooks
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.Linear(4096, 2048)).to(
+        DEV, torch.bfloat16)
+    x = _rand((4, 2048))
+    with torch.no_grad():
+        ref = model(x)
+    plan = [PlanEntry("before1", 0, (4,), (model[1].weight,), warm_activation=True),
+            PlanEntry("after0", 0, (4,), (model[1].weight,), byte_cap=1 << 20,
+                      warm_activation=True)]
+    ctrl = PrefetchController.from_plan(plan, 0)
+    with hooks.attach(model, ctrl, {"before1": [(model[1], 0, "before")],
+                                    "after0": [(model[0], 0)]}), torch.no_grad():
+        for _ in range(5):
+            assert torch.equal(model(x), ref)
+    torch.cuda.synchronize()
+    hidden = 4 * 4096 * 2   # model[0]'s output: what both hooks see
+    assert ctrl.stats()["before1"]["bytes"] == 5 * (model[1].weight.numel() * 2 + hidden)
+    assert ctrl.stats()["after0"]["bytes"] == 5 * ((1 << 20) + hidden)
+
+
 def _ordering_step(ctrl, src, seen, dst, value):
     """Main: (slow) src <- value; fork; side: seen <- src, (slow) dst <- value; join."""
     _sleep_us(50)

@@ -137,7 +137,8 @@ def test_settings_decide_table_sharing():
     a, b = w(4, 4), w(8)
     one = PlanEntry("next_attention", 1, (1, 2), (a, b), byte_cap=MIB, carveout=50)
     other = PlanEntry("oproj_down", 7, (5,), [a, b], byte_cap=MIB, carveout=50)
-    assert one.settings == other.settings == ((id(a), id(b)), MIB, 32, 50, False, None)
+    assert one.settings == other.settings == ((id(a), id(b)), MIB, 32, 50, False, None,
+                                                False)
     assert one.settings != PlanEntry("p", 1, (1,), (b, a), byte_cap=MIB, carveout=50).settings
     assert one.settings != PlanEntry("p", 1, (1,), (a, b), byte_cap=MIB).settings
     assert one.settings != PlanEntry("p", 1, (1,), (a, b), byte_cap=MIB, carveout=50,
@@ -259,11 +260,23 @@ def test_settings_and_equality_with_kernel_and_graph_fork():
     ring = PlanEntry("p", 0, (1,), (a,), kernel="ring")
     branch = PlanEntry("p", 0, (1,), (a,), graph_fork="branch")
     # kernel changes the table; graph_fork only how the controller forks.
-    assert ring.settings[-1] == "ring" and ring.settings != plain.settings
+    assert ring.settings[5] == "ring" and ring.settings != plain.settings
     assert branch.settings == plain.settings
     assert len({plain, ring, branch}) == 3
     assert branch == PlanEntry("p", 0, (1,), (a,), graph_fork="branch")
     assert branch != PlanEntry("p", 0, (1,), (a,), graph_fork="inline")
+
+
+def test_warm_activation_is_a_bool_of_the_table():
+    a = w(4)
+    plain, warm = PlanEntry("p", 0, (1,), (a,)), PlanEntry("p", 0, (1,), (a,), warm_activation=True)
+    assert plain.warm_activation is False and warm.warm_activation is True
+    assert plain != warm and plain.settings[-1] is False and warm.settings[-1] is True
+    assert "warm_activation" not in repr(plain)
+    assert repr(warm).endswith("priority=False, warm_activation=True)")
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="PlanEntry.warm_activation must be a bool"):
+            PlanEntry("p", 0, (1,), (a,), warm_activation=bad)
 
 
 def test_repr_shows_kernel_and_graph_fork_only_when_set():
@@ -390,6 +403,11 @@ def test_format_plan_shows_kernel_and_graph_fork_columns_only_when_set(fake_c):
     assert "| p | 0 | 1 | 1 | 1.00 | 1.7% | default | controller |" in lines
     assert "| q | 1 | 1 | 1 | 1.00 | 1.7% | default | branch |" in lines
     assert "| r | 1 | 1 | 1 | 1.00 | 1.7% | ring | controller |" in lines
+    assert all("warm" not in line for line in lines)
+    lines = format_plan([*plain, PlanEntry("q", 1, (1,), (a,), warm_activation=True)]).splitlines()
+    assert "| point | layer | batches | tensors | MiB | % of L2 | warm activation |" in lines
+    assert "| p | 0 | 1 | 1 | 1.00 | 1.7% | no |" in lines
+    assert "| q | 1 | 1 | 1 | 1.00 | 1.7% | yes |" in lines
 
 
 # ----------------------------------------------------------------------------- JSON
@@ -459,6 +477,20 @@ def test_json_round_trip_of_kernel_and_graph_fork(model):
     assert back == plan
     assert [(e.kernel, e.graph_fork) for e in back] == [
         ("load", "branch"), (None, "inline"), (None, None)]
+
+
+def test_json_round_trip_of_warm_activation(model):
+    one, two = model.layers
+    plan = [PlanEntry("oproj_down", 0, (1,), (one.front,), warm_activation=True),
+            PlanEntry("oproj_down", 1, (1,), (two.front,))]
+    text = plan_to_json(plan, model)
+    entries = json.loads(text)["entries"]
+    assert entries[0]["warm_activation"] is True and "warm_activation" not in entries[1]
+    back = plan_from_json(text, model)
+    assert back == plan and [e.warm_activation for e in back] == [True, False]
+    bad = text.replace('"warm_activation": true', '"warm_activation": 1')
+    with pytest.raises(TypeError, match="entry 0: PlanEntry.warm_activation must be a bool"):
+        plan_from_json(bad, model)
 
 
 def test_json_reads_version_1(model):

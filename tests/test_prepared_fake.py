@@ -142,7 +142,8 @@ def test_exact_launch(fake):
     f = kv(line)
     assert line.startswith(f"cuLaunchKernelEx grid=12,1,1 block=32,1,1 smem={RING_SMEM} "
                            f"stream={STREAM:#x} func=l2p_prefetch_8 attrs=none params=0x")
-    assert line.endswith(" extra=0x0") and "->" not in line
+    assert line.endswith(f" extra=0x0 count=2 granules=192 last={device_ptr(0, 65536):#x}+1024")
+    assert "->" not in line
     assert param_table(f, 2) == [2, (2048 + 1024) // 16, device_ptr(0), 2048,
                                  device_ptr(0, 65536), 1024]
     # again: the same configuration and parameter block, the context already current

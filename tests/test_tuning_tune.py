@@ -64,6 +64,9 @@ def test_tune_keeps_the_paying_role_for_every_batch_and_merges_the_plan():
     assert layers == [0, 1, 2]
     assert all(e.batches == (1, 8) for e in result.plan)
     assert all(e.graph_fork == "leaf" for e in result.plan)
+    # an eager step's loads end by reading their site's activation
+    assert all(e.warm_activation is True for e in result.plan)
+    assert "(warm_activation)" in result.markdown()
     assert result.sites[O_PROJ] == [(f"model.layers.{l}.self_attn.v_proj", l) for l in range(3)]
     assert "batch 1:" in result.summary() and "x (" in result.summary()
     md = result.markdown()
@@ -111,6 +114,7 @@ def test_profile_round_trip(tmp_path, monkeypatch):
     weights = data["model"]["weights"]
     assert weights["model.layers.0.self_attn.o_proj.weight"] == [[1024, 1024], "bfloat16"]
     assert {tuple(e["batches"]) for e in data["plan"]} == {(1, 8)}
+    assert all(e["warm_activation"] is True for e in data["plan"])
     assert data["results"][0]["roles"] and data["results"][0]["confirmed"]["gain"]["low"] > 0
     # the arms keep their letters in the profile: (a) no forks, (b) loads, (d) empty forks
     trial = data["results"][0]["roles"][0]["trials"][0]
@@ -122,6 +126,7 @@ def test_profile_round_trip(tmp_path, monkeypatch):
     assert len(profile.plan) == len(result.plan)
     for a, b in zip(profile.plan, result.plan):
         assert a == b  # same point, layer, batches, weights (identity) and settings
+        assert a.warm_activation is True
     points = profile.hook_points(model)
     assert points[O_PROJ][1] == (model.model.layers[1].self_attn.v_proj, 1)
     # inspecting without the GPU
@@ -498,6 +503,9 @@ def test_merge_plan_per_layer():
                                                           (3, (1, 8))]
     assert all(e.graph_fork == "leaf" and e.byte_cap == MIB for e in plan)
     assert [layer for _, layer in sites["A"]] == [0, 1, 2, 3]
+    assert not any(e.warm_activation for e in plan)
+    warm, _ = merge_plan([role], reports, warm_activation=True)
+    assert [e.warm_activation for e in warm] == [True] * 4
 # -- issue 21: a profile must agree with itself, and is bound to the model it was loaded for ---
 
 @functools.lru_cache(maxsize=None)
@@ -568,6 +576,8 @@ def split_hook(data):
     (lambda d: d.update(batches=[1, 8, 1]), r"'batches' names a batch more than once"),
     (lambda d: entry0(d).update(layer=2**40), r"plan\[0\].layer must be an int in 0..65535"),
     (lambda d: entry0(d).update(point=""), r"plan\[0\].point must be a non-empty str"),
+    (lambda d: entry0(d).update(warm_activation="yes"),
+     r"plan\[0\] is not a valid plan entry: PlanEntry.warm_activation must be a bool"),
     (lambda d: entry0(d).update(byte_cap=8), r"plan\[0\] is not a valid plan entry: "
                                              r"PlanEntry.byte_cap must be 0 \(no cap\) or at "
                                              r"least 16 bytes"),

@@ -293,13 +293,13 @@ class PrefetchController(_C.PrefetchController):
             tables = []
             for i, entry in enumerate(entries):
                 table_kernel = entry.kernel if entry.kernel is not None else kernel
-                key = (*entry.settings[:-1], table_kernel)
+                key = (*entry.settings[:5], table_kernel, entry.warm_activation)
                 ranges = prepared.get(key)
                 if ranges is None:
                     ranges = _C.PreparedWeightRanges(
                         entry.weights, byte_cap=entry.byte_cap, grid=entry.grid,
                         carveout=entry.carveout, priority=entry.priority, kernel=table_kernel,
-                        device=controller.device)
+                        device=controller.device, warm_activation=entry.warm_activation)
                     prepared[key] = ranges
                 _add(controller, i, entry, ranges)
                 tables.append(ranges)

@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
-from . import _torch
+from . import _C, _torch
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_hook_choices
 from .model_paths import compiled_module
 # The package's one disabled(), also public here: attach() is what it turns off.
@@ -286,13 +286,15 @@ def _fork_hook(controller: Any, point: str, layer: int,
                before: bool) -> Callable[..., None]:
     """The forward hook (``before``: pre-hook) with kwargs of one site; it returns None.
 
-    Eager: ``controller.fork(point, layer, batch)``.  Being compiled: ``fork_op(handle,
-    point, layer, batch, after=<first tensor of the module's output>)`` (``before``: of
-    its input, so compiled code keeps the fork behind that input's producer).  A
-    profile's controller tuned on a compiled step refuses an eager fork that would
-    launch (:func:`~l2prefetch.profile.check_step`).
+    Eager: ``controller.fork(point, layer, batch)``; a PrefetchController's also gets
+    ``activation=``, the first CUDA tensor of the module's output (``before``: of its
+    input), which a ``warm_activation`` table reads last.  Being compiled:
+    ``fork_op(handle, point, layer, batch, after=<that tensor>)`` (so compiled code keeps
+    the fork behind that tensor's producer).  A profile's controller tuned on a compiled
+    step refuses an eager fork that would launch (:func:`~l2prefetch.profile.check_step`).
     """
     fork = controller.fork
+    warms = isinstance(controller, _C.PrefetchController)
     tuned_step = getattr(controller, "tuned_step", None)
     refuse_eager = tuned_step is not None and bool(tuned_step.get("compiled"))
     batch_of = batch_fn if batch_fn is not None else (
@@ -307,7 +309,13 @@ def _fork_hook(controller: Any, point: str, layer: int,
             else:
                 if refuse_eager:
                     check_step(tuned_step, compiled=False, controller=controller)
-                fork(point, layer, batch)
+                if warms:
+                    seen = _first_tensor((args, kwargs) if before else output, tensor)
+                    fork(point, layer, batch,
+                         activation=seen if seen is not None and seen.device.type == "cuda"
+                         else None)
+                else:
+                    fork(point, layer, batch)
 
     if before:
         def pre_hook(module: Any, args: tuple, kwargs: dict) -> None:

@@ -6,7 +6,8 @@ prefetch the byte ranges of ``weights`` (in order, capped at ``byte_cap``
 bytes when it is not 0) with a loader of ``grid`` CTAs, an optional
 shared-memory ``carveout``, when ``priority`` is true the greatest stream
 priority, the loader ``kernel`` variant (None: the device's default) and, in a
-CUDA graph being captured, the ``graph_fork`` mode (None: the controller's).
+CUDA graph being captured, the ``graph_fork`` mode (None: the controller's), and
+whether an eager fork also reads its site's activation last (``warm_activation``).
 Policies (:mod:`l2prefetch.kimi_k3`, :mod:`l2prefetch.deepseek_v3`)
 build plans; the controller turns each entry into one prepared range table and
 launches it from ``fork(point, layer, batch)``.
@@ -96,7 +97,7 @@ KernelName = Literal["ring", "bulk_prefetch", "line_prefetch", "load"]
 _JSON_FIELDS: dict[int, tuple[str, ...]] = {
     1: ("point", "layer", "batches", "weights", "byte_cap", "grid", "carveout", "priority"),
 }
-_JSON_FIELDS[2] = (*_JSON_FIELDS[1], "kernel", "graph_fork")
+_JSON_FIELDS[2] = (*_JSON_FIELDS[1], "kernel", "graph_fork", "warm_activation")
 
 
 def _tensor_type() -> type | None:
@@ -215,8 +216,12 @@ class PlanEntry:
     default, or ``from_plan(kernel=...)``).  ``graph_fork`` says how this
     entry's forks go into a CUDA graph being captured (one of :data:`GRAPH_FORKS`,
     the modes of :mod:`l2prefetch.mechanisms`; None: the controller's
-    ``graph_fork``).  Wrong types raise TypeError, bad values ValueError, both
-    naming the field.
+    ``graph_fork``).  ``warm_activation`` makes each eager fork end its loads by
+    reading the tensor its hook sees (the module's input before it, its output
+    after it), which the next kernel reads first and the loads would otherwise
+    evict (benchmarks/RESULTS.md, run 36); a fork inside ``torch.compile``'d code
+    does not see that tensor and loads the weights alone.  Wrong types raise
+    TypeError, bad values ValueError, both naming the field.
 
     Entries compare and hash by value, with weights by identity (two entries
     are equal when they would prefetch the same tensor objects the same way).
@@ -232,6 +237,7 @@ class PlanEntry:
     priority: bool = False
     kernel: Optional[KernelName] = None
     graph_fork: Optional[GraphFork] = None
+    warm_activation: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.point, str):
@@ -263,6 +269,10 @@ class PlanEntry:
             _check_kernel(self.kernel)
         if self.graph_fork is not None:
             _check_graph_fork(self.graph_fork)
+        if not isinstance(self.warm_activation, bool):
+            raise TypeError("PlanEntry.warm_activation must be a bool, "
+                            f"got {type(self.warm_activation).__name__} "
+                            f"{self.warm_activation!r}")
 
     @property
     def nbytes(self) -> int:
@@ -274,16 +284,17 @@ class PlanEntry:
         return sum(n for _, n in _C.compute_ranges(self.weights, self.byte_cap))
 
     @property
-    def settings(self) -> tuple[tuple[int, ...], int, int, Optional[int], bool, Optional[str]]:
+    def settings(self) -> tuple[tuple[int, ...], int, int, Optional[int], bool, Optional[str],
+                                bool]:
         """What fixes the prepared table: (weight ids, byte_cap, grid, carveout, priority,
-        kernel).
+        kernel, warm_activation).
 
         Entries with equal settings can share one prepared table (the ids
         stay valid while an entry holds its weights).  ``graph_fork`` is not
         among them: it is how the controller forks, not part of the table.
         """
         return (tuple(id(w) for w in self.weights), self.byte_cap, self.grid, self.carveout,
-                self.priority, self.kernel)
+                self.priority, self.kernel, self.warm_activation)
 
     def _key(self) -> tuple:
         return (self.point, self.layer, self.batches, *self.settings, self.graph_fork)
@@ -300,7 +311,8 @@ class PlanEntry:
         # Never print tensor contents: on a GPU that would synchronise and copy.
         weights = ", ".join(_describe(w) for w in self.weights)
         optional = "".join(f", {name}={value!r}" for name, value in
-                           (("kernel", self.kernel), ("graph_fork", self.graph_fork))
+                           (("kernel", self.kernel), ("graph_fork", self.graph_fork),
+                            ("warm_activation", self.warm_activation or None))
                            if value is not None)
         return (f"PlanEntry(point={self.point!r}, layer={self.layer}, "
                 f"batches={compact_batches(self.batches)}, weights=[{weights}], "
@@ -406,8 +418,9 @@ def format_plan(plan: Iterable[PlanEntry], l2_bytes: int | None = None) -> str:
     sizes = [entry.nbytes for entry in plan]
     # Columns for the per-entry settings, only where some entry sets them.
     extra = [(title, field, unset) for title, field, unset in
-             (("kernel", "kernel", "default"), ("graph fork", "graph_fork", "controller"))
-             if any(getattr(entry, field) is not None for entry in plan)]
+             (("kernel", "kernel", "default"), ("graph fork", "graph_fork", "controller"),
+              ("warm activation", "warm_activation", "no"))
+             if any(getattr(entry, field) not in (None, False) for entry in plan)]
     whose = " (an H200's)" if l2_bytes is None else ""
     lines = [f"L2 prefetch plan: {len(plan)} entries; share of L2 against {l2 / MIB:.2f} MiB"
              f"{whose}",
@@ -416,7 +429,7 @@ def format_plan(plan: Iterable[PlanEntry], l2_bytes: int | None = None) -> str:
              + "".join(f" {title} |" for title, _, _ in extra),
              "|---|---:|---|---:|---:|---:|" + "---|" * len(extra)]
     for entry, size in zip(plan, sizes):
-        cells = "".join(f" {getattr(entry, field) or unset} |" for _, field, unset in extra)
+        cells = "".join(f" {_cell(getattr(entry, field), unset)} |" for _, field, unset in extra)
         lines.append(f"| {entry.point} | {entry.layer} | {compact_batches(entry.batches)} | "
                      f"{len(entry.weights)} | {size / MIB:.2f} | {100 * size / l2:.1f}% |"
                      + cells)
@@ -446,6 +459,10 @@ def format_plan(plan: Iterable[PlanEntry], l2_bytes: int | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(value: object, unset: str) -> str:
+    return "yes" if value is True else str(value or unset)
+
+
 def plan_to_json(plan: Iterable[PlanEntry], model: Any) -> str:
     """The plan as JSON, each weight named by its path in ``model``.
 
@@ -471,15 +488,16 @@ def plan_to_json(plan: Iterable[PlanEntry], model: Any) -> str:
                         "batches": list(entry.batches), "weights": weights,
                         "byte_cap": entry.byte_cap, "grid": entry.grid,
                         "carveout": entry.carveout, "priority": entry.priority,
-                        "kernel": entry.kernel, "graph_fork": entry.graph_fork})
+                        "kernel": entry.kernel, "graph_fork": entry.graph_fork,
+                        **({"warm_activation": True} if entry.warm_activation else {})})
     return json.dumps({"version": PLAN_JSON_VERSION, "entries": entries}, indent=1)
 
 
 def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
     """Read a plan written by :func:`plan_to_json`, resolving names in ``model``.
 
-    Reads version 2 and version 1 (whose entries have no ``kernel`` and
-    ``graph_fork``: both None).  Raises ValueError for malformed or too deeply
+    Reads version 2 (``warm_activation`` written only where true) and version 1
+    (whose entries have no ``kernel`` and ``graph_fork``: both None).  Raises ValueError for malformed or too deeply
     nested JSON, a key given twice in one object, a number too long to convert,
     another version, missing or unknown fields, a weight listed twice in an
     entry, two entries for one (point, layer, batch), or a weight name that does

@@ -66,7 +66,7 @@ DOCUMENT_KEYS = ("format", "version", "created", "device", "versions", "step", "
 #: The fields of a plan entry (``hook`` absent: after the module; the settings absent or
 #: null: PlanEntry's defaults).
 ENTRY_KEYS = ("point", "layer", "batches", "weights", "site", "hook", "byte_cap", "grid",
-              "carveout", "priority", "kernel", "graph_fork")
+              "carveout", "priority", "kernel", "graph_fork", "warm_activation")
 #: The fields of ``model`` (the fingerprint) and of ``device`` (DEVICE_KEYS, and the
 #: driver, which only warns where it differs).
 MODEL_KEYS = ("class", "layers", "weights")
@@ -673,7 +673,8 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
                                        f"{_show(raw['site'])}, which is not a module of this "
                                        "model")
         fields = {k: raw[k] for k in ("byte_cap", "grid", "carveout", "priority", "kernel",
-                                      "graph_fork") if k in raw and raw[k] is not None}
+                                      "graph_fork", "warm_activation")
+                  if k in raw and raw[k] is not None}
         try:
             entry = PlanEntry(raw["point"], raw["layer"], raw["batches"],
                               tuple(tensors[n] for n in raw["weights"]), **fields)
@@ -705,7 +706,8 @@ def _entry(entry: PlanEntry, weights: list[str], site: tuple) -> dict:
             "weights": weights, "site": path, **({"hook": hook[0]} if hook else {}),
             "byte_cap": entry.byte_cap, "grid": entry.grid, "carveout": entry.carveout,
             "priority": entry.priority, "kernel": entry.kernel,
-            "graph_fork": entry.graph_fork}
+            "graph_fork": entry.graph_fork,
+            **({"warm_activation": True} if entry.warm_activation else {})}
 
 
 def profile_document(model: Any, plan: Sequence[PlanEntry], sites: Mapping[str, Sequence],

@@ -645,6 +645,12 @@ EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction fn, void 
     }
     if (!cfg->attrs || !cfg->numAttrs) addf(&c, "none");
     addf(&c, " params=0x%llx extra=0x%llx", H(params), H(extra));
+    if (f && params && params[0] && !strncmp(f->name, "l2p_prefetch_", 13)) {
+        /* a prefetch table, read now: a launch may pass a copy that is gone after it */
+        const unsigned long long *t = params[0];
+        addf(&c, " count=%llu granules=%llu", t[0], t[1]);
+        if (t[0] && t[0] <= 128) addf(&c, " last=0x%llx+%llu", t[2 * t[0]], t[2 * t[0] + 1]);
+    }
     if (gate(&c)) return end(&c, c.rc);
     if (!f) return end(&c, E_INVALID_HANDLE);
     int dev, foreign;

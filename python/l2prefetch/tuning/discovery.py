@@ -288,7 +288,8 @@ class Role:
         return dataclasses.replace(self, sites=tuple(s for s in self.sites if s.layer in wanted))
 
     def entries(self, batches: Iterable[int], *, byte_cap: int, grid: int = 32,
-                kernel: Optional[str] = None, graph_fork: Optional[str] = None) -> list:
+                kernel: Optional[str] = None, graph_fork: Optional[str] = None,
+                warm_activation: bool = False) -> list:
         """One :class:`~l2prefetch.plan.PlanEntry` per layer with these settings."""
         batches = tuple(batches)
         extra = {}
@@ -296,6 +297,8 @@ class Role:
             extra["kernel"] = kernel
         if graph_fork is not None:
             extra["graph_fork"] = graph_fork
+        if warm_activation:
+            extra["warm_activation"] = True
         return [PlanEntry(self.name, s.layer, batches, s.weights, byte_cap=byte_cap, grid=grid,
                           carveout=self.default("carveout", None),
                           priority=self.default("priority", False), **extra)

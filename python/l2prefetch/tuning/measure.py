@@ -308,12 +308,14 @@ class GraphBackend(Backend):
     # ------------------------------------------------------------------ arms
     def _controller(self, arm: Arm, batch: int) -> Any:
         """A controller for ``arm`` at ``batch`` (:func:`~l2prefetch.tuning.rig.build_controller`:
-        ``eager=False``, as deployed; empty tables for the control)."""
+        ``eager=False``, as deployed; empty tables for the control).  An eager step's loads
+        end by reading their site's activation (``warm_activation``; the empty tables do
+        not)."""
         entries = []
         for name, setting in arm.roles:
             entries += self._role(name, setting).entries(
                 (batch,), byte_cap=setting.byte_cap, grid=setting.grid, kernel=setting.kernel,
-                graph_fork=setting.graph_fork)
+                graph_fork=setting.graph_fork, warm_activation=not self.compiled)
         if arm.empty or arm.loads_at is None:
             return build_controller(entries, self.device.index, empty=arm.empty)
         layers = {entry.layer for entry in entries}

@@ -85,7 +85,9 @@ def markdown(result: Any) -> str:
             + ("compiled steps only: a controller made from it refuses forks that run "
                "eagerly." if step.get("compiled") else
                "eager steps only: a controller made from it refuses forks in code "
-               "torch.compile made (tune with --compile for those)."), ""]
+               "torch.compile made (tune with --compile for those).  Each fork's loads end "
+               "by reading the tensor at its site (warm_activation), which the next kernel "
+               "reads first."), ""]
     for name, why in sorted((result.settings or {}).get("not_offered", {}).items()):
         head.append(f"- {name}: {why}.")
     if (result.settings or {}).get("not_offered"):

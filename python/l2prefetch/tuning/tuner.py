@@ -156,11 +156,12 @@ def _check_compiled(compiled: object) -> Optional[str]:
     return compiled
 
 
-def merge_plan(roles: Sequence[Role], reports: Sequence[BatchReport]) -> tuple[list, dict]:
+def merge_plan(roles: Sequence[Role], reports: Sequence[BatchReport], *,
+               warm_activation: bool = False) -> tuple[list, dict]:
     """One plan for all batches: an entry per kept (role, setting) and layer, holding the
     batches where that setting was confirmed at that layer (a setting for a group of
-    layers covers those only); and each point's sites (:meth:`RoleSite.hook_site`), by
-    layer."""
+    layers covers those only), each with ``warm_activation`` as measured; and each
+    point's sites (:meth:`RoleSite.hook_site`), by layer."""
     by_name = {role.name: role for role in roles}
     batches_of: dict[tuple[str, Setting], dict[int, list[int]]] = {}
     for rep in reports:
@@ -178,7 +179,8 @@ def merge_plan(roles: Sequence[Role], reports: Sequence[BatchReport]) -> tuple[l
         for batches, layers in layers_of.items():
             role = by_name[name].restrict(layers)
             plan += role.entries(batches, byte_cap=setting.byte_cap, grid=setting.grid,
-                                 kernel=setting.kernel, graph_fork=setting.graph_fork)
+                                 kernel=setting.kernel, graph_fork=setting.graph_fork,
+                                 warm_activation=warm_activation)
             point_sites = sites.setdefault(name, [])
             for site in role.sites:
                 if site.hook_site() not in point_sites:
@@ -288,7 +290,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                          resolution=resolution, progress=progress)
     finally:
         backend.close()
-    plan, sites = merge_plan(roles, reports)
+    plan, sites = merge_plan(roles, reports, warm_activation=not compiled)
     result = TuneResult(
         batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
         elapsed_s=time.monotonic() - t0,
