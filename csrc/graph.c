@@ -171,8 +171,9 @@ static const l2p_signature loader_nodes_sig = {
     .name = "_graph_loader_nodes", .params = graph_params, .posonly = 1, .maxpos = 1,
     .required = 1};
 static const l2p_signature set_loaders_sig = {
-    .name = "_graph_set_loaders", .params = (const char *const[]){"exec", "nodes", "state", NULL},
-    .posonly = 3, .maxpos = 3, .required = 3};
+    .name = "_graph_set_loaders",
+    .params = (const char *const[]){"exec", "nodes", "state", "extras", NULL},
+    .posonly = 4, .maxpos = 4, .required = 3};
 static const l2p_signature edges_sig = {
     .name = "_graph_edges", .params = graph_params, .posonly = 1, .maxpos = 1, .required = 1};
 static const l2p_signature instantiate_without_sig = {
@@ -304,9 +305,48 @@ static int state_arg(l2p_state *st, PyObject *state, Py_ssize_t nodes, PyObject 
     return -1;
 }
 
-/* Switches node i of exec (a loader node of d) to state; tables[i] for STATE_TABLES. */
+/* The extras argument of _graph_set_loaders: None, or an exact tuple of one item per
+ * node, each None or an exact tuple of two exact ints (ptr 16-byte aligned, nbytes at
+ * least 16), into out (n entries) and has (0/1 each); -1 with TypeError/ValueError. */
+static int extras_arg(PyObject *extras, Py_ssize_t n, l2p_range *out, char *has)
+{
+    memset(has, 0, (size_t)n);
+    if (extras == Py_None)
+        return 0;
+    if (!PyTuple_CheckExact(extras) || PyTuple_GET_SIZE(extras) != n) {
+        PyErr_Format(PyExc_TypeError, "extras must be None or a tuple of %zd items (one per "
+                     "node), not %R", n, extras);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyTuple_GET_ITEM(extras, i);
+        if (e == Py_None)
+            continue;
+        unsigned long long ptr = 0, nbytes = 0;
+        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 2 ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(e, 0)) || !PyLong_CheckExact(PyTuple_GET_ITEM(e, 1)) ||
+            ((ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(e, 0))) == (unsigned long long)-1 &&
+             PyErr_Occurred()) ||
+            ((nbytes = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(e, 1))) == (unsigned long long)-1 &&
+             PyErr_Occurred()) ||
+            ptr % 16 || nbytes < 16) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "extras[%zd] must be None or (ptr, nbytes), ptr "
+                         "16-byte aligned and nbytes at least 16 (a range a node was captured "
+                         "with), not %R", i, e);
+            return -1;
+        }
+        out[i].ptr = ptr;
+        out[i].nbytes = nbytes;
+        has[i] = 1;
+    }
+    return 0;
+}
+
+/* Switches node i of exec (a loader node of d) to state; tables[i] for STATE_TABLES,
+ * with extra (or NULL) appended where that table warms. */
 static int set_loader(l2p_state *st, l2p_driver *d, CUgraphExec exec, CUgraphNode node,
-                      Py_ssize_t i, int state, PyObject *tables)
+                      Py_ssize_t i, int state, PyObject *tables, const l2p_range *extra)
 {
     CUresult r;
     if (state == STATE_OFF) {
@@ -324,7 +364,8 @@ static int set_loader(l2p_state *st, l2p_driver *d, CUgraphExec exec, CUgraphNod
                      "(pass what _graph_loader_nodes() returned)", i);
         return -1;
     }
-    void *empty_params[1] = {empty_block};
+    void *empty_params[1] = {empty_block}, *slot[1];
+    uint64_t buf[L2P_TABLE_WORDS];
     if (state == STATE_EMPTY) {
         p.kernelParams = empty_params;
         p.extra = NULL;
@@ -335,7 +376,7 @@ static int set_loader(l2p_state *st, l2p_driver *d, CUgraphExec exec, CUgraphNod
                          "cuda:%d", i, l2p_prepared_device(t), i, device);
             return -1;
         }
-        l2p_prepared_node_params(t, &p);
+        l2p_prepared_node_params(t, &p, extra, buf, slot);
     }
     if ((r = d->fn.cuGraphExecKernelNodeSetParams(exec, node, &p)) != CUDA_SUCCESS)
         return l2p_raise_cuda_int(st, d, "cuGraphExecKernelNodeSetParams", r);
@@ -344,14 +385,16 @@ static int set_loader(l2p_state *st, l2p_driver *d, CUgraphExec exec, CUgraphNod
     return 0;
 }
 
-/* _C._graph_set_loaders(exec, nodes, state): state 'on', 'empty' or 'off' (above), or a
- * tuple of PreparedWeightRanges, one per node: each node launches that table (its
- * kernel, grid and ranges; the node's priority and carveout stay as captured).  exec
- * is a raw handle of an executable graph its owner keeps (torch's CUDAGraph). */
+/* _C._graph_set_loaders(exec, nodes, state, extras=None): state 'on', 'empty' or 'off'
+ * (above), or a tuple of PreparedWeightRanges, one per node: each node launches that
+ * table (its kernel, grid and ranges; the node's priority and carveout stay as
+ * captured), and where the table warms, extras[i]: the activation range node i was
+ * captured with (tuning.rig.LoaderSwitch reads it from the node).  exec is a raw handle
+ * of an executable graph its owner keeps (torch's CUDAGraph). */
 PyObject *l2p_py_graph_set_loaders(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     l2p_state *st = l2p_get_state(module);
-    PyObject *vals[3] = {NULL, NULL, NULL}, *tables = NULL;
+    PyObject *vals[4] = {NULL, NULL, NULL, Py_None}, *tables = NULL;
     uintptr_t exec;
     CUgraphNode *nodes;
     Py_ssize_t n;
@@ -361,10 +404,21 @@ PyObject *l2p_py_graph_set_loaders(PyObject *module, PyObject *const *args, Py_s
                   "the tuple _graph_loader_nodes() returned", &nodes, &n) < 0)
         return NULL;
     int state = state_arg(st, vals[2], n, &tables);
+    l2p_range *extras = PyMem_Calloc((size_t)n + 1, sizeof *extras);
+    char *has = PyMem_Calloc((size_t)n + 1, 1);
+    if (!extras || !has) {
+        PyErr_NoMemory();
+        state = -1;
+    } else if (state >= 0 && extras_arg(vals[3], n, extras, has) < 0) {
+        state = -1;
+    }
     l2p_driver *d = state < 0 ? NULL : graph_driver(st, SWITCH_API);
     int rc = d ? 0 : -1;
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++)
-        rc = set_loader(st, d, (CUgraphExec)exec, nodes[i], i, state, tables);
+        rc = set_loader(st, d, (CUgraphExec)exec, nodes[i], i, state, tables,
+                        has[i] ? &extras[i] : NULL);
+    PyMem_Free(extras);
+    PyMem_Free(has);
     PyMem_Free(nodes);
     l2p_driver_decref(d);
     if (rc < 0)

@@ -46,7 +46,6 @@ struct l2p_prepared {
     CUfunction func;
     CUlaunchConfig cfg;
     CUlaunchAttribute attrs[2];
-    void *params[1];
     param_block *table;       /* the kernel's one parameter */
     PyObject *weakreflist;
 };
@@ -83,24 +82,31 @@ int l2p_prepared_warms(PyObject *obj)
     return ((l2p_prepared *)obj)->warm;
 }
 
-CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream, const l2p_range *extra)
+/* The kernel's parameter block: self's table, or (extra given and self warms) a copy
+ * of it in buf with extra in the kept slot.  A launch and a graph node copy their
+ * parameters, so buf can live on the caller's stack. */
+static param_block *block_with(l2p_prepared *self, const l2p_range *extra, uint64_t *buf)
 {
-    l2p_prepared *self = (l2p_prepared *)obj;
-    self->cfg.hStream = stream;
     if (!extra || !self->warm)
-        return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func, self->params, NULL);
-    /* A copy of the table with extra in its kept slot.  The launch (and a captured
-     * node) copies the parameters, so the copy can live on the stack. */
-    uint64_t words[2 + 2 * L2P_MAX_TABLE];
-    param_block *copy = (param_block *)words;
+        return self->table;
+    param_block *copy = (param_block *)buf;
     memcpy(copy, self->table, sizeof *copy + self->capacity * sizeof copy->ranges[0]);
     copy->ranges[copy->count++] = *extra;
     copy->granules += extra->nbytes / 16;
-    void *params[1] = {copy};
+    return copy;
+}
+
+CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream, const l2p_range *extra)
+{
+    l2p_prepared *self = (l2p_prepared *)obj;
+    uint64_t buf[L2P_TABLE_WORDS];
+    void *params[1] = {block_with(self, extra, buf)};
+    self->cfg.hStream = stream;
     return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func, params, NULL);
 }
 
-void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p)
+void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p, const l2p_range *extra,
+                              uint64_t *buf, void **slot)
 {
     l2p_prepared *self = (l2p_prepared *)obj;
     memset(p, 0, sizeof *p);
@@ -112,7 +118,8 @@ void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p)
     p->blockDimY = self->cfg.blockDimY;
     p->blockDimZ = self->cfg.blockDimZ;
     p->sharedMemBytes = self->cfg.sharedMemBytes;
-    p->kernelParams = self->params;
+    slot[0] = block_with(self, extra, buf);
+    p->kernelParams = slot;
 }
 
 static int check_int(PyObject *o, const char *what, long lo, long hi, long *out)
@@ -221,7 +228,6 @@ static int fill_table(l2p_prepared *self, const l2p_range *ranges, int cap)
     }
     self->table->count = (uint64_t)n;
     self->table->granules = granules;
-    self->params[0] = self->table;
     rc = 0;
 done:
     for (Py_ssize_t i = 0; pairs && i < made; i++)

@@ -342,3 +342,53 @@ def test_a_node_of_more_than_8_ranges_reads_back_whole(fake, n):
     (_, ranges), = _C._graph_loader_nodes(GRAPH)
     assert ranges == table.ranges
     c.close()
+
+
+# -- warm_activation: a node captured with its fork's activation appended ---------------------
+
+def test_a_warm_node_switched_keeps_its_activation(fake):
+    """tuning.rig.LoaderSwitch: a node captured by a warm fork has its table's ranges and
+    the activation; a warm table switched in gets that activation again, another not;
+    bad extras are refused before any driver call."""
+    from l2prefetch.tuning.rig import LoaderSwitch
+
+    warm = PWR([arr(0)], warm_activation=True)
+    c = PC(device=0, graph_fork="leaf")
+    c.add("p", 0, 1, warm)
+    fake.set_capture(7)
+    act = arr(9, 64)
+    assert c.fork("p", 0, 1, stream=STREAM, activation=act)
+    (node, ranges), = _C._graph_loader_nodes(GRAPH)
+    assert ranges == (*warm.ranges, (act.ptr, 128))
+
+    class Graph:   # what LoaderSwitch reads of a torch CUDAGraph
+        def raw_cuda_graph(self):
+            return GRAPH
+
+        def raw_cuda_graph_exec(self):
+            return EXEC
+
+    switch = LoaderSwitch(Graph())
+    other_warm, plain = PWR([arr(3)], grid=8, warm_activation=True), PWR([arr(4)])
+    fake.clear_log()
+    switch.set({warm.ranges: other_warm})
+    line, = fake.log("cuGraphExecKernelNodeSetParams")
+    assert (kv(line)["grid"], kv(line)["count"], kv(line)["last"]) == \
+        ("8", "2", f"{act.ptr:#x}+128")
+    fake.clear_log()
+    switch.set({warm.ranges: plain})
+    line, = fake.log("cuGraphExecKernelNodeSetParams")
+    assert (kv(line)["count"], kv(line)["last"]) == ("1", f"{arr(4).ptr:#x}+2048")
+    with pytest.raises(ValueError, match="no table given for the loader node captured"):
+        switch.set({plain.ranges: warm})
+    fake.clear_log()
+    for extras, error, message in [
+            ([None], TypeError, "extras must be None or a tuple of 1 items"),
+            ((None, None), TypeError, "extras must be None or a tuple of 1 items"),
+            (((act.ptr + 4, 128),), ValueError, r"extras\[0\] must be None or \(ptr, nbytes\)"),
+            (((act.ptr, 8),), ValueError, r"extras\[0\] must be None or \(ptr, nbytes\)"),
+            (((act.ptr, -1),), ValueError, r"extras\[0\] must be None or \(ptr, nbytes\)"),
+            (((act.ptr, 128.0),), ValueError, r"extras\[0\] must be None or \(ptr, nbytes\)")]:
+        with pytest.raises(error, match=message):
+            _C._graph_set_loaders(EXEC, (node,), (other_warm,), extras)
+    assert fake.log("cuGraphExecKernelNodeSetParams") == []

@@ -809,8 +809,9 @@ EXPORT CUresult cuGraphExecKernelNodeSetParams(void *exec, void *node, const Ker
     if (!find(K_NODE, node)) return end(&c, E_INVALID_HANDLE);
     if (!p || !p->kernelParams || !p->kernelParams[0]) return end(&c, E_INVALID_VALUE);
     Obj *f = func_obj(p->func);
-    addf(&c, " func=%s grid=%u count=%llu", f ? f->name : "?", p->gridDimX,
-         (unsigned long long)((const uint64_t *)p->kernelParams[0])[0]);
+    const unsigned long long *t = p->kernelParams[0];
+    addf(&c, " func=%s grid=%u count=%llu", f ? f->name : "?", p->gridDimX, t[0]);
+    if (t[0] && t[0] <= 128) addf(&c, " last=0x%llx+%llu", t[2 * t[0]], t[2 * t[0] + 1]);
     return end(&c, OK);
 }
 

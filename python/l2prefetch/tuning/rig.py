@@ -283,7 +283,10 @@ class LoaderSwitch:
     with no ranges: the empty-fork control), ``"off"`` (the nodes disabled) or a
     mapping from a captured table's ranges to the table each such node should
     launch instead (another cap, grid or kernel; priority and carveout stay as
-    captured).  Updates apply to later replays only, so switching needs no sync.
+    captured).  A node an eager fork captured with its activation appended
+    (``warm_activation``) has one range more than its table: it matches that table's
+    ranges, and a warm table put in its place gets the same activation range.  Updates
+    apply to later replays only, so switching needs no sync.
     """
 
     def __init__(self, graph: Any) -> None:
@@ -302,12 +305,18 @@ class LoaderSwitch:
         if state is self._state or (isinstance(state, str) and state == self._state):
             return
         if isinstance(state, Mapping):
-            try:
-                tables = tuple(state[ranges] for ranges in self.captured)
-            except KeyError as exc:
-                raise ValueError(f"no table given for the loader node captured with ranges "
-                                 f"{exc.args[0]!r}") from None
-            self._C._graph_set_loaders(self._exec, self.nodes, tables)
+            tables, extras = [], []
+            for ranges in self.captured:
+                table, extra = state.get(ranges), None
+                if table is None and ranges and ranges[:-1] in state:   # captured warm
+                    table = state[ranges[:-1]]
+                    extra = ranges[-1] if table.warm_activation else None
+                if table is None:
+                    raise ValueError(f"no table given for the loader node captured with "
+                                     f"ranges {ranges!r}")
+                tables.append(table)
+                extras.append(extra)
+            self._C._graph_set_loaders(self._exec, self.nodes, tuple(tables), tuple(extras))
         else:
             self._C._graph_set_loaders(self._exec, self.nodes, state)
         self._state = state
