@@ -398,13 +398,14 @@ def _list_roles(args: argparse.Namespace, options: _Options, model: Any, step: A
         raise _Exit(exc, 1) from None
     except ValueError as exc:
         raise _Exit(exc) from None
+    largest = max(args.caps_mib)
+    table = describe_roles(roles, cap=int(largest * (1 << 20)))   # printed once --roles holds
     names = [role.name for role in roles]
     unknown = [name for name in args.roles or () if name not in names]
     if unknown:
         raise _Exit(f"--roles: this model has no role {role_hints(unknown, names)}; "
                     "--list-roles without --roles lists its roles")
-    largest = max(args.caps_mib)
-    print(describe_roles(roles, cap=int(largest * (1 << 20))), end="")
+    print(table, end="")
     print(LARGEST_LOAD.format(max_mib=largest))
     return 0
 
