@@ -395,17 +395,6 @@ def make_config(tf: Any, cls: type, data: Mapping[str, Any], overrides: Mapping[
     return config
 
 
-def _read_config(path: str) -> dict:
-    text = read_text(path, "config")
-    try:
-        data = loads_json(text, f"config {path}")
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"config {path} is not valid JSON: {error_line(exc)}") from None
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"{path} has no \"model_type\": it is not a transformers config")
-    return data
-
-
 def _check_safetensors(path: str) -> None:
     """Read a safetensors file's header and check it describes the file: a JSON object of
     tensors whose dtypes, shapes and offsets tile the data exactly (what the loader would
@@ -557,7 +546,13 @@ def _config(source: str, overrides: Mapping[str, Any]) -> tuple[Any, Optional[st
     else:
         used = f"the config file {source}"
     if os.path.lexists(source):
-        data = _read_config(source)
+        text = read_text(source, "config")
+        try:
+            data = loads_json(text, f"config {source}")
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"config {source} is not valid JSON: {error_line(exc)}") from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise ValueError(f"{source} has no \"model_type\": it is not a transformers config")
         data.pop("auto_map", None)   # a checkpoint's own code: never imported
         cls = _config_class(tf, data.pop("model_type"), source)
         used += f" ({shadow})" if shadow else ""
