@@ -253,8 +253,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     when the step fails or cannot be captured at a batch.  The result's plan is empty
     when nothing was confirmed to pay; never one slower than no plan in its confirmation.
     """
-    batches = _check_model_and_step(model, step, batches, budget_s)
-    model = compiled_module(model)   # torch.compile(model): its module's paths and hooks
+    model, batches = _check_model_and_step(model, step, batches, budget_s)
     max_instances = _check_sampling(instances, max_instances, rounds, min_gain_us, resolution)
     known = _check_settings(caps_mib, grids, graph_forks, kernels)
     if backend is not None and not isinstance(backend, Backend):
@@ -376,8 +375,9 @@ def _time_went(roles_s: float, reports: Sequence[Any], compiled: bool) -> str:
 
 
 def _check_model_and_step(model: Any, step: object, batches: object,
-                          budget_s: object) -> tuple[int, ...]:
-    """tune()'s model, step, batches (returned as checked) and budget."""
+                          budget_s: object) -> tuple[Any, tuple[int, ...]]:
+    """tune()'s model, step, batches and budget; the module tuned (a ``torch.compile(model)``
+    wrapper's: its paths and hooks) and the batches, as checked."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -392,6 +392,7 @@ def _check_model_and_step(model: Any, step: object, batches: object,
         raise ValueError("model: l2prefetch hooks are attached to it (hooks.attach), and their "
                          "forks would run in the tuner's arms, those without forks too: "
                          "detach them (Attachment.detach()) before tuning")
+    module = compiled_module(model)   # torch.compile(model): its module's paths and hooks
     if not callable(step):
         raise TypeError(f"step must be a callable step(batch) -> output, got "
                         f"{type(step).__name__}")
@@ -400,7 +401,7 @@ def _check_model_and_step(model: Any, step: object, batches: object,
     if budget_s == 0:
         raise ValueError("budget_s must be > 0 seconds (the default is 300); a tuner with no "
                          "time can confirm nothing")
-    return batches
+    return module, batches
 
 
 def check_max_instances(instances: int, max_instances: object, *,
