@@ -289,6 +289,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                          resolution=resolution, progress=progress)
     finally:
         backend.close()
+    fingerprint = backend.device_fingerprint()
     plan, sites = merge_plan(roles, reports, warm_activation=not compiled)
     result = TuneResult(
         batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
@@ -301,8 +302,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                   "min_bytes": min_bytes, "resolution": resolution, "roles": len(roles),
                   **({"not_offered": not_offered} if not_offered else {}),
                   **({"within_compilation": True} if backend.within_compilation else {})},
-        device=backend.device_fingerprint(),
-        versions=versions(), step=step_info)
+        device=fingerprint, versions=versions(), step=step_info)
     logger.info("tuned %d roles at batches %s in %.0f s: %s", len(roles), list(batches),
                 result.elapsed_s, "empty plan" if result.empty else
                 f"{len(plan)} entries over {len(sites)} roles")
