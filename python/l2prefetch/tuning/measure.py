@@ -246,6 +246,7 @@ class GraphBackend(Backend):
 
     def prepare(self, batch: int) -> Prepared:
         torch = self.torch
+        fn = self._fn(batch)   # what the rig captures below (reads the outputs when it runs)
         compile_s = 0.0
         try:
             with torch.cuda.device(self.device), torch.no_grad():
@@ -264,7 +265,7 @@ class GraphBackend(Backend):
                             f"{type(exc).__name__}: {exc}") from exc
         t0 = time.perf_counter()
         try:
-            graph, _ = self.rig.capture(self._fn(batch), warmup=0)
+            graph, _ = self.rig.capture(fn, warmup=0)
         except Exception as exc:
             raise StepError(
                 f"step({batch}) cannot be captured into a CUDA graph: {type(exc).__name__}: "
