@@ -807,7 +807,7 @@ static int activation_range(controller *self, PyObject *activation, l2p_range *o
 }
 
 PyDoc_STRVAR(fork_doc,
-"fork($self, point, layer, batch, /, stream=None, activation=None)\n--\n\n"
+"fork($self, point, layer, batch, /, stream=None, *, activation=None)\n--\n\n"
 "Launch the table registered for (point, layer, batch) on the side stream,\n"
 "after the work already queued on stream (default: torch's current stream).\n"
 "Where that table was made with warm_activation=True, activation (a tensor on\n"

@@ -1503,3 +1503,74 @@ def test_attached_fork_passes_its_site_tensor(fake, where):
         model(torch.zeros(64), torch.zeros(64))   # CPU tensors: the weights alone
         assert _table_of(fake.log("cuLaunchKernelEx")[-1])[0] == 1
     c.join(stream=STREAM)
+
+
+# -- review of warm_activation: the hook's activation and fork's signature -------------------
+
+def _attached_model(torch):
+    class Twice(torch.nn.Module):
+        def forward(self, x, out):
+            return out
+    return Twice()
+
+
+def test_attached_fork_skips_an_activation_on_another_device(fake):
+    """A pre-hook sees the module's input before any device move (accelerate moves a
+    module's inputs inside its forward, after the pre-hooks): a tensor on another GPU
+    there must not make the user's forward raise; the fork loads the weights alone."""
+    torch = pytest.importorskip("torch")
+    from l2prefetch import hooks
+
+    reopen(fake, device_count=2)
+
+    class OnStream(PC):
+        def fork(self, point, layer, batch, stream=None, activation=None):
+            return super().fork(point, layer, batch, stream=STREAM, activation=activation)
+
+    model = _attached_model(torch)
+    c = OnStream(device=0)
+    c.add("p", 0, 1, PWR([arr(0)], warm_activation=True))
+    elsewhere = cuda_tensor(device_ptr(1, 9 * 65536), 64, device=1)
+    with hooks.attach(model, c, {"p": [(model, 0, "before")]}, batch_fn=lambda *a: 1,
+                      join=False):
+        fake.clear_log()
+        model(elsewhere, elsewhere)   # raised ValueError: activation is on cuda:1
+        assert _table_of(fake.log("cuLaunchKernelEx")[-1])[0] == 1
+    c.join(stream=STREAM)
+
+
+def test_attached_fork_of_a_subclass_with_the_protocols_fork(fake):
+    """hooks.Controller's fork is fork(point, layer, batch): a PrefetchController subclass
+    that overrides it so (as attach() always allowed) must keep working."""
+    torch = pytest.importorskip("torch")
+    from l2prefetch import hooks
+
+    class Logged(PC):
+        calls = []
+
+        def fork(self, point, layer, batch):
+            self.calls.append((point, layer, batch))
+            return super().fork(point, layer, batch, stream=STREAM)
+
+    model = _attached_model(torch)
+    c = Logged(device=0)
+    c.add("p", 0, 1, PWR([arr(0)], warm_activation=True))
+    t = cuda_tensor(device_ptr(0, 9 * 65536), 64)
+    with hooks.attach(model, c, {"p": [(model, 0, "after")]}, batch_fn=lambda *a: 1,
+                      join=False):
+        model(t, t)   # raised TypeError: fork() got an unexpected keyword 'activation'
+    assert Logged.calls == [("p", 0, 1)]
+    c.join(stream=STREAM)
+
+
+def test_fork_signature_says_activation_is_keyword_only(fake):
+    """fork takes at most 4 positional arguments: its __text_signature__ (inspect) and the
+    stub must say activation is keyword-only."""
+    import inspect
+
+    c = PC(device=0)
+    c.add("p", 0, 1, PWR([arr(0)], warm_activation=True))
+    with pytest.raises(TypeError):
+        c.fork("p", 0, 1, STREAM, arr(9, 64))
+    params = inspect.signature(PC.fork).parameters
+    assert params["activation"].kind is inspect.Parameter.KEYWORD_ONLY

@@ -394,3 +394,20 @@ def test_the_tuners_per_layer_arms_switch_from_the_every_layer_capture(fake):
     assert switch_states(names, "b:0", ctl) is None
     for c in ctl.values():
         c.close()
+
+
+def test_a_warm_table_is_not_switched_into_a_node_captured_without_its_activation(fake):
+    """warm_activation: a node the head captured with an empty (never warm) table has no
+    activation range, so a warm table switched into it would load without the read it
+    makes when deployed: such a group is captured unpaired (switch_states: None)."""
+    from l2prefetch.tuning.measure import switch_states
+
+    w = [cuda_tensor(i * 65536, 1024) for i in range(2)]
+    plan = [PlanEntry("mlp", layer, [1], (w[layer],), warm_activation=True) for layer in range(2)]
+    build = controller_module.build_controller
+    ctl = {f"b:{k}": build(plan, 0, empty=lambda e, k=k: e.layer != k) for k in range(2)}
+    assert ctl["b:1"].get("mlp", 1, 1).warm_activation
+    assert not ctl["b:0"].get("mlp", 1, 1).warm_activation   # empty: never warm
+    assert switch_states(list(ctl), "b:0", ctl) is None
+    for c in ctl.values():
+        c.close()

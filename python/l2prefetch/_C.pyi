@@ -73,6 +73,7 @@ def _floor_fork_join(prepared: PreparedWeightRanges, n: int, stream: int) -> int
 def _graph_loader_nodes(graph: int, /) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]: ...
 def _graph_set_loaders(exec: int, nodes: tuple[int, ...],
                        state: Union[Literal["on", "empty", "off"], tuple[PreparedWeightRanges, ...]],
+                       extras: Optional[tuple[Optional[tuple[int, int]], ...]] = None,
                        /) -> None: ...
 def _graph_edges(graph: int, /) -> tuple[tuple[int, int], ...]: ...
 def _graph_instantiate_without(graph: int, nodes: tuple[int, ...], /) -> GraphExec: ...
@@ -131,7 +132,7 @@ class PrefetchController:
     def get_mode(self, point: str, layer: int, batch: int, /) -> Optional[_GraphFork]:
         """'inline', 'branch' or 'leaf': how a fork of that key goes into a captured graph (its
         add()'s graph_fork, else the controller's); None where nothing is registered."""
-    def fork(self, point: str, layer: int, batch: int, /, stream: _Stream = None,
+    def fork(self, point: str, layer: int, batch: int, /, stream: _Stream = None, *,
              activation: Optional[_Weight] = None) -> bool:
         """Where the key's table was made with ``warm_activation=True``, ``activation`` (on
         this device) is read after the weights, in this launch only."""

@@ -37,6 +37,7 @@ attach nothing, which turns prefetching off without a code change.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import types
@@ -197,6 +198,17 @@ def _first_tensor(value: Any, tensor: type, depth: int = 0) -> Any:
     return None
 
 
+def _takes_activation(fork: Callable[..., Any]) -> bool:
+    """Whether ``fork`` accepts ``activation=`` (PrefetchController.fork does; an
+    override with :class:`Controller`'s signature does not)."""
+    try:
+        params = inspect.signature(fork).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "activation" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+               or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _unregistered(name: str) -> Callable[..., None]:
     """Stands in for the ops where the controller could not be registered."""
     def refuse(*args: Any) -> None:
@@ -286,15 +298,19 @@ def _fork_hook(controller: Any, point: str, layer: int,
                before: bool) -> Callable[..., None]:
     """The forward hook (``before``: pre-hook) with kwargs of one site; it returns None.
 
-    Eager: ``controller.fork(point, layer, batch)``; a PrefetchController's also gets
-    ``activation=``, the first CUDA tensor of the module's output (``before``: of its
-    input), which a ``warm_activation`` table reads last.  Being compiled:
+    Eager: ``controller.fork(point, layer, batch)``; a PrefetchController's whose fork
+    takes it also gets ``activation=``, the first tensor of the module's output
+    (``before``: of its input) where that tensor is on the controller's device (else
+    None), which a ``warm_activation`` table reads last.  Being compiled:
     ``fork_op(handle, point, layer, batch, after=<that tensor>)`` (so compiled code keeps
     the fork behind that tensor's producer).  A profile's controller tuned on a compiled
     step refuses an eager fork that would launch (:func:`~l2prefetch.profile.check_step`).
     """
     fork = controller.fork
-    warms = isinstance(controller, _C.PrefetchController)
+    # only a fork that takes activation= gets it (a subclass may override fork with
+    # hooks.Controller's signature), and only a tensor on the controller's device
+    warms = isinstance(controller, _C.PrefetchController) and _takes_activation(fork)
+    device = controller.device if warms else None
     tuned_step = getattr(controller, "tuned_step", None)
     refuse_eager = tuned_step is not None and bool(tuned_step.get("compiled"))
     batch_of = batch_fn if batch_fn is not None else (
@@ -311,9 +327,10 @@ def _fork_hook(controller: Any, point: str, layer: int,
                     check_step(tuned_step, compiled=False, controller=controller)
                 if warms:
                     seen = _first_tensor((args, kwargs) if before else output, tensor)
-                    fork(point, layer, batch,
-                         activation=seen if seen is not None and seen.device.type == "cuda"
-                         else None)
+                    if seen is not None and (seen.device.type != "cuda" or
+                                             seen.device.index != device):
+                        seen = None   # e.g. a pre-hook's input not yet moved to this GPU
+                    fork(point, layer, batch, activation=seen)
                 else:
                     fork(point, layer, batch)
 

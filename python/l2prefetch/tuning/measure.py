@@ -97,9 +97,11 @@ def switch_states(names: list[str], head: str,
                   controllers: Mapping[str, Any]) -> Optional[dict[str, Any]]:
     """Per arm of one structure, what LoaderSwitch.set takes when ``head`` is the
     captured arm: a mapping from each of head's tables' ranges to that arm's table
-    for the same key; None when the keys differ or two keys whose captured ranges
+    for the same key; None when the keys differ, when two keys whose captured ranges
     are the same want different tables (e.g. head's empty forks at layers another
-    arm loads: then the group is captured unpaired)."""
+    arm loads: then the group is captured unpaired), or when an arm's warm table
+    would replace one of head's that does not warm (its node holds no activation to
+    give it: LoaderSwitch)."""
     keys = set(controllers[head].keys())
     if any(set(controllers[name].keys()) != keys for name in names):
         return None
@@ -107,9 +109,12 @@ def switch_states(names: list[str], head: str,
     for name in names:
         mapping: dict[Any, Any] = {}
         for key in keys:
-            captured = controllers[head].get(*key).ranges
+            head_table = controllers[head].get(*key)
+            captured = head_table.ranges
             table = controllers[name].get(*key)
             if mapping.get(captured, table) is not table:
+                return None
+            if table.warm_activation and table.ranges and not head_table.warm_activation:
                 return None
             mapping[captured] = table
         states[name] = mapping
