@@ -10,7 +10,7 @@
  *
  * With warm_activation the table keeps one slot free: a fork may append the
  * activation at its site (controller.c), so that the loads end by reading back
- * what the next kernel reads first and they would otherwise evict (RESULTS run 35).
+ * what the next kernel reads first and they would otherwise evict (RESULTS run 36).
  */
 #include "l2p.h"
 

@@ -219,7 +219,7 @@ class PlanEntry:
     ``graph_fork``).  ``warm_activation`` makes each eager fork end its loads by
     reading the tensor its hook sees (the module's input before it, its output
     after it), which the next kernel reads first and the loads would otherwise
-    evict (most likely: benchmarks/RESULTS.md, run 35); a fork inside ``torch.compile``'d code
+    evict (benchmarks/RESULTS.md, run 36); a fork inside ``torch.compile``'d code
     does not see that tensor and loads the weights alone.  Wrong types raise
     TypeError, bad values ValueError, both naming the field.
 
