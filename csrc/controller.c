@@ -769,9 +769,13 @@ static CUresult fork_to_side(controller *self, PyObject *ranges, const l2p_range
     return l2p_prepared_launch_raw(ranges, self->side, extra);
 }
 
-/* The range of a fork's activation in *out: 1, or 0 when it has none (empty, or
- * under 16 bytes), -1 with an exception.  It must be on the controller's device.
- * Runs the activation's Python code (ranges.c). */
+/* At most this much of an activation is read: a decode step's (batch x hidden x 2
+ * bytes) is far below it; a prefill's whole input would evict the loads it follows. */
+#define WARM_MAX_BYTES (1ull << 20)
+
+/* The range of a fork's activation in *out, its first WARM_MAX_BYTES: 1, or 0 when it
+ * has none (empty, or under 16 bytes), -1 with an exception.  It must be on the
+ * controller's device.  Runs the activation's Python code (ranges.c). */
 static int activation_range(controller *self, PyObject *activation, l2p_range *out)
 {
     l2p_weight_device dev = {0};
@@ -783,6 +787,8 @@ static int activation_range(controller *self, PyObject *activation, l2p_range *o
     }
     if (rc == 0)
         return 0;
+    if (out->nbytes > WARM_MAX_BYTES)
+        out->nbytes = WARM_MAX_BYTES;
     if (dev.kind == L2P_DEV_UNKNOWN) {   /* __cuda_array_interface__: ask the driver */
         int ordinal = -1;
         if (self->drv->fn.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
@@ -811,8 +817,8 @@ PyDoc_STRVAR(fork_doc,
 "Launch the table registered for (point, layer, batch) on the side stream,\n"
 "after the work already queued on stream (default: torch's current stream).\n"
 "Where that table was made with warm_activation=True, activation (a tensor on\n"
-"this device: what the site's next kernel reads) is read last, in this launch\n"
-"only, so the loads do not evict it.\n"
+"this device: what the site's next kernel reads; its first MiB) is read last, in\n"
+"this launch only, so the loads do not evict it.\n"
 "While stream is being captured (graph_fork 'inline' or 'leaf', the controller's\n"
 "or the key's), the launch goes on stream itself: with launch-order edges,\n"
 "overlapping what follows ('inline'), or as a sink of the graph ('leaf').\n"
@@ -837,8 +843,16 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
     int warm = activation != Py_None && l2p_prepared_warms(e->ranges), has_extra = 0;
     CUstream cur;
     l2p_range extra;
-    if (l2p_parse_stream(stream, self->device, &cur) < 0 ||   /* may run Python code */
-        (warm && (has_extra = activation_range(self, activation, &extra)) < 0))   /* too */
+    if (l2p_parse_stream(stream, self->device, &cur) < 0)   /* may run Python code */
+        return NULL;
+    if (warm && !self->eager) {   /* it forks only while capturing: read it for a launch */
+        unsigned long long early = 0;
+        if ((self->gen != gen && check_open(self) < 0) || ensure_context(self) < 0 ||
+            capture_of(self, cur, &early) < 0)
+            return NULL;
+        warm = early != 0;
+    }
+    if (warm && (has_extra = activation_range(self, activation, &extra)) < 0)   /* Python too */
         return NULL;
     if (self->gen != gen) {   /* the tables changed meanwhile: look again */
         if (check_open(self) < 0)

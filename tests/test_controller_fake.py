@@ -1574,3 +1574,34 @@ def test_fork_signature_says_activation_is_keyword_only(fake):
         c.fork("p", 0, 1, STREAM, arr(9, 64))
     params = inspect.signature(PC.fork).parameters
     assert params["activation"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_fork_reads_at_most_a_mib_of_the_activation(fake, warm):
+    big = arr(9, 3 << 20)   # 6 MiB
+    assert warm.fork("mlp", 0, 1, stream=STREAM, activation=big)
+    assert _table_of(fake.log("cuLaunchKernelEx")[-1])[2] == (big.ptr, 1 << 20)
+    warm.join(stream=STREAM)
+    assert warm.stats()["mlp"]["bytes"] == 4096 + (1 << 20)
+
+
+def test_eager_false_reads_no_activation_outside_a_capture(fake):
+    """eager=False forks only while capturing: outside one the activation is not read
+    (its Python code would cost every uncaptured step); inside one it is."""
+    class Counted(FakeArray):
+        reads = 0
+
+        @property
+        def __cuda_array_interface__(self):
+            Counted.reads += 1
+            return super().__cuda_array_interface__
+
+    c = PC(device=0, eager=False)
+    c.add("mlp", 0, 1, PWR([arr(0)], warm_activation=True))
+    act = Counted(device_ptr(0, 9 * 65536), (64,))
+    assert c.fork("mlp", 0, 1, stream=STREAM, activation=act) is False
+    assert Counted.reads == 0 and fake.log("cuLaunchKernelEx") == []
+    fake.set_capture(7)
+    assert c.fork("mlp", 0, 1, stream=STREAM, activation=act) is True
+    assert Counted.reads == 1
+    assert _table_of(fake.log("cuLaunchKernelEx")[-1]) == (2, 128 + 8, (act.ptr, 128))
+    c.join(stream=STREAM)

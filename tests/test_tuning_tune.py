@@ -506,6 +506,19 @@ def test_merge_plan_per_layer():
     assert not any(e.warm_activation for e in plan)
     warm, _ = merge_plan([role], reports, warm_activation=True)
     assert [e.warm_activation for e in warm] == [True] * 4
+
+
+def test_a_site_of_max_ranges_weights_loads_them_without_the_activation():
+    """A warm table keeps one of MAX_RANGES slots free: Role.entries leaves a site with
+    that many weights unwarmed rather than make an entry the controller refuses."""
+    import dataclasses
+
+    role = fakes.role("A", layers=2, mib=1)
+    many = tuple(torch.empty(8, dtype=torch.bfloat16) for _ in range(l2prefetch.MAX_RANGES))
+    wide = dataclasses.replace(role.sites[1], weights=many, nbytes=(16,) * len(many))
+    role = dataclasses.replace(role, sites=(role.sites[0], wide))
+    assert [e.warm_activation for e in role.entries((1,), byte_cap=0,
+                                                     warm_activation=True)] == [True, False]
 # -- issue 21: a profile must agree with itself, and is bound to the model it was loaded for ---
 
 @functools.lru_cache(maxsize=None)

@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 from ..mechanisms import DEFAULT_SITE_HOOK, site_entry
 from ..model_paths import compiled_module, layer_of  # the runtime's too
+from .. import MAX_RANGES
 from ..plan import PlanEntry
 from .errors import StepError
 
@@ -297,11 +298,13 @@ class Role:
             extra["kernel"] = kernel
         if graph_fork is not None:
             extra["graph_fork"] = graph_fork
-        if warm_activation:
-            extra["warm_activation"] = True
+        # a warm table keeps one of the MAX_RANGES slots free: a site with that many
+        # weights loads them alone
         return [PlanEntry(self.name, s.layer, batches, s.weights, byte_cap=byte_cap, grid=grid,
                           carveout=self.default("carveout", None),
-                          priority=self.default("priority", False), **extra)
+                          priority=self.default("priority", False), **extra,
+                          **({"warm_activation": True}
+                             if warm_activation and len(s.weights) < MAX_RANGES else {}))
                 for s in self.sites]
 
     def hook_sites(self, model: Any) -> list[tuple]:
