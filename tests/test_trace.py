@@ -681,12 +681,17 @@ def test_a_role_becomes_forks_with_its_consumers():
     model, step = tiny_model()
     forks, batch, what = trace_cli._forks(namespace(role=ROLE, mode="leaf", cap_mib=0),
                                           model, step, tr)
-    assert batch == 1 and what == f"role '{ROLE}', 0 MiB, grid 32, leaf"
+    assert batch == 1 and what == f"role '{ROLE}', 0 MiB, grid 32, leaf, warm activation"
     assert forks.consumers == {(ROLE, 0): "model.layers.0.mlp.gate_proj",
                                (ROLE, 1): "model.layers.1.mlp.gate_proj"}
     (sites,) = forks.points.values()
     assert [layer for _, layer in sites] == [0, 1]
     assert sites[1][0] is model.model.layers[1].self_attn.o_proj
+    # the eager step's forks as tune() measures them
+    asked = {}
+    stub = types.SimpleNamespace(forks_of_role=lambda *a, **kw: asked.update(kw) or forks)
+    trace_cli._forks(namespace(role=ROLE, mode="leaf", cap_mib=0), model, step, stub)
+    assert asked["warm_activation"] is True
 
 
 # -- on the GPU ------------------------------------------------------------------------------

@@ -50,14 +50,16 @@ class Forks:
 
 def forks_of_role(model: Any, role: Any, batch: int, *, byte_cap: int, grid: int = 32,
                   kernel: Optional[str] = None, mode: str = DEFAULT_GRAPH_FORK,
-                  device: Any = None) -> Forks:
+                  device: Any = None, warm_activation: bool = False) -> Forks:
     """The forks of a :class:`~l2prefetch.tuning.Role` at ``batch``, every one in ``mode``
     (one of :data:`l2prefetch.mechanisms.GRAPH_FORKS`: the controller's, so any mode its C
-    build takes)."""
+    build takes), their loads ending with their site's activation where
+    ``warm_activation`` (as tune() measures an eager step's)."""
     from .. import PrefetchController
     from .rig import empty_controller
 
-    entries = role.entries((batch,), byte_cap=byte_cap, grid=grid, kernel=kernel)
+    entries = role.entries((batch,), byte_cap=byte_cap, grid=grid, kernel=kernel,
+                           warm_activation=warm_activation)
 
     def build(empty: bool) -> Any:
         if empty:

@@ -202,12 +202,14 @@ def _forks(args: argparse.Namespace, model: Any, step: Any, trace: Any) -> tuple
                    + "; ".join(repr(name) for name in roles))
     mode = args.mode or DEFAULT_GRAPH_FORK
     cap = 24.0 if args.cap_mib is None else args.cap_mib
-    try:
+    try:   # the eager step's forks as tune() measures them: warm_activation
         forks = trace.forks_of_role(model, role, batch, byte_cap=int(cap * MIB),
-                                    grid=args.grid or 32, kernel=args.kernel, mode=mode)
+                                    grid=args.grid or 32, kernel=args.kernel, mode=mode,
+                                    warm_activation=True)
     except (ValueError, TypeError) as exc:
         raise _Bad(exc) from None
-    return forks, batch, f"role '{role.name}', {cap:g} MiB, grid {args.grid or 32}, {mode}"
+    return (forks, batch,
+            f"role '{role.name}', {cap:g} MiB, grid {args.grid or 32}, {mode}, warm activation")
 
 
 def run(args: argparse.Namespace) -> int:
