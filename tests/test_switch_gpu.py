@@ -63,6 +63,41 @@ def test_switched_states_replay_bitwise(setup, mode):
         _C._graph_set_loaders(graph.raw_cuda_graph_exec(), sw.nodes, "fast")
 
 
+@pytest.mark.parametrize("mode", [name for name, m in GRAPH_FORK_MODES.items() if m.switchable])
+def test_warm_nodes_switch_with_their_activation(setup, mode):
+    """A warm fork's node holds its table's ranges and the activation; a warm table
+    switched in keeps that activation, an empty or plain one does not; every state
+    replays bitwise (under compute-sanitizer: no read outside the tensors)."""
+    dev, w1, w2, x = setup
+    rig = Rig(dev)
+    loads = PreparedWeightRanges([w2], grid=32, device=0, warm_activation=True)
+    half = PreparedWeightRanges([w2], byte_cap=4 << 20, grid=16, device=0,
+                                warm_activation=True)
+    plain = PreparedWeightRanges([w2], byte_cap=1 << 20, device=0)
+    c = PrefetchController(0, graph_fork=mode)
+    c.add("p", 0, [1], loads)
+    seen = {}
+
+    def step():
+        h = torch.relu(x @ w1.t())
+        seen["h"] = h
+        c.fork("p", 0, 1, activation=h)
+        y = h @ w2.t()
+        c.join()
+        return y
+
+    ref = step().clone()
+    graph, out = rig.capture(step, keep_graph=True)
+    sw = LoaderSwitch(graph)
+    h = seen["h"]
+    assert sw.captured == ((*loads.ranges, (h.data_ptr(), h.numel() * 2)),)
+    for state in ({loads.ranges: half}, "empty", {loads.ranges: plain}, "off", "on"):
+        sw.set(state)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+
 def test_a_graph_without_forks_has_no_loader_nodes(setup):
     dev, w1, _, x = setup
     graph, _ = Rig(dev).capture(lambda: x @ w1.t(), keep_graph=True)
