@@ -791,6 +791,8 @@ static int activation_range(controller *self, PyObject *activation, l2p_range *o
         out->nbytes = WARM_MAX_BYTES;
     if (dev.kind == L2P_DEV_UNKNOWN) {   /* __cuda_array_interface__: ask the driver */
         int ordinal = -1;
+        if (ensure_context(self) < 0)   /* the query needs one current */
+            return -1;
         if (self->drv->fn.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
                                                 (CUdeviceptr)out->ptr) != CUDA_SUCCESS)
             ordinal = -1;
