@@ -257,9 +257,9 @@ CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream, const l2p_range
 /* The 64-bit words of the largest parameter block (a buffer for a table with extra). */
 #define L2P_TABLE_WORDS (2 + 2 * L2P_MAX_TABLE)
 /* prepared's launch as a kernel node's parameters (func, dimensions, its table, with
- * extra as in l2p_prepared_launch_raw): p->kernelParams is slot, whose one entry
- * points at the table or at its copy in buf (L2P_TABLE_WORDS words); both must
- * live until the params are used. */
+ * extra as in l2p_prepared_launch_raw): p->kernelParams is prepared's own array
+ * when nothing is appended, else slot, whose one entry points at the table's copy in
+ * buf (L2P_TABLE_WORDS words); slot and buf must live until the params are used. */
 void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p, const l2p_range *extra,
                               uint64_t *buf, void **slot);
 l2p_driver *l2p_prepared_driver(PyObject *obj);

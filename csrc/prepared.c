@@ -46,6 +46,7 @@ struct l2p_prepared {
     CUfunction func;
     CUlaunchConfig cfg;
     CUlaunchAttribute attrs[2];
+    void *params[1];          /* the launch's parameter array: {table}, as long as we live */
     param_block *table;       /* the kernel's one parameter */
     PyObject *weakreflist;
 };
@@ -100,9 +101,10 @@ CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream, const l2p_range
 {
     l2p_prepared *self = (l2p_prepared *)obj;
     uint64_t buf[L2P_TABLE_WORDS];
-    void *params[1] = {block_with(self, extra, buf)};
+    void *copy[1] = {block_with(self, extra, buf)};
     self->cfg.hStream = stream;
-    return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func, params, NULL);
+    return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func,
+                                          copy[0] == self->table ? self->params : copy, NULL);
 }
 
 void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p, const l2p_range *extra,
@@ -119,7 +121,7 @@ void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p, const l
     p->blockDimZ = self->cfg.blockDimZ;
     p->sharedMemBytes = self->cfg.sharedMemBytes;
     slot[0] = block_with(self, extra, buf);
-    p->kernelParams = slot;
+    p->kernelParams = slot[0] == self->table ? self->params : slot;
 }
 
 static int check_int(PyObject *o, const char *what, long lo, long hi, long *out)
@@ -228,6 +230,7 @@ static int fill_table(l2p_prepared *self, const l2p_range *ranges, int cap)
     }
     self->table->count = (uint64_t)n;
     self->table->granules = granules;
+    self->params[0] = self->table;
     rc = 0;
 done:
     for (Py_ssize_t i = 0; pairs && i < made; i++)
