@@ -29,6 +29,21 @@ def setup():
     return dev, w1, w2, x
 
 
+def _switched_bitwise(rig, step, captured, states):
+    """step() captured with its LoaderSwitch, whose nodes hold ``captured`` (or what that
+    function returns after the capture); each of ``states`` replays bitwise like step()."""
+    ref = step().clone()
+    graph, out = rig.capture(step, keep_graph=True)
+    sw = LoaderSwitch(graph)
+    assert sw.captured == (captured() if callable(captured) else captured)
+    for state in states:
+        sw.set(state)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+    return graph, sw
+
+
 @pytest.mark.parametrize("mode", [name for name, m in GRAPH_FORK_MODES.items() if m.switchable])
 def test_switched_states_replay_bitwise(setup, mode):
     dev, w1, w2, x = setup
@@ -48,15 +63,8 @@ def test_switched_states_replay_bitwise(setup, mode):
         c.join()
         return y
 
-    ref = step().clone()
-    graph, out = rig.capture(step, keep_graph=True)
-    sw = LoaderSwitch(graph)
-    assert len(sw.nodes) == 2 and sw.captured == (loads.ranges, loads.ranges)
-    for state in ("empty", "off", {loads.ranges: half}, "on", "off", "on"):
-        sw.set(state)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref)
+    graph, sw = _switched_bitwise(rig, step, (loads.ranges, loads.ranges),
+                                  ("empty", "off", {loads.ranges: half}, "on", "off", "on"))
     with pytest.raises(ValueError, match="no table given"):
         sw.set({half.ranges: loads})
     with pytest.raises(ValueError, match="'on', 'empty', 'off'"):
@@ -86,16 +94,8 @@ def test_warm_nodes_switch_with_their_activation(setup, mode):
         c.join()
         return y
 
-    ref = step().clone()
-    graph, out = rig.capture(step, keep_graph=True)
-    sw = LoaderSwitch(graph)
-    h = seen["h"]
-    assert sw.captured == ((*loads.ranges, (h.data_ptr(), h.numel() * 2)),)
-    for state in ({loads.ranges: half}, "empty", {loads.ranges: plain}, "off", "on"):
-        sw.set(state)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref)
+    _switched_bitwise(rig, step, lambda: ((*loads.ranges, (seen["h"].data_ptr(), 2048)),),
+                      ({loads.ranges: half}, "empty", {loads.ranges: plain}, "off", "on"))
 
 
 def test_a_graph_without_forks_has_no_loader_nodes(setup):
