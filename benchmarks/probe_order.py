@@ -10,9 +10,10 @@ MLP).  Per way (``eager``; ``compiled``: its forward compiled with ``--mode``) a
 (``none``; with ``--role NAME``, also ``empty``, the role's forks with empty tables, and
 ``loads``, its forks loading ``--cap`` MiB at ``--grid`` in ``--fork`` mode, attached
 before compiling as a server would; with ``--tail``, eager only, also ``tail``: the same
-loads with the hooked module's input appended as the table's last range, registered anew
-at each call, so the loader ends by re-reading what the next kernel reads first: does the
-eager norm's first kernel then start warm (run 35's question)?), the step is captured in a CUDA graph and replayed
+loads with ``warm_activation``, so the loader ends by re-reading the hooked module's
+input, what the next kernel reads first: does the eager norm's first kernel then start
+warm (run 35's question; run 36 ran it as a table registered anew at each call, before
+the library had the flag)?), the step is captured in a CUDA graph and replayed
 under ``torch.profiler`` as ``python -m l2prefetch trace`` does (5 replays, their median
 timeline).  Printed: ``--kernels`` kernels from the first spin (the planted window; from
 the first kernel when nothing is planted), each with its start and end relative to it,
@@ -30,7 +31,7 @@ import torch
 
 from benchmarks.common import no_gpu
 from benchmarks.compiled import build
-from l2prefetch import PreparedWeightRanges, hooks
+from l2prefetch import hooks
 from l2prefetch.mechanisms import GRAPH_FORKS
 from l2prefetch.tuning import candidates, discover
 from l2prefetch.tuning.cli import compile_forward
@@ -60,11 +61,9 @@ def one(args, way, arm):
         if arm != "none":
             role = role_named(model, step, args.batch, args.role)
             forks = forks_of_role(model, role, args.batch, byte_cap=int(args.cap * MIB),
-                                  grid=args.grid, mode=args.fork)
-            controller = forks.build(arm == "empty")
-            attachment = hooks.attach(model, controller, forks.points)
-            if arm == "tail":
-                planted = planted + tail_hooks(model, role, controller, args)
+                                  grid=args.grid, mode=args.fork,
+                                  warm_activation=arm == "tail")
+            attachment = hooks.attach(model, forks.build(arm == "empty"), forks.points)
         if way == "compiled":
             compile_forward(model, args.mode)
         recompile()
@@ -77,33 +76,6 @@ def one(args, way, arm):
         for handle in planted:
             handle.remove()
         recompile()
-
-
-def tail_hooks(model, role, controller, args):
-    """For each of ``role``'s before-sites, a pre-hook ahead of the fork's that registers
-    the key's table anew: the role's weights cut at ``--cap`` MiB, then the module's
-    input (an address fixed within the capture).  Handles to remove."""
-    handles = []
-    for site in role.sites:
-        path, layer, *where = site.hook_site()
-        if where != ["before"]:
-            raise SystemExit(f"--tail: {role.name!r} is not hooked before its module")
-        module = model.get_submodule(path)
-
-        def pre(module, args_, kwargs, layer=layer, site=site):
-            x = hooks.first_tensor((args_, kwargs))
-            flat = [w.reshape(-1) for w in site.weights]
-            left, cut = int(args.cap * MIB), []
-            for w in flat:
-                n = min(w.numel(), left // w.element_size())
-                if n:
-                    cut.append(w[:n])
-                left -= n * w.element_size()
-            controller.add(role.name, layer, args.batch,
-                           PreparedWeightRanges(cut + [x.reshape(-1)], grid=args.grid),
-                           graph_fork=args.fork)
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-    return handles
 
 
 def main(argv=None):

@@ -83,28 +83,31 @@ int l2p_prepared_warms(PyObject *obj)
     return ((l2p_prepared *)obj)->warm;
 }
 
-/* The kernel's parameter block: self's table, or (extra given and self warms) a copy
- * of it in buf with extra in the kept slot.  A launch and a graph node copy their
- * parameters, so buf can live on the caller's stack. */
-static param_block *block_with(l2p_prepared *self, const l2p_range *extra, uint64_t *buf)
+/* The kernel's parameter array: self's own ({table}), or (extra given and self
+ * warms) slot, pointing at a copy of the table in buf with extra in the kept slot.
+ * A launch and a graph node copy their parameters, so slot and buf can live on the
+ * caller's stack. */
+static void **params_with(l2p_prepared *self, const l2p_range *extra, uint64_t *buf,
+                          void **slot)
 {
     if (!extra || !self->warm)
-        return self->table;
+        return self->params;
     param_block *copy = (param_block *)buf;
     memcpy(copy, self->table, sizeof *copy + self->capacity * sizeof copy->ranges[0]);
     copy->ranges[copy->count++] = *extra;
     copy->granules += extra->nbytes / 16;
-    return copy;
+    slot[0] = copy;
+    return slot;
 }
 
 CUresult l2p_prepared_launch_raw(PyObject *obj, CUstream stream, const l2p_range *extra)
 {
     l2p_prepared *self = (l2p_prepared *)obj;
     uint64_t buf[L2P_TABLE_WORDS];
-    void *copy[1] = {block_with(self, extra, buf)};
+    void *slot[1];
     self->cfg.hStream = stream;
     return self->drv->fn.cuLaunchKernelEx(&self->cfg, self->func,
-                                          copy[0] == self->table ? self->params : copy, NULL);
+                                          params_with(self, extra, buf, slot), NULL);
 }
 
 void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p, const l2p_range *extra,
@@ -120,8 +123,7 @@ void l2p_prepared_node_params(PyObject *obj, CUDA_KERNEL_NODE_PARAMS *p, const l
     p->blockDimY = self->cfg.blockDimY;
     p->blockDimZ = self->cfg.blockDimZ;
     p->sharedMemBytes = self->cfg.sharedMemBytes;
-    slot[0] = block_with(self, extra, buf);
-    p->kernelParams = slot[0] == self->table ? self->params : slot;
+    p->kernelParams = params_with(self, extra, buf, slot);
 }
 
 static int check_int(PyObject *o, const char *what, long lo, long hi, long *out)

@@ -302,9 +302,9 @@ class Role:
         # weights loads them alone
         return [PlanEntry(self.name, s.layer, batches, s.weights, byte_cap=byte_cap, grid=grid,
                           carveout=self.default("carveout", None),
-                          priority=self.default("priority", False), **extra,
-                          **({"warm_activation": True}
-                             if warm_activation and len(s.weights) < MAX_RANGES else {}))
+                          priority=self.default("priority", False),
+                          warm_activation=warm_activation and len(s.weights) < MAX_RANGES,
+                          **extra)
                 for s in self.sites]
 
     def hook_sites(self, model: Any) -> list[tuple]:
