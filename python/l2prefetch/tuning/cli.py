@@ -268,8 +268,7 @@ def _run(args: argparse.Namespace) -> int:
         raise _Exit(MISSING) from None
     progress = None if args.quiet else sys.stderr
     options = _options(args)
-    device = _check(args, options, torch)
-    model, step = _build(args, device, torch, progress)
+    model, step = _build(args, options, torch, progress)
     if args.compile is not None:
         _compile(args, model, step, progress)
     if args.list_roles:
@@ -278,30 +277,10 @@ def _run(args: argparse.Namespace) -> int:
     return _write(args, options, result, model)
 
 
-def _check(args: argparse.Namespace, options: _Options, torch: Any) -> Any:
-    """Every option that can be checked before anything is built; the device to build on."""
-    try:
-        hf.dtype_of(args.dtype)
-    except ValueError as exc:
-        raise _Exit(f"--dtype: {exc}") from None
-    try:
-        device = hf.parse_device(args.device)
-    except ValueError as exc:
-        raise _Exit(f"--device: {exc}") from None
-    if not args.list_roles and device.type != "cuda":
-        raise _Exit(f"tuning measures CUDA graphs: --device must be a CUDA device, got "
-                    f"{args.device!r} (--list-roles works on the CPU)")
-    if not args.list_roles and not torch.cuda.is_available():
-        raise _Exit(f"tuning needs a CUDA GPU, and torch {torch.__version__} sees none "
-                    "(--list-roles --device cpu discovers roles without one)")
-    try:
-        device = hf.device_of(device)   # against the GPUs torch sees
-    except ValueError as exc:
-        raise _Exit(f"--device: {exc}") from None
-    try:
-        tuner.check_max_instances(args.instances, args.max_instances, options=True)
-    except ValueError as exc:
-        raise _Exit(exc) from None
+def _check(args: argparse.Namespace, options: _Options, torch: Any) -> tuple[Any, dict]:
+    """Every option, before anything is built: those tune's command alone reads, then the
+    outputs (_files), --max-instances (the tuner's) and the model's options (hf).  The
+    device to build on and the parsed --set."""
     if len(set(args.batches)) < len(args.batches):
         twice = sorted({b for b in args.batches if args.batches.count(b) > 1})
         raise _Exit(f"--batches names {', '.join(map(str, twice))} more than once: give each "
@@ -318,12 +297,36 @@ def _check(args: argparse.Namespace, options: _Options, torch: Any) -> Any:
         twice = sorted({r for r in args.roles if args.roles.count(r) > 1})
         raise _Exit(f"--roles names {', '.join(map(repr, twice))} more than once: give each "
                     "role once")
+    model_files = _model_files(args.model)
     try:   # the profile, the report and the plot can be written, are three files, and
         # none is a file of the model's (its config.json, a checkpoint's weights)
-        check_outputs(options.outputs, _model_files(args.model))
+        check_outputs(options.outputs, model_files)
     except (OSError, ValueError) as exc:
         raise _Exit(exc) from None
-    return device
+    try:
+        tuner.check_max_instances(args.instances, args.max_instances, options=True)
+    except ValueError as exc:
+        raise _Exit(exc) from None
+    try:
+        hf.dtype_of(args.dtype)
+    except ValueError as exc:
+        raise _Exit(f"--dtype: {exc}") from None
+    try:
+        device = hf.parse_device(args.device)
+        if not args.list_roles and device.type != "cuda":
+            raise _Exit(f"tuning measures CUDA graphs: --device must be a CUDA device, got "
+                        f"{args.device!r} (--list-roles works on the CPU)")
+        if not args.list_roles and not torch.cuda.is_available():
+            raise _Exit(f"tuning needs a CUDA GPU, and torch {torch.__version__} sees none "
+                        "(--list-roles --device cpu discovers roles without one)")
+        device = hf.device_of(device)   # against the GPUs torch sees
+    except ValueError as exc:
+        raise _Exit(f"--device: {exc}") from None
+    try:
+        overrides = hf.parse_overrides(args.overrides)
+    except ValueError as exc:
+        raise _Exit(f"--set: {exc}") from None
+    return device, overrides
 
 
 def _model_files(source: str) -> list[tuple[str, str]]:
@@ -334,12 +337,10 @@ def _model_files(source: str) -> list[tuple[str, str]]:
     return [("the model", source)] if os.path.lexists(source) else []
 
 
-def _build(args: argparse.Namespace, device: Any, torch: Any, progress: Any) -> tuple[Any, Any]:
-    """The model and its decode step."""
-    try:
-        overrides = hf.parse_overrides(args.overrides)
-    except ValueError as exc:
-        raise _Exit(f"--set: {exc}") from None
+def _build(args: argparse.Namespace, options: _Options, torch: Any,
+           progress: Any) -> tuple[Any, Any]:
+    """Every option checked (:func:`_check`), then the model and its decode step built."""
+    device, overrides = _check(args, options, torch)
     try:
         model = hf.load_model(args.model, overrides=overrides, device=device,
                               dtype=args.dtype, seed=args.seed, progress=progress)
