@@ -253,14 +253,15 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     when the step fails or cannot be captured at a batch.  The result's plan is empty
     when nothing was confirmed to pay; never one slower than no plan in its confirmation.
     """
-    model, batches = _check_model_and_step(model, step, batches, budget_s)
-    max_instances = _check_sampling(instances, max_instances, rounds, min_gain_us, resolution)
+    _check_model_and_step(model, step, budget_s)
+    max_instances = _check_sampling(instances, max_instances, min_gain_us, resolution)
     known = _check_settings(caps_mib, grids, graph_forks, kernels)
     if backend is not None and not isinstance(backend, Backend):
         raise TypeError(f"backend must be None (measure on the GPU) or a "
                         f"l2prefetch.tuning.arms.Backend (derive from it), got "
                         f"{type(backend).__name__}")
     mode = _check_compiled(compiled)
+    model, batches = _check_with_their_modules(model, batches, rounds)
     t0 = time.monotonic()
     if backend is None:
         backend, compiled, kernels = _graph_backend(model, step, batches[0], compiled, mode,
@@ -374,34 +375,19 @@ def _time_went(roles_s: float, reports: Sequence[Any], compiled: bool) -> str:
                         for r in reports])
 
 
-def _check_model_and_step(model: Any, step: object, batches: object,
-                          budget_s: object) -> tuple[Any, tuple[int, ...]]:
-    """tune()'s model, step, batches and budget; the module tuned (a ``torch.compile(model)``
-    wrapper's: its paths and hooks) and the batches, as checked."""
+def _check_model_and_step(model: Any, step: object, budget_s: object) -> None:
+    """tune()'s model (a torch.nn.Module), step (a callable) and budget."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    own = own_graphs(model)
-    if own is not None:
-        raise ValueError(f"model: compiled with {own}, which captures CUDA graphs of its own, "
-                         f"and the tuner captures the compiled step itself: compile it in "
-                         f"{' or '.join(map(repr, COMPILE_MODES))} (the server's capture then "
-                         "holds the forks)")
-    if hooks.attached(model):
-        raise ValueError("model: l2prefetch hooks are attached to it (hooks.attach), and their "
-                         "forks would run in the tuner's arms, those without forks too: "
-                         "detach them (Attachment.detach()) before tuning")
-    module = compiled_module(model)   # torch.compile(model): its module's paths and hooks
     if not callable(step):
         raise TypeError(f"step must be a callable step(batch) -> output, got "
                         f"{type(step).__name__}")
-    batches = check_batches(batches, "batches")
     _check_number("budget_s", budget_s, 0)
     if budget_s == 0:
         raise ValueError("budget_s must be > 0 seconds (the default is 300); a tuner with no "
                          "time can confirm nothing")
-    return module, batches
 
 
 def check_max_instances(instances: int, max_instances: object, *,
@@ -422,12 +408,12 @@ def check_max_instances(instances: int, max_instances: object, *,
     return int(max_instances)
 
 
-def _check_sampling(instances: object, max_instances: object, rounds: object,
-                    min_gain_us: object, resolution: object) -> int:
-    """tune()'s sampling arguments; ``max_instances`` resolved."""
+def _check_sampling(instances: object, max_instances: object, min_gain_us: object,
+                    resolution: object) -> int:
+    """tune()'s sampling arguments (rounds: :func:`_check_with_their_modules`);
+    ``max_instances`` resolved."""
     _check_number("instances", instances, MIN_INSTANCES, integer=True)
     max_instances = check_max_instances(instances, max_instances)
-    measure.check_rounds(rounds)
     _check_number("min_gain_us", min_gain_us, 0)
     _check_number("resolution", resolution, 0)
     if resolution >= 1:
@@ -466,6 +452,28 @@ def _check_settings(caps_mib: object, grids: object, graph_forks: object,
             raise ValueError(f"unknown kernel(s) {bad}; kernels are {sorted(known)} (None: the "
                              "device's default)")
     return known
+
+
+def _check_with_their_modules(model: Any, batches: object,
+                              rounds: object) -> tuple[Any, tuple[int, ...]]:
+    """tune()'s checks that other modules make, after its own, a module at a time: the
+    batches (plan), a model compiled to capture CUDA graphs of its own (compiled) or with
+    hooks attached (hooks), the rounds (measure).  The module tuned (a
+    ``torch.compile(model)`` wrapper's: its paths and hooks) and the batches, as checked."""
+    batches = check_batches(batches, "batches")
+    own = own_graphs(model)
+    if own is not None:
+        raise ValueError(f"model: compiled with {own}, which captures CUDA graphs of its own, "
+                         f"and the tuner captures the compiled step itself: compile it in "
+                         f"{' or '.join(map(repr, COMPILE_MODES))} (the server's capture then "
+                         "holds the forks)")
+    module = compiled_module(model)   # torch.compile(model): its module's paths and hooks
+    if hooks.attached(model):
+        raise ValueError("model: l2prefetch hooks are attached to it (hooks.attach), and their "
+                         "forks would run in the tuner's arms, those without forks too: "
+                         "detach them (Attachment.detach()) before tuning")
+    measure.check_rounds(rounds)
+    return module, batches
 
 
 def _graph_backend(model: Any, step: Callable[[int], Any], batch: int,
