@@ -220,7 +220,8 @@ def search(backend: Backend, roles: Sequence[Role], batches: Sequence[int], *,
                           f" s) and measuring one role takes ({measure_s:.0f} s)"))
             report = BatchReport(batch, reason=NOT_PREPARED)
         else:
-            last = _State.at(backend, roles, batch, params, meter, clock() + share, clock)
+            budget = Budget(backend, params, clock() + share, clock)   # the batch's share
+            last = _State.at(backend, roles, batch, params, budget, meter, clock)
             report = _search_batch(last)
         meter.line(f"batch {batch}: {report.reason}")
         reports.append(report)
@@ -247,8 +248,7 @@ class _State:
 
     @classmethod
     def at(cls, backend: Backend, roles: Sequence[Role], batch: int, params: Params,
-           progress: Progress, deadline: float, clock: Callable[[], float]) -> "_State":
-        budget = Budget(backend, params, deadline, clock)
+           budget: Budget, progress: Progress, clock: Callable[[], float]) -> "_State":
         report = BatchReport(batch)
         sampler = Sampler(backend, batch, params, budget, progress, report)
         return cls(backend, list(roles), batch, params, clock, budget, sampler, report)
