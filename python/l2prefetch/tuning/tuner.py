@@ -261,7 +261,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
                         f"l2prefetch.tuning.arms.Backend (derive from it), got "
                         f"{type(backend).__name__}")
     mode = _check_compiled(compiled)
-    model, batches = _check_with_their_modules(model, batches, rounds)
+    model, batches = _check_with_their_modules(model, batches, rounds, backend, device)
     t0 = time.monotonic()
     if backend is None:
         backend, compiled, kernels = _graph_backend(model, step, batches[0], compiled, mode,
@@ -454,12 +454,14 @@ def _check_settings(caps_mib: object, grids: object, graph_forks: object,
     return known
 
 
-def _check_with_their_modules(model: Any, batches: object,
-                              rounds: object) -> tuple[Any, tuple[int, ...]]:
+def _check_with_their_modules(model: Any, batches: object, rounds: object,
+                              backend: Optional[Backend],
+                              device: Any) -> tuple[Any, tuple[int, ...]]:
     """tune()'s checks that other modules make, after its own, a module at a time: the
-    batches (plan), a model compiled to capture CUDA graphs of its own (compiled) or with
-    hooks attached (hooks), the rounds (measure).  The module tuned (a
-    ``torch.compile(model)`` wrapper's: its paths and hooks) and the batches, as checked."""
+    batches (plan), a model compiled to capture CUDA graphs of its own (compiled), hooks
+    attached and, for the GPU's backend, forks turned off (hooks), the rounds and that
+    backend's device (measure).  The module tuned (a ``torch.compile(model)`` wrapper's:
+    its paths and hooks) and the batches, as checked."""
     batches = check_batches(batches, "batches")
     own = own_graphs(model)
     if own is not None:
@@ -472,7 +474,11 @@ def _check_with_their_modules(model: Any, batches: object,
         raise ValueError("model: l2prefetch hooks are attached to it (hooks.attach), and their "
                          "forks would run in the tuner's arms, those without forks too: "
                          "detach them (Attachment.detach()) before tuning")
+    if backend is None and hooks.disabled():   # every arm would be the step without forks
+        raise ValueError("L2PREFETCH_DISABLE is set, so nothing forks: unset it to tune")
     measure.check_rounds(rounds)
+    if backend is None:   # a CPU model refused before its step runs (compiles)
+        measure.cuda_device(module, device)
     return module, batches
 
 
@@ -481,12 +487,10 @@ def _graph_backend(model: Any, step: Callable[[int], Any], batch: int,
                    rounds: Optional[int],
                    kernels: Optional[Sequence[Optional[str]]],
                    known: dict) -> tuple[Backend, bool, Optional[Sequence[Optional[str]]]]:
-    """The GPU's backend, with how ``step`` runs the model (found out at ``batch``, and
-    checked against ``compiled`` where given) and, where ``kernels`` is None, the device's
-    default loader and the :data:`ALTERNATIVE_KERNELS` it supports."""
-    if hooks.disabled():   # every arm would be the step without forks
-        raise ValueError("L2PREFETCH_DISABLE is set, so nothing forks: unset it to tune")
-    measure.cuda_device(model, device)   # a CPU model refused before its step runs (compiles)
+    """The GPU's backend (forks on and its device checked: :func:`_check_with_their_modules`),
+    with how ``step`` runs the model (found out at ``batch``, and checked against
+    ``compiled`` where given) and, where ``kernels`` is None, the device's default loader
+    and the :data:`ALTERNATIVE_KERNELS` it supports."""
     try:
         found = step_is_compiled(model, step, batch)
     except Exception as exc:
