@@ -452,7 +452,8 @@ def find_roles(model: Any, run: Callable[[], Any], *, min_bytes: int) -> list[Ro
     """The candidate roles of one forward (:func:`candidates` of what :func:`discover`
     records while ``run()`` runs, eagerly also where the step is compiled).  What
     ``tune`` and ``tune --list-roles`` both do."""
-    return candidates(model, discover(model, run, min_bytes=min_bytes))
+    reads = discover(model, run, min_bytes=min_bytes)
+    return candidates(model, reads)
 
 
 def discovery_step(step: Callable[[int], Any], batch: int) -> Callable[[], Any]:
