@@ -33,6 +33,15 @@ def test_parse_overrides():
     assert hf.parse_overrides(["a=" + "[" * 100000])["a"].startswith("[[")
 
 
+def test_model_options_name_the_option_at_fault():
+    """tune's and trace's commands check --dtype and --set in one place, hf.model_options."""
+    assert hf.model_options("bfloat16", ["a=1", "e=text"]) == {"a": 1, "e": "text"}
+    with pytest.raises(ValueError, match=r"^--dtype: .*float16"):
+        hf.model_options("int8", ["a=1"])
+    with pytest.raises(ValueError, match=r"^--set: .*KEY=VALUE"):
+        hf.model_options("float32", ["novalue"])
+
+
 def test_list_roles_on_the_cpu(capsys):
     pytest.importorskip("transformers")
     code, out, err = run(["llama", *TINY, "--device", "cpu", "--dtype", "float32",

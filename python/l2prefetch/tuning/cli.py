@@ -308,9 +308,9 @@ def _check(args: argparse.Namespace, options: _Options, torch: Any) -> tuple[Any
     except ValueError as exc:
         raise _Exit(exc) from None
     try:
-        hf.dtype_of(args.dtype)
+        overrides = hf.model_options(args.dtype, args.overrides)
     except ValueError as exc:
-        raise _Exit(f"--dtype: {exc}") from None
+        raise _Exit(str(exc)) from None
     try:
         device = hf.parse_device(args.device)
         if not args.list_roles and device.type != "cuda":
@@ -322,10 +322,6 @@ def _check(args: argparse.Namespace, options: _Options, torch: Any) -> tuple[Any
         device = hf.device_of(device)   # against the GPUs torch sees
     except ValueError as exc:
         raise _Exit(f"--device: {exc}") from None
-    try:
-        overrides = hf.parse_overrides(args.overrides)
-    except ValueError as exc:
-        raise _Exit(f"--set: {exc}") from None
     return device, overrides
 
 

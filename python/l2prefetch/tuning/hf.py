@@ -55,8 +55,8 @@ from typing import Any, Optional
 from .._files import check_regular, loads_json, open_regular, read_text
 
 __all__ = ["DecodeStep", "OverrideError", "available_bytes", "config_fields", "device_of",
-           "dtype_of", "error_line", "load_model", "model_bytes", "needed_bytes",
-           "parse_device", "parse_overrides", "total_bytes"]
+           "dtype_of", "error_line", "load_model", "model_bytes", "model_options",
+           "needed_bytes", "parse_device", "parse_overrides", "total_bytes"]
 
 PROMPT_LEN = 8
 MAX_CACHE_LEN = 64
@@ -154,6 +154,20 @@ def dtype_of(dtype: Any) -> Any:
         raise ValueError(f"dtype must name a floating-point torch dtype (bfloat16, float16 or "
                          f"float32), got {dtype!r}")
     return found
+
+
+def model_options(dtype: Any, overrides: Any) -> dict:
+    """The command line's ``--dtype`` (:func:`dtype_of`) and ``--set`` (the overrides,
+    returned as :func:`parse_overrides` reads them), checked before a model is built; a
+    ValueError that starts with the option's name."""
+    try:
+        dtype_of(dtype)
+    except ValueError as exc:
+        raise ValueError(f"--dtype: {exc}") from None
+    try:
+        return parse_overrides(overrides)
+    except ValueError as exc:
+        raise ValueError(f"--set: {exc}") from None
 
 
 def parse_device(device: Any) -> Any:

@@ -230,13 +230,9 @@ def _run(args: argparse.Namespace) -> int:
     from . import trace   # here: the parser (and --help) loads none of the trace modules
 
     try:   # the options that name the model, before the GPU is asked for
-        hf.dtype_of(args.dtype)
+        overrides = hf.model_options(args.dtype, args.overrides)
     except ValueError as exc:
-        raise _Bad(f"--dtype: {exc}") from None
-    try:
-        overrides = hf.parse_overrides(args.overrides)
-    except ValueError as exc:
-        raise _Bad(f"--set: {exc}") from None
+        raise _Bad(str(exc)) from None
     if args.max_cache_len <= args.prompt_len:
         raise _Bad(f"--max-cache-len ({args.max_cache_len}) must exceed --prompt-len "
                    f"({args.prompt_len}): the decode steps write after the prompt")
