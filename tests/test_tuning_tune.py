@@ -20,7 +20,7 @@ import torch
 from l2prefetch import PlanEntry, hooks, tuning
 from l2prefetch import profile as P
 from l2prefetch.tuning.arms import Backend
-from l2prefetch.tuning.search import NOT_PREPARED
+from l2prefetch.tuning.search import NOT_PREPARED, NOTHING_MEASURED
 
 import _tuning_fakes as fakes
 import l2prefetch
@@ -1620,7 +1620,10 @@ def test_tune_says_when_the_budget_ran_out_before_any_role_was_measured():
     result = tuning.tune(model, step, [1], candidates=[O_PROJ], progress=out, budget_s=0.01,
                          backend=DeviceBackend({O_PROJ: lambda s: 5.0}, seed=3),
                          min_bytes=256 * 1024)
-    assert result.batches[0].reason.startswith("nothing measured")
+    # Which of the two reasons depends on the wall clock: on a loaded machine finding the
+    # roles alone can spend the 10 ms, and the batch is then not prepared at all.  Both
+    # are "before any role was measured"; test_tuning_search pins each with a fake clock.
+    assert result.batches[0].reason in (NOTHING_MEASURED, NOT_PREPARED)
     text = out.getvalue()
     assert ("at batch(es) 1 the budget ran out before any role was measured" in text
             and "raise budget_s (--budget)" in text), text
