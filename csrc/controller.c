@@ -774,8 +774,10 @@ static CUresult fork_to_side(controller *self, PyObject *ranges, const l2p_range
 #define WARM_MAX_BYTES (1ull << 20)
 
 /* The range of a fork's activation in *out, its first WARM_MAX_BYTES: 1, or 0 when it
- * has none (empty, or under 16 bytes), -1 with an exception.  It must be on the
- * controller's device.  Runs the activation's Python code (ranges.c). */
+ * has none (empty, or under 16 bytes), -1 with an exception.  Any non-empty activation
+ * must be memory of the controller's device, whatever its size, with storage of its own
+ * (a wrapper tensor such as a DTensor reports a CUDA device and data pointer 0: the
+ * loader would read address 0).  Runs the activation's Python code (ranges.c). */
 static int activation_range(controller *self, PyObject *activation, l2p_range *out)
 {
     l2p_weight_device dev = {0};
@@ -785,18 +787,24 @@ static int activation_range(controller *self, PyObject *activation, l2p_range *o
             l2p_add_note("l2prefetch: while reading fork()'s activation");
         return -1;
     }
-    if (rc == 0)
+    if (dev.empty)
         return 0;
-    if (out->nbytes > WARM_MAX_BYTES)
-        out->nbytes = WARM_MAX_BYTES;
+    if (dev.kind != L2P_DEV_OTHER && dev.ptr == 0) {
+        PyErr_SetString(PyExc_ValueError, "fork(): activation has no storage of its own (its "
+                        "data pointer is 0: a wrapper tensor such as a DTensor, or a nested "
+                        "tensor); pass the tensor that holds its memory (DTensor.to_local()), "
+                        "or None");
+        return -1;
+    }
     if (dev.kind == L2P_DEV_UNKNOWN) {   /* __cuda_array_interface__: ask the driver */
         int ordinal = -1;
         if (ensure_context(self) < 0)   /* the query needs one current */
             return -1;
-        if (self->drv->fn.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                                (CUdeviceptr)out->ptr) != CUDA_SUCCESS)
-            ordinal = -1;
-        dev.kind = ordinal < 0 ? L2P_DEV_OTHER : L2P_DEV_CUDA;
+        CUresult r = self->drv->fn.cuPointerGetAttribute(
+            &ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)dev.ptr);
+        if (r != CUDA_SUCCESS && r != CUDA_ERROR_INVALID_VALUE)   /* the driver's own fault */
+            return l2p_raise_cuda_int(state_of(self), self->drv, "cuPointerGetAttribute", r);
+        dev.kind = r == CUDA_SUCCESS && ordinal >= 0 ? L2P_DEV_CUDA : L2P_DEV_OTHER;
         dev.index = ordinal;
     }
     if (dev.kind != L2P_DEV_CUDA) {
@@ -811,6 +819,10 @@ static int activation_range(controller *self, PyObject *activation, l2p_range *o
                      self->device);
         return -1;
     }
+    if (rc == 0)
+        return 0;
+    if (out->nbytes > WARM_MAX_BYTES)
+        out->nbytes = WARM_MAX_BYTES;
     return 1;
 }
 

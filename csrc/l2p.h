@@ -193,8 +193,10 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
 /* The bytes of one tensor (or __cuda_array_interface__ object) as a range for a
  * fork's activation: its span, the start rounded up to 16 bytes (the kernel's
  * granule) and the size cut to match, so no byte outside it is read.  Returns 1
- * with *out and *dev filled, 0 when nothing is left (empty, or under 16 bytes),
- * -1 with an exception.  Runs the object's Python code, as weights' reading does. */
+ * with *out filled, 0 when nothing is left (empty, or under 16 bytes), -1 with an
+ * exception; *dev is filled whenever it returns >= 0 (its ptr the first byte, before
+ * the rounding), so a small object's device can be checked too.  Runs the object's
+ * Python code, as weights' reading does. */
 int l2p_span_of(PyObject *obj, l2p_range *out, l2p_weight_device *dev);
 PyObject *l2p_py_compute_ranges(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames);

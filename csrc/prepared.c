@@ -160,6 +160,14 @@ static int weights_device(l2p_state *st, PyObject *weights, l2p_weight_device *d
                          "tensors (move it with .cuda())", i, PyList_GET_ITEM(names, i));
             return -1;
         }
+        if (!devs[i].empty && devs[i].ptr == 0) {   /* the loader would read address 0 */
+            PyErr_Format(PyExc_ValueError,
+                         "weight %zd (on %S) has no storage of its own: its data pointer is 0 "
+                         "(a wrapper tensor such as a DTensor, or a nested tensor); pass the "
+                         "tensor that holds its memory (DTensor.to_local())",
+                         i, PyList_GET_ITEM(names, i));
+            return -1;
+        }
         if (devs[i].kind == L2P_DEV_UNKNOWN) {
             if (devs[i].empty)
                 continue;

@@ -38,6 +38,18 @@ typedef struct {
     PyObject *shape;    /* tuple for messages */
 } weight_info;
 
+/* What a message calls the object read: "weight N" (index >= 0) or "the activation"
+ * (index -1, l2p_span_of's fork() activation).  WHO gives each use its own buffer,
+ * alive to the end of the statement that formats the message. */
+static const char *who(Py_ssize_t index, char *buf, size_t size)
+{
+    if (index < 0)
+        return "the activation";
+    PyOS_snprintf(buf, size, "weight %zd", index);
+    return buf;
+}
+#define WHO(index) who((index), (char[32]){0}, 32)
+
 static void info_clear(weight_info *w)
 {
     Py_CLEAR(w->device);
@@ -50,7 +62,7 @@ static void info_clear(weight_info *w)
 static int noted(Py_ssize_t index, const char *what)
 {
     if (!l2p_error_is_base())
-        l2p_add_note("l2prefetch: while reading %s of weight %zd", what, index);
+        l2p_add_note("l2prefetch: while reading %s of %s", what, WHO(index));
     return -1;
 }
 
@@ -84,8 +96,8 @@ static int get_u64(PyObject *o, uint64_t *out, Py_ssize_t index, const char *wha
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
         if (l2p_error_is_base())
             return -1;
-        l2p_format_from_cause(PyExc_ValueError, "weight %zd: %s must be a non-negative integer, got %R",
-                              index, what, o);
+        l2p_format_from_cause(PyExc_ValueError, "%s: %s must be a non-negative integer, got %R",
+                              WHO(index), what, o);
         return -1;
     }
     *out = v;
@@ -104,15 +116,15 @@ static int get_i64(PyObject *obj, Py_ssize_t index, const char *what, Py_ssize_t
     PyObject *num = PyNumber_Index(obj);
     if (!num) {
         if (PyErr_ExceptionMatches(PyExc_TypeError))
-            return (l2p_format_from_cause(PyExc_TypeError, "weight %zd: %s must be an int, not %s",
-                                          index, label, Py_TYPE(obj)->tp_name), -1);
+            return (l2p_format_from_cause(PyExc_TypeError, "%s: %s must be an int, not %s",
+                                          WHO(index), label, Py_TYPE(obj)->tp_name), -1);
         return noted(index, label);
     }
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(num, &overflow);
     if (overflow) {
-        PyErr_Format(PyExc_OverflowError, "weight %zd: %s is %R, which does not fit in 64 bits",
-                     index, label, num);
+        PyErr_Format(PyExc_OverflowError, "%s: %s is %R, which does not fit in 64 bits",
+                     WHO(index), label, num);
         Py_DECREF(num);
         return -1;
     }
@@ -132,8 +144,8 @@ static PyObject *as_tuple(PyObject *seq, Py_ssize_t index, const char *what)
     PyObject *t = PySequence_Tuple(seq);
     if (!t) {
         if (PyErr_ExceptionMatches(PyExc_TypeError))
-            l2p_format_from_cause(PyExc_TypeError, "weight %zd: %s must be a sequence of ints, not %s",
-                                  index, what, Py_TYPE(seq)->tp_name);
+            l2p_format_from_cause(PyExc_TypeError, "%s: %s must be a sequence of ints, not %s",
+                                  WHO(index), what, Py_TYPE(seq)->tp_name);
         else
             noted(index, what);
     }
@@ -149,8 +161,8 @@ static int span_of(PyObject *shape, PyObject *strides, int64_t scale, int64_t it
 {
     Py_ssize_t nd = PyTuple_GET_SIZE(shape);
     if (strides && PyTuple_GET_SIZE(strides) != nd) {
-        PyErr_Format(PyExc_ValueError, "weight %zd: shape %R and strides %R differ in length",
-                     index, shape, strides);
+        PyErr_Format(PyExc_ValueError, "%s: shape %R and strides %R differ in length",
+                     WHO(index), shape, strides);
         return -1;
     }
     int64_t small[2 * SMALL_NDIM];
@@ -168,7 +180,7 @@ static int span_of(PyObject *shape, PyObject *strides, int64_t scale, int64_t it
         if (get_i64(PyTuple_GET_ITEM(shape, i), index, "shape", i, &dims[i]) < 0)
             goto done;
         if (dims[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "weight %zd: negative size %lld in shape %R", index,
+            PyErr_Format(PyExc_ValueError, "%s: negative size %lld in shape %R", WHO(index),
                          (long long)dims[i], shape);
             goto done;
         }
@@ -208,8 +220,8 @@ static int span_of(PyObject *shape, PyObject *strides, int64_t scale, int64_t it
 overflow:
     rc = -1;
     PyErr_Format(PyExc_OverflowError,
-                 "weight %zd: the span of shape %R with strides %R does not fit in 64 bits",
-                 index, shape, strides ? strides : Py_None);
+                 "%s: the span of shape %R with strides %R does not fit in 64 bits",
+                 WHO(index), shape, strides ? strides : Py_None);
 done:
     if (dims != small)
         PyMem_Free(dims);
@@ -228,14 +240,14 @@ static int place(weight_info *out, uint64_t base, PyObject *strides, int64_t sca
     if (out->empty)
         return 0;
     if (lo < 0 && base < (uint64_t)(-lo)) {
-        PyErr_Format(PyExc_ValueError, "weight %zd: strides reach below address 0", index);
+        PyErr_Format(PyExc_ValueError, "%s: strides reach below address 0", WHO(index));
         return -1;
     }
     out->lo = base + (uint64_t)lo;
     out->nbytes = (uint64_t)span;
     if (out->lo + (out->nbytes - 1) < out->lo) {   /* its last byte */
-        PyErr_Format(PyExc_OverflowError, "weight %zd: its range runs past the end of the "
-                     "64-bit address space", index);
+        PyErr_Format(PyExc_OverflowError, "%s: its range runs past the end of the "
+                     "64-bit address space", WHO(index));
         return -1;
     }
     return 0;
@@ -251,8 +263,8 @@ static int device_index(PyObject *idx, Py_ssize_t index, weight_info *out)
         return 0;
     }
     if (!PyLong_Check(idx) || PyBool_Check(idx)) {
-        PyErr_Format(PyExc_TypeError, "weight %zd: device.index must be None or an int, not %s",
-                     index, Py_TYPE(idx)->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s: device.index must be None or an int, not %s",
+                     WHO(index), Py_TYPE(idx)->tp_name);
         return -1;
     }
     int overflow = 0;
@@ -261,8 +273,8 @@ static int device_index(PyObject *idx, Py_ssize_t index, weight_info *out)
         return -1;
     if (overflow || v < 0 || v > INT_MAX) {
         PyErr_Format(PyExc_ValueError,
-                     "weight %zd: device.index must be a CUDA device index in 0..%d, got %R",
-                     index, INT_MAX, idx);
+                     "%s: device.index must be a CUDA device index in 0..%d, got %R",
+                     WHO(index), INT_MAX, idx);
         return -1;
     }
     out->dev.index = (int)v;
@@ -315,7 +327,7 @@ static int describe_tensor(PyObject *w, Py_ssize_t index, weight_info *out)
         get_i64(es, index, "element_size()", -1, &item) < 0)
         goto done;
     if (item < 1) {
-        PyErr_Format(PyExc_ValueError, "weight %zd: element_size() must be >= 1, got %R", index, es);
+        PyErr_Format(PyExc_ValueError, "%s: element_size() must be >= 1, got %R", WHO(index), es);
         goto done;
     }
     rc = place(out, base, stride, item, item, index);
@@ -344,8 +356,8 @@ static PyObject *cai_item(PyObject *cai, const char *key)
 static int describe_cai(PyObject *w, PyObject *cai, Py_ssize_t index, weight_info *out)
 {
     if (!PyDict_Check(cai)) {
-        PyErr_Format(PyExc_TypeError, "weight %zd: __cuda_array_interface__ must be a dict, not %s",
-                     index, Py_TYPE(cai)->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s: __cuda_array_interface__ must be a dict, not %s",
+                     WHO(index), Py_TYPE(cai)->tp_name);
         return -1;
     }
     /* Strong references to the four items first: what reads them below can run
@@ -364,8 +376,8 @@ static int describe_cai(PyObject *w, PyObject *cai, Py_ssize_t index, weight_inf
     if (!shape || !PyTuple_Check(shape) || !typestr || !PyUnicode_Check(typestr) || !data ||
         !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1) {
         PyErr_Format(PyExc_ValueError,
-                     "weight %zd: __cuda_array_interface__ needs 'shape' (tuple), 'typestr' (str) "
-                     "and 'data' ((ptr, readonly)); got %R", index, cai);
+                     "%s: __cuda_array_interface__ needs 'shape' (tuple), 'typestr' (str) "
+                     "and 'data' ((ptr, readonly)); got %R", WHO(index), cai);
         goto done;
     }
     const char *ts = PyUnicode_AsUTF8(typestr);
@@ -375,7 +387,7 @@ static int describe_cai(PyObject *w, PyObject *cai, Py_ssize_t index, weight_inf
     }
     long item = strlen(ts) >= 3 ? strtol(ts + 2, NULL, 10) : 0;
     if (item <= 0 || item == LONG_MAX) {
-        PyErr_Format(PyExc_ValueError, "weight %zd: typestr %R gives no item size", index, typestr);
+        PyErr_Format(PyExc_ValueError, "%s: typestr %R gives no item size", WHO(index), typestr);
         goto done;
     }
     out->shape = Py_NewRef(shape);
@@ -413,9 +425,9 @@ static int describe(PyObject *w, Py_ssize_t index, weight_info *out)
     if (!cai) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError))
             l2p_format_from_cause(PyExc_TypeError,
-                                  "weight %zd is a %s, not a tensor: weights must be torch tensors "
-                                  "or objects with __cuda_array_interface__",
-                                  index, Py_TYPE(w)->tp_name);
+                                  "%s is a %s, not a tensor: it must be a torch tensor "
+                                  "or an object with __cuda_array_interface__",
+                                  WHO(index), Py_TYPE(w)->tp_name);
         else
             noted(index, "__cuda_array_interface__");
         return -1;
@@ -428,11 +440,13 @@ static int describe(PyObject *w, Py_ssize_t index, weight_info *out)
 int l2p_span_of(PyObject *obj, l2p_range *out, l2p_weight_device *dev)
 {
     weight_info w;
-    int rc = describe(obj, 0, &w);
-    if (rc == 0 && !w.empty) {
+    int rc = describe(obj, -1, &w);
+    if (rc == 0) {
         uint64_t lo = (w.lo + 15) & ~(uint64_t)15, skip = lo - w.lo;
         *dev = w.dev;
-        if (w.nbytes >= skip + 16) {
+        dev->empty = w.empty;
+        dev->ptr = w.lo;
+        if (!w.empty && w.nbytes >= skip + 16) {
             out->ptr = lo;
             out->nbytes = w.nbytes - skip;
             rc = 1;

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import tracemalloc
+import types
 import weakref
 
 import pytest
@@ -1433,6 +1434,67 @@ def test_fork_activation_errors(fake, warm):
     assert fake.log("cuLaunchKernelEx") == [] and not warm.pending
 
 
+def test_fork_checks_the_device_of_an_activation_of_any_size(fake, warm):
+    """A CPU activation is refused whatever its size: one under 16 bytes (no range to
+    read) too, so a bad argument never passes by its length."""
+    torch = pytest.importorskip("torch")
+    for n in (64, 2):
+        with pytest.raises(ValueError, match=r"activation is not in CUDA device memory"):
+            warm.fork("mlp", 0, 1, stream=STREAM, activation=torch.zeros(n))
+    assert fake.log("cuLaunchKernelEx") == [] and not warm.pending
+
+
+def test_fork_activation_messages_name_the_activation(fake, warm):
+    with pytest.raises(TypeError, match=r"^the activation is a object, not a tensor"):
+        warm.fork("mlp", 0, 1, stream=STREAM, activation=object())
+    with pytest.raises(ValueError, match=r"^the activation: typestr 'x' gives no item size"):
+        warm.fork("mlp", 0, 1, stream=STREAM, activation=types.SimpleNamespace(
+            __cuda_array_interface__={"shape": (4,), "typestr": "x", "data": (0x1000, False)}))
+
+
+def test_fork_activation_driver_failure_is_the_drivers_error(fake, warm):
+    """cuPointerGetAttribute failing for another reason than 'not device memory' (a
+    sticky error, a context gone) is the driver's error, named, not a bad argument."""
+    fake.fail("cuPointerGetAttribute", code="CUDA_ERROR_ILLEGAL_ADDRESS")
+    with pytest.raises(l2prefetch.CudaError, match="cuPointerGetAttribute") as info:
+        warm.fork("mlp", 0, 1, stream=STREAM,
+                  activation=FakeArray(device_ptr(0, 9 * 65536), (64,)))
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in str(info.value)
+    assert fake.log("cuLaunchKernelEx") == [] and not warm.pending
+
+
+def _storageless(torch, shape, device="cuda:0"):
+    """A wrapper tensor on a CUDA device without storage of its own, as a DTensor or a
+    nested tensor is: its data_ptr() is 0."""
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, shape):
+            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float16,
+                                                       device=device)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(str(func))
+    return Wrapper(shape)
+
+
+def test_fork_refuses_an_activation_without_storage(fake, warm):
+    """Its range would start at address 0: the loader would fault on the GPU."""
+    torch = pytest.importorskip("torch")
+    activation = _storageless(torch, (4, 64))
+    assert activation.data_ptr() == 0
+    with pytest.raises(ValueError, match=r"activation has no storage of its own .*"
+                                         r"DTensor.to_local\(\)"):
+        warm.fork("mlp", 0, 1, stream=STREAM, activation=activation)
+    assert fake.log("cuLaunchKernelEx") == [] and not warm.pending
+
+
+def test_prepared_ranges_refuse_a_weight_without_storage(fake):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match=r"weight 1 \(on cuda:0\) has no storage of its own"):
+        PWR([arr(0), _storageless(torch, (1024,))])
+
+
 def test_fork_activation_that_swaps_the_table(fake, warm):
     """Reading the activation runs its Python code: a table registered meanwhile is the one
     launched, without the activation when it does not warm; a closed controller refuses."""
@@ -1537,6 +1599,62 @@ def test_attached_fork_skips_an_activation_on_another_device(fake):
         model(elsewhere, elsewhere)   # raised ValueError: activation is on cuda:1
         assert _table_of(fake.log("cuLaunchKernelEx")[-1])[0] == 1
     c.join(stream=STREAM)
+
+
+def test_attached_fork_of_a_module_whose_output_has_no_storage(fake):
+    """A module whose output is a wrapper tensor (a DTensor under tensor parallelism):
+    the hook passes no activation, and the fork loads the weights alone."""
+    torch = pytest.importorskip("torch")
+    from l2prefetch import hooks
+
+    class OnStream(PC):
+        def fork(self, point, layer, batch, stream=None, activation=None):
+            return super().fork(point, layer, batch, stream=STREAM, activation=activation)
+
+    class Out(torch.nn.Module):
+        def forward(self, x):
+            return _storageless(torch, (4, 64))
+
+    model = Out()
+    c = OnStream(device=0)
+    c.add("p", 0, 1, PWR([arr(0)], warm_activation=True))
+    with hooks.attach(model, c, {"p": [(model, 0, "after")]}, batch_fn=lambda *a: 1,
+                      join=False):
+        fake.clear_log()
+        model(torch.zeros(1))
+        count, _, last = _table_of(fake.log("cuLaunchKernelEx")[-1])
+    c.join(stream=STREAM)
+    assert count == 1 and last[0] != 0
+
+
+def test_ops_fork_run_eagerly_passes_its_tensor_as_the_hooks_do(fake):
+    """Layer code's ops.fork(..., after=x) run eagerly (vLLM's enforce_eager) gives a
+    warm table x as its activation, as an eager step was tuned; a tensor on another
+    device, none."""
+    torch = pytest.importorskip("torch")
+    from l2prefetch import ops
+
+    reopen(fake, device_count=2)
+
+    class OnStream(PC):
+        def fork(self, point, layer, batch, stream=None, activation=None):
+            return super().fork(point, layer, batch, stream=STREAM, activation=activation)
+
+    c = OnStream(device=0)
+    c.add("p", 0, 1, PWR([arr(0)], warm_activation=True))
+    handle = ops.register(c)
+    try:
+        x = cuda_tensor(device_ptr(0, 9 * 65536), 64)
+        fake.clear_log()
+        ops.fork(handle, "p", 0, 1, after=x)
+        assert _table_of(fake.log("cuLaunchKernelEx")[-1])[0::2] == (2, (x.data_ptr(), 128))
+        ops.fork(handle, "p", 0, 1, after=cuda_tensor(device_ptr(1, 9 * 65536), 64, device=1))
+        ops.fork(handle, "p", 0, 1, after=torch.zeros(64))
+        ops.fork(handle, "p", 0, 1)
+        assert [_table_of(line)[0] for line in fake.log("cuLaunchKernelEx")[1:]] == [1, 1, 1]
+        c.join(stream=STREAM)
+    finally:
+        ops.unregister(handle)
 
 
 def test_attached_fork_of_a_subclass_with_the_protocols_fork(fake):

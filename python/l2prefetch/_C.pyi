@@ -2,6 +2,8 @@
 
 from typing import Any, Iterable, Literal, Mapping, Optional, Protocol, Sequence, Union
 
+#: The most ranges one table holds; a warm_activation table keeps its last slot for the
+#: fork's activation, so it holds one weight range fewer.
 MAX_RANGES: int
 
 class Error(RuntimeError): ...

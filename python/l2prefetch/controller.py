@@ -12,13 +12,15 @@ a summary of each plan prepared.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
-import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 from . import _C
+from .disable import disabled, unknown_disable_value
 from .mechanisms import DEFAULT_GRAPH_FORK
 from .plan import GraphFork, KernelName, PlanEntry, compact_batches, mib_by_batch
 
@@ -26,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["DeviceLike", "PrefetchController", "build_controller", "disabled", "empty_controller",
-           "unknown_disable_value"]
+           "fork_activation", "unknown_disable_value", "warms"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,36 +47,40 @@ _kernels_logged: set = set()
 _BASE_INIT = _C.PrefetchController.__init__
 
 
-#: L2PREFETCH_DISABLE's values that leave prefetching on without a warning (any case,
-#: blanks around them ignored); 1, true, yes and on turn it off.
-_ENABLED_WORDS = frozenset({"", "0", "false", "no", "off"})
-_warned_values: set[str] = set()
+def warms(controller: Any) -> bool:
+    """Whether ``controller``'s fork takes ``activation=``: a PrefetchController whose
+    fork is the C type's, or an override that accepts it (one with hooks.Controller's
+    signature does not).  The hooks and ``ops.fork`` pass an activation only then."""
+    if not isinstance(controller, _C.PrefetchController):
+        return False
+    cls = type(controller)
+    found = _fork_takes_activation.get(cls)
+    if found is None:   # once per class (ops.fork asks at every eager fork)
+        try:
+            params = inspect.signature(cls.fork).parameters.values()
+        except (TypeError, ValueError):
+            params = ()
+        found = _fork_takes_activation[cls] = any(
+            p.name == "activation" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            or p.kind is p.VAR_KEYWORD for p in params)
+    return found
 
 
-def unknown_disable_value() -> Optional[str]:
-    """L2PREFETCH_DISABLE's value where it is neither a word that turns prefetching off
-    nor one that leaves it on (``ture``, ``2``): prefetching stays on.  None otherwise."""
-    value = os.environ.get("L2PREFETCH_DISABLE")
-    if (value is None or _C.env_flag("L2PREFETCH_DISABLE")
-            or value.strip(" \t\n\r\v\f").lower() in _ENABLED_WORDS):
+#: warms()'s answer per controller class (weak: a class made at run time may go).
+_fork_takes_activation: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fork_activation(device: int, value: Any) -> Any:
+    """The tensor a fork on ``device`` may read last (a ``warm_activation`` table's
+    extra range): ``value`` where it is memory of that CUDA device with storage of its
+    own, else None (the fork loads the weights alone): a CPU tensor, another GPU's, or a
+    wrapper tensor such as a DTensor or a nested tensor, whose data pointer is 0."""
+    try:
+        if value.device.type != "cuda" or value.device.index != device:
+            return None
+        return value if value.data_ptr() else None
+    except (AttributeError, RuntimeError, NotImplementedError):   # no storage to point at
         return None
-    return value
-
-
-def disabled() -> bool:
-    """Whether L2PREFETCH_DISABLE asks for no prefetching (1, true, yes, on; any case,
-    blanks around it ignored): the C controller's rule, read by the C parser.  Any other
-    value but 0, false, no, off or empty leaves prefetching on, with a warning (once per
-    value; :func:`unknown_disable_value`).  Also ``l2prefetch.disabled`` and
-    ``hooks.disabled``."""
-    off = _C.env_flag("L2PREFETCH_DISABLE")
-    value = unknown_disable_value()
-    if value is not None and value not in _warned_values:
-        _warned_values.add(value)
-        logger.warning("L2PREFETCH_DISABLE=%r is not a word it knows, so prefetching stays "
-                       "on: set it to 1 (true, yes, on) to turn prefetching off, or 0 "
-                       "(false, no, off) to say it is on", value)
-    return off
 
 
 def _first_line(exc: BaseException) -> str:
@@ -274,7 +280,8 @@ class PrefetchController(_C.PrefetchController):
         eager decode step only pays their host time).
 
         Entries with the same weights (by identity) and the same byte_cap,
-        grid, carveout, priority and kernel share one PreparedWeightRanges.
+        grid, carveout, priority, kernel and warm_activation share one
+        PreparedWeightRanges.
         Two entries for one (point, layer, batch) are a ValueError (the
         controller would keep only the last).
         With L2PREFETCH_DISABLE set, nothing is prepared (no compile, no GPU

@@ -37,7 +37,6 @@ attach nothing, which turns prefetching off without a code change.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import sys
 import types
@@ -49,7 +48,7 @@ from . import _C, _torch
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_hook_choices
 from .model_paths import compiled_module
 # The package's one disabled(), also public here: attach() is what it turns off.
-from .controller import disabled
+from .controller import disabled, fork_activation, warms
 from .profile import check_step
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -198,17 +197,6 @@ def _first_tensor(value: Any, tensor: type, depth: int = 0) -> Any:
     return None
 
 
-def _takes_activation(fork: Callable[..., Any]) -> bool:
-    """Whether ``fork`` accepts ``activation=`` (PrefetchController.fork does; an
-    override with :class:`Controller`'s signature does not)."""
-    try:
-        params = inspect.signature(fork).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "activation" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-               or p.kind is p.VAR_KEYWORD for p in params)
-
-
 def _unregistered(name: str) -> Callable[..., None]:
     """Stands in for the ops where the controller could not be registered."""
     def refuse(*args: Any) -> None:
@@ -309,8 +297,8 @@ def _fork_hook(controller: Any, point: str, layer: int,
     fork = controller.fork
     # only a fork that takes activation= gets it (a subclass may override fork with
     # hooks.Controller's signature), and only a tensor on the controller's device
-    warms = isinstance(controller, _C.PrefetchController) and _takes_activation(fork)
-    device = controller.device if warms else None
+    warm = warms(controller)
+    device = controller.device if warm else None
     tuned_step = getattr(controller, "tuned_step", None)
     refuse_eager = tuned_step is not None and bool(tuned_step.get("compiled"))
     batch_of = batch_fn if batch_fn is not None else (
@@ -325,12 +313,10 @@ def _fork_hook(controller: Any, point: str, layer: int,
             else:
                 if refuse_eager:
                     check_step(tuned_step, compiled=False, controller=controller)
-                if warms:
+                if warm:   # e.g. a pre-hook's input not yet moved to this GPU: None
                     seen = _first_tensor((args, kwargs) if before else output, tensor)
-                    if seen is not None and (seen.device.type != "cuda" or
-                                             seen.device.index != device):
-                        seen = None   # e.g. a pre-hook's input not yet moved to this GPU
-                    fork(point, layer, batch, activation=seen)
+                    fork(point, layer, batch, activation=None if seen is None
+                         else fork_activation(device, seen))
                 else:
                     fork(point, layer, batch)
 

@@ -47,6 +47,7 @@ import weakref
 from typing import Any, Optional
 
 from ._torch import require
+from .controller import fork_activation, warms
 from .profile import check_step
 
 torch = require("l2prefetch.ops")
@@ -121,14 +122,21 @@ def lookup(handle: int) -> Any:
     return controller
 
 
-def _fork_with(handle: int, point: str, layer: int, batch: int, compiled: bool) -> None:
+def _fork_with(handle: int, point: str, layer: int, batch: int, compiled: bool,
+               after: Optional[torch.Tensor] = None) -> None:
     """Fork on the controller under ``handle``; a profile's controller first checks that
-    the step runs as it was tuned (``compiled``: the op, in compiled code)."""
+    the step runs as it was tuned (``compiled``: the op, in compiled code).  Eager, a
+    controller whose fork takes it gets ``activation=after`` as the hooks pass it
+    (:func:`l2prefetch.controller.fork_activation`), for a ``warm_activation`` table."""
     controller = lookup(handle)
     step = getattr(controller, "tuned_step", None)
     if step is not None:   # a profile's controller: tuned the way this step runs?
         check_step(step, compiled=compiled, controller=controller)
-    controller.fork(point, layer, batch)
+    if not compiled and after is not None and warms(controller):
+        controller.fork(point, layer, batch,
+                        activation=fork_activation(controller.device, after))
+    else:
+        controller.fork(point, layer, batch)
 
 
 def _fork(handle: int, point: str, layer: int, batch: int,
@@ -156,12 +164,13 @@ def fork(handle: int, point: str, layer: int, batch: int,
     While torch.compile traces, this puts the ``l2prefetch::fork`` op in the graph;
     called eagerly, it calls the controller itself, as the hooks do (a profile's
     controller refuses either where it was tuned the other way).  ``after``: a
-    tensor the fork must follow in compiled code (see the module docstring); it is
-    not read."""
+    tensor the fork must follow in compiled code (see the module docstring); run
+    eagerly, also the activation a ``warm_activation`` table reads last, as the hooks
+    pass their module's output (compiled code does not read it)."""
     if torch.compiler.is_compiling():
         _fork_op(handle, point, layer, batch, after)
     else:
-        _fork_with(handle, point, layer, batch, compiled=False)
+        _fork_with(handle, point, layer, batch, compiled=False, after=after)
 
 
 def join(handle: int, after: Optional[torch.Tensor] = None) -> None:
