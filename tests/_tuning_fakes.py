@@ -377,7 +377,10 @@ FAKE_DEVICE = {"name": "NVIDIA H200", "sm": 90, "sm_count": 132, "l2_bytes": 60 
 
 
 class DeviceBackend(PlantedBackend):
-    """A planted backend that also says which (fake) device it measured on."""
+    """A planted backend that also says which (fake) device it measured on, and whose
+    arms (as GraphBackend's on an eager step) read their site's activation last."""
+
+    warm_activation = True
 
     def device_fingerprint(self) -> dict:
         return dict(FAKE_DEVICE)

@@ -219,6 +219,13 @@ def test_without_torch(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == ("l2prefetch plan: needs torch, which is not installed: "
                            "install torch 2.11-2.13 (README, Install)\n")
+    for command in ("tune", "trace"):   # both of what they need, torch and the 'tune' extra
+        proc = l2p(command, "llama", "--list-roles" if command == "tune" else "--role=after x: y",
+                   no_torch=True, tmp_path=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == (f"l2prefetch {command}: needs torch, which is not installed: "
+                               "install torch 2.11-2.13, then l2prefetch's 'tune' extra "
+                               "(transformers; README, Install)\n")
     proc = l2p("--help", no_torch=True, tmp_path=tmp_path)
     assert proc.returncode == 0 and "plan" in proc.stdout, proc.stderr
     proc = l2p(env={"L2PREFETCH_LIBCUDA": NO_DRIVER}, no_torch=True, tmp_path=tmp_path)

@@ -250,10 +250,10 @@ def test_not_disabled_by_false_values(monkeypatch, caplog, value):
 @pytest.mark.parametrize("value", ["2", "y", "disable"])
 def test_a_value_the_switch_does_not_know_leaves_prefetching_on_and_says_so(monkeypatch, caplog,
                                                                             value):
-    from l2prefetch import controller as runtime
+    from l2prefetch import disable
 
     monkeypatch.setenv("L2PREFETCH_DISABLE", value)
-    monkeypatch.setattr(runtime, "_warned_values", set())
+    monkeypatch.setattr(disable, "_warned_values", set())
     model = Tiny(1)
     with caplog.at_level(logging.WARNING, logger="l2prefetch"):
         assert attach(model, Recorder(), points_of(model)).attached

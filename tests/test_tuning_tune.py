@@ -74,6 +74,19 @@ def test_tune_keeps_the_paying_role_for_every_batch_and_merges_the_plan():
     assert "lost in the sweep" in md
 
 
+def test_a_backend_whose_arms_read_no_activation_gets_a_plan_that_reads_none():
+    """The plan marks warm_activation only where the arms measured it: a backend that
+    does not read the site's activation (the default) gets entries that do not either."""
+    class Cold(DeviceBackend):
+        warm_activation = False
+
+    model, step = model_and_step()
+    result = tuning.tune(model, step, [1], backend=Cold({O_PROJ: lambda s: 9.0}, seed=11),
+                         progress=None, min_bytes=256 * 1024)
+    assert result.plan and not any(e.warm_activation for e in result.plan)
+    assert Backend.warm_activation is False
+
+
 def test_the_report_says_what_keeping_the_fastest_capture_would_save(tmp_path):
     """Instances 30 us apart (SD) in a 2 ms step: the summary and the report recommend
     best-of-k captures with the expected saving; the profile records the spread."""
@@ -560,6 +573,21 @@ def split_hook(data):
     """plan[0] for batch 1 only, and a copy of it for batch 8 hooked before its site."""
     entry0(data)["batches"] = [1]
     data["plan"].append(dict(entry0(data), batches=[8], hook="before"))
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("warm_activation", "yes"), ("byte_cap", 8), ("grid", 0), ("carveout", 101),
+    ("priority", 1), ("kernel", "fast"), ("graph_fork", "sideways")])
+def test_an_entrys_bad_setting_is_refused_before_a_model_is_built(tmp_path, setting, value):
+    """parse_profile (what trace --profile checks before building the model) refuses an
+    entry's bad setting as load_profile does, with PlanEntry's message."""
+    _, path, data = saved(tmp_path)
+    entry0(data)[setting] = value
+    with pytest.raises((TypeError, ValueError)) as info:
+        P.parse_profile(json.dumps(data), str(path))
+    assert type(info.value) is ValueError
+    assert re.search(rf"plan\[0\] is not a valid plan entry: PlanEntry.{setting} ",
+                     str(info.value)), info.value
 
 
 @pytest.mark.parametrize("change, field", [
@@ -1772,6 +1800,27 @@ def test_with_prefetching_off_the_readmes_start_up_runs_without_a_driver(tmp_pat
     other.model.layers = other.model.layers[:2]
     with pytest.raises(P.ProfileMismatchError, match="decoder layers"):
         P.load_profile(path, other)
+
+
+def test_loading_a_profile_warns_of_a_switch_value_it_does_not_know(tmp_path, monkeypatch,
+                                                                     caplog):
+    """L2PREFETCH_DISABLE=ture leaves prefetching on: load_profile, the first thing a
+    server's start-up calls, says so before it checks the device (on a machine without
+    a driver, that check is what fails next)."""
+    from l2prefetch import disable
+
+    _, path, _ = saved(tmp_path)
+    model, _ = model_and_step()
+    monkeypatch.setenv("L2PREFETCH_DISABLE", "ture")
+    monkeypatch.setattr(disable, "_warned_values", set())
+    with caplog.at_level(logging.WARNING, logger="l2prefetch"):
+        try:
+            P.load_profile(path, model)
+        except (l2prefetch.CudaUnavailableError, P.ProfileMismatchError):
+            pass   # no driver here, or a GPU other than the profile's
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][:1] == [
+        "L2PREFETCH_DISABLE='ture' is not a word it knows, so prefetching stays on: set it "
+        "to 1 (true, yes, on) to turn prefetching off, or 0 (false, no, off) to say it is on"]
 
 
 def test_a_profile_prints_as_one_line(tmp_path):

@@ -60,6 +60,7 @@ __all__ = [
     "PlanEntry",
     "cap_groups",
     "check_batches",
+    "check_settings",
     "compact_batches",
     "format_plan",
     "gate",
@@ -200,6 +201,37 @@ def _check_graph_fork(value: object) -> None:
                          f"mode), got {value!r}")
 
 
+def check_settings(byte_cap: object = 0, grid: object = 32, carveout: object = None,
+                   priority: object = False, kernel: object = None, graph_fork: object = None,
+                   warm_activation: object = False) -> None:
+    """A plan entry's settings, the fields after its weights, with PlanEntry's defaults:
+    the one check of them, for :class:`PlanEntry` and for a profile's entries before a
+    model is built (:func:`l2prefetch.profile.parse_profile`).  TypeError for a wrong
+    type, ValueError for a bad value, each naming the field."""
+    _check_int("byte_cap", byte_cap, 0)
+    if byte_cap >= 2**63:  # what PreparedWeightRanges can take
+        raise ValueError(f"PlanEntry.byte_cap must be an int >= 0 below 2**63, "
+                         f"got {byte_cap}")
+    if 0 < byte_cap < MIN_BYTE_CAP:
+        raise ValueError(f"PlanEntry.byte_cap must be 0 (no cap) or at least "
+                         f"{MIN_BYTE_CAP} bytes (ranges are cut to 16-byte units, so a "
+                         f"smaller cap loads nothing), got {byte_cap}")
+    _check_int("grid", grid, 1, 65535)
+    if carveout is not None:
+        _check_int("carveout", carveout, -1, 100)
+    if not isinstance(priority, bool):
+        raise TypeError("PlanEntry.priority must be a bool, "
+                        f"got {type(priority).__name__} {priority!r}")
+    if kernel is not None:
+        _check_kernel(kernel)
+    if graph_fork is not None:
+        _check_graph_fork(graph_fork)
+    if not isinstance(warm_activation, bool):
+        raise TypeError("PlanEntry.warm_activation must be a bool, "
+                        f"got {type(warm_activation).__name__} "
+                        f"{warm_activation!r}")
+
+
 @dataclasses.dataclass(frozen=True, eq=False, repr=False, slots=True)
 class PlanEntry:
     """One prefetch: at ``point`` of ``layer``, for each of ``batches``, load ``weights``.
@@ -251,28 +283,8 @@ class PlanEntry:
                              f"limit), got {self.layer}")
         object.__setattr__(self, "batches", tuple(sorted(check_batches(self.batches))))
         object.__setattr__(self, "weights", _check_weights(self.weights))
-        _check_int("byte_cap", self.byte_cap, 0)
-        if self.byte_cap >= 2**63:  # what PreparedWeightRanges can take
-            raise ValueError(f"PlanEntry.byte_cap must be an int >= 0 below 2**63, "
-                             f"got {self.byte_cap}")
-        if 0 < self.byte_cap < MIN_BYTE_CAP:
-            raise ValueError(f"PlanEntry.byte_cap must be 0 (no cap) or at least "
-                             f"{MIN_BYTE_CAP} bytes (ranges are cut to 16-byte units, so a "
-                             f"smaller cap loads nothing), got {self.byte_cap}")
-        _check_int("grid", self.grid, 1, 65535)
-        if self.carveout is not None:
-            _check_int("carveout", self.carveout, -1, 100)
-        if not isinstance(self.priority, bool):
-            raise TypeError("PlanEntry.priority must be a bool, "
-                            f"got {type(self.priority).__name__} {self.priority!r}")
-        if self.kernel is not None:
-            _check_kernel(self.kernel)
-        if self.graph_fork is not None:
-            _check_graph_fork(self.graph_fork)
-        if not isinstance(self.warm_activation, bool):
-            raise TypeError("PlanEntry.warm_activation must be a bool, "
-                            f"got {type(self.warm_activation).__name__} "
-                            f"{self.warm_activation!r}")
+        check_settings(self.byte_cap, self.grid, self.carveout, self.priority, self.kernel,
+                       self.graph_fork, self.warm_activation)
 
     @property
     def nbytes(self) -> int:

@@ -43,9 +43,10 @@ from typing import Any, Optional, Union
 from . import _C, _torch
 from ._files import check_output, loads_json, read_text, write_atomic
 from ._version import __version__
+from .disable import disabled
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_entry, site_hook_choices
 from .model_paths import compiled_module, layer_count, layer_of, named_tensors, tensor_paths
-from .plan import MAX_BATCH, MAX_LAYER, PlanEntry
+from .plan import MAX_BATCH, MAX_LAYER, PlanEntry, check_settings
 
 __all__ = ["EAGER_STEP", "PROFILE_FORMAT", "PROFILE_VERSION", "Profile",
            "ProfileMismatchError", "StepMismatchError", "check_step", "describe_step",
@@ -65,8 +66,10 @@ DOCUMENT_KEYS = ("format", "version", "created", "device", "versions", "step", "
                  "batches", "plan", "tuning", "results")
 #: The fields of a plan entry (``hook`` absent: after the module; the settings absent or
 #: null: PlanEntry's defaults).
-ENTRY_KEYS = ("point", "layer", "batches", "weights", "site", "hook", "byte_cap", "grid",
-              "carveout", "priority", "kernel", "graph_fork", "warm_activation")
+#: An entry's settings: PlanEntry's fields after its weights (plan.check_settings).
+SETTING_KEYS = ("byte_cap", "grid", "carveout", "priority", "kernel", "graph_fork",
+                "warm_activation")
+ENTRY_KEYS = ("point", "layer", "batches", "weights", "site", "hook", *SETTING_KEYS)
 #: The fields of ``model`` (the fingerprint) and of ``device`` (DEVICE_KEYS, and the
 #: driver, which only warns where it differs).
 MODEL_KEYS = ("class", "layers", "weights")
@@ -403,6 +406,11 @@ def _check_fingerprint(weights: dict, where: str) -> None:
                         f"{_show(described)}")
 
 
+def _settings(entry: dict) -> dict:
+    """An entry's settings as PlanEntry's keyword arguments (null: the default)."""
+    return {k: entry[k] for k in SETTING_KEYS if entry.get(k) is not None}
+
+
 def _check_entry(i: int, entry: Any, data: dict, tuned: set, owner: dict, where: str) -> None:
     """plan[i]: its fields, and that it agrees with the rest of the file.  ``owner`` maps
     each (point, layer, batch) already planned to the entry that plans it, and each
@@ -439,6 +447,10 @@ def _check_entry(i: int, entry: Any, data: dict, tuned: set, owner: dict, where:
     if not isinstance(hook, str) or hook not in SITE_HOOKS:
         raise _fail(where, f"plan[{i}].hook must be {site_hook_choices()} (absent: "
                     f"{DEFAULT_SITE_HOOK!r}), got {_show(hook)}")
+    try:
+        check_settings(**_settings(entry))
+    except (TypeError, ValueError) as exc:
+        raise _fail(where, f"plan[{i}] is not a valid plan entry: {exc}") from None
     site_layer = layer_of(site)[0]
     if site_layer is not None and site_layer != layer:
         raise _fail(where, f"plan[{i}].site {_show(site)} is in layer {site_layer}, but the "
@@ -656,7 +668,7 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
         raise TypeError(f"model must be the torch.nn.Module the profile was tuned for, got "
                         f"{type(model).__name__}")
     data = parse_profile(read_text(where, "profile"), where)
-    if check_device and _C.env_flag("L2PREFETCH_DISABLE"):
+    if check_device and disabled():   # a value it does not know: warned here too
         # prefetching is off: nothing is prepared, and a server started without a driver
         # (a CPU test run) must not fail here; from_profile checks the device again when
         # the controller it builds is enabled
@@ -672,9 +684,7 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
             raise ProfileMismatchError(f"profile {where}: plan[{i}] forks at "
                                        f"{_show(raw['site'])}, which is not a module of this "
                                        "model")
-        fields = {k: raw[k] for k in ("byte_cap", "grid", "carveout", "priority", "kernel",
-                                      "graph_fork", "warm_activation")
-                  if k in raw and raw[k] is not None}
+        fields = _settings(raw)
         try:
             entry = PlanEntry(raw["point"], raw["layer"], raw["batches"],
                               tuple(tensors[n] for n in raw["weights"]), **fields)
@@ -690,7 +700,7 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
         if key in mine and mine[key] != value:
             logger.warning("profile written with %s %s, this is %s %s", key, value, key,
                            mine[key])
-    logger.info("profile %s: %d entries over %d points for batches %s, tuned on a %s step",
+    logger.info("profile %s: %d entries over %d points for batches %s, tuned on the %s step",
                 where, len(plan), len(sites), data["batches"],
                 describe_step(data.get("step", EAGER_STEP)))
     return Profile(data=data, plan=plan, sites=sites, path=where, model=weakref.ref(model))

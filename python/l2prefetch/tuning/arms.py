@@ -225,6 +225,10 @@ class Backend(abc.ABC):
     #: (GraphBackend: a mode whose compilations differ); it then captures one more graph
     #: per instance (the budget counts it).  False by default.
     within_compilation: bool = False
+    #: Whether the arms' loads end by reading their site's activation (``warm_activation``:
+    #: GraphBackend on an eager step); tune's plan marks its entries so only then.  False
+    #: by default.
+    warm_activation: bool = False
 
     def use_roles(self, roles: Sequence[Role], caps_bytes: Sequence[int]) -> None:
         """The roles the arms will name and the caps (bytes) the search tries (called by

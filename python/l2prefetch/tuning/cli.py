@@ -27,7 +27,6 @@ from typing import Any, Optional
 
 from .. import _C
 from .._files import check_outputs, write_atomic
-from .._torch import MISSING
 from .._parser import Parser as _Parser  # usage errors as one line, exit status 2
 from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
@@ -265,7 +264,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError:
-        raise _Exit(MISSING) from None
+        raise _Exit(hf.NO_TORCH) from None
     progress = None if args.quiet else sys.stderr
     options = _options(args)
     model, step = _build(args, options, torch, progress)

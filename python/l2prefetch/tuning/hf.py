@@ -91,6 +91,12 @@ SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "
                       "I64": 8, "U64": 8, "F64": 8}
 
 
+#: What a command that builds a Hugging Face model says without torch: both of what it
+#: needs, so that installing one does not meet the other's message next.
+NO_TORCH = ("needs torch, which is not installed: install torch 2.11-2.13, then "
+            "l2prefetch's 'tune' extra (transformers; README, Install)")
+
+
 def import_transformers() -> Any:
     try:
         import transformers

@@ -188,6 +188,8 @@ class GraphBackend(Backend):
         self.torch, self.model, self.step, self.rounds = torch, model, step, rounds
         #: Whether the step runs in compiled code (then arms fork through self._board).
         self.compiled = bool(compiled)
+        #: An eager step's loads end by reading their site's activation (_controller).
+        self.warm_activation = not self.compiled
         #: Outputs compared within the compiled code with the fork ops (SAME_CODE), for
         #: modes whose two compilations of one step differ (run 23).
         self.within_compilation = bool(within_compilation)
@@ -321,7 +323,7 @@ class GraphBackend(Backend):
         for name, setting in arm.roles:
             entries += self._role(name, setting).entries(
                 (batch,), byte_cap=setting.byte_cap, grid=setting.grid, kernel=setting.kernel,
-                graph_fork=setting.graph_fork, warm_activation=not self.compiled)
+                graph_fork=setting.graph_fork, warm_activation=self.warm_activation)
         if arm.empty or arm.loads_at is None:
             return build_controller(entries, self.device.index, empty=arm.empty)
         layers = {entry.layer for entry in entries}

@@ -29,7 +29,6 @@ from typing import Any
 
 from .. import _C, hooks
 from .._files import check_outputs, read_text, write_atomic
-from .._torch import MISSING
 from ..mechanisms import DEFAULT_GRAPH_FORK, GRAPH_FORKS
 from ..profile import (describe_step, load_profile, parse_profile, profile_batches,
                        profile_step)
@@ -226,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError:
-        raise _Bad(MISSING) from None
+        raise _Bad(hf.NO_TORCH) from None
     from . import trace   # here: the parser (and --help) loads none of the trace modules
 
     try:   # the options that name the model, before the GPU is asked for

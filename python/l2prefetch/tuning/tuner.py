@@ -291,7 +291,8 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     finally:
         backend.close()
     fingerprint = backend.device_fingerprint()
-    plan, sites = merge_plan(roles, reports, warm_activation=not compiled)
+    plan, sites = merge_plan(roles, reports,
+                             warm_activation=not compiled and backend.warm_activation)
     result = TuneResult(
         batches=reports, roles=roles, plan=plan, sites=sites, budget_s=float(budget_s),
         elapsed_s=time.monotonic() - t0,
