@@ -85,6 +85,40 @@ def test_prefetch_keeps_gemv_bitwise_identical():
     assert ctrl.stats()["p"] == {"forks": 20, "bytes": 20 * w.numel() * 2}
 
 
+def test_warm_fork_refuses_host_and_storageless_activations_and_launches_after():
+    """On the real driver: an __cuda_array_interface__ activation in host memory is
+    refused as not device memory (the driver's CUDA_ERROR_INVALID_VALUE), a CUDA wrapper
+    tensor without storage (data pointer 0) as having none, a small CPU tensor as a big
+    one; nothing launched, and the next fork with a real activation reads it."""
+    class Storageless(torch.Tensor):
+        @staticmethod
+        def __new__(cls, shape):
+            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float16,
+                                                       device=DEV)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(str(func))
+
+    w, x = _rand((1024, 1024)), _rand((8, 1024))
+    host = torch.zeros(4096)
+    in_host = type("InHost", (), {"__cuda_array_interface__": {
+        "shape": (4096,), "typestr": "<f4", "data": (host.data_ptr(), False), "version": 3}})()
+    ctrl = PrefetchController(0)
+    ctrl.add("p", 0, [8], PreparedWeightRanges([w], warm_activation=True))
+    for bad, words in ((in_host, "not in CUDA device memory"),
+                       (Storageless((8, 1024)), "no storage of its own"),
+                       (torch.zeros(2), "not in CUDA device memory")):
+        with pytest.raises(ValueError, match=words):
+            ctrl.fork("p", 0, 8, activation=bad)
+    assert ctrl.stats()["p"]["forks"] == 0
+    assert ctrl.fork("p", 0, 8, activation=x)
+    ctrl.join()
+    torch.cuda.synchronize()
+    assert ctrl.stats()["p"] == {"forks": 1, "bytes": w.numel() * 2 + x.numel() * 2}
+    ctrl.close()
+
+
 @pytest.mark.parametrize("mode", ["eager", "inline", "branch", "leaf"])
 def test_warm_fork_reads_the_activation_and_keeps_numerics(mode):
     """warm_activation: each fork also reads its activation (counted in the stats), eagerly
