@@ -211,10 +211,11 @@ CUresult l2p_capture_inline_launch(l2p_driver *d, CUstream s, PyObject *prepared
     }
     /* A captured launch (on failure nothing was captured, and the stream gets X's
      * own edges back: a programmatic edge left there would let the next captured
-     * kernel start before X is done). */
+     * kernel start before X is done, and a chained leaf's edge would make it wait for
+     * the previous loader). */
     *failed = "cuLaunchKernelEx";
     if ((r = l2p_prepared_launch_raw(prepared, s, extra)) != CUDA_SUCCESS) {
-        if (reedged &&
+        if ((reedged || chain) &&
             d->fn.cuStreamUpdateCaptureDependencies(s, before.nodes, before.edges, before.n,
                                                     CU_STREAM_SET_CAPTURE_DEPENDENCIES)
             != CUDA_SUCCESS)

@@ -371,6 +371,11 @@ static int set_loader(l2p_state *st, l2p_driver *d, CUgraphExec exec, CUgraphNod
         p.extra = NULL;
     } else if (state == STATE_TABLES) {
         PyObject *t = PyTuple_GET_ITEM(tables, i);
+        if (!l2p_prepared_alive(t)) {   /* as fork: a cleared table's weights may be gone */
+            PyErr_Format(st->error, "state[%zd] was cleared by the garbage collector (its "
+                         "weights dropped): prepare a new table", i);
+            return -1;
+        }
         if (l2p_prepared_device(t) != device || l2p_prepared_driver(t) != d) {
             PyErr_Format(PyExc_ValueError, "state[%zd] is a table of cuda:%d; node %zd runs on "
                          "cuda:%d", i, l2p_prepared_device(t), i, device);

@@ -124,9 +124,12 @@ static PyObject *site_packages(void)
         PyObject *paths = sysconfig ? PyObject_CallMethod(sysconfig, "get_paths", NULL) : NULL;
         Py_XDECREF(sysconfig);
         if (paths && PyDict_Check(paths)) {
-            PyObject *pure = PyDict_GetItemString(paths, "purelib");
-            PyObject *plat = PyDict_GetItemString(paths, "platlib");
-            dirs = Py_BuildValue("[OO]", pure ? pure : Py_None, plat ? plat : Py_None);
+            /* strong references first: building the list can collect, and a finalizer
+             * then may empty the dict (sysconfig's, or a replacement's) */
+            PyObject *pure = Py_XNewRef(PyDict_GetItemString(paths, "purelib"));
+            PyObject *plat = Py_XNewRef(PyDict_GetItemString(paths, "platlib"));
+            dirs = Py_BuildValue("[NN]", pure ? pure : Py_NewRef(Py_None),
+                                 plat ? plat : Py_NewRef(Py_None));
         }
         Py_XDECREF(paths);
     }

@@ -864,6 +864,25 @@ def test_leaf_forks_chain_within_one_capture(fake, table):
     assert x and k2
 
 
+def test_a_chained_leaf_whose_launch_fails_leaves_the_stream_as_it_was(fake, table):
+    """The second leaf's launch fails: the first leaf's edge, added to the stream for it,
+    is taken back, so the next captured node waits for its fork's node alone, not for
+    the previous loader."""
+    c = PC(device=0, graph_fork="leaf")
+    c.add("attn", 0, 1, table)
+    c.add("mlp", 0, 1, table)
+    fake.set_capture(7)
+    fake.add_capture_node(0)
+    assert c.fork("attn", 0, 1, stream=STREAM)
+    y = fake.add_capture_node(0)
+    fake.fail("cuLaunchKernelEx", code="CUDA_ERROR_INVALID_VALUE")
+    with pytest.raises(l2prefetch.CudaError, match="cuLaunchKernelEx"):
+        c.fork("mlp", 0, 1, stream=STREAM)
+    fake.clear_log()
+    PWR([arr(5)]).launch(STREAM)
+    assert _deps(fake.log("cuLaunchKernelEx")[-1]) == [(y, 0, 0)]
+
+
 def test_leaf_fork_first_in_capture(fake, table):
     """No node captured yet: K is a root and the stream is left with no dependencies."""
     c = PC(device=0)

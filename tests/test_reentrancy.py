@@ -16,6 +16,10 @@ one point").
 """
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -869,3 +873,50 @@ def test_launch_stream_property_swaps_the_module_driver(fake, table, monkeypatch
     monkeypatch.setenv("L2PREFETCH_LIBCUDA", "/nonexistent/libcuda.so.1")
     table.launch(Stream(lambda: (_C._use_driver(None), gc.collect())))
     assert fake.log("cuLaunchKernelEx")
+
+
+# A `site` without getsitepackages(), sysconfig.get_paths() replaced by one whose dict a gc
+# callback empties when the next container (the list state.c builds of its paths) collects.
+SITE_PACKAGES_UAF = textwrap.dedent("""
+    import gc, site, sys, sysconfig
+    from l2prefetch import _C
+
+    shared, keep, state = {}, [], {"armed": False, "fired": False}
+
+    def on_gc(phase, info):
+        if phase == "start" and state["armed"]:
+            state["armed"], state["fired"] = False, True
+            shared.clear()       # the dict held the only reference to both strings
+
+    def get_paths():
+        shared["purelib"] = "/nonexistent/pure" + str(id(keep))   # new strings
+        shared["platlib"] = "/nonexistent/plat" + str(id(shared))
+        keep.append([[] for _ in range(100)])   # CPython's free list of lists emptied
+        state["armed"] = True
+        gc.set_threshold(1, 1, 1)   # the next new container (Py_BuildValue's list) collects
+        return shared
+
+    del site.getsitepackages          # an old virtualenv's site module
+    sysconfig.get_paths = get_paths
+    gc.callbacks.append(on_gc)
+    gc.collect()
+    gc.set_threshold(100000)
+    try:
+        _C._use_nvrtc("/nonexistent/libnvrtc.so.13")   # l2p_use_nvrtc -> site_dirs()
+    except Exception as exc:
+        assert type(exc).__name__ == "CudaUnavailableError", exc
+    gc.set_threshold(700, 10, 10)
+    assert state["fired"]
+    print("ok")
+""")
+
+
+def test_site_packages_fallback_survives_a_finalizer_that_drops_the_paths():
+    """state.c looks for NVRTC in site-packages; where `site` has no getsitepackages (an
+    old virtualenv) it reads sysconfig.get_paths(), whose strings a collection started
+    while the list of them is built may free: they are held first (a crash before)."""
+    env = dict(os.environ, PYTHONMALLOC="debug")   # freed memory filled with 0xDD
+    proc = subprocess.run([sys.executable, "-c", SITE_PACKAGES_UAF], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (
+        proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
