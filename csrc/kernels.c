@@ -8,7 +8,9 @@
  * ~/.cache/l2prefetch, unless L2PREFETCH_NO_DISK_CACHE=1.  The file name is
  * readable (variant, arch, NVRTC version) and ends in the hash of a key that
  * holds everything that changes the binary: the variant, the target, the
- * NVRTC version, the embedded kernel source's hash, every option, and the
+ * NVRTC version and the identity of its library file (size and modification
+ * time: a patch release, or another toolkit's NVRTC of the same version,
+ * compiles anew), the embedded kernel source's hash, every option, and the
  * cache format.  A file holds that key and the SHA-256 of key and payload; a
  * file that is damaged, or whose key is not the one its name stands for (a
  * file renamed onto another's name), is a miss: recompiled and replaced, with
@@ -38,6 +40,7 @@
 #define _GNU_SOURCE
 #include "l2p.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -58,6 +61,21 @@
 #define CACHE_MAX_TEXT "16 MiB"
 
 const unsigned int l2p_capacities[L2P_NUM_CAPACITIES] = {8, 32, L2P_MAX_TABLE};
+
+/* The NVRTC library file's identity for the cache key: its size and modification time,
+ * found from one of its functions (the path NVRTC was opened by may be a bare soname);
+ * "unknown" where that fails (the version alone then keys it). */
+static void nvrtc_identity(const l2p_nvrtc *n, char *out, size_t len)
+{
+    Dl_info info;
+    struct stat sb;
+    if (dladdr((void *)n->fn.nvrtcVersion, &info) && info.dli_fname &&
+        stat(info.dli_fname, &sb) == 0)
+        snprintf(out, len, "%lld bytes, %lld.%09ld", (long long)sb.st_size,
+                 (long long)sb.st_mtim.tv_sec, (long)sb.st_mtim.tv_nsec);
+    else
+        snprintf(out, len, "unknown");
+}
 
 /* The loaders a plan (or the tuner) chooses between; chunk, stage and block
  * sizes were chosen by the sweep in benchmarks/RESULTS.md, run 10, kernels. */
@@ -569,10 +587,12 @@ PyObject *l2p_kernel_image(l2p_state *st, int sm, int variant, int *is_ptx)
         PyObject *optstr = joined ? PyUnicode_Join(joined, opts) : NULL;
         Py_XDECREF(joined);
         PyObject *src = optstr ? sha256_hex(L2P_KERNEL_SOURCE, (Py_ssize_t)strlen(L2P_KERNEL_SOURCE)) : NULL;
-        keytext = src ? PyUnicode_FromFormat("l2prefetch kernel cache 2|variant %s|%s_%d|nvrtc %d.%d|"
-                                             "source %U|options %U",
+        char lib[96];
+        nvrtc_identity(n, lib, sizeof lib);
+        keytext = src ? PyUnicode_FromFormat("l2prefetch kernel cache 2|variant %s|%s_%d|nvrtc %d.%d "
+                                             "(%s)|source %U|options %U",
                                              v->name, ptx ? "compute" : "sm", arch, n->major,
-                                             n->minor, src, optstr)
+                                             n->minor, lib, src, optstr)
                       : NULL;
         Py_XDECREF(optstr);
         Py_XDECREF(src);

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 
 import l2prefetch
 from l2prefetch import _C
+from _fakecuda import build_fakenvrtc
 
 VARIANTS = l2prefetch.kernel_variants()
 SMS = [80, 90, 100]
@@ -541,8 +543,11 @@ def test_the_key_in_the_file_is_the_one_its_name_stands_for(cache, variant, sm):
     key, payload = read_cache_file(path)
     major, minor = _C.nvrtc_info()["version"]
     options = " ".join(_C.compile(variant, sm)["options"])
+    lib = os.stat(_C.nvrtc_info()["path"])   # the library NVRTC was loaded from
     assert key.decode() == (f"l2prefetch kernel cache 2|variant {variant}|sm_{sm}|"
-                            f"nvrtc {major}.{minor}|source {source_hash()}|options {options}")
+                            f"nvrtc {major}.{minor} ({lib.st_size} bytes, "
+                            f"{lib.st_mtime_ns // 10**9}.{lib.st_mtime_ns % 10**9:09d})|"
+                            f"source {source_hash()}|options {options}")
     assert path.endswith(f"-{sha(key)[:16]}.cubin")
     assert payload == image
 
@@ -915,3 +920,30 @@ def test_nvrtc_info(nvrtc):
     assert {80, 90, 100} <= set(archs)
     assert _C.nvrtc_info() == nvrtc
     assert f"libnvrtc.so.{major}" in nvrtc["path"]
+
+
+def test_the_disk_cache_is_bound_to_the_nvrtc_build_not_only_its_version(tmp_path, monkeypatch):
+    """Another NVRTC build of the same version (a patch release, another toolkit's) is
+    not served the first one's CUBIN from disk: the key holds the library file's identity.
+    Here the stand-in NVRTC and a copy of it one byte longer, reporting the same 13.0."""
+    first = build_fakenvrtc(str(tmp_path / "a"))
+    second = str(tmp_path / "b" / os.path.basename(first))
+    os.makedirs(os.path.dirname(second))
+    shutil.copyfile(first, second)
+    with open(second, "ab") as f:
+        f.write(b"\0")
+    monkeypatch.setenv("L2PREFETCH_CACHE_DIR", str(tmp_path / "kcache"))
+    monkeypatch.delenv("L2PREFETCH_NO_DISK_CACHE", raising=False)
+    try:
+        _C._use_nvrtc(first)
+        _C.clear_kernel_cache()
+        _C._kernel_image("ring", 90)
+        _C._use_nvrtc(second)
+        _C.clear_kernel_cache()
+        _C._kernel_image("ring", 90)
+        info, = _C.kernel_cache_info()
+        assert _C.nvrtc_info()["path"] == second
+        assert info["source"] == "compiled", info
+    finally:
+        _C._use_nvrtc(None)
+        _C.clear_kernel_cache()

@@ -835,6 +835,32 @@ def stub_trace(monkeypatch, result):
     monkeypatch.setattr(tr, "trace", lambda *a, **kw: result)
 
 
+@pytest.mark.parametrize("option, name", [("--out", "config.json"),
+                                          ("--dot", "model.safetensors")])
+def test_an_output_that_is_a_file_of_the_model_is_refused(tmp_path, capsys, monkeypatch,
+                                                           option, name):
+    """As tune: an output of trace's naming one of the checkpoint's files is refused
+    before anything runs (it replaced the config with the timeline)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (ckpt / f).write_text("{}")
+    forks, timeline = traced(step((20, 11.5, 28.5)))
+    stub_trace(monkeypatch, tr.TraceResult("t", 1, forks, kernels=timeline))
+    target = ckpt / name
+    one_line_error(capsys, ["trace", str(ckpt), "--role", ROLE, option, str(target)],
+                   f"{option} {target} is the file the model reads")
+    assert target.read_text() == "{}"
+
+
+def test_a_set_value_nested_too_deep_is_one_line(tmp_path, capsys, monkeypatch):
+    forks, timeline = traced(step((20, 11.5, 28.5)))
+    stub_trace(monkeypatch, tr.TraceResult("t", 1, forks, kernels=timeline))
+    one_line_error(capsys, ["trace", "LlamaConfig", "--role", ROLE,
+                            "--set", "rope_parameters=" + "[" * 900 + "]" * 900],
+                   "more than 32 deep (rope_parameters)")
+
+
 def test_outputs_replace_a_planted_link_never_write_through_it(tmp_path, capsys, monkeypatch):
     """Issue 38.2: --out and --plot at a planted link replace the link (atomically, by
     _files.write_atomic); the file it pointed at is untouched."""

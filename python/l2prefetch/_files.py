@@ -264,6 +264,16 @@ class _LongNumber:
         return f"<a {self.digits}-digit number>"
 
 
+class _NonFinite:
+    """A NaN, Infinity or -Infinity literal, kept to be named."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
 #: Python's default limit on the digits of an int parsed from text (sys.int_info).
 _MAX_DIGITS = 4300
 
@@ -299,9 +309,11 @@ def _place(link: Any) -> str:
     return out or "the top level"
 
 
-def loads_json(text: Union[str, bytes], where: str) -> Any:
-    """``json.loads``, refusing a key given twice in one object and an integer too long to
-    convert: ValueError ``"<where>: <place> ..."`` naming the place (``plan[0].byte_cap``).
+def loads_json(text: Union[str, bytes], where: str, *, finite: bool = True) -> Any:
+    """``json.loads``, refusing a key given twice in one object, an integer too long to
+    convert and (``finite``) ``NaN``/``Infinity``, which JSON lacks and Python's reader
+    takes: ValueError ``"<where>: <place> ..."`` naming the place (``plan[0].byte_cap``).
+    ``finite=False`` keeps them as floats, for a caller that refuses them in its words.
 
     What does not parse raises as ``json.loads`` raises it (``json.JSONDecodeError``,
     ``RecursionError`` for nesting too deep), for the caller to say in its words.
@@ -322,7 +334,13 @@ def loads_json(text: Union[str, bytes], where: str) -> Any:
             bad.append(value)
         return value
 
-    data = json.loads(text, object_pairs_hook=pairs, parse_int=parse_int)
+    def parse_constant(name: str) -> Any:
+        value = _NonFinite(name)
+        bad.append(value)
+        return value
+
+    data = json.loads(text, object_pairs_hook=pairs, parse_int=parse_int,
+                      **({"parse_constant": parse_constant} if finite else {}))
     if not bad:
         return data
     # A loop, not recursion (the parser nests deeper than a recursive walk can);
@@ -333,6 +351,9 @@ def loads_json(text: Union[str, bytes], where: str) -> Any:
         if isinstance(value, _LongNumber):
             raise ValueError(f"{where}: {_place(parts)} is a {value.digits}-digit number; "
                              "no field takes one that long")
+        if isinstance(value, _NonFinite):
+            raise ValueError(f"{where}: {_place(parts)} is {value.name}, which JSON does not "
+                             "have; write a finite number")
         if isinstance(value, dict):
             if isinstance(value, _Duplicated):
                 keys = ", ".join(repr(k) for k in value.keys_given_twice)

@@ -296,7 +296,7 @@ def _check(args: argparse.Namespace, options: _Options, torch: Any) -> tuple[Any
         twice = sorted({r for r in args.roles if args.roles.count(r) > 1})
         raise _Exit(f"--roles names {', '.join(map(repr, twice))} more than once: give each "
                     "role once")
-    model_files = _model_files(args.model)
+    model_files = hf.model_files(args.model)
     try:   # the profile, the report and the plot can be written, are three files, and
         # none is a file of the model's (its config.json, a checkpoint's weights)
         check_outputs(options.outputs, model_files)
@@ -322,14 +322,6 @@ def _check(args: argparse.Namespace, options: _Options, torch: Any) -> tuple[Any
     except ValueError as exc:
         raise _Exit(f"--device: {exc}") from None
     return device, overrides
-
-
-def _model_files(source: str) -> list[tuple[str, str]]:
-    """The files MODEL names, as check_outputs' inputs: the file, or a directory's files
-    (a name that is no path: none)."""
-    if os.path.isdir(source):
-        return [("the model", os.path.join(source, name)) for name in sorted(os.listdir(source))]
-    return [("the model", source)] if os.path.lexists(source) else []
 
 
 def _build(args: argparse.Namespace, options: _Options, torch: Any,

@@ -97,6 +97,14 @@ NO_TORCH = ("needs torch, which is not installed: install torch 2.11-2.13, then 
             "l2prefetch's 'tune' extra (transformers; README, Install)")
 
 
+def model_files(source: str) -> list[tuple[str, str]]:
+    """The files MODEL names, as ``_files.check_outputs``' inputs (no output of tune's or
+    trace's may be one): the file, or a directory's files (a name that is no path: none)."""
+    if os.path.isdir(source):
+        return [("the model", os.path.join(source, name)) for name in sorted(os.listdir(source))]
+    return [("the model", source)] if os.path.lexists(source) else []
+
+
 def import_transformers() -> Any:
     try:
         import transformers
@@ -139,10 +147,29 @@ def parse_overrides(items: Any) -> dict:
         if not key.isidentifier():
             raise ValueError(f"a config override's key must be a config field name, got {key!r}")
         try:
-            out[key] = loads_json(text, f"the config override {key}")
+            out[key] = loads_json(text, f"the config override {key}", finite=False)
         except (json.JSONDecodeError, RecursionError):
             out[key] = text
+        if _nested_deeper(out[key], MAX_OVERRIDE_DEPTH):   # checks and messages recurse
+            raise ValueError(f"a config override's value nests lists or objects more than "
+                             f"{MAX_OVERRIDE_DEPTH} deep ({key}); no config field does")
     return out
+
+
+#: How deep a --set value may nest lists and objects (a config's deepest fields, such as
+#: rope scaling's, nest two or three).
+MAX_OVERRIDE_DEPTH = 32
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists or dicts more than ``limit`` deep (without recursing)."""
+    level = [value]
+    for _ in range(limit + 1):   # a level of containers found each time: more than limit
+        containers = [x for x in level if isinstance(x, (list, dict))]
+        if not containers:
+            return False
+        level = [v for x in containers for v in (x.values() if isinstance(x, dict) else x)]
+    return True
 
 
 def dtype_of(dtype: Any) -> Any:
@@ -424,9 +451,10 @@ def _check_safetensors(path: str) -> None:
         head = os.read(fd, 8)
         size = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 2 <= size <= min(SAFETENSORS_HEADER_MAX, info.st_size - 8):
-            raise ValueError(f"{path} is not a safetensors file (its header length "
-                             f"{size} does not fit its {info.st_size} bytes): it is corrupt "
-                             "or truncated")
+            # neither the length read nor the file's size is said: the file may be
+            # anything a planted name points at
+            raise ValueError(f"{path} is not a safetensors file (its header length does not "
+                             "fit the file): it is corrupt or truncated")
         chunks, got = [], 0
         while got < size:
             chunk = os.read(fd, size - got)
@@ -482,9 +510,16 @@ def _checkpoint_files(directory: str) -> list[str]:
     there would hang it) and refusing one with only pickled weights."""
     entries = sorted(os.listdir(directory))
     weights = []
+    inside = _link_targets(directory)
     for name in entries:
         path = os.path.join(directory, name)
         if name.endswith((".json", ".safetensors")):
+            if os.path.islink(path):
+                target = os.path.realpath(path)
+                if not any(os.path.commonpath([target, root]) == root for root in inside):
+                    raise ValueError(f"{path} is a link to {target}, outside the checkpoint: "
+                                     "a checkpoint's files are read only in its directory "
+                                     "(or a Hugging Face cache's blobs/); copy the file in")
             check_regular(path, "checkpoint file")
         if name.endswith(".safetensors"):
             weights.append(path)
@@ -500,6 +535,18 @@ def _checkpoint_files(directory: str) -> list[str]:
         if name.endswith(".safetensors.index.json"):   # a .bin index: its pickles never load
             _check_index(os.path.join(directory, name), {os.path.basename(w) for w in weights})
     return weights
+
+
+def _link_targets(directory: str) -> list[str]:
+    """Where a checkpoint's links may point: into the directory itself, and for a Hugging
+    Face cache's snapshot (``<repo>/snapshots/<revision>``) into ``<repo>/blobs``, where
+    its files are."""
+    real = os.path.realpath(directory)
+    roots = [real]
+    parent, revision = os.path.split(real)
+    if revision and os.path.basename(parent) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+    return roots
 
 
 def _check_index(path: str, checked: set) -> None:

@@ -171,7 +171,8 @@ def _check(args: argparse.Namespace) -> None:
     outputs = [(f"--{o}", getattr(args, o)) for o in ("out", "plot", "dot")
                if getattr(args, o) is not None]
     try:
-        check_outputs(outputs, [("--profile", args.profile)] if args.profile else [])
+        check_outputs(outputs, ([("--profile", args.profile)] if args.profile else [])
+                      + hf.model_files(args.model))
     except (OSError, ValueError) as exc:
         raise _Bad(exc) from None
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
