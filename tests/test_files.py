@@ -32,8 +32,8 @@ def test_only_regular_files_are_read(tmp_path):
     server = socket.socket(socket.AF_UNIX)
     try:
         server.bind(str(tmp_path / "sock"))
-        with pytest.raises(OSError):     # a socket cannot even be opened
-            _files.read_bytes(tmp_path / "sock", "profile")
+        with pytest.raises(ValueError, match=r"/sock is .*, not a regular file"):
+            _files.read_bytes(tmp_path / "sock", "profile")   # refused before any open
     finally:
         server.close()
     with pytest.raises(FileNotFoundError):
@@ -110,3 +110,20 @@ def test_loads_json_refuses_what_json_would_silently_accept():
     deep = "[" * 900 + '{"a": 1, "a": 2}' + "]" * 900
     with pytest.raises(ValueError, match=r"\[0\]\[0\].*gives the key 'a'"):
         _files.loads_json(deep, "x")
+
+
+def test_what_is_no_regular_file_is_refused_before_it_is_opened(tmp_path, monkeypatch):
+    """Opening a device can act (a watchdog starts counting, a tape rewinds), and a FIFO
+    could block: such a name is refused on its stat, never opened."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **kw: (opened.append(path),
+                                                            real_open(path, *a, **kw))[1])
+    for path in ("/dev/null", fifo, tmp_path):
+        with pytest.raises(ValueError, match="not a regular file"):
+            _files.read_bytes(path, "profile")
+    assert opened == []
+    (tmp_path / "p.json").write_text("{}")
+    assert _files.read_text(tmp_path / "p.json", "profile") == "{}" and len(opened) == 1

@@ -79,18 +79,25 @@ def _limit(limit: int) -> str:
 
 def open_regular(path: PathLike, what: str) -> tuple[int, os.stat_result]:
     """``(fd, stat)`` of the regular file at ``path``, opened read-only; the caller
-    closes ``fd``.  Anything else (a FIFO, a directory, a device) is a ValueError."""
+    closes ``fd``.  Anything else (a FIFO, a directory, a device) is a ValueError,
+    refused before it is opened where it is one already (opening a device can act), and
+    checked again on the descriptor (the name may have changed in between)."""
     where = _path(path, what)
-    fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    _regular(os.stat(where), where, what)   # before opening it: opening a device can act
+    fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{what} {where} is {_kind(info.st_mode)}, not a regular file: "
-                             f"pass the path of the {what} itself")
+        _regular(info, where, what)   # again: the name may lead elsewhere by now
     except BaseException:
         os.close(fd)
         raise
     return fd, info
+
+
+def _regular(info: os.stat_result, where: str, what: str) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{what} {where} is {_kind(info.st_mode)}, not a regular file: "
+                         f"pass the path of the {what} itself")
 
 
 def read_bytes(path: PathLike, what: str, *, limit: int = MAX_BYTES) -> bytes:
