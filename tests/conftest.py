@@ -171,6 +171,23 @@ def device_ptr(device=0, offset=0):
     return ((device + 1) << 40) + offset
 
 
+def storageless(shape, device="cuda:0"):
+    """A wrapper tensor on a CUDA device without storage of its own, as a DTensor or a
+    nested tensor is: its data_ptr() is 0 (torch need not see a GPU)."""
+    import torch
+
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, shape):
+            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float16,
+                                                       device=device)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(str(func))
+    return Wrapper(shape)
+
+
 def cuda_tensor(ptr, shape=(64,), device=0, dtype=None):
     """A meta tensor that says it lives at ``ptr`` on cuda:``device`` (what ranges.c
     reads): PlanEntry and from_plan take only torch tensors, and torch here may be

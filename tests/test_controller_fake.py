@@ -22,7 +22,7 @@ import pytest
 import l2prefetch
 from l2prefetch import _C
 from l2prefetch.mechanisms import GRAPH_FORK_MODES
-from conftest import FakeArray, cuda_tensor, device_ptr
+from conftest import FakeArray, cuda_tensor, device_ptr, storageless
 
 PWR = l2prefetch.PreparedWeightRanges
 PC = l2prefetch.PrefetchController
@@ -1482,25 +1482,10 @@ def test_fork_activation_driver_failure_is_the_drivers_error(fake, warm):
     assert fake.log("cuLaunchKernelEx") == [] and not warm.pending
 
 
-def _storageless(torch, shape, device="cuda:0"):
-    """A wrapper tensor on a CUDA device without storage of its own, as a DTensor or a
-    nested tensor is: its data_ptr() is 0."""
-    class Wrapper(torch.Tensor):
-        @staticmethod
-        def __new__(cls, shape):
-            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float16,
-                                                       device=device)
-
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            raise NotImplementedError(str(func))
-    return Wrapper(shape)
-
-
 def test_fork_refuses_an_activation_without_storage(fake, warm):
     """Its range would start at address 0: the loader would fault on the GPU."""
     torch = pytest.importorskip("torch")
-    activation = _storageless(torch, (4, 64))
+    activation = storageless((4, 64))
     assert activation.data_ptr() == 0
     with pytest.raises(ValueError, match=r"activation has no storage of its own .*"
                                          r"DTensor.to_local\(\)"):
@@ -1511,7 +1496,7 @@ def test_fork_refuses_an_activation_without_storage(fake, warm):
 def test_prepared_ranges_refuse_a_weight_without_storage(fake):
     torch = pytest.importorskip("torch")
     with pytest.raises(ValueError, match=r"weight 1 \(on cuda:0\) has no storage of its own"):
-        PWR([arr(0), _storageless(torch, (1024,))])
+        PWR([arr(0), storageless((1024,))])
 
 
 def test_fork_activation_that_swaps_the_table(fake, warm):
@@ -1632,7 +1617,7 @@ def test_attached_fork_of_a_module_whose_output_has_no_storage(fake):
 
     class Out(torch.nn.Module):
         def forward(self, x):
-            return _storageless(torch, (4, 64))
+            return storageless((4, 64))
 
     model = Out()
     c = OnStream(device=0)

@@ -11,6 +11,7 @@ import pytest
 
 import l2prefetch
 from l2prefetch import PrefetchController, PreparedWeightRanges, _C
+from conftest import storageless
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -91,16 +92,6 @@ def test_fork_refuses_host_and_storageless_activations_on_the_driver():
     tensor without storage (data pointer 0) as having none, a small CPU tensor as a big
     one; nothing launched, and the next fork with a real activation reads it.  (Kept out
     of .ci/gpu's memcheck selections: the refused query is an API error to it.)"""
-    class Storageless(torch.Tensor):
-        @staticmethod
-        def __new__(cls, shape):
-            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float16,
-                                                       device=DEV)
-
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            raise NotImplementedError(str(func))
-
     w, x = _rand((1024, 1024)), _rand((8, 1024))
     host = torch.zeros(4096)
     in_host = type("InHost", (), {"__cuda_array_interface__": {
@@ -108,7 +99,7 @@ def test_fork_refuses_host_and_storageless_activations_on_the_driver():
     ctrl = PrefetchController(0)
     ctrl.add("p", 0, [8], PreparedWeightRanges([w], warm_activation=True))
     for bad, words in ((in_host, "not in CUDA device memory"),
-                       (Storageless((8, 1024)), "no storage of its own"),
+                       (storageless((8, 1024), DEV), "no storage of its own"),
                        (torch.zeros(2), "not in CUDA device memory")):
         with pytest.raises(ValueError, match=words):
             ctrl.fork("p", 0, 8, activation=bad)
