@@ -24,7 +24,8 @@ from ._C import (
     compute_ranges,
     kernel_variants,
 )
-from .controller import PrefetchController, disabled
+from .controller import PrefetchController
+from .disable import disabled
 from .plan import PlanEntry
 
 # Modules log to child loggers (l2prefetch.controller, l2prefetch.hooks); the

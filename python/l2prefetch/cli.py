@@ -63,7 +63,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from . import _C, _torch, __version__
-from .controller import disabled, unknown_disable_value
+from .disable import disabled, unknown_disable_value
 from ._parser import Parser as _Parser
 from . import kimi_k3
 from .kimi_k3 import DEFAULT_DIMS, MAX_TENSOR_BYTES, synthetic_model as build_synthetic_kimi

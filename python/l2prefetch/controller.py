@@ -20,15 +20,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 from . import _C
-from .disable import disabled, unknown_disable_value
+from .disable import disabled
 from .mechanisms import DEFAULT_GRAPH_FORK
 from .plan import GraphFork, KernelName, PlanEntry, compact_batches, mib_by_batch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["DeviceLike", "PrefetchController", "build_controller", "disabled", "empty_controller",
-           "fork_activation", "unknown_disable_value", "warms"]
+__all__ = ["DeviceLike", "PrefetchController", "build_controller", "empty_controller",
+           "fork_activation", "warms"]
 
 logger = logging.getLogger(__name__)
 

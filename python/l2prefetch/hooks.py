@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 from . import _C, _torch
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_hook_choices
 from .model_paths import compiled_module
+from .controller import fork_activation, warms
 # The package's one disabled(), also public here: attach() is what it turns off.
-from .controller import disabled, fork_activation, warms
+from .disable import disabled
 from .profile import check_step
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -51,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from .. import _C
-from ..controller import disabled
+from ..disable import disabled
 from .._torch import cuda_reason, driver_reason
 from .._version import __version__
 from .cli import compile_forward, positive
