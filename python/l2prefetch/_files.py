@@ -39,8 +39,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Union
 
-__all__ = ["check_output", "check_outputs", "check_regular", "loads_json", "open_regular",
-           "read_bytes", "read_text", "stdout_to_devnull", "write_atomic"]
+__all__ = ["check_output", "check_outputs", "check_regular", "files_named", "loads_json",
+           "open_regular", "read_bytes", "read_text", "stdout_to_devnull", "write_atomic"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -183,6 +183,15 @@ def check_output(path: PathLike, what: str) -> str:
                          f"{directory}") from None
     os.unlink(tmp)
     return target
+
+
+def files_named(source: str, what: str) -> list[tuple[str, str]]:
+    """The files a path names, as :func:`check_outputs`' inputs: the file, or a
+    directory's files (tune's and trace's MODEL: no output may be one of them); none for a
+    name that is no path (a model type)."""
+    if os.path.isdir(source):
+        return [(what, os.path.join(source, name)) for name in sorted(os.listdir(source))]
+    return [(what, source)] if os.path.lexists(source) else []
 
 
 def check_outputs(outputs: Sequence[tuple[str, PathLike]],

@@ -26,7 +26,7 @@ import time
 from typing import Any, Optional
 
 from .. import _C
-from .._files import check_outputs, write_atomic
+from .._files import check_outputs, files_named, write_atomic
 from .._parser import Parser as _Parser  # usage errors as one line, exit status 2
 from ..mechanisms import GRAPH_FORKS
 from ..plan import MAX_BATCH, MIN_BYTE_CAP
@@ -296,7 +296,7 @@ def _check(args: argparse.Namespace, options: _Options, torch: Any) -> tuple[Any
         twice = sorted({r for r in args.roles if args.roles.count(r) > 1})
         raise _Exit(f"--roles names {', '.join(map(repr, twice))} more than once: give each "
                     "role once")
-    model_files = hf.model_files(args.model)
+    model_files = files_named(args.model, "the model")
     try:   # the profile, the report and the plot can be written, are three files, and
         # none is a file of the model's (its config.json, a checkpoint's weights)
         check_outputs(options.outputs, model_files)

@@ -97,14 +97,6 @@ NO_TORCH = ("needs torch, which is not installed: install torch 2.11-2.13, then 
             "l2prefetch's 'tune' extra (transformers; README, Install)")
 
 
-def model_files(source: str) -> list[tuple[str, str]]:
-    """The files MODEL names, as ``_files.check_outputs``' inputs (no output of tune's or
-    trace's may be one): the file, or a directory's files (a name that is no path: none)."""
-    if os.path.isdir(source):
-        return [("the model", os.path.join(source, name)) for name in sorted(os.listdir(source))]
-    return [("the model", source)] if os.path.lexists(source) else []
-
-
 def import_transformers() -> Any:
     try:
         import transformers

@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from .. import _C, hooks
-from .._files import check_outputs, read_text, write_atomic
+from .._files import check_outputs, files_named, read_text, write_atomic
 from ..mechanisms import DEFAULT_GRAPH_FORK, GRAPH_FORKS
 from ..profile import (describe_step, load_profile, parse_profile, profile_batches,
                        profile_step)
@@ -172,7 +172,7 @@ def _check(args: argparse.Namespace) -> None:
                if getattr(args, o) is not None]
     try:
         check_outputs(outputs, ([("--profile", args.profile)] if args.profile else [])
-                      + hf.model_files(args.model))
+                      + files_named(args.model, "the model"))
     except (OSError, ValueError) as exc:
         raise _Bad(exc) from None
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
