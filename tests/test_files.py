@@ -127,3 +127,17 @@ def test_what_is_no_regular_file_is_refused_before_it_is_opened(tmp_path, monkey
     assert opened == []
     (tmp_path / "p.json").write_text("{}")
     assert _files.read_text(tmp_path / "p.json", "profile") == "{}" and len(opened) == 1
+
+
+def test_write_atomic_syncs_the_bytes_before_the_rename(tmp_path, monkeypatch):
+    """A crash after the rename must not leave an empty file under the name: the data
+    is synced first, then the directory holding the new name."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.isdir(
+        f"/proc/self/fd/{fd}"))), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", None)),
+                                                     real_replace(a, b))[1])
+    _files.write_atomic(tmp_path / "p.json", "{}", "profile")
+    assert events == [("fsync", False), ("replace", None), ("fsync", True)]
+    assert (tmp_path / "p.json").read_text() == "{}"

@@ -385,6 +385,21 @@ def test_a_model_type_transformers_lacks_is_refused_without_running_its_code(tmp
      r"--roles names 'after mlp: x' more than once"),
     (["llama", *SMALL, "--batches", "8,1,8"], r"--batches names 8 more than once: give each "
                                               r"batch once"),
+    # a hostile review's: a repeated value measured the same arm twice, a negative gain
+    # slipped past --list-roles (and tune refused it only once the model was built), and a
+    # float8 dtype failed the build blaming the config
+    (["llama", *SMALL, "--grids", "16,32,16"], r"--grids names 16 more than once: give each "
+                                               r"grid once"),
+    (["llama", *SMALL, "--caps-mib", "4,4.0"], r"--caps-mib names 4.0 more than once"),
+    (["llama", *SMALL, "--kernels", "default,default"], r"--kernels names 'default' more "
+                                                        r"than once: give each kernel once"),
+    (["llama", *SMALL, "--graph-forks", "leaf,inline,leaf"], r"--graph-forks names 'leaf' "
+                                                             r"more than once"),
+    (["llama", *SMALL, "--min-gain-us", "-0.5"], r"--min-gain-us must be in \[0, 1e\+06\], "
+                                                 r"got -0.5"),
+    (["llama", *SMALL, "--dtype", "float8_e4m3fn"], r"--dtype: dtype must name a "
+                                                    r"floating-point torch dtype \(bfloat16, "
+                                                    r"float16 or float32\), got 'float8_e4m3fn'"),
     (["llama", *SMALL, "--prompt-len", "100"], r"--max-cache-len \(64\) must exceed "
                                                r"--prompt-len \(100\)"),
     (["llama", *SMALL, "--out", "/nonexistent/dir/p.json"],

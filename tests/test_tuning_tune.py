@@ -20,6 +20,7 @@ import torch
 from l2prefetch import PlanEntry, hooks, tuning
 from l2prefetch import profile as P
 from l2prefetch.tuning.arms import Backend
+from l2prefetch.tuning.discovery import find_roles
 from l2prefetch.tuning.search import NOT_PREPARED, NOTHING_MEASURED
 
 import _tuning_fakes as fakes
@@ -302,13 +303,63 @@ def test_save_needs_a_device_and_writes_atomically(tmp_path):
                                  "got int 0"),
     (dict(rounds=True), TypeError, "rounds must be None .* got bool True"),
     (dict(rounds=2.5), TypeError, "rounds must be None .* got float 2.5"),
+    # a hostile review's: nothing to measure, the same arm twice, a value that would fail
+    # only after the tune (or never be checked), a device torch names in its own words
+    (dict(candidates=[]), ValueError, "candidates is empty, so there is nothing to measure"),
+    (dict(candidates=[O_PROJ, O_PROJ]), ValueError, "candidates name a role twice"),
+    (dict(grids=[16, 16]), ValueError, r"grids gives 16 more than once, \[16, 16\]: give "
+                                       "each once"),
+    (dict(caps_mib=[4, 4.0]), ValueError, "caps_mib gives 4.0 more than once"),
+    (dict(kernels=[None, None]), ValueError, "kernels gives None more than once"),
+    (dict(graph_forks=["leaf", "leaf"]), ValueError, "graph_forks gives 'leaf' more than once"),
+    (dict(min_bytes=0), ValueError, "min_bytes must be an int >= 1, got 0"),
+    (dict(min_bytes="1 MiB"), TypeError, "min_bytes must be an int >= 1, got str"),
+    (dict(progress=object()), TypeError, "progress must be None \\(quiet\\) or a text stream"),
+    (dict(progress=42), TypeError, "progress must be None .* got int"),
+    (dict(device="garbage"), ValueError, "device must be None \\(the model's\\), a CUDA device "
+                                         "index, 'cuda', 'cuda:N' or a torch.device of CUDA"),
+    (dict(device="cpu"), ValueError, "device must be .* tuning measures CUDA graphs; got str"),
+    (dict(device=-1), ValueError, "device must be .* got int -1"),
+    (dict(device=3.5), TypeError, "device must be .* got float 3.5"),
 ])
 def test_bad_arguments(kwargs, error, message):
     model, step = model_and_step()
     backend = DeviceBackend({}, seed=0)
     with pytest.raises(error, match=message):
-        tuning.tune(model, step, [1], backend=backend, progress=None, min_bytes=256 * 1024,
-                    **kwargs)
+        tuning.tune(model, step, [1], backend=backend, **{
+            "progress": None, "min_bytes": 256 * 1024, **kwargs})
+    assert backend.prepared == []   # refused before anything was measured
+
+
+def test_roles_of_another_model_are_refused():
+    """Role objects hold tensors: those found in another model would be measured under
+    this one's hooks (and its profile could not be saved)."""
+    model, step = model_and_step()
+    other, other_step = model_and_step()
+    theirs = find_roles(other, lambda: other_step(1), min_bytes=256 * 1024)
+    with pytest.raises(ValueError, match=r"candidates\[0\] \(.*\) loads a tensor that is "
+                                         r"not this model's \(layer 0\): pass roles found in "
+                                         r"the model tuned"):
+        tuning.tune(model, step, [1], candidates=theirs, backend=DeviceBackend({}, seed=0),
+                    progress=None, min_bytes=256 * 1024)
+    ours = find_roles(model, lambda: step(1), min_bytes=256 * 1024)
+    result = tuning.tune(model, step, [1], candidates=ours[:1], progress=None,
+                         backend=DeviceBackend({}, seed=0), min_bytes=256 * 1024)
+    assert [role.name for role in result.roles] == [ours[0].name]
+
+
+def test_numpy_scalars_are_stored_as_plain_numbers(tmp_path):
+    """Checked numbers go into the profile as JSON numbers: numpy scalars passed the
+    checks, then failed the save after the whole tune."""
+    np = pytest.importorskip("numpy")
+    model, result = tuned(batches=(1,), instances=np.int64(5),
+                          resolution=np.float32(0.0005), caps_mib=[np.float32(4), 8],
+                          grids=[np.int64(32)], min_gain_us=np.float32(1), budget_s=np.int64(60))
+    result.save(tmp_path / "p.json", model)
+    tuning_settings = json.loads((tmp_path / "p.json").read_text())["tuning"]
+    assert tuning_settings["instances"] == 5 and type(tuning_settings["instances"]) is int
+    assert tuning_settings["caps_mib"] == [4.0, 8] and tuning_settings["grids"] == [32]
+    assert type(result.settings["min_gain_us"]) is float and result.budget_s == 60.0
 
 
 # ------------------------------------------------------------------ the backend's contract
@@ -330,6 +381,25 @@ class Minimal(Backend):
 
     def measure(self, batch, arms, instances):
         return self.planted.measure(batch, arms, instances)
+
+
+@pytest.mark.parametrize("field, value", [("capture_s", float("nan")), ("capture_s", -1.0),
+                                          ("step_us", 0.0), ("compile_s", float("inf"))])
+def test_a_backends_prepared_times_are_checked(field, value):
+    """The budget's estimates start from prepare()'s times: a NaN or negative one made
+    every estimate fit, and a 5 s budget ran 15-18 s (a hostile review's)."""
+    import dataclasses
+
+    class Bad(Minimal):
+        def prepare(self, batch):
+            return dataclasses.replace(self.planted.prepare(batch), **{field: value})
+
+    model, step = model_and_step()
+    with pytest.raises(ValueError, match=rf"^Bad.prepare\(\): Prepared.{field} must be a "
+                                         rf"finite number"):
+        tuning.tune(model, step, [1], candidates=[O_PROJ], progress=None, budget_s=5,
+                    backend=Bad(DeviceBackend({O_PROJ: lambda s: 6.0}, seed=3)),
+                    min_bytes=256 * 1024)
 
 
 def test_a_backend_needs_only_its_own_members():

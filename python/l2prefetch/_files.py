@@ -235,9 +235,24 @@ def stdout_to_devnull() -> None:
         os.close(devnull)
 
 
+def _sync_directory(directory: str) -> None:
+    """Make a rename in ``directory`` durable, where the file system lets a directory be
+    opened and synced (not every one does: then the rename stands unsynced)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: PathLike, data: Union[str, bytes], what: str) -> None:
-    """Write ``data`` (str: UTF-8) to ``path`` through a new temporary file renamed into
-    place; nothing is left behind on failure."""
+    """Write ``data`` (str: UTF-8) to ``path`` through a new temporary file, synced and
+    renamed into place; nothing is left behind on failure."""
     target = _path(path, what)
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     tmp = _temporary(target)
@@ -251,9 +266,11 @@ def write_atomic(path: PathLike, data: Union[str, bytes], what: str) -> None:
             view = memoryview(payload)
             while view:
                 view = view[os.write(fd, view):]
+            os.fsync(fd)   # the bytes on disk before the name: a crash leaves old or new
         finally:
             os.close(fd)
         os.replace(tmp, target)
+        _sync_directory(os.path.dirname(target) or ".")
     except BaseException:
         try:
             os.unlink(tmp)

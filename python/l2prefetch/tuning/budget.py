@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
@@ -106,6 +107,22 @@ class Budget:
         replay = self.rounds * p.step_us * 1e-6
         captured = captures + (1 if self.backend.within_compilation else 0)
         return instances * (captured * p.capture_s + replayed * replay) * 1.2 + 0.05
+
+    def check_prepared(self, prepared: object) -> Prepared:
+        """What the backend's prepare() returned, checked: the budget's estimates start
+        from its times, and a NaN or negative one would make every estimate fit."""
+        name = type(self.backend).__name__
+        if not isinstance(prepared, Prepared):
+            raise TypeError(f"{name}.prepare() must return a tuning.arms.Prepared, got "
+                            f"{type(prepared).__name__}")
+        for field, low in (("step_us", 0.0), ("capture_s", 0.0), ("compile_s", 0.0)):
+            value = getattr(prepared, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value) or value < low \
+                    or (field == "step_us" and value == 0):
+                raise ValueError(f"{name}.prepare(): Prepared.{field} must be a finite number "
+                                 f"{'> 0' if field == 'step_us' else '>= 0'}, got {value!r}")
+        return prepared
 
     @property
     def rounds(self) -> int:

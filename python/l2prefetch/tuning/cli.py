@@ -66,7 +66,9 @@ def _list(text: str, what: str, kind: type = int, low: float = 0,
     return values
 
 
-def positive(kind: type, what: str, low: float = 0.0, high: float = 1e9) -> Any:
+def positive(kind: type, what: str, low: float = 0.0, high: float = 1e9, *,
+             at_least: bool = False) -> Any:
+    """An argparse type: ``kind`` in (low, high], or [low, high] where ``at_least``."""
     def parse(text: str) -> Any:
         try:
             value = kind(text)
@@ -74,8 +76,9 @@ def positive(kind: type, what: str, low: float = 0.0, high: float = 1e9) -> Any:
             raise argparse.ArgumentTypeError(
                 f"{what} must be {'a whole number' if kind is int else 'a number'}, got "
                 f"{text!r}") from None
-        if not low < value <= high:
-            bounds = f"{int(low) + 1}..{int(high)}" if kind is int else f"({low}, {high:g}]"
+        if not (low <= value if at_least else low < value) or not value <= high:
+            bounds = (f"{int(low) + (0 if at_least else 1)}..{int(high)}" if kind is int
+                      else f"{'[' if at_least else '('}{low:g}, {high:g}]")
             raise argparse.ArgumentTypeError(f"{what} must be in {bounds}, got {text}")
         return value
     return parse
@@ -183,7 +186,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         type=lambda t: _names(t, "--graph-forks", GRAPH_FORKS),
                         help=f"how forks go into the graph, comma-separated: any of "
                         f"{', '.join(GRAPH_FORKS)} (default: every one)")
-    parser.add_argument("--min-gain-us", type=positive(float, "--min-gain-us", -1, 1e6),
+    parser.add_argument("--min-gain-us", type=positive(float, "--min-gain-us", 0, 1e6, at_least=True),
                         default=1.0, help="skip roles whose loads could gain less (us per step)")
     parser.add_argument("--min-bytes-mib", type=positive(float, "--min-bytes-mib", 0, 2**20),
                         default=1.0, help="smallest weight read that counts (MiB, default 1)")
@@ -280,10 +283,13 @@ def _check(args: argparse.Namespace, options: _Options, torch: Any) -> tuple[Any
     """Every option, before anything is built: those tune's command alone reads, then the
     outputs (_files), --max-instances (the tuner's) and the model's options (hf).  The
     device to build on and the parsed --set."""
-    if len(set(args.batches)) < len(args.batches):
-        twice = sorted({b for b in args.batches if args.batches.count(b) > 1})
-        raise _Exit(f"--batches names {', '.join(map(str, twice))} more than once: give each "
-                    "batch once")
+    for option, values, noun in (("--batches", args.batches, "batch"),
+                                 ("--caps-mib", args.caps_mib, "cap"),
+                                 ("--grids", args.grids, "grid"),
+                                 ("--kernels", options.kernels or (), "kernel"),
+                                 ("--graph-forks", options.graph_forks, "mode"),
+                                 ("--roles", args.roles or (), "role")):
+        _once(option, list(values), noun)
     if args.max_cache_len <= args.prompt_len:
         raise _Exit(f"--max-cache-len ({args.max_cache_len}) must exceed --prompt-len "
                     f"({args.prompt_len}): the decode steps write after the prompt")
@@ -292,10 +298,6 @@ def _check(args: argparse.Namespace, options: _Options, torch: Any) -> tuple[Any
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise _Exit("--plot needs matplotlib, which is not installed: pip install matplotlib "
                     "(or leave out --plot)")
-    if args.roles and len(set(args.roles)) < len(args.roles):
-        twice = sorted({r for r in args.roles if args.roles.count(r) > 1})
-        raise _Exit(f"--roles names {', '.join(map(repr, twice))} more than once: give each "
-                    "role once")
     model_files = files_named(args.model, "the model")
     try:   # the profile, the report and the plot can be written, are three files, and
         # none is a file of the model's (its config.json, a checkpoint's weights)
@@ -322,6 +324,15 @@ def _check(args: argparse.Namespace, options: _Options, torch: Any) -> tuple[Any
     except ValueError as exc:
         raise _Exit(f"--device: {exc}") from None
     return device, overrides
+
+
+def _once(option: str, values: list, noun: str) -> None:
+    """Each of an option's values given once: a repeat would measure the same arm twice."""
+    twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+    if twice:
+        shown = ", ".join(map(str if noun in ("batch", "cap", "grid") else repr,
+                              ["default" if v is None else v for v in twice]))
+        raise _Exit(f"{option} names {shown} more than once: give each {noun} once")
 
 
 def _build(args: argparse.Namespace, options: _Options, torch: Any,

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 from ..mechanisms import DEFAULT_SITE_HOOK, site_entry
-from ..model_paths import compiled_module, layer_of  # the runtime's too
+from ..model_paths import compiled_module, layer_of, tensor_paths  # the runtime's too
 from .. import MAX_RANGES
 from ..plan import PlanEntry
 from .errors import StepError
@@ -478,8 +478,12 @@ def resolve_roles(model: Any, step: Callable[[int], Any], batch: int,
     if isinstance(candidates, (str, bytes)):
         raise TypeError("candidates must be None (discover them), a list of role names, or a "
                         f"list of Role objects, got the string {candidates!r}: wrap it in a list")
-    if candidates is None or (isinstance(candidates, Sequence) and candidates
+    if isinstance(candidates, Sequence) and not candidates:
+        raise ValueError("candidates is empty, so there is nothing to measure: pass None to "
+                         "discover the roles, or name at least one")
+    if candidates is None or (isinstance(candidates, Sequence)
                               and all(isinstance(c, str) for c in candidates)):
+        _check_once(candidates or ())
         # a compiled step: the same modules and weights, read from the eager module tree
         roles = find_roles(model, discovery_step(step, batch), min_bytes=min_bytes)
         if candidates is None:
@@ -499,11 +503,33 @@ def resolve_roles(model: Any, step: Callable[[int], Any], batch: int,
             raise TypeError(f"candidates[{i}] must be a Role (from tuning.candidates() or "
                             f"tuning.roles_from_plan()) or a role name, got "
                             f"{type(role).__name__}")
-    names = [role.name for role in roles]
+    _check_once([role.name for role in roles])
+    _check_weights_of(model, roles)
+    return roles
+
+
+def _check_once(names: Sequence[str]) -> None:
     twice = sorted(n for n in set(names) if names.count(n) > 1)
     if twice:
-        raise ValueError(f"candidates name a role twice: {twice}")
-    return roles
+        raise ValueError(f"candidates name a role twice: {twice}: give each once")
+
+
+def _check_weights_of(model: Any, roles: Sequence[Role]) -> None:
+    """Given Role objects hold ``model``'s own modules and tensors: a role found in
+    another model would measure that model's weights under this one's hooks."""
+    module = compiled_module(model)
+    modules = dict(module.named_modules())
+    own = tensor_paths(module)
+    for i, role in enumerate(roles):
+        for s in role.sites:
+            if s.site not in modules:
+                raise ValueError(f"candidates[{i}] ({role.name!r}) forks at {s.site!r}, which "
+                                 "is not a module of this model: pass roles found in the "
+                                 "model tuned (tuning.candidates(model, ...))")
+            if any(id(w) not in own for w in s.weights):
+                raise ValueError(f"candidates[{i}] ({role.name!r}) loads a tensor that is not "
+                                 f"this model's (layer {s.layer}): pass roles found in the "
+                                 "model tuned (tuning.candidates(model, ...))")
 
 
 def role_hints(unknown: Iterable[str], names: Sequence[str]) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import numbers
 import random
+import re
 import statistics
 import sys
 import time
@@ -134,17 +135,31 @@ class _Switched:
 
 def cuda_device(model: Any, device: Any = None) -> Any:
     """The CUDA device tuning measures on: ``device``, else the model's first parameter's;
-    a ValueError where that is not a CUDA device (checked before the step runs)."""
+    a ValueError where that is not a CUDA device, a TypeError for a ``device`` of
+    another type (checked before the step runs; not against the GPUs torch sees)."""
     import torch
 
     if device is None:
         params = list(model.parameters())
-        device = params[0].device if params else torch.device("cuda")
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"tuning measures CUDA graphs: the model is on {device}; move it to "
-                         "a CUDA device (discover() works on the CPU)")
-    return device
+        found = params[0].device if params else torch.device("cuda")
+        if found.type != "cuda":
+            raise ValueError(f"tuning measures CUDA graphs: the model is on {found}; move it "
+                             "to a CUDA device (discover() works on the CPU)")
+        return found
+    # checked before torch.device sees it: a bad string throws a C++ exception there,
+    # which aborts a process with ASan preloaded (the CI's sanitizer pass)
+    if isinstance(device, str) and re.fullmatch(r"cuda(:\d{1,9})?", device.strip()):
+        return torch.device(device.strip())
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return device
+    if isinstance(device, numbers.Integral) and not isinstance(device, bool) and device >= 0:
+        return torch.device("cuda", int(device))
+    kind = (ValueError if isinstance(device, (str, torch.device))
+            or (isinstance(device, numbers.Integral) and not isinstance(device, bool))
+            else TypeError)
+    raise kind(f"device must be None (the model's), a CUDA device index, 'cuda', 'cuda:N' "
+               f"or a torch.device of CUDA: tuning measures CUDA graphs; got "
+               f"{type(device).__name__} {device!r}")
 
 
 class GraphBackend(Backend):

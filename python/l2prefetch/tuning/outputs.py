@@ -23,12 +23,20 @@ def bitwise_equal(x: Any, y: Any) -> bool:
     import torch
 
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        # compared as bytes, whatever the layout or the rank: by value, NaN would differ
+        # from itself and -0.0 equal +0.0
         return (x.shape == y.shape and x.dtype == y.dtype
-                and bool(torch.equal(x.view(torch.uint8) if x.is_contiguous() else x,
-                                     y.view(torch.uint8) if y.is_contiguous() else y)))
+                and bool(torch.equal(_bytes(x), _bytes(y))))
     if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
         return len(x) == len(y) and all(bitwise_equal(a, b) for a, b in zip(x, y))
     return x is None and y is None
+
+
+def _bytes(x: Any) -> Any:
+    """A tensor's bytes, in its logical order (a 0-dim tensor's too)."""
+    import torch
+
+    return x.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def clone(x: Any) -> Any:

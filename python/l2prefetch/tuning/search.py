@@ -288,7 +288,7 @@ def _search_batch(st: _State) -> BatchReport:
 
 def _prepare(st: _State) -> None:
     """Capture and time the step (the budget's estimates start from it), probe the roles."""
-    prepared = st.budget.prepared = st.backend.prepare(st.batch)
+    prepared = st.budget.prepared = st.budget.check_prepared(st.backend.prepare(st.batch))
     st.report.step_us = prepared.step_us
     if prepared.compile_s:
         st.progress.line(f"batch {st.batch}: compiling the step (without forks, and with a "

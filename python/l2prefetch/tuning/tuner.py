@@ -125,7 +125,9 @@ class TuneResult:
         return plot(self, os.fspath(path))
 
 
-def _check_number(name: str, value: object, low: float, integer: bool = False) -> float:
+def _check_number(name: str, value: object, low: float, integer: bool = False) -> Any:
+    """``value`` as a plain int or float (a numpy scalar too: the profile is JSON) that
+    is at least ``low``; else a TypeError/ValueError naming ``name``."""
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
         raise TypeError(f"{name} must be {'an int' if integer else 'a number'} >= {low}, got "
@@ -133,7 +135,12 @@ def _check_number(name: str, value: object, low: float, integer: bool = False) -
     if not (value >= low) or (not integer and not math.isfinite(value)):
         raise ValueError(f"{name} must be {'an int' if integer else 'a finite number'} >= {low}, "
                          f"got {value!r}")
-    return value
+    return _plain(value)
+
+
+def _plain(value: Any) -> Any:
+    """A checked number as a Python int (an integral one) or float."""
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _check_compiled(compiled: object) -> Optional[str]:
@@ -228,7 +235,9 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     ``progress``: a text stream for one line per measured group (None: quiet).
     ``backend``: None to measure the step on the GPU
     (:class:`~l2prefetch.tuning.measure.GraphBackend`), or any
-    :class:`~l2prefetch.tuning.arms.Backend` (the tests' fake one plants effects).
+    :class:`~l2prefetch.tuning.arms.Backend` (the tests' fake one plants effects; it
+    runs the step where it likes and replays as often as it says, so ``device`` and
+    ``rounds`` are then checked but not used).
 
     ``compiled``: how ``step`` runs the model.  None (the default): found out by
     running it once, or twice where frames compiled before the check's hooks hide the
@@ -253,13 +262,18 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     when the step fails or cannot be captured at a batch.  The result's plan is empty
     when nothing was confirmed to pay; never one slower than no plan in its confirmation.
     """
-    _check_model_and_step(model, step, budget_s)
-    max_instances = _check_sampling(instances, max_instances, min_gain_us, resolution)
-    known = _check_settings(caps_mib, grids, graph_forks, kernels)
+    budget_s = _check_model_and_step(model, step, budget_s)
+    instances, max_instances, min_gain_us, resolution, min_bytes = _check_sampling(
+        instances, max_instances, min_gain_us, resolution, min_bytes)
+    caps_mib, grids, graph_forks, kernels, known = _check_settings(caps_mib, grids,
+                                                                   graph_forks, kernels)
     if backend is not None and not isinstance(backend, Backend):
         raise TypeError(f"backend must be None (measure on the GPU) or a "
                         f"l2prefetch.tuning.arms.Backend (derive from it), got "
                         f"{type(backend).__name__}")
+    if progress is not None and not callable(getattr(progress, "write", None)):
+        raise TypeError(f"progress must be None (quiet) or a text stream (with write(), e.g. "
+                        f"sys.stderr), got {type(progress).__name__}")
     mode = _check_compiled(compiled)
     model, batches = _check_with_their_modules(model, batches, rounds, backend, device)
     t0 = time.monotonic()
@@ -376,8 +390,8 @@ def _time_went(roles_s: float, reports: Sequence[Any], compiled: bool) -> str:
                         for r in reports])
 
 
-def _check_model_and_step(model: Any, step: object, budget_s: object) -> None:
-    """tune()'s model (a torch.nn.Module), step (a callable) and budget."""
+def _check_model_and_step(model: Any, step: object, budget_s: object) -> float:
+    """tune()'s model (a torch.nn.Module), step (a callable) and budget; the budget."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -385,10 +399,10 @@ def _check_model_and_step(model: Any, step: object, budget_s: object) -> None:
     if not callable(step):
         raise TypeError(f"step must be a callable step(batch) -> output, got "
                         f"{type(step).__name__}")
-    _check_number("budget_s", budget_s, 0)
-    if budget_s == 0:
+    if _check_number("budget_s", budget_s, 0) == 0:
         raise ValueError("budget_s must be > 0 seconds (the default is 300); a tuner with no "
                          "time can confirm nothing")
+    return float(budget_s)
 
 
 def check_max_instances(instances: int, max_instances: object, *,
@@ -410,22 +424,26 @@ def check_max_instances(instances: int, max_instances: object, *,
 
 
 def _check_sampling(instances: object, max_instances: object, min_gain_us: object,
-                    resolution: object) -> int:
-    """tune()'s sampling arguments (rounds: :func:`_check_with_their_modules`);
-    ``max_instances`` resolved."""
-    _check_number("instances", instances, MIN_INSTANCES, integer=True)
+                    resolution: object, min_bytes: object) -> tuple:
+    """tune()'s sampling arguments (rounds: :func:`_check_with_their_modules`) and the
+    smallest read discovery counts, before the step runs; as checked, ``max_instances``
+    resolved."""
+    instances = _check_number("instances", instances, MIN_INSTANCES, integer=True)
     max_instances = check_max_instances(instances, max_instances)
-    _check_number("min_gain_us", min_gain_us, 0)
-    _check_number("resolution", resolution, 0)
+    min_gain_us = _check_number("min_gain_us", min_gain_us, 0)
+    resolution = _check_number("resolution", resolution, 0)
     if resolution >= 1:
         raise ValueError(f"resolution is a share of the step (0.0005 is 0.05%), got {resolution!r}")
-    return max_instances
+    min_bytes = _check_number("min_bytes", min_bytes, 1, integer=True)
+    return instances, max_instances, min_gain_us, resolution, min_bytes
 
 
 def _check_settings(caps_mib: object, grids: object, graph_forks: object,
-                    kernels: object) -> dict:
-    """tune()'s lists of settings to search; the loader kernels this build has."""
-    for name, values, kind in (("caps_mib", caps_mib, numbers.Real), ("grids", grids, int)):
+                    kernels: object) -> tuple:
+    """tune()'s lists of settings to search, as lists (each value once: a repeat would
+    measure the same arm twice); then the loader kernels this build has."""
+    for name, values, kind in (("caps_mib", caps_mib, numbers.Real),
+                               ("grids", grids, numbers.Integral)):
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
             raise TypeError(f"{name} must be a non-empty sequence, got {values!r}")
         for v in values:
@@ -452,7 +470,15 @@ def _check_settings(caps_mib: object, grids: object, graph_forks: object,
         if bad:
             raise ValueError(f"unknown kernel(s) {bad}; kernels are {sorted(known)} (None: the "
                              "device's default)")
-    return known
+    lists = {"caps_mib": [_plain(c) for c in caps_mib], "grids": [int(g) for g in grids],
+             "graph_forks": list(graph_forks),
+             "kernels": None if kernels is None else list(kernels)}
+    for name, values in lists.items():
+        twice = [v for i, v in enumerate(values or ()) if v in values[:i]]
+        if twice:
+            raise ValueError(f"{name} gives {twice[0]!r} more than once, {values!r}: give each "
+                             "once")
+    return (*lists.values(), known)
 
 
 def _check_with_their_modules(model: Any, batches: object, rounds: object,
@@ -478,7 +504,9 @@ def _check_with_their_modules(model: Any, batches: object, rounds: object,
     if backend is None and hooks.disabled():   # every arm would be the step without forks
         raise ValueError("L2PREFETCH_DISABLE is set, so nothing forks: unset it to tune")
     measure.check_rounds(rounds)
-    if backend is None:   # a CPU model refused before its step runs (compiles)
+    # a bad device= refused in any case, a CPU model only for the GPU's backend (a given
+    # backend runs the step where it likes), before the step runs (compiles)
+    if backend is None or device is not None:
         measure.cuda_device(module, device)
     return module, batches
 
