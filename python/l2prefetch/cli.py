@@ -107,7 +107,7 @@ def _commands() -> list[Any]:
 def _parser() -> _Parser:
     parser = _Parser(
         prog=_program(), allow_abbrev=False,
-        description="L2 weight prefetch for LLM decode on a side CUDA stream.  With no "
+        description="L2 weight prefetch for LLM decode, beside the step's kernels.  With no "
                     "command, runs 'info'.",
         epilog="Exit status: 0 done; 1 CUDA or NVRTC failed while running; 2 a bad option "
                "or input, or torch missing (one line on stderr).  '%(prog)s COMMAND --help' "
@@ -205,7 +205,8 @@ def _run_info(args: argparse.Namespace) -> int:
     unknown = unknown_disable_value()
     if disabled():
         print("L2PREFETCH_DISABLE is set: prefetching is off (controllers prepare nothing, "
-              "forks load nothing; tune, trace and demo refuse to run)\n")
+              "forks load nothing; tune, trace and demo refuse to run, tune --list-roles "
+              "still lists roles)\n")
     elif unknown is not None:   # also logged, where logging shows it
         print(f"L2PREFETCH_DISABLE={unknown!r} is not a word l2prefetch "
               "knows, so prefetching stays on: 1 (true, yes, on) turns it off, 0 (false, "

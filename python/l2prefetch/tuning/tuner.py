@@ -262,18 +262,11 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     when the step fails or cannot be captured at a batch.  The result's plan is empty
     when nothing was confirmed to pay; never one slower than no plan in its confirmation.
     """
-    budget_s = _check_model_and_step(model, step, budget_s)
+    budget_s = _check_model_and_step(model, step, budget_s, backend, progress)
     instances, max_instances, min_gain_us, resolution, min_bytes = _check_sampling(
         instances, max_instances, min_gain_us, resolution, min_bytes)
     caps_mib, grids, graph_forks, kernels, known = _check_settings(caps_mib, grids,
                                                                    graph_forks, kernels)
-    if backend is not None and not isinstance(backend, Backend):
-        raise TypeError(f"backend must be None (measure on the GPU) or a "
-                        f"l2prefetch.tuning.arms.Backend (derive from it), got "
-                        f"{type(backend).__name__}")
-    if progress is not None and not callable(getattr(progress, "write", None)):
-        raise TypeError(f"progress must be None (quiet) or a text stream (with write(), e.g. "
-                        f"sys.stderr), got {type(progress).__name__}")
     mode = _check_compiled(compiled)
     model, batches = _check_with_their_modules(model, batches, rounds, backend, device)
     t0 = time.monotonic()
@@ -390,8 +383,10 @@ def _time_went(roles_s: float, reports: Sequence[Any], compiled: bool) -> str:
                         for r in reports])
 
 
-def _check_model_and_step(model: Any, step: object, budget_s: object) -> float:
-    """tune()'s model (a torch.nn.Module), step (a callable) and budget; the budget."""
+def _check_model_and_step(model: Any, step: object, budget_s: object, backend: object,
+                          progress: object) -> float:
+    """tune()'s model (a torch.nn.Module), step (a callable), budget, backend and progress
+    stream; the budget."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -399,6 +394,13 @@ def _check_model_and_step(model: Any, step: object, budget_s: object) -> float:
     if not callable(step):
         raise TypeError(f"step must be a callable step(batch) -> output, got "
                         f"{type(step).__name__}")
+    if backend is not None and not isinstance(backend, Backend):
+        raise TypeError(f"backend must be None (measure on the GPU) or a "
+                        f"l2prefetch.tuning.arms.Backend (derive from it), got "
+                        f"{type(backend).__name__}")
+    if progress is not None and not callable(getattr(progress, "write", None)):
+        raise TypeError(f"progress must be None (quiet) or a text stream (with write(), e.g. "
+                        f"sys.stderr), got {type(progress).__name__}")
     if _check_number("budget_s", budget_s, 0) == 0:
         raise ValueError("budget_s must be > 0 seconds (the default is 300); a tuner with no "
                          "time can confirm nothing")
