@@ -1161,9 +1161,10 @@ ROWS = [
     row("hooks.attach", "a zero-size input (valid: batch 0, no fork)",
         lambda e: (e.attach(e.ctl), e.model(torch.zeros(0, 4)), e.ctl.stats())[2],
         Returns({"attn": {"forks": 0, "bytes": 0}})),
-    row("hooks.attach", "a closed controller: the forward's fork raises",
+    row("hooks.attach", "a closed controller: the forward's fork raises, naming the hooks",
         lambda e: (e.attach(e.closed), e.forward()),
-        Raises(Error, r"this PrefetchController is closed")),
+        Raises(Error, r"the PrefetchController that hooks.attach hooked into this model is "
+                      r"closed, and its hooks are still on: detach them")),
 
     # ---- plan.plan_from_json(text, model) --------------------------------------------------------------
     row("plan_from_json", "text None", lambda e: plan_from_json(None, e.model),

@@ -313,11 +313,12 @@ def test_a_site_forks_ahead_of_the_module_s_other_hooks():
                                 ("fork", "before", 1, 5), "pre", "mlp", ("join",)]
     assert [(p, l) for p, l, _ in attachment.sites] == [("before", 0), ("before", 1),
                                                         ("after", 1)]
-    # ahead in the order torch runs them and in dict order alike: Dynamo (torch 2.11)
-    # builds each hook's guard from its dict.keys() position (pytorch#160083)
-    for module in (model.layers[1].mlp, model.layers[1].attn.o_proj):
-        for registered in (module._forward_pre_hooks, module._forward_hooks):
-            assert list(dict.keys(registered)) == list(registered.keys())
+    # ahead in the order torch runs them and, before torch 2.13, in dict order alike:
+    # Dynamo there builds each hook's guard from its dict.keys() position (pytorch#160083)
+    if not hooks._torch_at_least(2, 13):
+        for module in (model.layers[1].mlp, model.layers[1].attn.o_proj):
+            for registered in (module._forward_pre_hooks, module._forward_hooks):
+                assert list(dict.keys(registered)) == list(registered.keys())
     attachment.detach()
     assert not model.layers[1].mlp._forward_pre_hooks_with_kwargs
     assert len(model.layers[1].mlp._forward_pre_hooks) == 1       # the server's own stays
@@ -357,10 +358,12 @@ def test_a_site_hook_interrupted_while_going_ahead_leaves_every_other_hook_in_or
         monkeypatch):
     """Going ahead re-inserts the module's other hooks; a KeyboardInterrupt mid-way
     (here at the second removal) loses none of them, keeps their running order, and
-    leaves no hook of ours registered."""
+    leaves no hook of ours registered (the re-inserting path of torch before 2.13)."""
     from collections import OrderedDict
 
     from l2prefetch.hooks import register_site_hook
+
+    monkeypatch.setattr(hooks, "_torch_at_least", lambda major, minor: False)
 
     class Interrupting(OrderedDict):
         deletes = 0
@@ -436,3 +439,171 @@ def test_a_refused_attach_registers_nothing_with_the_ops(monkeypatch):
     with pytest.raises(ValueError, match="already attached"):
         attach(model, controller, points_of(model))
     assert registered == []
+
+
+# ------------------------------------------------------------------ a hostile review's
+
+class Positions(nn.Module):
+    """A vLLM-style layer: forward(positions, hidden_states), positions first."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Linear(H, H)
+
+    def forward(self, positions, hidden_states):
+        return self.mlp(hidden_states)
+
+
+@pytest.mark.parametrize("positions, hidden, batch", [
+    (torch.arange(5), torch.zeros(5, H), 5),                  # [T] positions, [T, H]
+    (torch.zeros(3, 5, dtype=torch.long), torch.zeros(5, H), 5),   # M-RoPE: [3, T] first
+    (torch.zeros(3, 5, dtype=torch.long), torch.zeros(5, 1, H), 5),
+])
+def test_the_batch_and_a_before_forks_tensor_are_the_hidden_states(positions, hidden, batch):
+    """Positions passed first: the batch was read from them (M-RoPE's [3, T] gave 3), and
+    a before-site's compiled fork followed them, so Inductor hoisted every such fork to
+    the start of the graph.  Both now come from the hidden states."""
+    from l2prefetch.hooks import _fork_hook
+
+    calls = []
+    hook = _fork_hook(Recorder(), "p", 0, None, torch.Tensor, lambda: True,
+                      lambda *a: calls.append(a), 7, before=True)
+    module = Positions()
+    hook(module, (positions, hidden), {})
+    assert len(calls) == 1 and calls[0][:4] == (7, "p", 0, batch)
+    assert calls[0][4] is hidden
+    calls.clear()
+    hook(module, (), {"positions": positions, "hidden_states": hidden})
+    assert calls[0][3] == batch and calls[0][4] is hidden
+
+
+def test_token_ids_alone_give_their_count_as_the_batch():
+    """vLLM's embed_tokens(input_ids) takes [T] ids: the batch is T (it read 1)."""
+    from l2prefetch.hooks import default_batch
+
+    assert default_batch(None, (torch.arange(6),), {}) == 6
+    assert default_batch(None, (torch.zeros(4, 1, dtype=torch.long),), {}) == 4  # HF: [B, S]
+    assert default_batch(None, (torch.zeros(H),), {}) == 1                      # one vector
+    assert default_batch(None, (torch.tensor(2.0),), {}) == 1
+    assert default_batch(None, (3,), {}) == 0
+
+
+class Closed(Recorder):
+    """A closed controller: what a PrefetchController's fork and join raise then."""
+
+    closed = True
+
+    def fork(self, point, layer, batch):
+        raise l2prefetch.Error("this PrefetchController is closed: make a new one")
+
+    def join(self):
+        raise l2prefetch.Error("this PrefetchController is closed: make a new one")
+
+
+def test_a_closed_controllers_hooks_say_to_detach_them():
+    model = Tiny(1)
+    attachment = attach(model, Closed(), {"p": [(model.layers[0].mlp, 0)]})
+    with pytest.raises(l2prefetch.Error, match=r"^the Closed that hooks.attach hooked into this "
+                                               r"model is closed, and its hooks are still on: "
+                                               r"detach them \(Attachment.detach\(\)\)"):
+        model(torch.zeros(2, H))
+    attachment.detach()
+    assert torch.equal(model(torch.ones(2, H)), model(torch.ones(2, H)))
+    model, controller = Tiny(1), Closed()
+    controller.closed = False          # another failure than a closed controller: as raised
+    attach(model, controller, {"p": [(model.layers[0].mlp, 0)]})
+    with pytest.raises(l2prefetch.Error, match=r"^this PrefetchController is closed: make"):
+        model(torch.zeros(2, H))
+
+
+def test_attach_refuses_a_bad_batch_fn_a_repeated_site_and_a_module_of_another_model():
+    model, other = Tiny(1), Tiny(1)
+    with pytest.raises(TypeError, match=r"^batch_fn must be None \(the default batch\) or a "
+                                        r"callable batch_fn\(module, args, kwargs\) -> batch, "
+                                        r"got int"):
+        attach(model, Recorder(), {"p": [(model.layers[0].mlp, 0)]}, batch_fn=3)
+    with pytest.raises(ValueError, match=r"^points\['p'\] gives 'layers.0.mlp' \(after\) twice, "
+                                         r"which would fork twice a step: give each site once"):
+        attach(model, Recorder(), {"p": [(model.layers[0].mlp, 0), (model.layers[0].mlp, 1)]})
+    with pytest.raises(ValueError, match=r"^points\['p'\]: the Linear at layer 0 is not a "
+                                         r"module of this Tiny: give sites inside the model"):
+        attach(model, Recorder(), {"p": [(other.layers[0].mlp, 0)]})
+    assert all_hooks(model) == [] and all_hooks(other) == []
+    # one module after and before, or at two points: each its own site
+    controller = Recorder()
+    attach(model, controller, {"p": [(model.layers[0].mlp, 0), (model.layers[0].mlp, 0,
+                                                                "before")],
+                               "q": [(model.layers[0].mlp, 0)]}, join=False)
+    model(torch.zeros(2, H))
+    assert sorted(controller.calls) == [("fork", "p", 0, 2)] * 2 + [("fork", "q", 0, 2)]
+
+
+@pytest.mark.skipif(not hooks._torch_at_least(2, 13), reason="torch before 2.13 re-inserts the "
+                    "module's other hooks (pytorch#160083), each missing for an instant")
+def test_attach_never_takes_a_servers_hook_out_of_the_dict():
+    """A forward on another thread saw a module's own hook (an all-reduce's, say) missing
+    while attach re-inserted it: 16 of 115 calls skipped it.  Now it is never removed."""
+    from collections import OrderedDict
+
+    class Watched(OrderedDict):
+        removed = []
+
+        def __delitem__(self, key):
+            self.removed.append(key)
+            super().__delitem__(key)
+
+        def pop(self, key, *default):
+            self.removed.append(key)
+            return super().pop(key, *default)
+
+    model, controller = Tiny(1), Recorder()
+    mlp = model.layers[0].mlp
+    mlp._forward_hooks = Watched()
+    mlp._forward_pre_hooks = Watched()
+    own = mlp.register_forward_hook(lambda m, a, o: controller.calls.append("all-reduce"))
+    pre = mlp.register_forward_pre_hook(lambda m, a: controller.calls.append("pre"))
+    attach(model, controller, {"p": [(mlp, 0)], "q": [(mlp, 0, "before")]}, join=False)
+    assert Watched.removed == []
+    model(torch.zeros(2, H))
+    assert controller.calls == [("fork", "q", 0, 2), "pre", ("fork", "p", 0, 2), "all-reduce"]
+    assert list(mlp._forward_hooks)[-1] == own.id and list(mlp._forward_pre_hooks)[-1] == pre.id
+
+
+def test_reloading_the_ops_module_hands_out_no_handle_twice():
+    """importlib.reload(l2prefetch.ops) started the handles at 1 again: a second
+    controller got the first's handle, and compiled code forked into it.  In a process
+    of its own: a reload replaces the module's functions for every later test."""
+    import subprocess
+    import sys
+
+    script = (
+        "import importlib, sys\n"
+        "from l2prefetch import ops\n"
+        "class C:\n"
+        "    def fork(self, point, layer, batch): return False\n"
+        "    def join(self): pass\n"
+        "first, second = C(), C()\n"
+        "handle = ops.register(first)\n"
+        "importlib.reload(ops)\n"
+        "again = ops.register(second)\n"
+        "assert again != handle, (handle, again)\n"
+        "assert ops.lookup(handle) is first and ops.lookup(again) is second\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
+
+
+def test_a_detached_attachment_keeps_no_module_alive():
+    import gc
+    import weakref
+
+    model = Tiny(1)
+    attachment = attach(model, Recorder(), {"p": [(model.layers[0].mlp, 0)]})
+    assert [p for p, _, _ in attachment.sites] == ["p"]
+    weight = weakref.ref(model.layers[0].mlp.weight)
+    attachment.detach()
+    del model
+    gc.collect()
+    assert weight() is None and attachment.sites == ()
+    assert repr(attachment) == "<Attachment detached, 0 fork sites>"

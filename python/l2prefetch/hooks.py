@@ -101,7 +101,8 @@ class Attachment:
         self._handles = list(handles)
         #: The controller's handle in :mod:`l2prefetch.ops`' registry, or None.
         self._op_handle = op_handle
-        #: ``(point, layer, module)`` for each fork hook, in attach order.
+        #: ``(point, layer, module)`` for each fork hook, in attach order; empty once
+        #: detached (it would keep the modules, and their weights, alive).
         self.sites: tuple[tuple[str, int, Any], ...] = tuple(sites)
 
     @property
@@ -138,6 +139,7 @@ class Attachment:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        self.sites = ()
         frames, self._frames = self._frames, None
         op_handle, self._op_handle = self._op_handle, None
         traced = _ops().traced(op_handle) if op_handle is not None else frozenset()
@@ -207,23 +209,36 @@ def _unregistered(name: str) -> Callable[..., None]:
     return refuse
 
 
-def _batch_of(args: tuple, kwargs: dict, tensor: type) -> int:
-    """The decode batch of a module's input: the product of all but the last dimension
-    of the first tensor argument of two or more dimensions (decode inputs are [B, 1, H]
-    or [B, H]; a vLLM-style ``forward(positions, hidden_states)`` passes the positions,
-    [B], first), else of the first tensor argument; 0 without one."""
-    value: Any = None
+def _input_tensor(args: tuple, kwargs: dict, tensor: type) -> Any:
+    """The tensor argument of a module's input that the hooks read: the first
+    floating-point one of two or more dimensions (the hidden states: [B, 1, H] or
+    [B, H] in decode), else the first of two or more dimensions (token ids, [B, S]),
+    else the first; None without one.  A vLLM-style ``forward(positions,
+    hidden_states)`` passes its positions first: [T], or [3, T] for M-RoPE."""
+    first = ids = None
     for candidate in (*args, *kwargs.values()):
         if isinstance(candidate, tensor):
             if candidate.dim() >= 2:
-                value = candidate
-                break
-            if value is None:
-                value = candidate
+                if candidate.is_floating_point():
+                    return candidate
+                if ids is None:
+                    ids = candidate
+            elif first is None:
+                first = candidate
+    return ids if ids is not None else first
+
+
+def _batch_of(args: tuple, kwargs: dict, tensor: type) -> int:
+    """The decode batch of a module's input (:func:`_input_tensor`'s tensor): the product
+    of all but its last dimension; its length where it is a 1-D tensor of integers (a
+    vLLM model's token ids or positions, [T]); 1 for a scalar; 0 without a tensor."""
+    value = _input_tensor(args, kwargs, tensor)
     if value is None:
         return 0
     if value.dim() == 0:
         return 1
+    if value.dim() == 1 and not value.is_floating_point():
+        return value.shape[0]
     last = value.shape[-1]
     if last:
         return value.numel() // last
@@ -235,7 +250,9 @@ def _batch_of(args: tuple, kwargs: dict, tensor: type) -> int:
 
 def default_batch(module: Any, args: tuple, kwargs: dict) -> int:
     """The :data:`BatchFn` that :func:`attach` uses by default: the product of all but
-    the last dimension of the module's first tensor argument (0 without one)."""
+    the last dimension of the module's hidden states, the first floating-point tensor
+    argument of two or more dimensions (else of the first tensor argument; a 1-D one of
+    integers, token ids or positions: its length; 0 without one)."""
     import torch
 
     return _batch_of(args, kwargs, torch.Tensor)
@@ -263,22 +280,37 @@ def register_site_hook(module: Any, where: str, hook: Callable[..., Any], *,
 
 
 def _move_ahead(registered: Any, key: int) -> None:
-    """Put hook ``key`` first in the module's hook dict by re-inserting the others after
-    it (in their running order).  Not torch's ``prepend=True``: that only relinks the
-    OrderedDict, so its running order and ``dict.keys`` order differ, and Dynamo in
-    torch 2.11 (2.13 is fixed) pairs each hook it runs with the guard of the hook at
-    that ``dict.keys`` position: a crash at guard creation beside another pre-hook
-    (pytorch#160083; RESULTS, run 23).  Like any hook registration, not safe against
-    another thread running the module's forward meanwhile."""
+    """Put hook ``key`` first in the module's hook dict.  Where Dynamo pairs each hook
+    it runs with the guard of the hook at that ``dict.keys`` position (torch before
+    2.13: a crash at guard creation beside another pre-hook, pytorch#160083; RESULTS,
+    run 23), the others are re-inserted after it one by one, in running order, so that
+    the dict's own order is the running order too; each is missing for an instant,
+    which a forward on another thread can see.  From 2.13 on, one ``move_to_end``
+    (what ``prepend=True`` does) relinks it first and drops nothing."""
+    if _torch_at_least(2, 13):
+        registered.move_to_end(key, last=False)
+        return
     others = [(k, hook) for k, hook in registered.items() if k != key]
     try:
-        for k, _ in others:
+        for k, hook in others:
             del registered[k]
-    finally:   # every one back after ours, in running order, also if interrupted mid-way
+            registered[k] = hook
+    except BaseException:   # interrupted mid-way: every one back after ours, in order
         for k, _ in others:
             registered.pop(k, None)
         for k, hook in others:
             registered[k] = hook
+        raise
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    """Whether the torch imported is at least ``major.minor`` (False before it is)."""
+    torch = sys.modules.get("torch")
+    try:
+        found = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    except (AttributeError, ValueError):   # not imported, or a version of other words
+        return False
+    return found >= (major, minor)
 
 
 def _fork_hook(controller: Any, point: str, layer: int,
@@ -305,21 +337,33 @@ def _fork_hook(controller: Any, point: str, layer: int,
     batch_of = batch_fn if batch_fn is not None else (
         lambda module, args, kwargs: _batch_of(args, kwargs, tensor))
 
+    def follows(args: tuple, kwargs: dict, output: Any) -> Any:
+        # after: the output's first tensor; before: the input's hidden states, as the
+        # batch is read (positions passed first would let compiled code hoist the fork
+        # to the start of the graph), else its first tensor at any depth
+        if not before:
+            return _first_tensor(output, tensor)
+        found = _input_tensor(args, kwargs, tensor)
+        return found if found is not None else _first_tensor((args, kwargs), tensor)
+
     def at(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         batch = batch_of(module, args, kwargs)
         if batch:
             if is_compiling():
-                follows = (args, kwargs) if before else output
-                fork_op(handle, point, layer, batch, _first_tensor(follows, tensor))
+                fork_op(handle, point, layer, batch, follows(args, kwargs, output))
             else:
                 if refuse_eager:
                     check_step(tuned_step, compiled=False, controller=controller)
-                if warm:   # e.g. a pre-hook's input not yet moved to this GPU: None
-                    seen = _first_tensor((args, kwargs) if before else output, tensor)
-                    fork(point, layer, batch, activation=None if seen is None
-                         else fork_activation(device, seen))
-                else:
-                    fork(point, layer, batch)
+                try:
+                    if warm:   # e.g. a pre-hook's input not yet moved to this GPU: None
+                        seen = follows(args, kwargs, output)
+                        fork(point, layer, batch, activation=None if seen is None
+                             else fork_activation(device, seen))
+                    else:
+                        fork(point, layer, batch)
+                except _C.Error:
+                    _raise_if_closed(controller)
+                    raise
 
     if before:
         def pre_hook(module: Any, args: tuple, kwargs: dict) -> None:
@@ -329,6 +373,16 @@ def _fork_hook(controller: Any, point: str, layer: int,
     def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         at(module, args, kwargs, output)
     return hook
+
+
+def _raise_if_closed(controller: Any) -> None:
+    """After a hook's fork or join failed: where the controller is closed, an Error that
+    names the hooks left on (the controller's own says only that it is closed)."""
+    if getattr(controller, "closed", False) is True:
+        raise _C.Error(f"the {type(controller).__name__} that hooks.attach hooked into this "
+                       "model is closed, and its hooks are still on: detach them "
+                       "(Attachment.detach()) before closing the controller, or attach a "
+                       "new one") from None
 
 
 def _sites(model: Any, point: object, spec: Any,
@@ -410,7 +464,7 @@ def attach(model: torch.nn.Module, controller: Controller,
     torch = _torch.require("l2prefetch.hooks.attach")
     # torch.compile(model): its module's hooks run in the compiled code, the join's too
     model = compiled_module(model)
-    resolved = _check_attach(model, controller, points, torch)
+    resolved = _check_attach(model, controller, points, batch_fn, torch)
     op_handle, fork_op, join_op = _register_ops(controller, torch)
     try:
         handles, sites = _add_hooks(model, controller, resolved, batch_fn, join, torch,
@@ -473,22 +527,38 @@ def _ops() -> Any:
     return ops
 
 
-def _check_attach(model: Any, controller: Any, points: Any,
+def _check_attach(model: Any, controller: Any, points: Any, batch_fn: Any,
                   torch: Any) -> list[tuple[str, list[tuple[Any, int, str]]]]:
     """attach()'s arguments, checked before any hook is added: per point its sites
-    ``(module, layer, hook)``."""
+    ``(module, layer, hook)``, each a module of ``model`` and given once."""
     for method in ("fork", "join"):
         if not callable(getattr(controller, method, None)):
             raise TypeError(f"controller must have fork(point, layer, batch) and join(); "
                             f"{type(controller).__name__} has no {method}()")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if batch_fn is not None and not callable(batch_fn):
+        raise TypeError(f"batch_fn must be None (the default batch) or a callable "
+                        f"batch_fn(module, args, kwargs) -> batch, got {type(batch_fn).__name__}")
     if callable(points) and not isinstance(points, Mapping):
         points = points(model)
     if not isinstance(points, Mapping):
         raise TypeError(f"points must map point names to fork sites, got {type(points).__name__}")
     resolved = [(point, _sites(model, point, spec, torch.nn.Module))
                 for point, spec in points.items()]
+    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    for point, sites in resolved:
+        seen = set()
+        for module, layer, where in sites:
+            if id(module) not in names:
+                raise ValueError(f"points[{point!r}]: the {type(module).__name__} at layer "
+                                 f"{layer} is not a module of this {type(model).__name__}: "
+                                 "give sites inside the model attached to")
+            if (id(module), where) in seen:
+                raise ValueError(f"points[{point!r}] gives {names[id(module)] or 'the root'!r} "
+                                 f"({where}) twice, which would fork twice a step: give each "
+                                 "site once")
+            seen.add((id(module), where))
     for module, owner in _tagged(model):   # attached already: it would fork twice
         if owner is controller:
             raise ValueError(
@@ -568,7 +638,11 @@ def _add_hooks(model: Any, controller: Any,
                 if is_compiling():
                     join_op(op_handle, _first_tensor(output, tensor))
                 else:
-                    end()
+                    try:
+                        end()
+                    except _C.Error:
+                        _raise_if_closed(controller)
+                        raise
             setattr(join_hook, _TAG, controller)
             handles.append(model.register_forward_hook(join_hook))
     except BaseException:

@@ -56,16 +56,17 @@ __all__ = ["fork", "join", "lookup", "mark_ordered", "register", "traced", "unre
 
 # handle -> weak reference to its controller.  A dead reference stays until
 # unregister() so that the op can say the controller was collected; handles
-# are never reused.
-_registry: dict[int, weakref.ReferenceType] = {}
-_handles = itertools.count(1)
-_lock = threading.Lock()
+# are never reused, also across importlib.reload of this module (which runs it again
+# in the same namespace: each of these four is kept from the first run).
+_registry: dict[int, weakref.ReferenceType] = globals().get("_registry", {})
+_handles = globals().get("_handles", itertools.count(1))
+_lock = globals().get("_lock", threading.Lock())
 #: Registered handle -> the compilations (Dynamo's compile ids; None: not known) that
 #: traced its fork or join op: the fake implementations run while Dynamo traces, whether
 #: or not the compiled call then succeeds (hooks.Attachment.detach reads it).  Emptied
 #: when torch._dynamo.reset() has run since (:func:`_forget_before_reset`): it numbers
 #: compilations from 0 again, and an old id would name a new compilation.
-_traced: dict[int, set] = {}
+_traced: dict[int, set] = globals().get("_traced", {})
 
 
 def register(controller: Any) -> int:
