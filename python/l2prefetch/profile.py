@@ -11,8 +11,9 @@ records, stored as given; of them the runtime reads only each result's batch and
 A profile is JSON written by :meth:`TuneResult.save`: the device it was
 tuned on (name, compute capability, SMs, L2 size, driver), the versions
 (l2prefetch, torch, NVRTC), a fingerprint of the model (its class, its
-decoder layer count, and the path, shape and dtype of every weight the plan
-names), how the tuned step ran (``"step"``: eager, or compiled by
+decoder layer count, the path, shape and dtype of every weight the plan
+names, and the other names of those it ties: ``"tied"``, absent in profiles
+written before), how the tuned step ran (``"step"``: eager, or compiled by
 ``torch.compile`` with its Inductor mode, and the torch version), the batches,
 the plan (weights and fork sites by module path, every per-entry setting) and
 every measurement behind it.  A profile without ``"step"`` was written before
@@ -72,7 +73,7 @@ SETTING_KEYS = ("byte_cap", "grid", "carveout", "priority", "kernel", "graph_for
 ENTRY_KEYS = ("point", "layer", "batches", "weights", "site", "hook", *SETTING_KEYS)
 #: The fields of ``model`` (the fingerprint) and of ``device`` (DEVICE_KEYS, and the
 #: driver, which only warns where it differs).
-MODEL_KEYS = ("class", "layers", "weights")
+MODEL_KEYS = ("class", "layers", "weights", "tied")
 DEVICE_FIELDS = (*DEVICE_KEYS, "driver_version")
 
 
@@ -206,15 +207,23 @@ def device_fingerprint(device: Any = None) -> dict:
 
 
 def model_fingerprint(model: Any, weights: Any = ()) -> dict:
-    """The model's class, decoder layer count, and path -> [shape, dtype] of ``weights``
-    (paths of tensors in the model)."""
+    """The model's class, decoder layer count, path -> [shape, dtype] of ``weights``
+    (paths of tensors in the model), and ``tied``: path -> the other names of that
+    tensor, for each of ``weights`` the model ties (a plan names a tied tensor by its
+    first name, which an untied model of the same shapes also has)."""
     tensors = named_tensors(model)
-    described = {}
+    names: dict[int, list[str]] = {}
+    for name, t in tensors.items():
+        names.setdefault(id(t), []).append(name)
+    described, tied = {}, {}
     for path in weights:
         t = tensors[path]
         described[path] = [list(t.shape), str(t.dtype).replace("torch.", "")]
+        others = sorted(n for n in names[id(t)] if n != path)
+        if others:
+            tied[path] = others
     return {"class": type(model).__name__, "layers": layer_count(model),
-            "weights": described}
+            "weights": described, "tied": tied}
 
 
 def versions() -> dict:
@@ -406,6 +415,18 @@ def _check_fingerprint(weights: dict, where: str) -> None:
                         f"{_show(described)}")
 
 
+def _check_tied(tied: dict, weights: dict, where: str) -> None:
+    """model.tied: a path of model.weights -> the other names of that tensor."""
+    for path, others in tied.items():
+        if path not in weights:
+            raise _fail(where, f"'model.tied' names {_show(path)}, which is not in "
+                        "'model.weights'")
+        if not (isinstance(others, list) and others
+                and all(isinstance(n, str) and n and n != path for n in others)):
+            raise _fail(where, f"'model.tied'[{_show(path)}] must be a non-empty list of the "
+                        f"tensor's other names, got {_show(others)}")
+
+
 def _settings(entry: dict) -> dict:
     """An entry's settings as PlanEntry's keyword arguments (null: the default)."""
     return {k: entry[k] for k in SETTING_KEYS if entry.get(k) is not None}
@@ -512,6 +533,8 @@ def parse_profile(text: str, where: str = "<text>") -> dict:
     if not _int_in(layers, 0, 2**63 - 1):
         raise _fail(where, f"'model.layers' must be an int >= 0, got {_show(layers)}")
     _check_fingerprint(_require(model, "weights", dict, where, "model."), where)
+    if "tied" in model:   # absent: a profile written before it was recorded
+        _check_tied(_require(model, "tied", dict, where, "model."), model["weights"], where)
     if "versions" in data:
         found = _require(data, "versions", dict, where)
         for key, value in found.items():
@@ -633,6 +656,10 @@ def _check_model(data: dict, model: Any, where: str) -> None:
         if [shape, dtype] != list(described):
             diffs.append(f"{_cut(path)} is {shape} {dtype} here, {_cut(described[0])} "
                          f"{_cut(described[1])} in the profile")
+        untied = [n for n in fp.get("tied", {}).get(path, ()) if tensors.get(n) is not t]
+        if untied:   # the plan's loads would land on this name's tensor, not theirs
+            diffs.append(f"{_cut(path)} is also {_show(untied)} in the profile (tied), "
+                         "not here")
         if len(diffs) >= 5:
             diffs.append("...")
             break
