@@ -607,3 +607,26 @@ def test_a_detached_attachment_keeps_no_module_alive():
     gc.collect()
     assert weight() is None and attachment.sites == ()
     assert repr(attachment) == "<Attachment detached, 0 fork sites>"
+
+
+def test_a_detach_interrupted_mid_way_can_be_done_again():
+    model = Tiny(2)
+    attachment = attach(model, Recorder(), points_of(model))
+    handles = attachment._handles
+    real = type(handles[1]).remove
+    calls = []
+
+    def remove(handle):
+        calls.append(handle)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(handle)
+    type(handles[1]).remove = remove
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            attachment.detach()
+    finally:
+        type(handles[1]).remove = real
+    assert attachment.attached and all_hooks(model)
+    attachment.detach()
+    assert not attachment.attached and all_hooks(model) == []

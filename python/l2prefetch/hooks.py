@@ -136,9 +136,10 @@ class Attachment:
 
         A second call does nothing.
         """
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
+        handles = list(self._handles)
+        for handle in handles:   # interrupted mid-way: a second detach removes the rest
+            handle.remove()      # (removing a removed hook again does nothing)
+        self._handles = []
         self.sites = ()
         frames, self._frames = self._frames, None
         op_handle, self._op_handle = self._op_handle, None
