@@ -48,7 +48,7 @@ static PyMethodDef module_methods[] = {
     {"nvrtc_info", l2p_py_nvrtc_info, METH_NOARGS,
      "nvrtc_info()\n--\n\nThe NVRTC in use: {path, version, archs} (loads it)."},
     {"device_info", py_device_info, METH_O,
-     "device_info(device)\n--\n\nAttributes of a CUDA device as l2prefetch sees them."},
+     "device_info(device, /)\n--\n\nAttributes of a CUDA device as l2prefetch sees them."},
     {"clear_kernel_cache", l2p_py_clear_kernel_cache, METH_NOARGS,
      "clear_kernel_cache()\n--\n\nForget the in-process compiled kernels (the disk cache stays)."},
     {"kernel_cache_info", l2p_py_kernel_cache_info, METH_NOARGS,
@@ -59,7 +59,7 @@ static PyMethodDef module_methods[] = {
      "clear_kernel_cache() empties it.  Nothing is logged from C: l2prefetch's\n"
      "Python side logs it."},
     {"env_flag", l2p_py_env_flag, METH_O,
-     "env_flag(name)\n--\n\n"
+     "env_flag(name, /)\n--\n\n"
      "Whether environment variable name holds a true value: 1, true, yes or on,\n"
      "in any case, blanks around it ignored.  The one rule for every L2PREFETCH_*\n"
      "flag, in C and in Python."},
@@ -70,19 +70,20 @@ static PyMethodDef module_methods[] = {
     {"_floor_fork_join", (PyCFunction)(void (*)(void))l2p_py_floor_fork_join, METH_FASTCALL,
      "Benchmark hook: n fork+join driver sequences of prepared from C; total ns."},
     {"_graph_loader_nodes", (PyCFunction)(void (*)(void))l2p_py_graph_loader_nodes, METH_FASTCALL,
-     "_graph_loader_nodes(graph)\n--\n\n"
+     "_graph_loader_nodes(graph, /)\n--\n\n"
      "The kernel nodes of template graph (a raw CUgraph handle) that launch l2prefetch's\n"
      "kernels, as a tuple of raw node handles (the tuner's in-place switch)."},
     {"_graph_set_loaders", (PyCFunction)(void (*)(void))l2p_py_graph_set_loaders, METH_FASTCALL,
-     "_graph_set_loaders(exec, nodes, state)\n--\n\n"
+     "_graph_set_loaders(exec, nodes, state, extras=None, /)\n--\n\n"
      "Switch those nodes of executable graph exec to state 'on' (the captured loads),\n"
-     "'empty' (an empty table) or 'off' (disabled), for the next replays."},
+     "'empty' (an empty table) or 'off' (disabled), or to a table each, for the next\n"
+     "replays; extras: per node, a range read after its table's (or None)."},
     {"_graph_edges", (PyCFunction)(void (*)(void))l2p_py_graph_edges, METH_FASTCALL,
-     "_graph_edges(graph)\n--\n\n"
+     "_graph_edges(graph, /)\n--\n\n"
      "Every edge of template graph as a tuple of (from, to) raw node handles."},
     {"_graph_instantiate_without", (PyCFunction)(void (*)(void))l2p_py_graph_instantiate_without,
      METH_FASTCALL,
-     "_graph_instantiate_without(graph, nodes)\n--\n\n"
+     "_graph_instantiate_without(graph, nodes, /)\n--\n\n"
      "A clone of template graph without those nodes (and their edges), instantiated: a\n"
      "GraphExec, which holds the driver that made it (launch(stream), close())."},
     {"_use_driver", l2p_py_use_driver, METH_O, "Testing hook: the driver library new objects use."},

@@ -76,3 +76,49 @@ def test_every_name_the_stub_uses_is_defined(stub):
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
     defined = names(stub.body) | set(dir(typing)) | set(dir(builtins))
     assert used <= defined, f"undefined in _C.pyi: {sorted(used - defined)}"
+
+
+def _stub_parameters(node):
+    """(name, kind) of a stub function's parameters, ``self`` left out."""
+    a = node.args
+    out = [(p.arg, "POSITIONAL_ONLY") for p in a.posonlyargs]
+    out += [(p.arg, "POSITIONAL_OR_KEYWORD") for p in a.args]
+    if a.vararg:
+        out.append((a.vararg.arg, "VAR_POSITIONAL"))
+    out += [(p.arg, "KEYWORD_ONLY") for p in a.kwonlyargs]
+    if a.kwarg:
+        out.append((a.kwarg.arg, "VAR_KEYWORD"))
+    return [p for p in out if p[0] != "self"]
+
+
+def _runtime_parameters(function):
+    import inspect
+
+    try:
+        signature = inspect.signature(function)
+    except ValueError:   # no __text_signature__: nothing to hold against the stub
+        return None
+    return [(p.name, p.kind.name) for p in signature.parameters.values()
+            if p.name not in ("self", "$self")]
+
+
+def test_the_extensions_text_signatures_are_the_stubs(stub):
+    """inspect.signature (help(), IDEs) reads a C function's __text_signature__: it names
+    the parameters the stub does, of the same kinds (a helper found _graph_set_loaders'
+    missing its fourth and none of the private ones positional-only)."""
+    stubbed = [(name, node, getattr(_C, name, None)) for name, node in
+               ((n.name, n) for n in stub.body if isinstance(n, ast.FunctionDef))]
+    for cls in stub.body:
+        if isinstance(cls, ast.ClassDef) and isinstance(getattr(_C, cls.name, None), type):
+            stubbed += [(f"{cls.name}.{node.name}", node, vars(getattr(_C, cls.name)).get(
+                node.name)) for node in cls.body if isinstance(node, ast.FunctionDef)
+                and not node.decorator_list and not node.name.startswith("__")]
+    checked, differ = 0, []
+    for name, node, function in stubbed:
+        found = None if function is None else _runtime_parameters(function)
+        if found is None:
+            continue
+        checked += 1
+        if found != _stub_parameters(node):
+            differ.append(f"{name}: {found} at run time, {_stub_parameters(node)} in the stub")
+    assert checked >= 20 and differ == [], "\n".join(differ)
