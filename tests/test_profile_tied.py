@@ -54,7 +54,7 @@ def test_an_untied_models_profile_records_nothing_tied_and_loads_on_a_tied_one(t
     """Untied at tuning, tied here: the plan's name still reads the bytes it tuned."""
     untied = LM(tied=False)
     path = _saved(tmp_path, untied, untied.lm_head.weight)
-    assert json.loads(path.read_text())["model"]["tied"] == {}
+    assert "tied" not in json.loads(path.read_text())["model"]   # older releases read it
     tied = LM(tied=True)
     assert load_profile(path, tied, check_device=False).plan[0].weights[0] is tied.embed.weight
 

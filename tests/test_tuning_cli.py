@@ -337,7 +337,8 @@ def test_a_model_type_transformers_lacks_is_refused_without_running_its_code(tmp
      r"num_hidden_layers"),
     (["llama", *SMALL, "--list-role"], r"unrecognized arguments: --list-role$"),
     (["llama", *SMALL, "--dtype", "bf16"], r"--dtype: dtype must name a floating-point torch "
-                                           r"dtype \(bfloat16, float16 or float32\), got 'bf16'"),
+                                           r"dtype \(bfloat16, float16, float32 or "
+                                           r"float64\), got 'bf16'"),
     (["llama", *SMALL, "--dtype", "int8"], r"--dtype: .*got 'int8'"),
     (["llama", *SMALL, "--device", "gpu"], r"--device: device must be 'cpu', 'cuda' or "
                                            r"'cuda:N', got 'gpu'"),
@@ -399,7 +400,8 @@ def test_a_model_type_transformers_lacks_is_refused_without_running_its_code(tmp
                                                  r"got -0.5"),
     (["llama", *SMALL, "--dtype", "float8_e4m3fn"], r"--dtype: dtype must name a "
                                                     r"floating-point torch dtype \(bfloat16, "
-                                                    r"float16 or float32\), got 'float8_e4m3fn'"),
+                                                    r"float16, float32 or float64\), got "
+                                                    r"'float8_e4m3fn'"),
     (["llama", *SMALL, "--prompt-len", "100"], r"--max-cache-len \(64\) must exceed "
                                                r"--prompt-len \(100\)"),
     (["llama", *SMALL, "--out", "/nonexistent/dir/p.json"],

@@ -337,15 +337,35 @@ def test_roles_of_another_model_are_refused():
     model, step = model_and_step()
     other, other_step = model_and_step()
     theirs = find_roles(other, lambda: other_step(1), min_bytes=256 * 1024)
-    with pytest.raises(ValueError, match=r"candidates\[0\] \(.*\) loads a tensor that is "
-                                         r"not this model's \(layer 0\): pass roles found in "
-                                         r"the model tuned"):
+    with pytest.raises(ValueError, match=r"candidates\[0\] \(.*\) loads a tensor whose "
+                                         r"memory is not this model's \(layer 0\): pass roles "
+                                         r"found in the model tuned"):
         tuning.tune(model, step, [1], candidates=theirs, backend=DeviceBackend({}, seed=0),
                     progress=None, min_bytes=256 * 1024)
     ours = find_roles(model, lambda: step(1), min_bytes=256 * 1024)
     result = tuning.tune(model, step, [1], candidates=ours[:1], progress=None,
                          backend=DeviceBackend({}, seed=0), min_bytes=256 * 1024)
     assert [role.name for role in result.roles] == [ours[0].name]
+    # a policy's plan may load a view of a weight: the model's memory, accepted
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    plan = [PlanEntry("p", 0, [1], (gate[:512],))]
+    roles = tuning.roles_from_plan(model, plan, {"p": [(model.model.layers[0].self_attn, 0)]})
+    result = tuning.tune(model, step, [1], candidates=roles, progress=None,
+                         backend=DeviceBackend({}, seed=0), min_bytes=256 * 1024)
+    assert [role.name for role in result.roles] == ["p"]
+
+
+def test_candidates_are_checked_before_the_step_runs():
+    """With the GPU's backend the step ran (and compiled) before an empty or repeated
+    candidates list was refused; now they are refused first, a CPU model's too."""
+    model, _ = model_and_step()
+
+    def step(batch):
+        pytest.fail("the step ran")
+    for candidates, words in (([], "candidates is empty"),
+                              ([O_PROJ, O_PROJ], "candidates name a role twice")):
+        with pytest.raises(ValueError, match=words):
+            tuning.tune(model, step, [1], candidates=candidates, progress=None)
 
 
 def test_numpy_scalars_are_stored_as_plain_numbers(tmp_path):

@@ -3,7 +3,8 @@
 Small-batch decode is bound by HBM bandwidth.  At fixed points of each layer,
 :class:`PrefetchController` launches a small kernel (on a side CUDA stream, or in
 a captured graph beside the step's kernels) that loads the byte ranges of the
-weights the next kernels will read into L2, so they start warm.  See README.md for how to integrate it.
+weights the next kernels will read into L2, so they start warm.  See README.md
+for how to integrate it.
 
 Importing this package needs neither a GPU, nor the CUDA driver, nor torch:
 the driver and NVRTC are loaded on first use.  ``L2PREFETCH_DISABLE=1`` in the

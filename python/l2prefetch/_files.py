@@ -30,6 +30,7 @@ Importing this module imports neither torch nor the C extension.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -235,6 +236,15 @@ def stdout_to_devnull() -> None:
         os.close(devnull)
 
 
+def _sync(fd: int) -> None:
+    """fsync, where the file system has it (some FUSE and 9p mounts answer EINVAL)."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+
+
 def _sync_directory(directory: str) -> None:
     """Make a rename in ``directory`` durable, where the file system lets a directory be
     opened and synced (not every one does: then the rename stands unsynced)."""
@@ -266,7 +276,7 @@ def write_atomic(path: PathLike, data: Union[str, bytes], what: str) -> None:
             view = memoryview(payload)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)   # the bytes on disk before the name: a crash leaves old or new
+            _sync(fd)   # the bytes on disk before the name: a crash leaves old or new
         finally:
             os.close(fd)
         os.replace(tmp, target)

@@ -287,7 +287,9 @@ def _move_ahead(registered: Any, key: int) -> None:
     run 23), the others are re-inserted after it one by one, in running order, so that
     the dict's own order is the running order too; each is missing for an instant,
     which a forward on another thread can see.  From 2.13 on, one ``move_to_end``
-    (what ``prepend=True`` does) relinks it first and drops nothing."""
+    (what ``prepend=True`` does) relinks it first and drops nothing.  Like any hook
+    registration (torch inserts a hook before it records ``with_kwargs``), not safe
+    against another thread running the module's forward meanwhile."""
     if _torch_at_least(2, 13):
         registered.move_to_end(key, last=False)
         return
@@ -322,8 +324,9 @@ def _fork_hook(controller: Any, point: str, layer: int,
 
     Eager: ``controller.fork(point, layer, batch)``; a PrefetchController's whose fork
     takes it also gets ``activation=``, the first tensor of the module's output
-    (``before``: of its input) where that tensor is on the controller's device (else
-    None), which a ``warm_activation`` table reads last.  Being compiled:
+    (``before``: its input's hidden states, the tensor the batch is read from) where
+    that tensor is on the controller's device (else None), which a ``warm_activation``
+    table reads last.  Being compiled:
     ``fork_op(handle, point, layer, batch, after=<that tensor>)`` (so compiled code keeps
     the fork behind that tensor's producer).  A profile's controller tuned on a compiled
     step refuses an eager fork that would launch (:func:`~l2prefetch.profile.check_step`).
@@ -431,10 +434,11 @@ def attach(model: torch.nn.Module, controller: Controller,
     ahead of the module's other forward hooks, that calls
     ``controller.fork(point, layer, batch)`` after the module's forward (with
     ``hook`` ``"before"``: a forward pre-hook, registered ahead of the module's
-    other pre-hooks, that forks before its forward), with ``batch`` the product of all but the last
-    dimension of the first tensor argument (``batch_fn`` overrides that; a
-    batch of 0 skips the fork).  With ``join`` the root ``model`` gets a
-    forward hook that calls ``controller.join()`` at the end of each forward.
+    other pre-hooks, that forks before its forward), with ``batch`` read from the
+    module's input by :func:`default_batch` (its hidden states: all but their last
+    dimension; ``batch_fn`` overrides that; a batch of 0 skips the fork).  With
+    ``join`` the root ``model`` gets a forward hook that calls ``controller.join()``
+    at the end of each forward.
     Everything is checked before any hook is added.  Under
     ``L2PREFETCH_DISABLE`` nothing is attached.
 

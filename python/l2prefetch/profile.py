@@ -208,8 +208,8 @@ def device_fingerprint(device: Any = None) -> dict:
 
 def model_fingerprint(model: Any, weights: Any = ()) -> dict:
     """The model's class, decoder layer count, path -> [shape, dtype] of ``weights``
-    (paths of tensors in the model), and ``tied``: path -> the other names of that
-    tensor, for each of ``weights`` the model ties (a plan names a tied tensor by its
+    (paths of tensors in the model), and where the model ties some of ``weights``,
+    ``tied``: path -> the other names of that tensor (a plan names a tied tensor by its
     first name, which an untied model of the same shapes also has)."""
     tensors = named_tensors(model)
     names: dict[int, list[str]] = {}
@@ -222,8 +222,11 @@ def model_fingerprint(model: Any, weights: Any = ()) -> dict:
         others = sorted(n for n in names[id(t)] if n != path)
         if others:
             tied[path] = others
-    return {"class": type(model).__name__, "layers": layer_count(model),
-            "weights": described, "tied": tied}
+    found = {"class": type(model).__name__, "layers": layer_count(model),
+             "weights": described}
+    if tied:   # only where some weight is tied: a release before it reads the rest
+        found["tied"] = tied
+    return found
 
 
 def versions() -> dict:

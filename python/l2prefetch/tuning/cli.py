@@ -186,7 +186,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         type=lambda t: _names(t, "--graph-forks", GRAPH_FORKS),
                         help=f"how forks go into the graph, comma-separated: any of "
                         f"{', '.join(GRAPH_FORKS)} (default: every one)")
-    parser.add_argument("--min-gain-us", type=positive(float, "--min-gain-us", 0, 1e6, at_least=True),
+    parser.add_argument("--min-gain-us",
+                        type=positive(float, "--min-gain-us", 0, 1e6, at_least=True),
                         default=1.0, help="skip roles whose loads could gain less (us per step)")
     parser.add_argument("--min-bytes-mib", type=positive(float, "--min-bytes-mib", 0, 2**20),
                         default=1.0, help="smallest weight read that counts (MiB, default 1)")

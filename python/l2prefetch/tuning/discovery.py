@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 from ..mechanisms import DEFAULT_SITE_HOOK, site_entry
-from ..model_paths import compiled_module, layer_of, tensor_paths  # the runtime's too
+from ..model_paths import compiled_module, layer_of, named_tensors  # the runtime's too
 from .. import MAX_RANGES
 from ..plan import PlanEntry
 from .errors import StepError
@@ -470,20 +470,40 @@ def discovery_step(step: Callable[[int], Any], batch: int) -> Callable[[], Any]:
     return run
 
 
-def resolve_roles(model: Any, step: Callable[[int], Any], batch: int,
-                  candidates: object, min_bytes: int) -> list[Role]:
-    """tune()'s ``candidates``: None, the roles :func:`find_roles` discovers from
-    ``step(batch)`` (:func:`discovery_step`); role names, those of them; :class:`Role`
-    objects, as given (checked)."""
+def check_candidates(model: Any, candidates: object) -> None:
+    """tune()'s ``candidates`` as far as they can be checked before the step runs: None,
+    role names (each once), or :class:`Role` objects (each once, forking at modules of
+    ``model`` and loading its tensors or views of them)."""
     if isinstance(candidates, (str, bytes)):
         raise TypeError("candidates must be None (discover them), a list of role names, or a "
                         f"list of Role objects, got the string {candidates!r}: wrap it in a list")
-    if isinstance(candidates, Sequence) and not candidates:
+    if candidates is None:
+        return
+    if not isinstance(candidates, Sequence):
+        raise TypeError("candidates must be None (discover them), a list of role names, or a "
+                        f"list of Role objects, got {type(candidates).__name__}")
+    if not candidates:
         raise ValueError("candidates is empty, so there is nothing to measure: pass None to "
                          "discover the roles, or name at least one")
-    if candidates is None or (isinstance(candidates, Sequence)
-                              and all(isinstance(c, str) for c in candidates)):
-        _check_once(candidates or ())
+    if all(isinstance(c, str) for c in candidates):
+        _check_once(list(candidates))
+        return
+    for i, role in enumerate(candidates):
+        if not isinstance(role, Role):
+            raise TypeError(f"candidates[{i}] must be a Role (from tuning.candidates() or "
+                            f"tuning.roles_from_plan()) or a role name, got "
+                            f"{type(role).__name__}")
+    _check_once([role.name for role in candidates])
+    _check_weights_of(model, candidates)
+
+
+def resolve_roles(model: Any, step: Callable[[int], Any], batch: int,
+                  candidates: object, min_bytes: int) -> list[Role]:
+    """tune()'s ``candidates`` (:func:`check_candidates`): None, the roles
+    :func:`find_roles` discovers from ``step(batch)`` (:func:`discovery_step`); role
+    names, those of them; :class:`Role` objects, as given."""
+    check_candidates(model, candidates)
+    if candidates is None or all(isinstance(c, str) for c in candidates):
         # a compiled step: the same modules and weights, read from the eager module tree
         roles = find_roles(model, discovery_step(step, batch), min_bytes=min_bytes)
         if candidates is None:
@@ -494,18 +514,7 @@ def resolve_roles(model: Any, step: Callable[[int], Any], batch: int,
             raise ValueError(f"unknown role(s) {role_hints(unknown, list(known))}; this "
                              "model's roles are: " + "; ".join(map(repr, known)))
         return [known[c] for c in candidates]
-    if not isinstance(candidates, Sequence):
-        raise TypeError("candidates must be None (discover them), a list of role names, or a "
-                        f"list of Role objects, got {type(candidates).__name__}")
-    roles = list(candidates)
-    for i, role in enumerate(roles):
-        if not isinstance(role, Role):
-            raise TypeError(f"candidates[{i}] must be a Role (from tuning.candidates() or "
-                            f"tuning.roles_from_plan()) or a role name, got "
-                            f"{type(role).__name__}")
-    _check_once([role.name for role in roles])
-    _check_weights_of(model, roles)
-    return roles
+    return list(candidates)
 
 
 def _check_once(names: Sequence[str]) -> None:
@@ -515,21 +524,32 @@ def _check_once(names: Sequence[str]) -> None:
 
 
 def _check_weights_of(model: Any, roles: Sequence[Role]) -> None:
-    """Given Role objects hold ``model``'s own modules and tensors: a role found in
-    another model would measure that model's weights under this one's hooks."""
+    """Given Role objects fork at ``model``'s modules and load its memory (its tensors,
+    or views of them, by storage): a role found in another model would measure that
+    model's weights under this one's hooks."""
     module = compiled_module(model)
     modules = dict(module.named_modules())
-    own = tensor_paths(module)
+    own = {_storage(t) for t in named_tensors(module).values()}
     for i, role in enumerate(roles):
         for s in role.sites:
             if s.site not in modules:
                 raise ValueError(f"candidates[{i}] ({role.name!r}) forks at {s.site!r}, which "
                                  "is not a module of this model: pass roles found in the "
                                  "model tuned (tuning.candidates(model, ...))")
-            if any(id(w) not in own for w in s.weights):
-                raise ValueError(f"candidates[{i}] ({role.name!r}) loads a tensor that is not "
-                                 f"this model's (layer {s.layer}): pass roles found in the "
-                                 "model tuned (tuning.candidates(model, ...))")
+            if any(_storage(w) not in own for w in s.weights):
+                raise ValueError(f"candidates[{i}] ({role.name!r}) loads a tensor whose memory "
+                                 f"is not this model's (layer {s.layer}): pass roles found in "
+                                 "the model tuned, whose weights are its tensors or views of "
+                                 "them")
+
+
+def _storage(t: Any) -> Any:
+    """Where a tensor's memory lives: (device, its storage's address), or the object
+    itself where it has none (a storageless wrapper: only itself matches)."""
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return id(t)
 
 
 def role_hints(unknown: Iterable[str], names: Sequence[str]) -> str:

@@ -165,8 +165,8 @@ def _nested_deeper(value: Any, limit: int) -> bool:
 
 
 def dtype_of(dtype: Any) -> Any:
-    """The torch dtype ``dtype`` names: torch.bfloat16, float16 or float32, or the name of
-    one ('bfloat16', 'half', ...); anything else is a ValueError naming the choices."""
+    """The torch dtype ``dtype`` names: torch.bfloat16, float16, float32 or float64, or the
+    name of one ('bfloat16', 'half', ...); anything else is a ValueError naming them."""
     import torch
 
     if isinstance(dtype, torch.dtype):
@@ -175,11 +175,11 @@ def dtype_of(dtype: Any) -> Any:
         found = getattr(torch, dtype, None)
     else:
         found = None
-    # the dtypes a decode server keeps weights in (float8 is floating-point too, but
-    # transformers cannot fill random weights in it: the build failed, blaming the config)
-    if found not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"dtype must name a floating-point torch dtype (bfloat16, float16 or "
-                         f"float32), got {dtype!r}")
+    # those transformers builds random weights in (float8 is floating-point too, but the
+    # build failed there, blaming the config)
+    if found not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise ValueError(f"dtype must name a floating-point torch dtype (bfloat16, float16, "
+                         f"float32 or float64), got {dtype!r}")
     return found
 
 
@@ -733,11 +733,10 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
 
     Before anything is built: ``overrides`` must name fields of the config class (with
     values of their types), ``device`` must be the CPU or a CUDA device torch sees,
-    ``dtype`` a floating-point dtype, and the model with its headroom
-    (:func:`needed_bytes`) must fit in the memory free on ``device``, on the CPU in half
-    its memory too (and in the CPU's free memory, where a checkpoint is read first);
-    each is a ValueError
-    that names it, as is a checkpoint whose weights are pickles or corrupt.
+    ``dtype`` bfloat16, float16, float32 or float64 (:func:`dtype_of`), and the model
+    with its headroom (:func:`needed_bytes`) must fit in the memory free on ``device``,
+    on the CPU in half its memory too (and in the CPU's free memory, where a checkpoint
+    is read first); each is a ValueError that names it, as is a checkpoint whose weights are pickles or corrupt.
     ``progress``: a text stream (stderr) for a line before the build, naming the model,
     its size and the source used, and one after it with the time it took; None: quiet.
     """

@@ -21,7 +21,7 @@ from .. import _C, hooks
 from ..mechanisms import GRAPH_FORKS, graph_fork_choices
 from ..model_paths import compiled_module
 from ..plan import check_batches
-from .discovery import Role, resolve_roles
+from .discovery import Role, check_candidates, resolve_roles
 from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile, step_record,
                        versions)
 from . import measure  # GraphBackend looked up when tune() runs (the tests replace it)
@@ -268,7 +268,7 @@ def tune(model: Any, step: Callable[[int], Any], batches: Sequence[int], *,
     caps_mib, grids, graph_forks, kernels, known = _check_settings(caps_mib, grids,
                                                                    graph_forks, kernels)
     mode = _check_compiled(compiled)
-    model, batches = _check_with_their_modules(model, batches, rounds, backend, device)
+    model, batches = _check_with_their_modules(model, batches, rounds, backend, device, candidates)
     t0 = time.monotonic()
     if backend is None:
         backend, compiled, kernels = _graph_backend(model, step, batches[0], compiled, mode,
@@ -484,13 +484,14 @@ def _check_settings(caps_mib: object, grids: object, graph_forks: object,
 
 
 def _check_with_their_modules(model: Any, batches: object, rounds: object,
-                              backend: Optional[Backend],
-                              device: Any) -> tuple[Any, tuple[int, ...]]:
+                              backend: Optional[Backend], device: Any,
+                              candidates: object) -> tuple[Any, tuple[int, ...]]:
     """tune()'s checks that other modules make, after its own, a module at a time: the
     batches (plan), a model compiled to capture CUDA graphs of its own (compiled), hooks
-    attached and, for the GPU's backend, forks turned off (hooks), the rounds and that
-    backend's device (measure).  The module tuned (a ``torch.compile(model)`` wrapper's:
-    its paths and hooks) and the batches, as checked."""
+    attached and, for the GPU's backend, forks turned off (hooks), the rounds and the
+    device (measure), the candidates (discovery).  The module tuned (a
+    ``torch.compile(model)`` wrapper's: its paths and hooks) and the batches, as
+    checked."""
     batches = check_batches(batches, "batches")
     own = own_graphs(model)
     if own is not None:
@@ -506,6 +507,7 @@ def _check_with_their_modules(model: Any, batches: object, rounds: object,
     if backend is None and hooks.disabled():   # every arm would be the step without forks
         raise ValueError("L2PREFETCH_DISABLE is set, so nothing forks: unset it to tune")
     measure.check_rounds(rounds)
+    check_candidates(module, candidates)   # before the step runs: names, or Role objects
     # a bad device= refused in any case, a CPU model only for the GPU's backend (a given
     # backend runs the step where it likes), before the step runs (compiles)
     if backend is None or device is not None:
