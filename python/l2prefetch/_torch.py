@@ -1,4 +1,5 @@
-"""torch for the modules that need it, or an ImportError that says how to get it.
+"""torch for the modules that need it, or an ImportError that says how to get it;
+a device argument parsed (parse_device).
 
 torch is an optional dependency (the ``torch`` extra): ``import l2prefetch`` and
 the C extension work without it; ops, hooks, plans of models, the policies and
@@ -7,8 +8,9 @@ the C extension work without it; ops, hooks, plans of models, the policies and
 
 from __future__ import annotations
 
+import re
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
 from . import _C
 
@@ -25,6 +27,26 @@ def require(what: str) -> ModuleType:
             raise
         raise ModuleNotFoundError(f"{what} {MISSING}", name="torch") from None
     return torch
+
+
+def parse_device(device: Any) -> Any:
+    """``device`` as a torch.device of the CPU or CUDA (not checked against the GPUs:
+    :func:`l2prefetch.tuning.hf.device_of`); anything else is a ValueError naming the
+    choices."""
+    import torch
+
+    # A string is checked here first: torch.device throws a C++ exception for a bad one,
+    # which aborts a process with ASan preloaded (the CI's sanitizer pass).
+    if isinstance(device, str) and not re.fullmatch(r"(cpu|cuda)(:\d{1,9})?", device.strip()):
+        found = None
+    else:
+        try:
+            found = torch.device(device.strip() if isinstance(device, str) else device)
+        except (RuntimeError, TypeError, ValueError):
+            found = None
+    if found is None or found.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return found
 
 
 def driver_reason() -> Optional[str]:

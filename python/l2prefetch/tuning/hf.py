@@ -53,6 +53,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from .._files import check_regular, loads_json, open_regular, read_text
+from .._torch import parse_device  # also hf's: the CLI's --device
 
 __all__ = ["DecodeStep", "OverrideError", "available_bytes", "config_fields", "device_of",
            "dtype_of", "error_line", "load_model", "model_bytes", "model_options",
@@ -195,25 +196,6 @@ def model_options(dtype: Any, overrides: Any) -> dict:
         return parse_overrides(overrides)
     except ValueError as exc:
         raise ValueError(f"--set: {exc}") from None
-
-
-def parse_device(device: Any) -> Any:
-    """``device`` as a torch.device of the CPU or CUDA (not checked against the GPUs:
-    :func:`device_of`); anything else is a ValueError naming the choices."""
-    import torch
-
-    # A string is checked here first: torch.device throws a C++ exception for a bad one,
-    # which aborts a process with ASan preloaded (the CI's sanitizer pass).
-    if isinstance(device, str) and not re.fullmatch(r"(cpu|cuda)(:\d{1,9})?", device.strip()):
-        found = None
-    else:
-        try:
-            found = torch.device(device.strip() if isinstance(device, str) else device)
-        except (RuntimeError, TypeError, ValueError):
-            found = None
-    if found is None or found.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    return found
 
 
 def device_of(device: Any) -> Any:
@@ -736,7 +718,8 @@ def load_model(source: str, *, overrides: Optional[Mapping[str, Any]] = None,
     ``dtype`` bfloat16, float16, float32 or float64 (:func:`dtype_of`), and the model
     with its headroom (:func:`needed_bytes`) must fit in the memory free on ``device``,
     on the CPU in half its memory too (and in the CPU's free memory, where a checkpoint
-    is read first); each is a ValueError that names it, as is a checkpoint whose weights are pickles or corrupt.
+    is read first); each is a ValueError that names it, as is a checkpoint whose weights
+    are pickles or corrupt.
     ``progress``: a text stream (stderr) for a line before the build, naming the model,
     its size and the source used, and one after it with the time it took; None: quiet.
     """

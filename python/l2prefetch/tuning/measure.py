@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import numbers
 import random
-import re
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from .. import CudaError, Error, hooks
+from .._torch import parse_device
 from ..mechanisms import GRAPH_FORK_MODES
 from .arms import NO_FORKS, SAME_CODE, Arm, Backend, Prepared, Probe, no_forks_of
 from .compiled import board_for_roles, screened_board
@@ -146,17 +146,20 @@ def cuda_device(model: Any, device: Any = None) -> Any:
             raise ValueError(f"tuning measures CUDA graphs: the model is on {found}; move it "
                              "to a CUDA device (discover() works on the CPU)")
         return found
-    # checked before torch.device sees it: a bad string throws a C++ exception there,
-    # which aborts a process with ASan preloaded (the CI's sanitizer pass)
-    if isinstance(device, str) and re.fullmatch(r"cuda(:\d{1,9})?", device.strip()):
-        return torch.device(device.strip())
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return device
-    if isinstance(device, numbers.Integral) and not isinstance(device, bool) and device >= 0:
-        return torch.device("cuda", int(device))
-    kind = (ValueError if isinstance(device, (str, torch.device))
-            or (isinstance(device, numbers.Integral) and not isinstance(device, bool))
-            else TypeError)
+    if isinstance(device, (str, torch.device)) or (
+            isinstance(device, numbers.Integral) and not isinstance(device, bool)):
+        try:
+            # an index names a CUDA device (torch's CPU build refuses a bare int); a
+            # string is checked before torch sees it (_torch.parse_device)
+            found = parse_device(f"cuda:{int(device)}" if isinstance(device, numbers.Integral)
+                                 else device)
+        except ValueError:
+            found = None
+        if found is not None and found.type == "cuda":
+            return found
+        kind: type = ValueError
+    else:
+        kind = TypeError
     raise kind(f"device must be None (the model's), a CUDA device index, 'cuda', 'cuda:N' "
                f"or a torch.device of CUDA: tuning measures CUDA graphs; got "
                f"{type(device).__name__} {device!r}")
