@@ -187,9 +187,12 @@ enum { L2P_DEV_UNKNOWN = 0, L2P_DEV_CUDA = 1, L2P_DEV_OTHER = 2 };
 /* Ranges of `weights` (a sequence) with the reference design's rules.  On success returns
  * a new tuple of the weights and fills *ranges (PyMem_Malloc'd, *n entries,
  * *n may be 0) and, if devices is not NULL, one entry per weight
- * (PyMem_Malloc'd).  Raises TypeError/ValueError/OverflowError otherwise. */
+ * (PyMem_Malloc'd); if storages is not NULL, a new tuple of the untyped_storage() of
+ * each tensor that gave a range (what keeps its bytes allocated).  Each tensor's
+ * range must lie in its storage.  Raises TypeError/ValueError/OverflowError otherwise. */
 PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **ranges,
-                             Py_ssize_t *n, l2p_weight_device **devices, PyObject **device_names);
+                             Py_ssize_t *n, l2p_weight_device **devices, PyObject **device_names,
+                             PyObject **storages);
 /* The bytes of one tensor (or __cuda_array_interface__ object) as a range for a
  * fork's activation: its span, the start rounded up to 16 bytes (the kernel's
  * granule) and the size cut to match, so no byte outside it is read.  Returns 1

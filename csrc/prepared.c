@@ -34,6 +34,7 @@ struct l2p_prepared {
     l2p_device *dev;
     int device;
     PyObject *weights;        /* tuple, retained for our lifetime */
+    PyObject *storages;       /* tuple: the storages of the weights that gave ranges */
     PyObject *ranges_tuple;   /* ((ptr, nbytes), ...) */
     Py_ssize_t nranges;
     uint64_t nbytes;
@@ -306,9 +307,10 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 
     l2p_range *ranges = NULL;
     l2p_weight_device *devs = NULL;
-    PyObject *names = NULL;
+    PyObject *names = NULL, *storages = NULL;
     Py_ssize_t nranges = 0;
-    PyObject *tuple = l2p_compute_ranges(weights, byte_cap, &ranges, &nranges, &devs, &names);
+    PyObject *tuple = l2p_compute_ranges(weights, byte_cap, &ranges, &nranges, &devs, &names,
+                                         &storages);
     if (!tuple)
         return NULL;
     l2p_prepared *self = NULL;
@@ -380,6 +382,8 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     self->device = device;
     self->weights = tuple;
     tuple = NULL;
+    self->storages = storages;
+    storages = NULL;
     self->nranges = nranges;
     self->grid = (int)grid;
     self->carveout = (int)carveout;
@@ -396,6 +400,7 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     PyObject_GC_Track(self);
 done:
     Py_XDECREF(tuple);
+    Py_XDECREF(storages);
     PyMem_Free(ranges);
     PyMem_Free(devs);
     Py_XDECREF(names);
@@ -407,12 +412,14 @@ static int prepared_traverse(l2p_prepared *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->weights);
+    Py_VISIT(self->storages);
     return 0;
 }
 
 static int prepared_clear(l2p_prepared *self)
 {
     Py_CLEAR(self->weights);
+    Py_CLEAR(self->storages);
     return 0;
 }
 
@@ -500,7 +507,8 @@ static PyObject *get_launch_priority(l2p_prepared *self, void *c)
 
 #define L2P_GETTER_SELF l2p_prepared
 static PyGetSetDef prepared_getset[] = {
-    L2P_GETTER(weights, "The weights, retained for this object's lifetime."),
+    L2P_GETTER(weights, "The weights, retained for this object's lifetime (with the storage of "
+                        "each tensor that gave a range)."),
     L2P_GETTER(ranges, "((ptr, nbytes), ...): the byte ranges launched."),
     L2P_GETTER(nbytes, "Total bytes one launch pulls into L2."),
     L2P_GETTER(grid, "CTAs per launch."),
@@ -552,7 +560,10 @@ PyDoc_STRVAR(prepared_doc,
 "sm_80-sm_89).  With no weights, device= picks the device (an empty launch: the\n"
 "control for measurements).  warm_activation=True keeps one range free for\n"
 "PrefetchController.fork(..., activation=): the loads then end by reading the\n"
-"tensor the site's next kernel reads, which they would otherwise evict.");
+"tensor the site's next kernel reads, which they would otherwise evict.  The\n"
+"weights and, for tensors, the storages their ranges lie in stay alive with this\n"
+"object: model.to(dtype) after prepare swaps each parameter's storage, and the\n"
+"ranges then read the old bytes (prepare again to load the new ones).");
 
 L2P_DEFINE_TYPE(l2p_prepared_spec, "PreparedWeightRanges", l2p_prepared,
                 Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,

@@ -25,6 +25,8 @@
  * copied to C integers before any arithmetic, and only a missing attribute
  * means "not a tensor": any other exception passes through, an Exception with a
  * note naming the weight, a BaseException (KeyboardInterrupt) untouched.
+ * compute_ranges also binds each tensor's range to its untyped_storage()
+ * (bind_storage): the range must lie inside it, and PreparedWeightRanges keeps it.
  */
 #include "l2p.h"
 
@@ -36,6 +38,7 @@ typedef struct {
     PyObject *device;   /* str for messages */
     PyObject *dtype;    /* str for messages */
     PyObject *shape;    /* tuple for messages */
+    PyObject *storage;  /* a tensor's untyped_storage(), when bound (bind_storage) */
 } weight_info;
 
 /* What a message calls the object read: "weight N" (index >= 0) or "the activation"
@@ -55,6 +58,7 @@ static void info_clear(weight_info *w)
     Py_CLEAR(w->device);
     Py_CLEAR(w->dtype);
     Py_CLEAR(w->shape);
+    Py_CLEAR(w->storage);
 }
 
 /* After a failed call into a weight's own code: a note saying which weight it
@@ -281,7 +285,55 @@ static int device_index(PyObject *idx, Py_ssize_t index, weight_info *out)
     return 0;
 }
 
-static int describe_tensor(PyObject *w, Py_ssize_t index, weight_info *out)
+/* A tensor's bytes bound to the memory that holds them: its untyped_storage(),
+ * whose range must contain the weight's.  Holding the storage, not only the
+ * tensor, keeps the bytes allocated: model.to(dtype) or .half() keeps each
+ * Parameter but swaps its storage, and the old one would be freed (and unmapped
+ * by empty_cache) under a table that still points at it.  A tensor-like object
+ * without untyped_storage is bound to itself, as an interface object is. */
+static int bind_storage(PyObject *w, Py_ssize_t index, weight_info *out)
+{
+    PyObject *method;
+    int found = l2p_optional_attr(w, "untyped_storage", &method);
+    if (found <= 0)
+        return found < 0 ? noted(index, "untyped_storage") : 0;
+    int rc = -1;
+    PyObject *storage = PyObject_CallNoArgs(method), *ptr = NULL, *size = NULL;
+    Py_DECREF(method);
+    if (!storage) {
+        noted(index, "untyped_storage()");
+        goto done;
+    }
+    if (!(ptr = PyObject_CallMethod(storage, "data_ptr", NULL)) ||
+        !(size = PyObject_CallMethod(storage, "nbytes", NULL))) {
+        noted(index, "its storage's data_ptr() and nbytes()");
+        goto done;
+    }
+    uint64_t lo, nbytes;
+    if (get_u64(ptr, &lo, index, "untyped_storage().data_ptr()") < 0 ||
+        get_u64(size, &nbytes, index, "untyped_storage().nbytes()") < 0)
+        goto done;
+    if (out->lo < lo || out->nbytes > nbytes || out->lo - lo > nbytes - out->nbytes) {
+        char mine[24], its[24];
+        PyOS_snprintf(mine, sizeof mine, "0x%llx", (unsigned long long)out->lo);
+        PyOS_snprintf(its, sizeof its, "0x%llx", (unsigned long long)lo);
+        PyErr_Format(PyExc_ValueError,
+                     "%s: its %llu bytes at %s lie outside its untyped_storage() (%llu bytes "
+                     "at %s); a weight's data_ptr(), shape and stride must describe memory of "
+                     "its own storage", WHO(index), (unsigned long long)out->nbytes, mine,
+                     (unsigned long long)nbytes, its);
+        goto done;
+    }
+    out->storage = Py_NewRef(storage);
+    rc = 0;
+done:
+    Py_XDECREF(storage);
+    Py_XDECREF(ptr);
+    Py_XDECREF(size);
+    return rc;
+}
+
+static int describe_tensor(PyObject *w, Py_ssize_t index, int bind, weight_info *out)
 {
     int rc = -1;
     PyObject *shape_obj = NULL, *dtype = NULL, *ptr = NULL, *stride_obj = NULL, *stride = NULL,
@@ -331,6 +383,8 @@ static int describe_tensor(PyObject *w, Py_ssize_t index, weight_info *out)
         goto done;
     }
     rc = place(out, base, stride, item, item, index);
+    if (rc == 0 && bind && !out->empty && base != 0)   /* 0: storageless, refused later */
+        rc = bind_storage(w, index, out);
 done:
     Py_XDECREF(shape_obj);
     Py_XDECREF(dtype);
@@ -413,14 +467,14 @@ done:
     return rc;
 }
 
-static int describe(PyObject *w, Py_ssize_t index, weight_info *out)
+static int describe(PyObject *w, Py_ssize_t index, int bind, weight_info *out)
 {
     memset(out, 0, sizeof *out);
     int tensor = is_tensor_like(w);
     if (tensor < 0)
         return noted(index, "the attributes");
     if (tensor)
-        return describe_tensor(w, index, out);
+        return describe_tensor(w, index, bind, out);
     PyObject *cai = PyObject_GetAttrString(w, "__cuda_array_interface__");
     if (!cai) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError))
@@ -440,7 +494,7 @@ static int describe(PyObject *w, Py_ssize_t index, weight_info *out)
 int l2p_span_of(PyObject *obj, l2p_range *out, l2p_weight_device *dev)
 {
     weight_info w;
-    int rc = describe(obj, -1, &w);
+    int rc = describe(obj, -1, 0, &w);
     if (rc == 0) {
         uint64_t lo = (w.lo + 15) & ~(uint64_t)15, skip = lo - w.lo;
         *dev = w.dev;
@@ -457,7 +511,8 @@ int l2p_span_of(PyObject *obj, l2p_range *out, l2p_weight_device *dev)
 }
 
 PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **ranges,
-                             Py_ssize_t *n, l2p_weight_device **devices, PyObject **device_names)
+                             Py_ssize_t *n, l2p_weight_device **devices, PyObject **device_names,
+                             PyObject **storages)
 {
     *ranges = NULL;
     *n = 0;
@@ -465,6 +520,8 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
         *devices = NULL;
     if (device_names)
         *device_names = NULL;
+    if (storages)
+        *storages = NULL;
     int single = PyUnicode_Check(weights) || PyBytes_Check(weights);
     if (!single && (single = is_tensor_like(weights)) == 0)
         single = has_interface(weights);
@@ -494,7 +551,8 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
     l2p_range *out = PyMem_Calloc((size_t)count + 1, sizeof *out);
     l2p_weight_device *devs = devices ? PyMem_Calloc((size_t)count + 1, sizeof *devs) : NULL;
     PyObject *names = device_names ? PyList_New(count) : NULL;
-    if (!out || (devices && !devs) || (device_names && !names)) {
+    PyObject *kept = storages ? PyList_New(0) : NULL;   /* of the weights that give a range */
+    if (!out || (devices && !devs) || (device_names && !names) || (storages && !kept)) {
         PyErr_NoMemory();
         goto error;
     }
@@ -504,7 +562,7 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
                         design's walk stops), but are still read and checked */
     for (Py_ssize_t i = 0; i < count; i++) {
         weight_info w;
-        if (describe(PyTuple_GET_ITEM(tuple, i), i, &w) < 0) {
+        if (describe(PyTuple_GET_ITEM(tuple, i), i, 1, &w) < 0) {
             info_clear(&w);
             goto error;
         }
@@ -544,10 +602,21 @@ PyObject *l2p_compute_ranges(PyObject *weights, long long byte_cap, l2p_range **
             out[used].ptr = w.lo;
             out[used].nbytes = size;
             used++;
+            if (kept && w.storage && PyList_Append(kept, w.storage) < 0) {
+                info_clear(&w);
+                goto error;
+            }
         }
         info_clear(&w);
         if (byte_cap && remaining < 16)
             spent = 1;
+    }
+    if (kept) {
+        PyObject *held = PyList_AsTuple(kept);
+        Py_SETREF(kept, held);
+        if (!kept)
+            goto error;
+        *storages = kept;
     }
     *ranges = out;
     *n = used;
@@ -560,6 +629,7 @@ error:
     PyMem_Free(out);
     PyMem_Free(devs);
     Py_XDECREF(names);
+    Py_XDECREF(kept);
     Py_DECREF(tuple);
     return NULL;
 }
@@ -592,7 +662,7 @@ PyObject *l2p_py_compute_ranges(PyObject *module, PyObject *const *args, Py_ssiz
     }
     l2p_range *ranges;
     Py_ssize_t n;
-    PyObject *tuple = l2p_compute_ranges(weights, cap, &ranges, &n, NULL, NULL);
+    PyObject *tuple = l2p_compute_ranges(weights, cap, &ranges, &n, NULL, NULL, NULL);
     if (!tuple)
         return NULL;
     Py_DECREF(tuple);

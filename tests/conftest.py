@@ -171,6 +171,19 @@ def device_ptr(device=0, offset=0):
     return ((device + 1) << 40) + offset
 
 
+class FakeStorage:
+    """A tensor's untyped_storage() in the stand-in's address space: `nbytes` at `ptr`."""
+
+    def __init__(self, ptr, nbytes):
+        self.ptr, self.size = ptr, nbytes
+
+    def data_ptr(self):
+        return self.ptr
+
+    def nbytes(self):
+        return self.size
+
+
 def storageless(shape, device="cuda:0"):
     """A wrapper tensor on a CUDA device without storage of its own, as a DTensor or a
     nested tensor is: its data_ptr() is 0 (torch need not see a GPU)."""
@@ -201,6 +214,9 @@ def cuda_tensor(ptr, shape=(64,), device=0, dtype=None):
 
         def data_ptr(self):
             return ptr
+
+        def untyped_storage(self):   # its memory: where ranges.c binds the range
+            return FakeStorage(ptr, super().untyped_storage().nbytes())
 
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     return torch.Tensor._make_subclass(

@@ -1499,6 +1499,64 @@ def test_prepared_ranges_refuse_a_weight_without_storage(fake):
         PWR([arr(0), storageless((1024,))])
 
 
+def _weight_in(storage, ptr, shape=(64,)):
+    """A stand-in CUDA tensor at ``ptr`` whose untyped_storage() returns ``storage``."""
+    torch = pytest.importorskip("torch")
+    base = type(cuda_tensor(ptr, shape))
+
+    class Weight(base):
+        def untyped_storage(self):
+            return storage() if callable(storage) else storage
+
+    return torch.Tensor._make_subclass(Weight, torch.empty(shape, dtype=torch.float16,
+                                                           device="meta"))
+
+
+def test_prepared_ranges_keep_the_storage_of_each_weight_with_a_range(fake):
+    """model.to(dtype) keeps each Parameter but swaps its storage: the table holds the old
+    storage too, so its ranges never point at freed memory."""
+    from conftest import FakeStorage
+    made = []
+
+    def storage():
+        made.append(FakeStorage(device_ptr(0), 4096))
+        return made[-1]
+
+    w, past_cap = _weight_in(storage, device_ptr(0)), _weight_in(storage, device_ptr(0, 128))
+    ranges = PWR([w, past_cap], byte_cap=128)
+    assert ranges.ranges == ((device_ptr(0), 128),)
+    kept = [weakref.ref(s) for s in made]
+    made.clear()
+    del w, past_cap
+    gc.collect()
+    assert kept[0]() is not None, "the storage of the weight with a range was let go"
+    assert kept[1]() is None, "a weight past the cap gave no range, its storage need not stay"
+    ranges.weights[0].untyped_storage = None   # what the weight says now does not matter
+    del ranges
+    gc.collect()
+    assert kept[0]() is None, "the storage outlived the table"
+
+
+@pytest.mark.parametrize("entry", ["compute_ranges", "PreparedWeightRanges"])
+@pytest.mark.parametrize("where, size", [(16, 4096), (0, 64), (-64, 128)])
+def test_a_weight_outside_its_own_storage_is_refused(fake, entry, where, size):
+    from conftest import FakeStorage
+    call = _C.compute_ranges if entry == "compute_ranges" else PWR
+    w = _weight_in(FakeStorage(device_ptr(0, 4096 + where), size), device_ptr(0, 4096))
+    with pytest.raises(ValueError, match=r"weight 1: its 128 bytes at 0x\w+ lie outside its "
+                                         r"untyped_storage\(\) \(%d bytes at 0x" % size):
+        call([arr(0), w])
+
+
+def test_a_storage_that_raises_names_the_weight(fake):
+    def storage():
+        raise RuntimeError("no storage here")
+
+    with pytest.raises(RuntimeError, match="no storage here") as info:
+        PWR([arr(0), _weight_in(storage, device_ptr(0, 4096))])
+    assert any("untyped_storage() of weight 1" in n for n in info.value.__notes__)
+
+
 def test_fork_activation_that_swaps_the_table(fake, warm):
     """Reading the activation runs its Python code: a table registered meanwhile is the one
     launched, without the activation when it does not warm; a closed controller refuses."""

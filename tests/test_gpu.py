@@ -55,6 +55,29 @@ def test_every_variant_launches_over_odd_sizes(variant, nbytes):
     assert torch.equal(w, before)     # a prefetch never writes
 
 
+@pytest.mark.parametrize("variant", ["ring", "load"])
+def test_launch_after_model_to_reads_memory_still_allocated(variant):
+    """model.to(dtype) keeps each Parameter and swaps its storage: the table holds the old
+    storage, so its loads read allocated memory (memcheck, allocator off, would see a read
+    of freed memory otherwise) until the table goes."""
+    if _C.device_info(0)["sm"] < _C.kernel_variants()[variant]["min_sm"]:
+        pytest.skip(f"{variant} needs sm_{_C.kernel_variants()[variant]['min_sm']}")
+    lin = torch.nn.Linear(1024, 1024, bias=False, device=DEV, dtype=torch.bfloat16)
+    p = PreparedWeightRanges([lin.weight], kernel=variant, grid=8)
+    ((ptr, nbytes),) = p.ranges
+    lin.to(torch.float32)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert p.weights[0] is lin.weight and lin.weight.data_ptr() != ptr
+    held = torch.cuda.memory_allocated()
+    for _ in range(3):
+        p.launch()
+    torch.cuda.synchronize()
+    del p
+    gc.collect()
+    assert torch.cuda.memory_allocated() == held - nbytes   # the old storage, freed with it
+
+
 @pytest.mark.parametrize("grid", [1, 8, 32, 132, 1000])
 def test_many_ranges_and_grids(grid):
     ws = [_rand((n, 64)) for n in (1, 3, 64, 1000, 7)] + [_rand((5, 7))[:, 1:5:2]]
