@@ -33,8 +33,9 @@ static PyMethodDef module_methods[] = {
      "compute_ranges(weights, byte_cap=0)\n--\n\n"
      "The (ptr, nbytes) byte ranges a prefetch of weights covers: in order, each\n"
      "non-empty weight's lowest to highest byte (the first 16-byte aligned), the\n"
-     "total capped at byte_cap bytes (the README, \"Ranges\").  Pure arithmetic:\n"
-     "tensors on any device, or objects with __cuda_array_interface__."},
+     "total capped at byte_cap bytes (the README, \"Ranges\").  Arithmetic, no GPU:\n"
+     "tensors on any device (each range must lie in its untyped_storage()), or\n"
+     "objects with __cuda_array_interface__."},
     {"compile", (PyCFunction)(void (*)(void))l2p_py_compile, METH_FASTCALL | METH_KEYWORDS,
      "compile(variant, sm, *, ptx=False)\n--\n\n"
      "Compile a kernel variant with NVRTC for sm (e.g. 90) without a GPU; returns\n"

@@ -290,7 +290,9 @@ static int device_index(PyObject *idx, Py_ssize_t index, weight_info *out)
  * tensor, keeps the bytes allocated: model.to(dtype) or .half() keeps each
  * Parameter but swaps its storage, and the old one would be freed (and unmapped
  * by empty_cache) under a table that still points at it.  A tensor-like object
- * without untyped_storage is bound to itself, as an interface object is. */
+ * without untyped_storage is bound to itself, as an interface object is.  What
+ * no reference prevents: a storage resized in place (FSDP's resize_(0)) frees
+ * its bytes under the held object; such weights are not for prefetching. */
 static int bind_storage(PyObject *w, Py_ssize_t index, weight_info *out)
 {
     PyObject *method;
@@ -304,9 +306,12 @@ static int bind_storage(PyObject *w, Py_ssize_t index, weight_info *out)
         noted(index, "untyped_storage()");
         goto done;
     }
-    if (!(ptr = PyObject_CallMethod(storage, "data_ptr", NULL)) ||
-        !(size = PyObject_CallMethod(storage, "nbytes", NULL))) {
-        noted(index, "its storage's data_ptr() and nbytes()");
+    if (!(ptr = PyObject_CallMethod(storage, "data_ptr", NULL))) {
+        noted(index, "untyped_storage().data_ptr()");
+        goto done;
+    }
+    if (!(size = PyObject_CallMethod(storage, "nbytes", NULL))) {
+        noted(index, "untyped_storage().nbytes()");
         goto done;
     }
     uint64_t lo, nbytes;
@@ -318,10 +323,11 @@ static int bind_storage(PyObject *w, Py_ssize_t index, weight_info *out)
         PyOS_snprintf(mine, sizeof mine, "0x%llx", (unsigned long long)out->lo);
         PyOS_snprintf(its, sizeof its, "0x%llx", (unsigned long long)lo);
         PyErr_Format(PyExc_ValueError,
-                     "%s: its %llu bytes at %s lie outside its untyped_storage() (%llu bytes "
-                     "at %s); a weight's data_ptr(), shape and stride must describe memory of "
-                     "its own storage", WHO(index), (unsigned long long)out->nbytes, mine,
-                     (unsigned long long)nbytes, its);
+                     "%s (shape %S, dtype %S, on %S): its %llu bytes at %s lie outside its "
+                     "untyped_storage() (%llu bytes at %s): its storage was resized or freed "
+                     "(as FSDP does), or data_ptr() disagrees with it; prefetch weights whose "
+                     "storage holds them", WHO(index), out->shape, out->dtype, out->device,
+                     (unsigned long long)out->nbytes, mine, (unsigned long long)nbytes, its);
         goto done;
     }
     out->storage = Py_NewRef(storage);

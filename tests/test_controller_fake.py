@@ -1543,8 +1543,8 @@ def test_a_weight_outside_its_own_storage_is_refused(fake, entry, where, size):
     from conftest import FakeStorage
     call = _C.compute_ranges if entry == "compute_ranges" else PWR
     w = _weight_in(FakeStorage(device_ptr(0, 4096 + where), size), device_ptr(0, 4096))
-    with pytest.raises(ValueError, match=r"weight 1: its 128 bytes at 0x\w+ lie outside its "
-                                         r"untyped_storage\(\) \(%d bytes at 0x" % size):
+    with pytest.raises(ValueError, match=r"weight 1 \(shape .*\): its 128 bytes at 0x\w+ lie "
+                                         r"outside its untyped_storage\(\) \(%d bytes at 0x" % size):
         call([arr(0), w])
 
 
