@@ -189,7 +189,7 @@ def test_issue_16_inputs_exit_2_with_one_line(tmp_path, args, no_torch, words):
 
 @pytest.mark.parametrize("shapes, words", [
     ('{"hidden": 1.5}', "dimension hidden must be an int >= 1, got float 1.5"),
-    ('{"hidden": 1e999}', "dimension hidden must be an int >= 1, got float inf"),
+    ('{"hidden": 1e999}', "hidden is 1e999, past the largest float; write a finite number"),
     ('{"layers": true}', "dimension layers must be an int >= 1, got bool True"),
     ('{"layers": 65537}', "dimension layers must be at most 65536"),
     ('{"hidden": ' + "9" * 5000 + "}", "hidden is a 5000-digit number"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -102,6 +103,15 @@ def test_loads_json_refuses_what_json_would_silently_accept():
                                          r"one that long$"):
         _files.loads_json('{"a": {"b": [-' + "1" * 4301 + "]}}", "x")
     assert _files.loads_json("[" + "9" * 4300 + "]", "x") == [int("9" * 4300)]
+    for literal in ("NaN", "-Infinity"):
+        with pytest.raises(ValueError, match=r"^x: a\[1\] is %s, which JSON does not have; "
+                                             r"write a finite number$" % literal):
+            _files.loads_json('{"a": [0.5, %s]}' % literal, "x")
+    for number in ("1e400", "-2.5E+309"):   # Python reads them as infinities
+        with pytest.raises(ValueError, match=r"^x: eps is %s, past the largest float; write a "
+                                             r"finite number$" % re.escape(number)):
+            _files.loads_json('{"eps": %s}' % number, "x")
+    assert _files.loads_json('[1e-400, 1.7e308]', "x") == [0.0, 1.7e308]
     with pytest.raises(json.JSONDecodeError):
         _files.loads_json("{", "x")
     with pytest.raises(RecursionError):

@@ -503,6 +503,7 @@ def test_the_memory_available_is_read_here():
     ("header", r"model.safetensors is not a safetensors file \(its header length does not "
                r"fit the file\)"),
     ("offsets", r"model.safetensors is corrupt: the header's entry for tensor "),
+    ("huge shape", r"model.safetensors is corrupt: the header's entry for tensor "),
     ("pickle", r"holds its weights only as pickles \(pytorch_model.bin\), which l2prefetch "
                r"never loads"),
     ("fifo", r"generation_config.json is a FIFO, not a regular file"),
@@ -523,10 +524,13 @@ def test_bad_checkpoints_are_one_line_and_exit_2(checkpoint, damage, words, caps
         weights.write_bytes(data[: len(data) // 2])
     elif damage == "header":
         weights.write_bytes((len(data) * 2).to_bytes(8, "little") + data[8:])
-    elif damage == "offsets":
+    elif damage in ("offsets", "huge shape"):
         header = json.loads(data[8:8 + size])
         name = next(k for k in header if k != "__metadata__")
-        header[name]["data_offsets"][1] += 2
+        if damage == "offsets":
+            header[name]["data_offsets"][1] += 2
+        else:   # sizes of 4300 digits: multiplied out, a few thousand take hours
+            header[name]["shape"] = [int("9" * 4300)] * 300
         text = json.dumps(header).encode()
         weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + size:])
     elif damage == "pickle":

@@ -33,6 +33,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import stat
 import sys
@@ -308,7 +309,8 @@ class _LongNumber:
 
 
 class _NonFinite:
-    """A NaN, Infinity or -Infinity literal, kept to be named."""
+    """A NaN, Infinity or -Infinity literal, or a number too large for a float (1e400),
+    kept to be named."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -382,8 +384,13 @@ def loads_json(text: Union[str, bytes], where: str, *, finite: bool = True) -> A
         bad.append(value)
         return value
 
+    def parse_float(digits: str) -> Any:
+        value = float(digits)
+        return value if math.isfinite(value) else parse_constant(digits)
+
     data = json.loads(text, object_pairs_hook=pairs, parse_int=parse_int,
-                      **({"parse_constant": parse_constant} if finite else {}))
+                      **({"parse_constant": parse_constant, "parse_float": parse_float}
+                         if finite else {}))
     if not bad:
         return data
     # A loop, not recursion (the parser nests deeper than a recursive walk can);
@@ -395,8 +402,10 @@ def loads_json(text: Union[str, bytes], where: str, *, finite: bool = True) -> A
             raise ValueError(f"{where}: {_place(parts)} is a {value.digits}-digit number; "
                              "no field takes one that long")
         if isinstance(value, _NonFinite):
-            raise ValueError(f"{where}: {_place(parts)} is {value.name}, which JSON does not "
-                             "have; write a finite number")
+            what = ("which JSON does not have" if value.name.lstrip("-").isalpha()
+                    else "past the largest float")
+            raise ValueError(f"{where}: {_place(parts)} is {value.name}, {what}; write a "
+                             "finite number")
         if isinstance(value, dict):
             if isinstance(value, _Duplicated):
                 keys = ", ".join(repr(k) for k in value.keys_given_twice)
