@@ -419,6 +419,30 @@ def test_one_controller_attaches_to_one_model_once():
         attach(model, controller, points_of(model))
 
 
+@pytest.mark.parametrize("same", [True, False], ids=["same controller", "another"])
+def test_a_deepcopy_of_an_attached_model_says_its_hooks_were_copied(same):
+    """copy.deepcopy copies the hooks (functions: the same objects), which fork for the
+    original's controller and which no detach removes from the copy: attaching to the
+    copy says so, rather than "detach the first attachment", which would not help."""
+    import copy
+    model, controller = Tiny(1), Recorder()
+    first = attach(model, controller, points_of(model))
+    twin = copy.deepcopy(model)
+    hooks_before = all_hooks(twin)
+    with pytest.raises(ValueError, match=r"this Tiny carries hooks copied from another "
+                                         r"model, on its root .*copy the model before "
+                                         r"attaching, or detach before copying"):
+        attach(twin, controller if same else Recorder(), points_of(twin))
+    assert all_hooks(twin) == hooks_before
+    first.detach()   # the original's own go; the copy's stay, and still refuse
+    with pytest.raises(ValueError, match="copied from another model"):
+        attach(twin, Recorder(), points_of(twin))
+    clean = copy.deepcopy(model)   # copied after the detach: nothing to refuse
+    attach(clean, controller, points_of(clean))
+    clean(torch.zeros(2, 1, H))
+    assert controller.calls[-1] == ("join",)
+
+
 def test_other_controllers_and_other_models_attach_as_before():
     model, first, second = Tiny(1), Recorder(), Recorder()
     attach(model, first, points_of(model))

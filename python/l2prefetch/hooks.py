@@ -522,6 +522,7 @@ def _compiled_entries(model: Any) -> list:
 
 #: The attribute that marks a hook function as one of :func:`attach`'s, naming its controller.
 _TAG = "_l2prefetch_controller"
+_SITE = "_l2prefetch_module"   # a weak reference to the module a hook was registered on
 
 
 def _ops() -> Any:
@@ -564,7 +565,16 @@ def _check_attach(model: Any, controller: Any, points: Any, batch_fn: Any,
                                  f"({where}) twice, which would fork twice a step: give each "
                                  "site once")
             seen.add((id(module), where))
-    for module, owner in _tagged(model):   # attached already: it would fork twice
+    for module, owner, hook in _tagged(model):   # attached already: it would fork twice
+        site = hook.__dict__.get(_SITE)
+        if site is not None and site() is not module:
+            name = names.get(id(module))
+            on = f"its {type(module).__name__} {name!r}" if name else "its root"
+            raise ValueError(
+                f"this {type(model).__name__} carries hooks copied from another model, on "
+                f"{on} (copy.deepcopy of an attached model copies them): they fork for that "
+                "model's controller and no detach removes them here; copy the model before "
+                "attaching, or detach before copying")
         if owner is controller:
             raise ValueError(
                 f"this {type(controller).__name__} is already attached to this "
@@ -575,23 +585,23 @@ def _check_attach(model: Any, controller: Any, points: Any, batch_fn: Any,
     return resolved
 
 
-def _tagged(model: Any) -> Iterator[tuple[Any, Any]]:
-    """``(module, controller)`` for each hook :func:`attach` put on a module of ``model``
-    (tagged by _add_hooks) and no detach removed.  Read from the modules' own dicts, so
-    that no user code (a hook object's or module's ``__getattr__``) runs."""
+def _tagged(model: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """``(module, controller, hook)`` for each hook :func:`attach` put on a module of
+    ``model`` (tagged by _add_hooks) and no detach removed.  Read from the modules' own
+    dicts, so that no user code (a hook object's or module's ``__getattr__``) runs."""
     for module in model.modules():
         state = vars(module)
         for kind in ("_forward_hooks", "_forward_pre_hooks"):
             for hook in list((state.get(kind) or {}).values()):
                 if type(hook) is types.FunctionType and _TAG in hook.__dict__:
-                    yield module, hook.__dict__[_TAG]
+                    yield module, hook.__dict__[_TAG], hook
 
 
 def attached(model: Any) -> list:
     """The controllers whose hooks :func:`attach` put on ``model`` and are still on (the
     ``torch.compile(model)`` wrapper: its module's), each once."""
     found: list = []
-    for _, controller in _tagged(compiled_module(model)):
+    for _, controller, _ in _tagged(compiled_module(model)):
         if not any(controller is seen for seen in found):
             found.append(controller)
     return found
@@ -630,6 +640,7 @@ def _add_hooks(model: Any, controller: Any,
                 hook = _fork_hook(controller, point, layer, batch_fn, torch.Tensor,
                                   is_compiling, fork_op, op_handle, where == "before")
                 setattr(hook, _TAG, controller)   # what _check_attach finds
+                setattr(hook, _SITE, weakref.ref(module))   # a deepcopy's module is another
                 hooked.append((module, where, hook))
                 sites.append((point, layer, module))
         # each prepended ahead of the last: in reverse, so that one module's sites fork in
@@ -649,6 +660,7 @@ def _add_hooks(model: Any, controller: Any,
                         _raise_if_closed(controller)
                         raise
             setattr(join_hook, _TAG, controller)
+            setattr(join_hook, _SITE, weakref.ref(model))
             handles.append(model.register_forward_hook(join_hook))
     except BaseException:
         for handle in handles:
