@@ -70,6 +70,15 @@ static int noted(Py_ssize_t index, const char *what)
     return -1;
 }
 
+/* obj.name() as a new reference; NULL with a note naming WHAT of weight index. */
+static PyObject *call_noted(PyObject *obj, const char *name, Py_ssize_t index, const char *what)
+{
+    PyObject *result = PyObject_CallMethod(obj, name, NULL);
+    if (!result)
+        noted(index, what);
+    return result;
+}
+
 /* 1 when o has data_ptr, element_size and stride (a tensor), 0 when it lacks
  * one, -1 when looking raised anything but AttributeError. */
 static int is_tensor_like(PyObject *o)
@@ -306,14 +315,9 @@ static int bind_storage(PyObject *w, Py_ssize_t index, weight_info *out)
         noted(index, "untyped_storage()");
         goto done;
     }
-    if (!(ptr = PyObject_CallMethod(storage, "data_ptr", NULL))) {
-        noted(index, "untyped_storage().data_ptr()");
+    if (!(ptr = call_noted(storage, "data_ptr", index, "untyped_storage().data_ptr()")) ||
+        !(size = call_noted(storage, "nbytes", index, "untyped_storage().nbytes()")))
         goto done;
-    }
-    if (!(size = PyObject_CallMethod(storage, "nbytes", NULL))) {
-        noted(index, "untyped_storage().nbytes()");
-        goto done;
-    }
     uint64_t lo, nbytes;
     if (get_u64(ptr, &lo, index, "untyped_storage().data_ptr()") < 0 ||
         get_u64(size, &nbytes, index, "untyped_storage().nbytes()") < 0)
@@ -366,18 +370,10 @@ static int describe_tensor(PyObject *w, Py_ssize_t index, int bind, weight_info 
     out->dev.index = -1;
     if (out->dev.kind == L2P_DEV_CUDA && device_index(idx, index, out) < 0)
         goto done;
-    if (!(ptr = PyObject_CallMethod(w, "data_ptr", NULL))) {
-        noted(index, "data_ptr()");
+    if (!(ptr = call_noted(w, "data_ptr", index, "data_ptr()")) ||
+        !(stride_obj = call_noted(w, "stride", index, "stride()")) ||
+        !(es = call_noted(w, "element_size", index, "element_size()")))
         goto done;
-    }
-    if (!(stride_obj = PyObject_CallMethod(w, "stride", NULL))) {
-        noted(index, "stride()");
-        goto done;
-    }
-    if (!(es = PyObject_CallMethod(w, "element_size", NULL))) {
-        noted(index, "element_size()");
-        goto done;
-    }
     uint64_t base;
     int64_t item;
     if (get_u64(ptr, &base, index, "data_ptr()") < 0 ||
