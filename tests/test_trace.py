@@ -633,6 +633,30 @@ def test_roles_and_profiles_are_checked_against_the_model(tmp_path, monkeypatch)
         trace_cli._forks(namespace(profile=fake_profile(tmp_path)), model, step, tr)
 
 
+@pytest.mark.parametrize("change", ["compiled", "batches"])
+def test_a_profile_replaced_after_its_check_is_checked_again(tmp_path, monkeypatch, change):
+    """trace reads the profile twice (checked before the GPU, then bound to the model):
+    a file replaced in between (another tune writing it) is checked again, not traced."""
+    from l2prefetch import profile as profile_module
+
+    monkeypatch.setattr(profile_module, "device_fingerprint",
+                        lambda device=None: dict(fakes.FAKE_DEVICE))
+    path = fake_profile(tmp_path)
+    args = namespace(profile=path, min_bytes_mib=None)
+    trace_cli._check_profile(args)
+    assert args.batch == 1
+    data = json.loads(open(path).read())
+    if change == "compiled":
+        data["step"] = {"compiled": True, "mode": "default", "torch": "2.13.0"}
+        words = "was tuned on the compiled"
+    else:
+        data["plan"] = [{**e, "batches": [8]} for e in data["plan"] if 8 in e["batches"]]
+        words = r"--batch 1: the profile forks at batches \[8\] only"
+    open(path, "w").write(json.dumps(data))
+    with pytest.raises(trace_cli._Bad, match=words):
+        trace_cli._forks(args, fakes.llama(n_layers=2, h=256, i=512, kv=64), None, tr)
+
+
 def test_a_profile_is_checked_before_the_gpu(tmp_path, capsys, monkeypatch):
     """Issue 41.5: the profile is read (through _files) and checked (parse_profile), and
     its batch, before torch is asked for a GPU: here torch sees none, and each bad

@@ -140,6 +140,13 @@ def _check_profile(args: argparse.Namespace) -> None:
                    "l2prefetch tune MODEL --out PROFILE.json`)") from None
     except (OSError, ValueError) as exc:   # a directory, a FIFO, not a profile
         raise _Bad(f"--profile: {exc}") from None
+    _check_profile_data(args, data)
+
+
+def _check_profile_data(args: argparse.Namespace, data: dict) -> None:
+    """A read profile's step (eager) and batches (``args.batch`` among them, the first
+    forked one if not given): for the first read, and again for the second, which
+    another writer may have replaced meanwhile."""
     step = profile_step(data)
     if step["compiled"]:
         raise _Bad(f"--profile {args.profile} was tuned on the {describe_step(step)} step; "
@@ -188,6 +195,7 @@ def _forks(args: argparse.Namespace, model: Any, step: Any, trace: Any) -> tuple
             profile = load_profile(args.profile, model)
         except (ValueError, OSError) as exc:
             raise _Bad(f"--profile: {exc}") from None
+        _check_profile_data(args, profile.data)   # the file may have changed since _check
         return trace.forks_of_profile(model, profile), args.batch, f"profile {args.profile}"
     batch = args.batch if args.batch is not None else 1
     try:
