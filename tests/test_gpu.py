@@ -6,6 +6,7 @@ read past a range's end would be past the allocation's end.
 """
 
 import gc
+import os
 
 import pytest
 
@@ -75,7 +76,8 @@ def test_launch_after_model_to_reads_memory_still_allocated(variant):
     torch.cuda.synchronize()
     del p
     gc.collect()
-    assert torch.cuda.memory_allocated() == held - nbytes   # the old storage, freed with it
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1":   # no stats kept then
+        assert torch.cuda.memory_allocated() == held - nbytes   # the old storage, freed now
 
 
 @pytest.mark.parametrize("grid", [1, 8, 32, 132, 1000])
