@@ -385,7 +385,7 @@ static int describe_tensor(PyObject *w, Py_ssize_t index, int bind, weight_info 
         goto done;
     }
     rc = place(out, base, stride, item, item, index);
-    if (rc == 0 && bind && !out->empty && base != 0)   /* 0: storageless, refused later */
+    if (rc == 0 && bind && !out->empty && base != 0)   /* 0: storageless (prepared.c refuses) */
         rc = bind_storage(w, index, out);
 done:
     Py_XDECREF(shape_obj);

@@ -1543,18 +1543,42 @@ def test_a_weight_outside_its_own_storage_is_refused(fake, entry, where, size):
     from conftest import FakeStorage
     call = _C.compute_ranges if entry == "compute_ranges" else PWR
     w = _weight_in(FakeStorage(device_ptr(0, 4096 + where), size), device_ptr(0, 4096))
-    with pytest.raises(ValueError, match=r"weight 1 \(shape .*\): its 128 bytes at 0x\w+ lie "
-                                         r"outside its untyped_storage\(\) \(%d bytes at 0x" % size):
+    words = r"weight 1 \(shape .*\): its 128 bytes at 0x\w+ lie outside its untyped_storage\(\) "
+    with pytest.raises(ValueError, match=words + r"\(%d bytes at 0x" % size):
         call([arr(0), w])
 
 
-def test_a_storage_that_raises_names_the_weight(fake):
+@pytest.mark.parametrize("fails", ["untyped_storage()", "untyped_storage().data_ptr()",
+                                   "untyped_storage().nbytes()"])
+def test_a_storage_that_raises_names_the_weight(fake, fails):
+    from conftest import FakeStorage
+
+    class Storage(FakeStorage):
+        def data_ptr(self):
+            if fails.endswith("data_ptr()"):
+                raise RuntimeError("no storage here")
+            return super().data_ptr()
+
+        def nbytes(self):
+            if fails.endswith("nbytes()"):
+                raise RuntimeError("no storage here")
+            return super().nbytes()
+
     def storage():
-        raise RuntimeError("no storage here")
+        if fails == "untyped_storage()":
+            raise RuntimeError("no storage here")
+        return Storage(device_ptr(0, 4096), 128)
 
     with pytest.raises(RuntimeError, match="no storage here") as info:
         PWR([arr(0), _weight_in(storage, device_ptr(0, 4096))])
-    assert any("untyped_storage() of weight 1" in n for n in info.value.__notes__)
+    assert any(f"while reading {fails} of weight 1" in n for n in info.value.__notes__)
+
+
+def test_a_storage_size_that_is_no_int_is_refused(fake):
+    from conftest import FakeStorage
+    with pytest.raises(ValueError, match=r"weight 0: untyped_storage\(\).nbytes\(\) must be a "
+                                         r"non-negative integer, got -5"):
+        PWR([_weight_in(FakeStorage(device_ptr(0), -5), device_ptr(0))])
 
 
 def test_fork_activation_that_swaps_the_table(fake, warm):

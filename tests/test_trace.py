@@ -648,10 +648,11 @@ def test_a_profile_replaced_after_its_check_is_checked_again(tmp_path, monkeypat
     data = json.loads(open(path).read())
     if change == "compiled":
         data["step"] = {"compiled": True, "mode": "default", "torch": "2.13.0"}
-        words = "was tuned on the compiled"
+        words = "changed since trace first read it: .* was tuned on the compiled"
     else:
         data["plan"] = [{**e, "batches": [8]} for e in data["plan"] if 8 in e["batches"]]
-        words = r"--batch 1: the profile forks at batches \[8\] only"
+        words = (r"changed since trace first read it: the batch it forked at first 1: the profile "
+                 r"forks at batches \[8\] only")
     open(path, "w").write(json.dumps(data))
     with pytest.raises(trace_cli._Bad, match=words):
         trace_cli._forks(args, fakes.llama(n_layers=2, h=256, i=512, kv=64), None, tr)

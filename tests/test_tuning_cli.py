@@ -559,6 +559,19 @@ def test_bad_checkpoints_are_one_line_and_exit_2(checkpoint, damage, words, caps
     assert re.search(words, one_line(err)), err
 
 
+def test_a_header_shape_is_multiplied_only_up_to_the_data_size():
+    """hf._elements stops once the product passes the limit: the sizes after that point
+    are never multiplied (here one that raises if it were)."""
+    class Unmultiplied(int):
+        def __rmul__(self, other):
+            raise AssertionError("multiplied past the limit")
+
+    assert hf._elements([2, 3, 4], 100) == 24
+    assert hf._elements([10 ** 4000, Unmultiplied(7)], 100) == 101
+    assert hf._elements([7, 10 ** 4000, 0], 100) == 0   # a zero anywhere: no elements
+    assert hf._elements([], 100) == 1                   # a scalar
+
+
 def test_a_sharded_checkpoint_loads_through_its_checked_index(tmp_path, capsys):
     """The index's weight_map names only files beside it, each checked: accepted."""
     transformers = pytest.importorskip("transformers")

@@ -32,7 +32,8 @@ _GraphFork = Literal["inline", "branch", "leaf"]
 _Kernel = Literal["ring", "bulk_prefetch", "line_prefetch", "load"]
 
 class _TensorLike(Protocol):
-    """A torch.Tensor, or anything read the same way."""
+    """A torch.Tensor, or anything read the same way (its ``untyped_storage()``, where it
+    has one, must hold its range, and a PreparedWeightRanges keeps it)."""
     @property
     def shape(self) -> Sequence[int]: ...
     @property

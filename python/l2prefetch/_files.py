@@ -386,7 +386,9 @@ def loads_json(text: Union[str, bytes], where: str, *, finite: bool = True) -> A
 
     def parse_float(digits: str) -> Any:
         value = float(digits)
-        return value if math.isfinite(value) else parse_constant(digits)
+        if math.isfinite(value):
+            return value
+        return parse_constant(digits if len(digits) <= 40 else f"a {len(digits)}-character number")
 
     data = json.loads(text, object_pairs_hook=pairs, parse_int=parse_int,
                       **({"parse_constant": parse_constant, "parse_float": parse_float}

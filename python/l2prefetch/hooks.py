@@ -317,7 +317,8 @@ def _torch_at_least(major: int, minor: int) -> bool:
 
 
 def _fork_hook(controller: Any, point: str, layer: int,
-               batch_fn: Optional[BatchFn], tensor: type[torch.Tensor], is_compiling: Callable[[], bool],
+               batch_fn: Optional[BatchFn], tensor: type[torch.Tensor],
+               is_compiling: Callable[[], bool],
                fork_op: Callable[..., None], handle: Optional[int],
                before: bool) -> Callable[..., None]:
     """The forward hook (``before``: pre-hook) with kwargs of one site; it returns None.
@@ -572,9 +573,9 @@ def _check_attach(model: Any, controller: Any, points: Any, batch_fn: Any,
             on = f"its {type(module).__name__} {name!r}" if name else "its root"
             raise ValueError(
                 f"this {type(model).__name__} carries hooks copied from another model, on "
-                f"{on} (copy.deepcopy of an attached model copies them): they fork for that "
-                "model's controller and no detach removes them here; copy the model before "
-                "attaching, or detach before copying")
+                f"{on} (a copy of an attached model carries them): they fork for that "
+                "model's controller; copy the model before attaching, or detach before "
+                "copying")
         if owner is controller:
             raise ValueError(
                 f"this {type(controller).__name__} is already attached to this "

@@ -158,9 +158,11 @@ def _check_profile_data(args: argparse.Namespace, data: dict) -> None:
         raise _Bad(f"--profile {args.profile}: its plan is empty, so nothing forks (the "
                    "tuner found no prefetch that pays); trace a role with --role")
     if args.batch is None:   # the first batch it forks at (an empty plan at batch 1 is common)
-        args.batch = forked[0]
+        args.batch, args.batch_of_profile = forked[0], True
     if args.batch not in forked:
-        raise _Bad(f"--batch {args.batch}: the profile forks at batches {forked} only")
+        given = ("the batch it forked at first" if getattr(args, "batch_of_profile", False)
+                 else "--batch")
+        raise _Bad(f"{given} {args.batch}: the profile forks at batches {forked} only")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -195,7 +197,11 @@ def _forks(args: argparse.Namespace, model: Any, step: Any, trace: Any) -> tuple
             profile = load_profile(args.profile, model)
         except (ValueError, OSError) as exc:
             raise _Bad(f"--profile: {exc}") from None
-        _check_profile_data(args, profile.data)   # the file may have changed since _check
+        try:   # the file may have been replaced since _check read it
+            _check_profile_data(args, profile.data)
+        except _Bad as exc:
+            raise _Bad(f"--profile {args.profile} changed since trace first read it: "
+                       f"{exc}") from None
         return trace.forks_of_profile(model, profile), args.batch, f"profile {args.profile}"
     batch = args.batch if args.batch is not None else 1
     try:
