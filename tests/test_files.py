@@ -112,6 +112,9 @@ def test_loads_json_refuses_what_json_would_silently_accept():
                                              r"finite number$" % re.escape(number)):
             _files.loads_json('{"eps": %s}' % number, "x")
     assert _files.loads_json('[1e-400, 1.7e308]', "x") == [0.0, 1.7e308]
+    with pytest.raises(ValueError, match=r"^x: eps is a 5003-character number, past the "
+                                         r"largest float; write a finite number$"):
+        _files.loads_json('{"eps": 1' + "0" * 5000 + ".0}", "x")
     with pytest.raises(json.JSONDecodeError):
         _files.loads_json("{", "x")
     with pytest.raises(RecursionError):
