@@ -312,8 +312,8 @@ class _NonFinite:
     """A NaN, Infinity or -Infinity literal, or a number too large for a float (1e400),
     kept to be named."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, why: str = "which JSON does not have") -> None:
+        self.name, self.why = name, why
 
     def __repr__(self) -> str:
         return self.name
@@ -388,7 +388,10 @@ def loads_json(text: Union[str, bytes], where: str, *, finite: bool = True) -> A
         value = float(digits)
         if math.isfinite(value):
             return value
-        return parse_constant(digits if len(digits) <= 40 else f"a {len(digits)}-character number")
+        named = _NonFinite(digits if len(digits) <= 40 else f"a {len(digits)}-character number",
+                           "past the largest float")
+        bad.append(named)
+        return named
 
     data = json.loads(text, object_pairs_hook=pairs, parse_int=parse_int,
                       **({"parse_constant": parse_constant, "parse_float": parse_float}
@@ -404,9 +407,7 @@ def loads_json(text: Union[str, bytes], where: str, *, finite: bool = True) -> A
             raise ValueError(f"{where}: {_place(parts)} is a {value.digits}-digit number; "
                              "no field takes one that long")
         if isinstance(value, _NonFinite):
-            what = ("which JSON does not have" if value.name.lstrip("-").isalpha()
-                    else "past the largest float")
-            raise ValueError(f"{where}: {_place(parts)} is {value.name}, {what}; write a "
+            raise ValueError(f"{where}: {_place(parts)} is {value.name}, {value.why}; write a "
                              "finite number")
         if isinstance(value, dict):
             if isinstance(value, _Duplicated):

@@ -499,10 +499,10 @@ def check_candidates(model: Any, candidates: object) -> None:
 
 def resolve_roles(model: Any, step: Callable[[int], Any], batch: int,
                   candidates: object, min_bytes: int) -> list[Role]:
-    """tune()'s ``candidates`` (:func:`check_candidates`): None, the roles
-    :func:`find_roles` discovers from ``step(batch)`` (:func:`discovery_step`); role
-    names, those of them; :class:`Role` objects, as given."""
-    check_candidates(model, candidates)
+    """tune()'s ``candidates``, already checked (:func:`check_candidates`, before the
+    step first ran): None, the roles :func:`find_roles` discovers from ``step(batch)``
+    (:func:`discovery_step`); role names, those of them; :class:`Role` objects, as
+    given."""
     if candidates is None or all(isinstance(c, str) for c in candidates):
         # a compiled step: the same modules and weights, read from the eager module tree
         roles = find_roles(model, discovery_step(step, batch), min_bytes=min_bytes)
