@@ -293,11 +293,11 @@ PyObject *l2p_py_graph_edges(PyObject *module, PyObject *const *args, Py_ssize_t
 PyObject *l2p_py_graph_instantiate_without(PyObject *module, PyObject *const *args,
                                            Py_ssize_t nargs);
 
-/* bench.c */
-PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-
 /* controller.c */
 extern PyType_Spec l2p_controller_spec;
+
+/* bench.c */
+PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* module.c: the module; its definition is its identity, which
  * l2p_state_of_type looks a subclass's module up by (the one name a unit

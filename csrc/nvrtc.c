@@ -49,8 +49,11 @@ static l2p_nvrtc *finish(void *h, const char *path, int *found, char *msg, size_
     }
     L2P_NVRTC_FUNCTIONS(L2P_NVRTC_RESOLVE)
 #undef L2P_NVRTC_RESOLVE
-    if (n->fn.nvrtcVersion(&n->major, &n->minor) != NVRTC_SUCCESS) {
-        snprintf(msg, msglen, "nvrtcVersion failed for %s", path);
+    nvrtcResult vr = n->fn.nvrtcVersion(&n->major, &n->minor);
+    if (vr != NVRTC_SUCCESS) {   /* named as errors.c names a status */
+        const char *name = n->fn.nvrtcGetErrorString(vr);
+        snprintf(msg, msglen, "nvrtcVersion failed for %s: %s", path,
+                 name ? name : "unknown NVRTC status");
         free(n);
         return NULL;
     }

@@ -300,7 +300,8 @@ def test_the_file_check_finds_each_kind():
 # ---------------------------------------------------------------------- the profile
 
 #: The modules that hand the profile data or read one through profile.py.
-PROFILE_CLIENTS = {"tuning.tuner", "tuning.cli", "tuning.trace_cli", "tuning.trace_capture"}
+PROFILE_CLIENTS = {"tuning.tuner", "tuning.cli", "tuning.trace_cli", "tuning.trace_capture",
+                   "tuning.report"}
 
 
 def profile_fields_named(module, tree, fields):
@@ -329,7 +330,7 @@ def profile_fields_named(module, tree, fields):
 def profile_fields():
     from l2prefetch import profile
 
-    return set(profile.ENTRY_KEYS) | set(profile.DOCUMENT_KEYS)
+    return set(profile.ENTRY_KEYS) | set(profile.DOCUMENT_KEYS) | set(profile.STEP_KEYS)
 
 
 def test_the_tuner_names_no_field_of_the_profile():

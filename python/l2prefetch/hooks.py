@@ -50,7 +50,7 @@ from .model_paths import compiled_module
 from .controller import fork_activation, warms
 # The package's one disabled(), also public here: attach() is what it turns off.
 from .disable import disabled
-from .profile import check_step
+from .profile import check_step, step_compiled
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -338,7 +338,7 @@ def _fork_hook(controller: Any, point: str, layer: int,
     warm = warms(controller)
     device = controller.device if warm else None
     tuned_step = getattr(controller, "tuned_step", None)
-    refuse_eager = tuned_step is not None and bool(tuned_step.get("compiled"))
+    refuse_eager = step_compiled(tuned_step)
     batch_of = batch_fn if batch_fn is not None else (
         lambda module, args, kwargs: _batch_of(args, kwargs, tensor))
 

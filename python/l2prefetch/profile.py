@@ -96,6 +96,8 @@ class StepMismatchError(ProfileMismatchError):
     """
 
 
+#: The fields of ``step``: how the tuned step ran (:func:`step_record`).
+STEP_KEYS = ("compiled", "mode", "torch")
 #: How a step ran that a profile without a ``"step"`` field was tuned on.
 EAGER_STEP = {"compiled": False, "mode": None, "torch": None}
 #: The Inductor modes a compiled step is tuned in (``tune(compiled=MODE)``, ``--compile
@@ -117,11 +119,21 @@ def step_record(compiled: bool, mode: Optional[str] = None) -> dict:
             "torch": version}
 
 
+def step_compiled(step: Optional[Mapping]) -> bool:
+    """Whether a ``"step"`` record says the step ran in compiled code (None: eager)."""
+    return bool(step and step.get("compiled"))
+
+
+def step_mode(step: Optional[Mapping]) -> Optional[str]:
+    """The Inductor mode a ``"step"`` record names (None: eager, or not recorded)."""
+    return step.get("mode") if step_compiled(step) else None
+
+
 def describe_step(step: Mapping) -> str:
     """``"eager"`` or ``"compiled (torch.compile, mode default, torch 2.11.0)"``."""
-    if not step.get("compiled"):
+    if not step_compiled(step):
         return "eager"
-    mode = step.get("mode")
+    mode = step_mode(step)
     return ("compiled (torch.compile, mode " + (mode if mode else "not recorded")
             + (f", torch {step['torch']}" if step.get("torch") else "") + ")")
 
@@ -137,7 +149,7 @@ def check_step(step: Optional[Mapping], compiled: bool, controller: Any = None) 
     a server that runs its prefill another way than its captured decode step (SGLang
     and ``generate`` compile only the decode) works, and the captured step is still
     checked."""
-    if step is None or bool(step.get("compiled")) == compiled:
+    if step is None or step_compiled(step) == compiled:
         return
     if controller is not None and not _launches(controller):
         return

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from .._files import write_atomic
+from ..profile import EAGER_STEP, describe_step, step_compiled
 from .stats import Interval
 
 __all__ = ["markdown", "plot", "spread_text", "table"]
@@ -76,14 +77,13 @@ def _opt(x: Optional[float], digits: int = 1) -> str:
 
 def markdown(result: Any) -> str:
     device = result.device or {}
-    from ..profile import describe_step
 
-    step = getattr(result, "step", None) or {"compiled": False}
+    step = getattr(result, "step", None) or EAGER_STEP
     head = [f"# l2prefetch tune: {len(result.roles)} roles, batches "
             f"{[r.batch for r in result.batches]}", "",
             f"**Tuned on the {describe_step(step)} step.**  Its profile applies to "
             + ("compiled steps only: a controller made from it refuses forks that run "
-               "eagerly." if step.get("compiled") else
+               "eagerly." if step_compiled(step) else
                "eager steps only: a controller made from it refuses forks in code "
                "torch.compile made (tune with --compile for those).  Each fork's loads end "
                "by reading the tensor at its site (warm_activation), which the next kernel "

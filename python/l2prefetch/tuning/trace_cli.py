@@ -31,7 +31,7 @@ from .. import _C, hooks
 from .._files import check_outputs, files_named, read_text, write_atomic
 from ..mechanisms import DEFAULT_GRAPH_FORK, GRAPH_FORKS
 from ..profile import (describe_step, load_profile, parse_profile, profile_batches,
-                       profile_step)
+                       profile_step, step_compiled)
 from . import hf
 from .discovery import candidates, discover
 from .errors import StepError
@@ -148,7 +148,7 @@ def _check_profile_data(args: argparse.Namespace, data: dict) -> None:
     forked one if not given): for the first read, and again for the second, which
     another writer may have replaced meanwhile."""
     step = profile_step(data)
-    if step["compiled"]:
+    if step_compiled(step):
         raise _Bad(f"--profile {args.profile} was tuned on the {describe_step(step)} step; "
                    "trace captures the step eagerly, where its forks are not the ones "
                    "measured (tracing a compiled step is not supported): its tune report "

@@ -22,8 +22,8 @@ from ..mechanisms import GRAPH_FORKS, graph_fork_choices
 from ..model_paths import compiled_module
 from ..plan import check_batches
 from .discovery import Role, check_candidates, resolve_roles
-from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile, step_record,
-                       versions)
+from ..profile import (EAGER_STEP, describe_step, profile_document, save_profile, step_compiled,
+                       step_mode, step_record, versions)
 from . import measure  # GraphBackend looked up when tune() runs (the tests replace it)
 from .arms import Backend, Setting
 from .compiled import (COMPILE_MODES, OWN_GRAPH_MODES, compilations_differ, own_graphs,
@@ -78,7 +78,7 @@ class TuneResult:
         """A line saying how the step ran, then one per batch: what was kept and the
         confirmed ratio."""
         lines = [f"tuned on the {describe_step(self.step)} step: its profile applies to "
-                 f"{'compiled steps only' if self.step.get('compiled') else 'eager steps only'}"]
+                 f"{'compiled steps only' if step_compiled(self.step) else 'eager steps only'}"]
         for rep in self.batches:
             conf = rep.confirmed
             if conf is None:
@@ -324,8 +324,8 @@ def _last_lines(result: TuneResult, roles_s: float, backend: Any, progress: Any)
     compilations differ and whose roles' outputs differed across compilations, the
     likely cause and what to do; where the budget ran out before any role was measured,
     that; where it left promising roles unrefined, that; then where the time went."""
-    compiled = bool(result.step.get("compiled"))
-    unnamed = compiled and not compilations_differ(result.step.get("mode"))
+    compiled = step_compiled(result.step)
+    unnamed = compiled and not compilations_differ(step_mode(result.step))
     refused = sum(r.reason.startswith(REFUSED_OUTPUTS)
                   for rep in result.batches for r in rep.roles)
     starved = [rep.batch for rep in result.batches
