@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
 import gc
 import json
 import os
@@ -44,8 +45,10 @@ import l2prefetch  # noqa: E402
 from l2prefetch import PlanEntry, _C, deepseek_v3, hooks, kimi_k3, tuning  # noqa: E402
 from l2prefetch.__main__ import main  # noqa: E402
 from l2prefetch.cli import build_synthetic_kimi, plan_main  # noqa: E402
-from l2prefetch.plan import gate, plan_from_json  # noqa: E402
-from l2prefetch.profile import save_profile  # noqa: E402
+from l2prefetch.controller import empty_controller  # noqa: E402
+from l2prefetch.plan import (cap_groups, format_plan, gate, plan_from_json,  # noqa: E402
+                             plan_to_json)
+from l2prefetch.profile import model_fingerprint, profile_document, save_profile  # noqa: E402
 from l2prefetch.tuning import load_profile  # noqa: E402
 from conftest import FakeArray, Raising, cuda_tensor, device_ptr  # noqa: E402
 
@@ -120,6 +123,13 @@ def kimi_layer(layer_idx):
         self_attn=types.SimpleNamespace(o_proj=linear),
         mlp=types.SimpleNamespace(shared_experts=types.SimpleNamespace(gate_up_proj=linear,
                                                                       down_proj=linear)))
+
+
+def _document(e, sites):
+    """profile_document for e.model, a plan of its one weight at ('attn', 0), and sites."""
+    plan = [PlanEntry("attn", 0, [1], (e.model[0].weight,))]
+    return profile_document(e.model, plan, sites, batches=[1], device=None, versions=None,
+                            step={"compiled": False}, tuning={}, results=[])
 
 
 def plan_json(version=1, **fields):
@@ -861,11 +871,22 @@ ROWS = [
     # ---- PrefetchController.from_plan(plan, device=None, *, kernel=None, graph_fork='inline', eager=True)
     # ---- and pickling or copying a controller
     row("PrefetchController.from_plan", "plan None", lambda e: PC.from_plan(None),
-        Raises(TypeError, r"'NoneType' object is not iterable")),
+        Raises(TypeError, r"plan must be an iterable of PlanEntry \(a list\), got NoneType None")),
+    row("PrefetchController.from_plan", "one PlanEntry", lambda e: PC.from_plan(e.entry),
+        Raises(TypeError, r"plan must be an iterable of PlanEntry, got one PlanEntry: wrap it as "
+                          r"\[entry\]")),
+    row("PrefetchController.from_plan", "a mapping", lambda e: PC.from_plan({"attn": e.entry}),
+        Raises(TypeError, r"plan must be an iterable of PlanEntry \(a list\), got dict")),
     row("PrefetchController.from_plan", "a None entry", lambda e: PC.from_plan([e.entry, None]),
         Raises(TypeError, r"plan\[1\] must be a PlanEntry, not NoneType")),
     row("PrefetchController.from_plan", "a str plan", lambda e: PC.from_plan("attn"),
-        Raises(TypeError, r"plan\[0\] must be a PlanEntry, not str")),
+        Raises(TypeError, r"plan must be an iterable of PlanEntry \(a list\), got str 'attn'")),
+    row("empty_controller", "a None entry", lambda e: empty_controller([e.entry, None]),
+        Raises(TypeError, r"plan\[1\] must be a PlanEntry, not NoneType")),
+    row("empty_controller", "two entries for one key",
+        lambda e: empty_controller([e.entry, PlanEntry("attn", 0, [1, 2], (cuda_tensor(P0),))]),
+        Raises(ValueError, r"plan\[0\] and plan\[1\] both prefetch at point 'attn', layer 0, "
+                           r"batch 1: give each \(point, layer, batch\) one entry")),
     row("PrefetchController.from_plan", "CPU weights",
         lambda e: PC.from_plan([PlanEntry("attn", 0, [1], (cpu(64),))], device=0),
         Raises(ValueError, r"weight 0 is on cpu, not on a CUDA device")),
@@ -1014,6 +1035,34 @@ ROWS = [
         Raises(TypeError, r"PlanEntry.graph_fork must be 'inline', 'branch' or 'leaf'.*got bool True")),
     row("PlanEntry", "graph_fork unknown", lambda e: PlanEntry("p", 0, [1], (cpu(4),), graph_fork="side"),
         Raises(ValueError, r"PlanEntry.graph_fork must be 'inline', 'branch' or 'leaf', or None .*got 'side'")),
+    row("PlanEntry", "a weight twice", lambda e: PlanEntry("p", 0, [1], (e.model[0].weight, cpu(4),
+                                                                        e.model[0].weight)),
+        Raises(ValueError, r"PlanEntry.weights\[2\] is weights\[0\] again \(\(4, 4\) float32 on cpu; "
+                           r"a tied weight reached by two names is one tensor\): list each tensor once")),
+    row("PlanEntry", "batches a mapping (a cap table)", lambda e: PlanEntry("p", 0, {1: 16, 8: 32}, (cpu(4),)),
+        Raises(TypeError, r"PlanEntry.batches must be an iterable of decode batches, got dict "
+                          r"\{1: 16, 8: 32\}, a mapping \(it iterates its keys\): pass its keys")),
+    row("PlanEntry", "batches without end", lambda e: PlanEntry("p", 0, itertools.count(1), (cpu(4),)),
+        Raises(ValueError, r"PlanEntry.batches must hold batches of at most 65535 \(the controller's "
+                           r"limit\), got 65536")),
+    row("PlanEntry", "batches 65536 of them", lambda e: PlanEntry("p", 0, [1] * 70000, (cpu(4),)),
+        Raises(ValueError, r"PlanEntry.batches must name each batch once, \[1\] repeat in \(1, 1, 1, "
+                           r"1, 1, 1, \.\.\.\)")),
+    row("PlanEntry", "layer of 5000 digits", lambda e: PlanEntry("p", 10**5000, [1], (cpu(4),)),
+        Raises(ValueError, r"PlanEntry.layer must be at most 65535 \(the controller's limit\), got "
+                           r"<an int of 16610 bits>")),
+    row("PlanEntry", "grid of 5000 digits", lambda e: PlanEntry("p", 0, [1], (cpu(4),), grid=10**5000),
+        Raises(ValueError, r"PlanEntry.grid must be an int in 1..65535, got <an int of 16610 bits>")),
+    row("plan.format_plan", "an int entry", lambda e: format_plan([1]),
+        Raises(TypeError, r"plan\[0\] must be a PlanEntry, not int")),
+    row("plan.format_plan", "l2_bytes of 5000 digits", lambda e: format_plan([], l2_bytes=10**5000),
+        Raises(ValueError, r"l2_bytes must be a positive int \(bytes\) below 2\*\*63, or None, got "
+                           r"<an int of 16610 bits>")),
+    row("plan.plan_to_json", "an int entry", lambda e: plan_to_json([1], e.model),
+        Raises(TypeError, r"plan\[0\] must be a PlanEntry, not int")),
+    row("plan.cap_groups", "a list", lambda e: cap_groups([16]),
+        Raises(TypeError, r"the cap table must map batches to caps in MiB, e.g. \{1: 24, 8: 16\}, got "
+                          r"list \[16\]")),
     row("PlanEntry", "graph_fork 'branch' (valid)",
         lambda e: PlanEntry("p", 0, [1], (cpu(4),), graph_fork="branch").graph_fork, Returns("branch")),
 
@@ -1168,7 +1217,8 @@ ROWS = [
 
     # ---- plan.plan_from_json(text, model) --------------------------------------------------------------
     row("plan_from_json", "text None", lambda e: plan_from_json(None, e.model),
-        Raises(TypeError, r"the JSON object must be str, bytes or bytearray, not NoneType")),
+        Raises(TypeError, r"text must be the plan JSON as str \(plan_to_json's\), got NoneType; for a "
+                          r"file, read it first")),
     row("plan_from_json", "model None", lambda e: plan_from_json(plan_json(), None),
         Raises(TypeError, r"model must be the nn.Module whose tensors the plan names, got NoneType")),
     row("plan_from_json", "not JSON", lambda e: plan_from_json("{", e.model),
@@ -1310,6 +1360,24 @@ ROWS = [
         lambda e: _changed_after_load(e, lambda m: setattr(m[0], "weight", nn.Parameter(torch.zeros(4, 4)))),
         Raises(tuning.ProfileMismatchError, r"plan\[0\] \('attn', layer 0\) holds weights that are not "
                                             r"this Sequential's")),
+    row("save_profile", "path an int", lambda e: save_profile(5, json.loads(e.profile().read_text())),
+        Raises(TypeError, r"path must be a str or os.PathLike naming the profile file, got int")),
+    row("save_profile", "a set in the document",
+        lambda e: save_profile(e.tmp_path / "p.json", {**json.loads(e.profile().read_text()),
+                                                       "tuning": {"grids": {16, 32}}}),
+        Raises(TypeError, r"profile .*p.json: Object of type set is not JSON serializable; a profile "
+                          r"holds only JSON's types")),
+    row("profile_document", "a site that is a weight, not a module",
+        lambda e: _document(e, {"attn": [("0.weight", 0)]}),
+        Raises(ValueError, r"sites\['attn'\] holds '0.weight', which is not a module path of the model")),
+    row("profile_document", "a site given as a module object",
+        lambda e: _document(e, {"attn": [(e.model[0], 0)]}),
+        Raises(ValueError, r"sites\['attn'\] holds Linear\(.*\), which is not a module path")),
+    row("profile_document", "an entry without a site", lambda e: _document(e, {}),
+        Raises(ValueError, r"plan entry 'attn' layer 0 has no site in sites\['attn'\]")),
+    row("profile.model_fingerprint", "a weight path the model lacks",
+        lambda e: model_fingerprint(e.model, ["nope"]),
+        Raises(ValueError, r"weights holds 'nope', which is not a tensor path of the model")),
     row("save_profile", "a directory as the path",
         lambda e: save_profile(e.tmp_path, json.loads(e.profile().read_text())),
         Raises(ValueError, r"profile .* is a directory: name a file to write")),
@@ -1321,13 +1389,16 @@ ROWS = [
 
     # ---- plan.gate(plan, windows_us, *, bytes_per_us=3.2e6, min_bytes=0) --------------------------------
     row("plan.gate", "plan None", lambda e: gate(None, {}),
-        Raises(TypeError, r"'NoneType' object is not iterable")),
+        Raises(TypeError, r"plan must be an iterable of PlanEntry \(a list\), got NoneType None")),
     row("plan.gate", "a None entry", lambda e: gate([e.entry, None], {}),
         Raises(TypeError, r"plan\[1\] must be a PlanEntry, not NoneType")),
     row("plan.gate", "windows None", lambda e: gate([e.entry], None),
         Raises(TypeError, r"windows_us must map point names to windows in microseconds, got NoneType")),
     row("plan.gate", "a str window", lambda e: gate([e.entry], {"attn": "10"}),
         Raises(TypeError, r"windows_us\['attn'\] must be a number of microseconds >= 0, got str '10'")),
+    row("plan.gate", "a window past a float's range", lambda e: gate([e.entry], {"attn": 10**400}),
+        Raises(ValueError, r"windows_us\['attn'\] must be a number of microseconds >= 0, got "
+                           r"<an int of 1329 bits>, past a float's range")),
     row("plan.gate", "a negative window", lambda e: gate([e.entry], {"attn": -1.0}),
         Raises(ValueError, r"windows_us\['attn'\] must be a number of microseconds >= 0, got -1.0")),
     row("plan.gate", "a NaN window", lambda e: gate([e.entry], {"attn": float("nan")}),

@@ -369,6 +369,20 @@ def test_build_controller_empties_the_entries_a_function_names(fake):
     assert_nothing_alive(fake)
 
 
+def test_build_controller_reads_a_generator_plan_once(fake):
+    """A plan given as a generator builds the same controller as the list, with every
+    kind of ``empty``: the plan is read once (its graph fork modes were read first,
+    which used the generator up and left an empty controller)."""
+    w = [cuda_tensor(i * 65536, 1024) for i in range(2)]
+    plan = [PlanEntry("mlp", layer, [1, 8], (w[layer],)) for layer in range(2)]
+    want = sorted((e.point, e.layer, b) for e in plan for b in (1, 8))
+    for empty in (False, True, lambda e: e.layer == 0):
+        c = controller_module.build_controller((e for e in plan), 0, empty=empty)
+        assert sorted(c.keys()) == want, empty
+        c.close()
+    assert_nothing_alive(fake)
+
+
 def test_the_tuners_per_layer_arms_switch_from_the_every_layer_capture(fake):
     """GraphBackend pairs arms of one structure by switching the captured (head) graph's
     tables: from the capture that loads at every layer, each layer's loads alone and the

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 from . import _C
 from .disable import disabled
 from .mechanisms import DEFAULT_GRAPH_FORK
-from .plan import GraphFork, KernelName, PlanEntry, compact_batches, mib_by_batch
+from .plan import GraphFork, KernelName, PlanEntry, check_plan, compact_batches, mib_by_batch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -287,8 +287,7 @@ class PrefetchController(_C.PrefetchController):
         With L2PREFETCH_DISABLE set, nothing is prepared (no compile, no GPU
         work) and the controller's forks return False.
         """
-        entries = list(plan)
-        _check_entries(entries)
+        entries = _check_entries(plan)
         controller = cls(device, graph_fork=graph_fork, eager=eager)
         if not controller.enabled:
             logger.info("L2PREFETCH_DISABLE is set: %d plan entries not prepared", len(entries))
@@ -368,13 +367,13 @@ class PrefetchController(_C.PrefetchController):
         return controller
 
 
-def _check_entries(entries: Sequence[Any]) -> None:
-    """Every entry a PlanEntry, and one entry per (point, layer, batch): add() replaces
-    what a key holds, so an earlier entry would be lost."""
+def _check_entries(plan: object) -> list[PlanEntry]:
+    """``plan`` as a list of PlanEntry (:func:`~l2prefetch.plan.check_plan`), with one
+    entry per (point, layer, batch): add() replaces what a key holds, so an earlier entry
+    would be lost."""
+    entries = check_plan(plan)
     owner: dict[tuple, int] = {}   # (point, layer, batch) -> the entry that plans it
     for i, entry in enumerate(entries):
-        if not isinstance(entry, PlanEntry):
-            raise TypeError(f"plan[{i}] must be a PlanEntry, not {type(entry).__name__}")
         for batch in entry.batches:
             key = (entry.point, entry.layer, batch)
             if key in owner:
@@ -382,6 +381,7 @@ def _check_entries(entries: Sequence[Any]) -> None:
                                  f"{entry.point!r}, layer {entry.layer}, batch {batch}: "
                                  "give each (point, layer, batch) one entry")
             owner[key] = i
+    return entries
 
 
 def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optional[str] = None,
@@ -391,8 +391,13 @@ def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optiona
     Each entry keeps its grid, carveout, priority, kernel and graph_fork, so
     every fork launches the same (empty) kernel node as the plan's own.
     """
+    plan = _check_entries(plan)
     controller = PrefetchController(device, graph_fork=graph_fork, eager=eager)
-    _add_empty(controller, plan, kernel)
+    try:
+        _add_empty(controller, plan, kernel)
+    except BaseException:
+        controller.close()
+        raise
     return controller
 
 
@@ -431,6 +436,8 @@ def build_controller(plan: Sequence[Any], device: Any = None, *,
     if not isinstance(empty, bool) and not callable(empty):
         raise TypeError(f"empty must be a bool or a function of a plan entry returning one, "
                         f"got {type(empty).__name__}")
+    plan = _check_entries(plan)   # a list: read below more than once; before the split, an
+    # emptied entry must not replace a loaded one
     modes = {getattr(entry, "graph_fork", None) or DEFAULT_GRAPH_FORK for entry in plan}
     mode = DEFAULT_GRAPH_FORK
     if len(modes) == 1:
@@ -441,8 +448,6 @@ def build_controller(plan: Sequence[Any], device: Any = None, *,
         return empty_controller(plan, device, graph_fork=mode, eager=eager)
     if empty is False:
         return PrefetchController.from_plan(plan, device, graph_fork=mode, eager=eager)
-    plan = list(plan)
-    _check_entries(plan)   # before the split: an emptied entry must not replace a loaded one
     emptied = [bool(empty(entry)) for entry in plan]
     controller = PrefetchController.from_plan(
         [entry for entry, e in zip(plan, emptied) if not e], device, graph_fork=mode, eager=eager)

@@ -31,7 +31,9 @@ import dataclasses
 import difflib
 import json
 import math
+import itertools
 import numbers
+import reprlib
 import sys
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -60,6 +62,7 @@ __all__ = [
     "PlanEntry",
     "cap_groups",
     "check_batches",
+    "check_plan",
     "check_settings",
     "compact_batches",
     "format_plan",
@@ -70,6 +73,7 @@ __all__ = [
     "plan_from_json",
     "plan_to_json",
     "select_points",
+    "shown",
 ]
 
 #: The H200's L2 (60 MiB): the default for "share of L2".
@@ -107,14 +111,35 @@ def _tensor_type() -> type | None:
     return None if torch is None else torch.Tensor
 
 
+class _Shown(reprlib.Repr):
+    """reprlib's shortened repr, with an int too long to print (over 4300 digits,
+    CPython's limit) named by its size instead."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 4 * self.maxlong:
+            return f"<an int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHOWN = _Shown()
+_SHOWN.maxstring = _SHOWN.maxother = 200   # module paths are long; whole values are not
+_SHOWN.maxlong = 40
+
+
+def shown(value: object) -> str:
+    """A value for a message: its repr, shortened (a list of 65535 batches, an int of
+    5000 digits, a field of megabytes)."""
+    return _SHOWN.repr(value)
+
+
 def _check_int(field: str, value: object, low: int, high: int | None = None) -> int:
     """Return value if it is an int (not a bool) in [low, high]; raise otherwise."""
     allowed = f"an int >= {low}" if high is None else f"an int in {low}..{high}"
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"PlanEntry.{field} must be {allowed}, "
-                        f"got {type(value).__name__} {value!r}")
+                        f"got {type(value).__name__} {shown(value)}")
     if value < low or (high is not None and value > high):
-        raise ValueError(f"PlanEntry.{field} must be {allowed}, got {value}")
+        raise ValueError(f"PlanEntry.{field} must be {allowed}, got {shown(value)}")
     return value
 
 
@@ -126,24 +151,31 @@ def check_batches(value: object, name: str = "PlanEntry.batches", *,
     policies' and tune()'s."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"{name} must be an iterable of decode batches (ints >= 1), e.g. "
-                        f"range(1, 9), got {type(value).__name__} {value!r}")
-    batches = tuple(value)
+                        f"range(1, 9), got {type(value).__name__} {shown(value)}")
+    if isinstance(value, Mapping):   # a cap table passed for its batches, say
+        raise TypeError(f"{name} must be an iterable of decode batches, got "
+                        f"{type(value).__name__} {shown(value)}, a mapping (it iterates its "
+                        "keys): pass its keys, list(mapping), if they are the batches")
+    # read one past the most there can be: an endless iterator is refused, not stored
+    batches = tuple(itertools.islice(value, MAX_BATCH + 1))
     if not batches and not allow_empty:
         raise ValueError(f"{name} must name at least one batch, got none")
     for batch in batches:
         if isinstance(batch, bool) or not isinstance(batch, numbers.Integral):
             raise TypeError(f"{name} must hold ints >= 1, got {type(batch).__name__} "
-                            f"{batch!r} in {batches!r}")
+                            f"{shown(batch)} in {shown(batches)}")
         if batch < 1:
-            raise ValueError(f"{name} must hold ints >= 1, got {batch} in {batches!r}")
+            raise ValueError(f"{name} must hold ints >= 1, got {shown(batch)} in "
+                             f"{shown(batches)}")
         if batch > MAX_BATCH:
             raise ValueError(f"{name} must hold batches of at most {MAX_BATCH} (the "
-                             f"controller's limit), got {batch}")
+                             f"controller's limit), got {shown(batch)}")
     batches = tuple(int(batch) for batch in batches)
     if len(set(batches)) != len(batches):
-        repeated = sorted({b for b in batches if batches.count(b) > 1})
-        raise ValueError(f"{name} must name each batch once, {repeated} repeat "
-                         f"in {batches!r}")
+        counts = Counter(batches)
+        repeated = sorted(b for b, n in counts.items() if n > 1)
+        raise ValueError(f"{name} must name each batch once, {shown(repeated)} repeat "
+                         f"in {shown(batches)}")
     return batches
 
 
@@ -169,10 +201,16 @@ def _check_weights(value: object) -> tuple[Any, ...]:
     weights = tuple(value)
     if not weights:
         raise ValueError("PlanEntry.weights must hold at least one tensor, got none")
+    first: dict[int, int] = {}   # id(tensor) -> its first index
     for i, weight in enumerate(weights):
         if tensor is None or not isinstance(weight, tensor):
             raise TypeError(f"PlanEntry.weights[{i}] must be a torch.Tensor, "
                             f"got {type(weight).__name__}")
+        j = first.setdefault(id(weight), i)
+        if j != i:   # its bytes would be counted and loaded twice, and no plan JSON holds it
+            raise ValueError(f"PlanEntry.weights[{i}] is weights[{j}] again ({_describe(weight)}"
+                             "; a tied weight reached by two names is one tensor): list each "
+                             "tensor once")
     devices = {w.device for w in weights}
     if len(devices) > 1:
         listed = ", ".join(f"[{i}] {_describe(w)}" for i, w in enumerate(weights))
@@ -211,7 +249,7 @@ def check_settings(byte_cap: object = 0, grid: object = 32, carveout: object = N
     _check_int("byte_cap", byte_cap, 0)
     if byte_cap >= 2**63:  # what PreparedWeightRanges can take
         raise ValueError(f"PlanEntry.byte_cap must be an int >= 0 below 2**63, "
-                         f"got {byte_cap}")
+                         f"got {shown(byte_cap)}")
     if 0 < byte_cap < MIN_BYTE_CAP:
         raise ValueError(f"PlanEntry.byte_cap must be 0 (no cap) or at least "
                          f"{MIN_BYTE_CAP} bytes (ranges are cut to 16-byte units, so a "
@@ -280,7 +318,7 @@ class PlanEntry:
         _check_int("layer", self.layer, 0)
         if self.layer > MAX_LAYER:
             raise ValueError(f"PlanEntry.layer must be at most {MAX_LAYER} (the controller's "
-                             f"limit), got {self.layer}")
+                             f"limit), got {shown(self.layer)}")
         object.__setattr__(self, "batches", tuple(sorted(check_batches(self.batches))))
         object.__setattr__(self, "weights", _check_weights(self.weights))
         check_settings(self.byte_cap, self.grid, self.carveout, self.priority, self.kernel,
@@ -350,6 +388,23 @@ def select_points(points: object, known: tuple[str, ...],
     return frozenset(points)
 
 
+def check_plan(plan: object, name: str = "plan") -> list[PlanEntry]:
+    """``plan`` as a list of :class:`PlanEntry`, read once (a generator is used up here,
+    so a caller that reads it twice reads this list); TypeError naming ``name`` for
+    anything else.  The one check of a whole plan: its formatters' and controllers'."""
+    if isinstance(plan, PlanEntry):
+        raise TypeError(f"{name} must be an iterable of PlanEntry, got one PlanEntry: wrap "
+                        "it as [entry]")
+    if isinstance(plan, (str, bytes, Mapping)) or not isinstance(plan, Iterable):
+        raise TypeError(f"{name} must be an iterable of PlanEntry (a list), got "
+                        f"{type(plan).__name__} {shown(plan)}")
+    entries = list(plan)
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, PlanEntry):
+            raise TypeError(f"{name}[{i}] must be a PlanEntry, not {type(entry).__name__}")
+    return entries
+
+
 def cap_groups(table: Mapping[int, CapSpec]) -> list[tuple[int, Optional[int], tuple[int, ...]]]:
     """Group a per-batch cap table into ``(cap_mib, carveout, batches)``.
 
@@ -359,6 +414,9 @@ def cap_groups(table: Mapping[int, CapSpec]) -> list[tuple[int, Optional[int], t
     and batches keep the table's order.  A zero cap means no prefetch and
     yields no group.
     """
+    if not isinstance(table, Mapping):
+        raise TypeError(f"the cap table must map batches to caps in MiB, e.g. {{1: 24, 8: 16}}, "
+                        f"got {type(table).__name__} {shown(table)}")
     groups: dict[tuple[int, Optional[int]], list[int]] = {}
     for batch, spec in table.items():
         if isinstance(batch, bool) or not isinstance(batch, int):
@@ -423,10 +481,11 @@ def format_plan(plan: Iterable[PlanEntry], l2_bytes: int | None = None) -> str:
     A last ``all`` row sums the points.  Needs ``l2prefetch._C`` (for
     :attr:`PlanEntry.nbytes`).
     """
-    plan = list(plan)
+    plan = check_plan(plan)
     l2 = DEFAULT_L2_BYTES if l2_bytes is None else l2_bytes
-    if isinstance(l2, bool) or not isinstance(l2, int) or l2 <= 0:
-        raise ValueError(f"l2_bytes must be a positive int (bytes) or None, got {l2_bytes!r}")
+    if isinstance(l2, bool) or not isinstance(l2, int) or not 0 < l2 < 2**63:
+        raise ValueError(f"l2_bytes must be a positive int (bytes) below 2**63, or None, got "
+                         f"{shown(l2_bytes)}")
     sizes = [entry.nbytes for entry in plan]
     # Columns for the per-entry settings, only where some entry sets them.
     extra = [(title, field, unset) for title, field, unset in
@@ -483,6 +542,7 @@ def plan_to_json(plan: Iterable[PlanEntry], model: Any) -> str:
     one is a different tensor and cannot be named).  Raises ValueError naming
     the entry and weight otherwise.
     """
+    plan = check_plan(plan)
     names = tensor_paths(model)
     entries = []
     for i, entry in enumerate(plan):
@@ -509,13 +569,17 @@ def plan_from_json(text: str, model: Any) -> list[PlanEntry]:
     """Read a plan written by :func:`plan_to_json`, resolving names in ``model``.
 
     Reads version 2 (``warm_activation`` written only where true) and version 1
-    (whose entries have no ``kernel`` and ``graph_fork``: both None).  Raises ValueError for malformed or too deeply
+    (whose entries have no ``kernel`` and ``graph_fork``: both None).  Raises TypeError
+    for a ``text`` that is not str or bytes, ValueError for malformed or too deeply
     nested JSON, a key given twice in one object, a number too long to convert,
     another version, missing or unknown fields, a weight listed twice in an
     entry, two entries for one (point, layer, batch), or a weight name that does
     not resolve (with the closest names); TypeError/ValueError from
     :class:`PlanEntry` for bad field values, prefixed with the entry.
     """
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise TypeError(f"text must be the plan JSON as str (plan_to_json's), got "
+                        f"{type(text).__name__}; for a file, read it first")
     try:
         data = loads_json(text, "plan JSON")
     except json.JSONDecodeError as exc:
@@ -629,13 +693,16 @@ def gate(plan: Sequence[PlanEntry], windows_us: Mapping[str, float], *,
         if isinstance(window, bool) or not isinstance(window, numbers.Real):
             raise TypeError(f"windows_us[{point!r}] must be a number of microseconds >= 0, "
                             f"got {type(window).__name__} {window!r}")
+        try:
+            float(window)   # the bytes it holds are a float
+        except OverflowError:
+            raise ValueError(f"windows_us[{point!r}] must be a number of microseconds >= 0, "
+                             f"got {shown(window)}, past a float's range") from None
         if not window >= 0:
             raise ValueError(f"windows_us[{point!r}] must be a number of microseconds >= 0, "
                              f"got {window}")
     kept = []
-    for i, entry in enumerate(plan):
-        if not isinstance(entry, PlanEntry):
-            raise TypeError(f"plan[{i}] must be a PlanEntry, not {type(entry).__name__}")
+    for entry in check_plan(plan):
         if entry.nbytes < min_bytes:
             continue
         window = windows_us.get(entry.point)

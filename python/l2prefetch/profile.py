@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import os
-import reprlib
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
@@ -47,7 +46,7 @@ from ._version import __version__
 from .disable import disabled
 from .mechanisms import DEFAULT_SITE_HOOK, SITE_HOOKS, site_entry, site_hook_choices
 from .model_paths import compiled_module, layer_count, layer_of, named_tensors, tensor_paths
-from .plan import MAX_BATCH, MAX_LAYER, PlanEntry, check_settings
+from .plan import MAX_BATCH, MAX_LAYER, PlanEntry, check_settings, shown
 
 __all__ = ["EAGER_STEP", "PROFILE_FORMAT", "PROFILE_VERSION", "Profile",
            "ProfileMismatchError", "StepMismatchError", "check_step", "describe_step",
@@ -229,7 +228,10 @@ def model_fingerprint(model: Any, weights: Any = ()) -> dict:
         names.setdefault(id(t), []).append(name)
     described, tied = {}, {}
     for path in weights:
-        t = tensors[path]
+        t = tensors.get(path) if isinstance(path, str) else None
+        if t is None:
+            raise ValueError(f"weights holds {_show(path)}, which is not a tensor path of the "
+                             "model (a name from named_parameters() or named_buffers())")
         described[path] = [list(t.shape), str(t.dtype).replace("torch.", "")]
         others = sorted(n for n in names[id(t)] if n != path)
         if others:
@@ -365,14 +367,7 @@ class Profile:
                         for path, *rest in sites] for point, sites in self.sites.items()}
 
 
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 200   # module paths are long; whole values are not
-_REPR.maxlong = 40
-
-
-def _show(value: Any) -> str:
-    """A value for a message: its repr, shortened (a field may hold megabytes)."""
-    return _REPR.repr(value)
+_show = shown   # a value for a message: its repr, shortened (a field may hold megabytes)
 
 
 def _cut(value: Any, limit: int = 200) -> str:
@@ -774,12 +769,12 @@ def profile_document(model: Any, plan: Sequence[PlanEntry], sites: Mapping[str, 
     ``device`` the :func:`device_fingerprint`, ``versions`` :func:`versions`, ``step``
     the :func:`step_record`; ``tuning`` (the tuner's settings) and ``results`` (its
     measurements, one record per batch) are stored as given.  A weight that is not
-    ``model``'s is a ValueError.
+    ``model``'s, an entry without a site, or a site that is not a module path of
+    ``model`` is a ValueError.
     """
     model = compiled_module(model)
     paths = tensor_paths(model)
-    site_of = {(point, layer): (path, *hook) for point, point_sites in sites.items()
-               for path, layer, *hook in point_sites}
+    site_of = _sites_of(model, sites)
     entries, weight_paths = [], []
     for entry in plan:
         weights = []
@@ -790,7 +785,12 @@ def profile_document(model: Any, plan: Sequence[PlanEntry], sites: Mapping[str, 
                                  "tensor that is not the model's: pass the tuned model")
             weights.append(path)
         weight_paths += weights
-        entries.append(_entry(entry, weights, site_of[(entry.point, entry.layer)]))
+        site = site_of.get((entry.point, entry.layer))
+        if site is None:
+            raise ValueError(f"plan entry {entry.point!r} layer {entry.layer} has no site in "
+                             f"sites[{entry.point!r}]: give each entry's (point, layer) the "
+                             "module path it forks at")
+        entries.append(_entry(entry, weights, site))
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"),
@@ -798,6 +798,28 @@ def profile_document(model: Any, plan: Sequence[PlanEntry], sites: Mapping[str, 
             "model": model_fingerprint(model, dict.fromkeys(weight_paths)),
             "batches": list(batches), "plan": entries, "tuning": dict(tuning),
             "results": list(results)}
+
+
+def _sites_of(model: Any, sites: Mapping[str, Sequence]) -> dict:
+    """``(point, layer) -> (path, *hook)`` from ``sites``, each path a module of
+    ``model`` (as a profile is read: its forks hook modules)."""
+    if not isinstance(sites, Mapping):
+        raise TypeError(f"sites must map each point to its (path, layer[, hook]) sites, got "
+                        f"{type(sites).__name__}")
+    modules = dict.fromkeys(name for name, _ in model.named_modules())
+    site_of = {}
+    for point, point_sites in sites.items():
+        for site in point_sites:
+            if not isinstance(site, (tuple, list)) or len(site) not in (2, 3):
+                raise ValueError(f"sites[{point!r}] holds {_show(site)}: each site is "
+                                 "(path, layer) or (path, layer, hook)")
+            path, layer, *hook = site
+            if not isinstance(path, str) or path not in modules:
+                raise ValueError(f"sites[{point!r}] holds {_show(path)}, which is not a "
+                                 "module path of the model (a name from named_modules(): the "
+                                 "profile's forks hook modules)")
+            site_of[(point, layer)] = (path, *hook)
+    return site_of
 
 
 def _compact_json(value: Any, indent: str = "") -> str:
@@ -837,13 +859,20 @@ def save_profile(path: Union[str, os.PathLike], document: Mapping) -> None:
     """Write a profile's JSON object (:func:`profile_document`) to ``path``: checked
     against the format it will be read with, compact (:func:`_compact_json`), as a new
     file renamed into place (no planted link followed).  A NaN or infinity in it is a
-    ValueError naming where (JSON has none)."""
+    ValueError naming where (JSON has none); a value of no JSON type a TypeError."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike naming the profile file, got "
+                        f"{type(path).__name__}")
     try:
         text = _compact_json(document)
     except ValueError as exc:
         raise ValueError(f"profile {os.fspath(path)}: {_non_finite(document) or 'a value'} "
                          f"is not a finite number, which JSON cannot hold (a bug: report "
                          f"it); nothing was written") from exc
+    except TypeError as exc:   # a set, a module, a tensor in tuning= or results=, say
+        raise TypeError(f"profile {os.fspath(path)}: {exc}; a profile holds only JSON's "
+                        "types (dict, list, str, int, float, bool, None): nothing was "
+                        "written") from None
     parse_profile(text, os.fspath(path))   # what is written is what load_profile accepts
     check_output(path, "profile")   # not a directory, a FIFO or a device
     write_atomic(path, text + "\n", "profile")
