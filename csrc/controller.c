@@ -235,6 +235,17 @@ static CUresult teardown(controller *self, row **chain, PyObject **stream_obj, c
 
 /* ---- argument helpers ---- */
 
+/* ValueError: batch o out of 1..MAX_BATCH.  NULL. */
+static PyObject *bad_batch(PyObject *o)
+{
+    PyObject *shown = l2p_shown(o);
+    if (shown) {
+        PyErr_Format(PyExc_ValueError, "batch must be in 1..%d, got %U", MAX_BATCH, shown);
+        Py_DECREF(shown);
+    }
+    return NULL;
+}
+
 static int as_index(PyObject *o, const char *what, long *out)
 {
     if (!PyLong_Check(o) || PyBool_Check(o)) {
@@ -247,6 +258,62 @@ static int as_index(PyObject *o, const char *what, long *out)
         *out = LONG_MAX;   /* out of any table: "not registered" */
     }
     return 0;
+}
+
+/* add()'s batches as a tuple of ints in 1..MAX_BATCH: an int, or an iterable read one
+ * item at a time and refused past MAX_BATCH items (an endless one would fill memory);
+ * a dict is refused (it iterates its keys: a cap table passed by mistake). */
+static PyObject *collect_batches(PyObject *batches)
+{
+    if (PyLong_Check(batches)) {   /* a bool refused as an item is */
+        long b;
+        if (as_index(batches, "each batch", &b) < 0)
+            return NULL;
+        if (b < 1 || b > MAX_BATCH)
+            return bad_batch(batches);
+        return PyTuple_Pack(1, batches);
+    }
+    if (PyDict_Check(batches))
+        return PyErr_Format(PyExc_TypeError, "batches must be an int or an iterable of ints, "
+                            "not %s, a mapping (it iterates its keys)", Py_TYPE(batches)->tp_name);
+    PyObject *it = PyObject_GetIter(batches);
+    if (!it) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError))
+            l2p_format_from_cause(PyExc_TypeError, "batches must be an int or an iterable of ints, not %s",
+                                  Py_TYPE(batches)->tp_name);
+        return NULL;
+    }
+    PyObject *list = PyList_New(0), *item = NULL;
+    while (list && (item = PyIter_Next(it))) {
+        long b;
+        if (as_index(item, "each batch", &b) < 0)
+            goto fail;
+        if (b < 1 || b > MAX_BATCH) {
+            bad_batch(item);
+            goto fail;
+        }
+        if (PyList_GET_SIZE(list) == MAX_BATCH) {
+            PyErr_Format(PyExc_ValueError, "batches holds more than %d items, as many as "
+                         "there are batch sizes: name each batch once", MAX_BATCH);
+            goto fail;
+        }
+        if (PyList_Append(list, item) < 0)
+            goto fail;
+        Py_CLEAR(item);
+    }
+    Py_DECREF(it);
+    if (!list || PyErr_Occurred()) {
+        Py_XDECREF(list);
+        return NULL;
+    }
+    PyObject *tuple = PyList_AsTuple(list);
+    Py_DECREF(list);
+    return tuple;
+fail:
+    Py_XDECREF(item);
+    Py_DECREF(it);
+    Py_DECREF(list);
+    return NULL;
 }
 
 /* 'inline' / 'branch' / 'leaf' (and None with allow_none: the controller's).  The names
@@ -599,8 +666,14 @@ static PyObject *controller_add(controller *self, PyObject *const *args, Py_ssiz
         return PyErr_Format(PyExc_TypeError, "point must be a non-empty str, not %R", point);
     if (as_index(layer_obj, "layer", &layer) < 0)
         return NULL;
-    if (layer < 0 || layer > MAX_LAYER)
-        return PyErr_Format(PyExc_ValueError, "layer must be in 0..%d, got %R", MAX_LAYER, layer_obj);
+    if (layer < 0 || layer > MAX_LAYER) {
+        PyObject *shown = l2p_shown(layer_obj);
+        if (shown) {
+            PyErr_Format(PyExc_ValueError, "layer must be in 0..%d, got %U", MAX_LAYER, shown);
+            Py_DECREF(shown);
+        }
+        return NULL;
+    }
     if (!l2p_prepared_check(st, ranges))
         return PyErr_Format(PyExc_TypeError, "ranges must be a PreparedWeightRanges, not %s", Py_TYPE(ranges)->tp_name);
     if (self->enabled && l2p_prepared_device(ranges) != self->device)
@@ -622,23 +695,10 @@ static PyObject *controller_add(controller *self, PyObject *const *args, Py_ssiz
     Py_ssize_t nb = 0;
     /* Collect and check the batches before changing anything (Python code:
      * the iterable's). */
-    PyObject *list = PyLong_Check(batches) ? PyTuple_Pack(1, batches) : PySequence_Tuple(batches);
-    if (!list) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError))
-            l2p_format_from_cause(PyExc_TypeError, "batches must be an int or an iterable of ints, not %s",
-                                  Py_TYPE(batches)->tp_name);
+    PyObject *list = collect_batches(batches);
+    if (!list)
         goto done;
-    }
     nb = PyTuple_GET_SIZE(list);
-    for (Py_ssize_t i = 0; i < nb; i++) {
-        long b;
-        if (as_index(PyTuple_GET_ITEM(list, i), "each batch", &b) < 0)
-            goto done;
-        if (b < 1 || b > MAX_BATCH) {
-            PyErr_Format(PyExc_ValueError, "batch must be in 1..%d, got %R", MAX_BATCH, PyTuple_GET_ITEM(list, i));
-            goto done;
-        }
-    }
     if (nb == 0) {
         PyErr_SetString(PyExc_ValueError, "batches is empty: name at least one batch size");
         goto done;

@@ -187,6 +187,22 @@ PyObject *l2p_format_from_cause(PyObject *type, const char *format, ...)
     return NULL;
 }
 
+PyObject *l2p_shown(PyObject *o)
+{
+    PyObject *r = PyObject_Repr(o);
+    if (r || !PyLong_Check(o) || !PyErr_ExceptionMatches(PyExc_ValueError))
+        return r;
+    PyErr_Clear();
+    if (!PyLong_CheckExact(o))   /* a subclass's bit_length() would be its code */
+        return PyUnicode_FromString("<an int too long to print>");
+    PyObject *bits = PyObject_CallMethod(o, "bit_length", NULL);
+    if (!bits)
+        return NULL;
+    r = PyUnicode_FromFormat("<an int of %S bits>", bits);
+    Py_DECREF(bits);
+    return r;
+}
+
 void l2p_add_note(const char *format, ...)
 {
     PyObject *exc = take_exception();

@@ -139,7 +139,11 @@ static int check_int(PyObject *o, const char *what, long lo, long hi, long *out)
         v = lo - 1;
     }
     if (v < lo || v > hi) {
-        PyErr_Format(PyExc_ValueError, "%s must be in %ld..%ld, got %R", what, lo, hi, o);
+        PyObject *shown = l2p_shown(o);
+        if (shown) {
+            PyErr_Format(PyExc_ValueError, "%s must be in %ld..%ld, got %U", what, lo, hi, shown);
+            Py_DECREF(shown);
+        }
         return -1;
     }
     *out = v;
@@ -290,6 +294,10 @@ static PyObject *prepared_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     long byte_cap = 0, grid = 32, carveout = NO_CARVEOUT;
     if (cap_obj && check_int(cap_obj, "byte_cap", 0, LONG_MAX, &byte_cap) < 0)
         return NULL;
+    if (byte_cap > 0 && byte_cap < 16)   /* plan.MIN_BYTE_CAP: PlanEntry refuses it alike */
+        return PyErr_Format(PyExc_ValueError, "byte_cap must be 0 (no cap) or at least 16 bytes "
+                            "(ranges are cut to 16-byte units, so a smaller cap loads nothing), "
+                            "got %ld", byte_cap);
     if (grid_obj && check_int(grid_obj, "grid", 1, 65535, &grid) < 0)
         return NULL;
     if (carveout_obj != Py_None && check_int(carveout_obj, "carveout (percent of the unified L1/shared memory, -1 for the default)", -1, 100, &carveout) < 0)
@@ -553,9 +561,9 @@ PyDoc_STRVAR(prepared_doc,
 "PreparedWeightRanges(weights, *, byte_cap=0, grid=32, carveout=None, priority=False,\n"
 "                     kernel=None, device=None, warm_activation=False)\n--\n\n"
 "The byte ranges of weights (tensors on one CUDA device), the compiled prefetch\n"
-"kernel and a ready launch configuration.  byte_cap (bytes, 0 for none) caps the\n"
-"total in order; grid is the CTA count (1..65535); carveout (-1..100) and\n"
-"priority=True (the context's greatest stream priority) become launch\n"
+"kernel and a ready launch configuration.  byte_cap (bytes, 0 for none, else at\n"
+"least 16) caps the total in order; grid is the CTA count (1..65535); carveout\n"
+"(-1..100) and priority=True (the context's greatest stream priority) become launch\n"
 "attributes; kernel names a variant (default: 'ring' on sm_90+, 'load' on\n"
 "sm_80-sm_89).  With no weights, device= picks the device (an empty launch: the\n"
 "control for measurements).  warm_activation=True keeps one range free for\n"
