@@ -286,6 +286,29 @@ def test_batch_fn_under_compile():
     assert controller.calls == [("fork", "oproj_down", 0, 14), ("join",)]
 
 
+def test_a_dynamic_batch_from_batch_fn_reaches_the_controller():
+    """batch_fn's result is checked; a symbolic batch (dynamic=True) passes as it is."""
+    model, controller = Model(count=1), Recorder()
+    hooks.attach(model, controller, points(model), batch_fn=lambda m, a, k: a[0].shape[0] * 7)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x: model(x), fullgraph=True, dynamic=True, backend=counter)
+    for batch in (3, 5):
+        compiled(torch.randn(batch, 1, 16))
+    assert counter.frame_count == 1
+    assert controller.calls == [("fork", "oproj_down", 0, 21), ("join",),
+                                ("fork", "oproj_down", 0, 35), ("join",)]
+
+
+@throws_through_torch
+def test_a_negative_batch_from_batch_fn_is_refused_under_compile():
+    model, controller = Model(count=1), Recorder()
+    hooks.attach(model, controller, points(model), batch_fn=lambda m, a, k: -1)
+    with pytest.raises(ValueError, match=r"^batch_fn returned -1 at point 'oproj_down', "
+                                         r"layer 0: it must return an int >= 0"):
+        torch.compile(model, backend="aot_eager")(torch.randn(2, 1, 16))   # fullgraph:
+    assert controller.calls == []                       # Dynamo's Unsupported, naming it
+
+
 @pytest.mark.parametrize("aot", [False, True], ids=["dynamo", "aot"])
 def test_a_before_site_forks_behind_its_modules_input(aot):
     """A site hooked before the MLP forks after the o_proj matmul and the residual add
@@ -908,6 +931,44 @@ def test_unknown_handle_is_a_clear_error(call):
     ops.unregister(handle)
     with pytest.raises(LookupError, match=f"handle {handle} "):
         call(handle)
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda h: ops.fork(h, "p", 0, 1), id="fork"),
+    pytest.param(lambda h: ops.join(h), id="join"),
+    pytest.param(lambda h: ops.lookup(h), id="lookup"),
+    pytest.param(lambda h: ops.unregister(h), id="unregister"),
+    pytest.param(lambda h: ops.traced(h), id="traced"),
+])
+@pytest.mark.parametrize("handle", [True, 1.0, [1], None], ids=repr)
+def test_a_handle_that_is_not_an_int_is_refused(call, handle, monkeypatch):
+    """True and 1.0 equal handle 1 (and hash as it): refused, not taken for it."""
+    controller = Recorder()
+    monkeypatch.setitem(ops._registry, 1, weakref.ref(controller))
+    with pytest.raises(TypeError, match=r"^handle must be the int l2prefetch.ops.register "
+                                        rf"returned, got {type(handle).__name__} "):
+        call(handle)
+    assert controller.calls == [] and ops.lookup(1) is controller   # not forked, still there
+
+
+@throws_through_torch
+@pytest.mark.parametrize("op", ["fork", "join"])
+def test_a_handle_that_is_not_an_int_is_refused_in_compiled_code(op, monkeypatch):
+    controller = Recorder()
+    monkeypatch.setitem(ops._registry, 1, weakref.ref(controller))
+
+    def step(x):
+        y = x * 2
+        if op == "fork":
+            ops.fork(True, "p", 0, 1, after=y)
+        else:
+            ops.join(True, after=y)
+        return y + 1
+
+    with pytest.raises(TypeError, match="handle must be the int l2prefetch.ops.register "
+                                        "returned, got bool True"):
+        torch.compile(step, backend=Graphs())(torch.ones(2))   # fullgraph: Unsupported
+    assert controller.calls == []
 
 
 @throws_through_torch

@@ -177,6 +177,13 @@ def test_bad_options_are_one_line_and_exit_2(capsys, nothing_built, tmp_path, ar
     assert not nothing_built or "hidden_size=100000" in args     # no GPU looked for
 
 
+def test_an_empty_out_is_refused(tmp_path, capsys, nothing_built, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, ["--out", ""], r"^l2prefetch demo: --out is empty: name a directory "
+                                    r"\(created if missing\), e\.g\. --out l2prefetch-demo$")
+    assert list(tmp_path.iterdir()) == [] and not nothing_built   # no GPU looked for
+
+
 def test_a_file_in_the_way_of_out_is_refused(tmp_path, capsys, nothing_built):
     (tmp_path / "f").write_text("keep")
     _refused(capsys, ["--out", str(tmp_path / "f")],

@@ -145,6 +145,65 @@ def test_batch_fn_overrides_and_zero_skips():
     assert seen[0][0] is model.layers[0].attn.o_proj and seen[0][1] == (2, 1, H)
 
 
+@pytest.mark.parametrize("layer", [-1, 65536, 70000])
+def test_attach_refuses_a_layer_the_controller_cannot_take(layer):
+    """The C controller takes layers 0..65535: one outside would fork nothing, silently."""
+    model = Tiny(1)
+    with pytest.raises(ValueError, match=rf"^points\['p'\]: the site 'layers.0.mlp' \(after\) "
+                                         rf"has layer {layer}, outside 0\.\.65535 "):
+        attach(model, Recorder(), {"p": [(model.layers[0].mlp, layer)]})
+    assert all_hooks(model) == []
+    for bad in ("0", True, 1.0):
+        with pytest.raises(TypeError, match=r"^points\['p'\]: layer must be an int in "
+                                            r"0\.\.65535, got "):
+            attach(model, Recorder(), {"p": [(model.layers[0].mlp, bad)]})
+    controller = Recorder()
+    attach(model, controller, {"p": [(model.layers[0].mlp, 65535)]}, join=False)
+    model(torch.zeros(2, H))
+    assert controller.calls == [("fork", "p", 65535, 2)]
+
+
+@pytest.mark.parametrize("answer, error, words", [
+    (torch.tensor(2), TypeError, r"a Tensor of shape \(\)"),
+    (torch.ones(2, 3), TypeError, r"a Tensor of shape \(2, 3\)"),
+    (True, TypeError, r"bool True"),
+    ("2", TypeError, r"str '2'"),
+    (2.0, TypeError, r"float 2.0"),
+    (-1, ValueError, r"-1"),
+], ids=["scalar-tensor", "tensor", "bool", "str", "float", "negative"])
+def test_a_batch_fn_that_gives_no_batch_is_refused_naming_it_and_the_site(answer, error, words):
+    model, controller = Tiny(1), Recorder()
+    attach(model, controller, {"p": [(model.layers[0].mlp, 1, "before")]},
+           batch_fn=lambda module, args, kwargs: answer)
+    with pytest.raises(error, match=rf"^batch_fn returned {words} at point 'p', layer 1: it "
+                                    r"must return an int >= 0 \(0 or None: no fork\)"):
+        model(torch.zeros(2, H))
+    assert controller.calls == []
+
+
+def test_a_batch_fn_may_give_an_index_or_none():
+    """A numpy int forks as the int it is; None, like 0, skips the fork."""
+    np = pytest.importorskip("numpy")
+    model, controller = Tiny(1), Recorder()
+    answers = iter([np.int64(3), None, 0, 5])
+    attach(model, controller, {"p": [(model.layers[0].mlp, 1)]},
+           batch_fn=lambda module, args, kwargs: next(answers), join=False)
+    for _ in range(4):
+        model(torch.zeros(2, H))
+    assert controller.calls == [("fork", "p", 1, 3), ("fork", "p", 1, 5)]
+    assert type(controller.calls[0][3]) is int
+
+
+@pytest.mark.parametrize("model", [None, "model", nn.Parameter(torch.zeros(1))],
+                         ids=["None", "str", "Parameter"])
+def test_attached_and_register_site_hook_refuse_what_is_not_a_module(model):
+    name = type(model).__name__
+    with pytest.raises(TypeError, match=rf"^model must be a torch.nn.Module, got {name}$"):
+        hooks.attached(model)
+    with pytest.raises(TypeError, match=rf"^module must be a torch.nn.Module, got {name}$"):
+        hooks.register_site_hook(model, "after", lambda *args: None)
+
+
 def test_callable_points_get_the_model():
     model, controller = Tiny(2), Recorder()
     got = []
@@ -270,7 +329,7 @@ def test_bad_arguments_attach_nothing():
         attach(model, type("C", (), {"fork": lambda *a: True})(), points_of(model))
     with pytest.raises(TypeError, match="nn.Module"):
         attach(model, Recorder(), {"p": [(model.layers[0], 0), ("layers.1", 1)]})
-    with pytest.raises(TypeError, match="layer must be an int"):
+    with pytest.raises(ValueError, match="has layer -1, outside 0..65535"):
         attach(model, Recorder(), {"p": [(model.layers[0], 0), (model.layers[1], -1)]})
     with pytest.raises(TypeError, match=r"\(module, layer\) or \(module, layer, hook\)"):
         attach(model, Recorder(), {"p": [model.layers[0]]})

@@ -270,6 +270,19 @@ def test_tp_must_be_an_int(tp):
         hook_points(layers, tp)
 
 
+@pytest.mark.parametrize("tp, error, words", [
+    (0, ValueError, r"tp must be an int >= 1, the tensor-parallel degree, got 0$"),
+    (-8, ValueError, r"tp must be an int >= 1, the tensor-parallel degree, got -8$"),
+    (True, TypeError, r"tp must be an int >= 1, the tensor-parallel degree, got bool True$"),
+    (8.0, TypeError, r"tp must be an int >= 1, the tensor-parallel degree, got float 8.0$"),
+    (3, ValueError, r"kda_heads=64 does not split over tp=3$"),
+])
+def test_synthetic_model_refuses_a_bad_tp_naming_it(tp, error, words):
+    # 0 was a ZeroDivisionError, -8 torch's negative dimension, True the TP-1 model
+    with pytest.raises(error, match="^" + words):
+        kimi_k3.synthetic_model({"layers": 2}, tp)
+
+
 @pytest.mark.parametrize("table, words", [
     ([1, 2], "next_attention must map tp -> {batch: cap_mib or (cap_mib, carveout)}, "
              "e.g. {8: {1: 16, 2: 16}}, got list [1, 2]"),

@@ -38,6 +38,7 @@ attach nothing, which turns prefetching off without a code change.
 from __future__ import annotations
 
 import logging
+import operator
 import sys
 import types
 import weakref
@@ -50,6 +51,7 @@ from .model_paths import compiled_module
 from .controller import fork_activation, warms
 # The package's one disabled(), also public here: attach() is what it turns off.
 from .disable import disabled
+from .plan import MAX_LAYER
 from .profile import check_step, step_compiled
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,11 +71,12 @@ class Controller(Protocol):
     def join(self) -> object: ...
 
 
-#: A fork site: a module and the decoder layer index its forks carry, and optionally
-#: where the hook runs (:data:`l2prefetch.mechanisms.SITE_HOOKS`; default ``"after"``).
+#: A fork site: a module and the decoder layer index its forks carry (0..65535, a
+#: controller's layers), and optionally where the hook runs (:data:`l2prefetch.mechanisms.SITE_HOOKS`; default ``"after"``).
 Site = Union[tuple["torch.nn.Module", int], tuple["torch.nn.Module", int, str]]
 #: ``batch_fn(module, args, kwargs) -> batch``: overrides how a hook reads the batch;
-#: a batch of 0 (or None) skips the fork.
+#: a batch of 0 (or None) skips the fork.  It must return an int >= 0 (or an index such
+#: as a numpy int); anything else is a TypeError or ValueError naming it and the site.
 BatchFn = Callable[["torch.nn.Module", tuple, dict], Optional[int]]
 
 _disabled_logged = False
@@ -264,6 +267,7 @@ def register_site_hook(module: Any, where: str, hook: Callable[..., Any], *,
     """Register ``hook`` where a site of kind ``where`` forks (``"after"``: a forward
     hook, ``"before"``: a forward pre-hook), ahead of the module's other hooks of that
     kind, as :func:`attach` does; returns torch's removable handle."""
+    _check_module("module", module)
     if not isinstance(where, str) or where not in SITE_HOOKS:
         raise ValueError(f"where must be {site_hook_choices()}, got {where!r}")
     if where == "before":
@@ -339,8 +343,17 @@ def _fork_hook(controller: Any, point: str, layer: int,
     device = controller.device if warm else None
     tuned_step = getattr(controller, "tuned_step", None)
     refuse_eager = step_compiled(tuned_step)
-    batch_of = batch_fn if batch_fn is not None else (
-        lambda module, args, kwargs: _batch_of(args, kwargs, tensor))
+    if batch_fn is None:
+        def batch_of(module: Any, args: tuple, kwargs: dict) -> Any:
+            return _batch_of(args, kwargs, tensor)
+    else:
+        symbolic = sys.modules["torch"].SymInt   # torch.compile's batch: checked as traced
+
+        def batch_of(module: Any, args: tuple, kwargs: dict) -> Any:
+            batch = batch_fn(module, args, kwargs)
+            if type(batch) is int and batch >= 0:
+                return batch
+            return _checked_batch(batch, point, layer, tensor, symbolic)
 
     def follows(args: tuple, kwargs: dict, output: Any) -> Any:
         # after: the output's first tensor; before: the input's hidden states, as the
@@ -380,6 +393,30 @@ def _fork_hook(controller: Any, point: str, layer: int,
     return hook
 
 
+def _checked_batch(batch: Any, point: str, layer: int, tensor: type, symbolic: type) -> Any:
+    """What ``batch_fn`` returned that is not an int >= 0: None (no fork), a SymInt (under
+    torch.compile) or an index (a numpy int) as an int; else a TypeError or ValueError
+    naming batch_fn and the site."""
+    if batch is None or isinstance(batch, symbolic):
+        return batch
+    where = f"at point {point!r}, layer {layer}"
+    must = "it must return an int >= 0 (0 or None: no fork), e.g. hidden_states.shape[0]"
+    if isinstance(batch, (bool, tensor)):
+        index = None
+    else:
+        try:
+            index = operator.index(batch)
+        except TypeError:
+            index = None
+    if index is None:
+        got = (f"a Tensor of shape {tuple(batch.shape)}" if isinstance(batch, tensor)
+               else f"{type(batch).__name__} {batch!r}")
+        raise TypeError(f"batch_fn returned {got} {where}: {must}")
+    if index < 0:
+        raise ValueError(f"batch_fn returned {index} {where}: {must}")
+    return index
+
+
 def _raise_if_closed(controller: Any) -> None:
     """After a hook's fork or join failed: where the controller is closed, an Error that
     names the hooks left on (the controller's own says only that it is closed)."""
@@ -410,8 +447,9 @@ def _sites(model: Any, point: object, spec: Any,
         hook = site[2] if len(site) == 3 else DEFAULT_SITE_HOOK
         if not isinstance(module, module_type):
             raise TypeError(f"points[{point!r}]: {type(module).__name__} is not an nn.Module")
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise TypeError(f"points[{point!r}]: layer must be an int >= 0, got {layer!r}")
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"points[{point!r}]: layer must be an int in 0..{MAX_LAYER}, got "
+                            f"{layer!r}")
         if not isinstance(hook, str) or hook not in SITE_HOOKS:
             raise ValueError(f"points[{point!r}]: a site's hook must be {site_hook_choices()}, "
                              f"got {hook!r}")
@@ -561,6 +599,10 @@ def _check_attach(model: Any, controller: Any, points: Any, batch_fn: Any,
                 raise ValueError(f"points[{point!r}]: the {type(module).__name__} at layer "
                                  f"{layer} is not a module of this {type(model).__name__}: "
                                  "give sites inside the model attached to")
+            if not 0 <= layer <= MAX_LAYER:
+                raise ValueError(f"points[{point!r}]: the site {names[id(module)] or 'the root'!r}"
+                                 f" ({where}) has layer {layer}, outside 0..{MAX_LAYER} (a "
+                                 "controller's layers): give its decoder layer's index")
             if (id(module), where) in seen:
                 raise ValueError(f"points[{point!r}] gives {names[id(module)] or 'the root'!r} "
                                  f"({where}) twice, which would fork twice a step: give each "
@@ -598,11 +640,21 @@ def _tagged(model: Any) -> Iterator[tuple[Any, Any, Any]]:
                     yield module, hook.__dict__[_TAG], hook
 
 
+def _check_module(name: str, value: Any) -> None:
+    """A TypeError naming ``name`` where ``value`` is not an nn.Module (without torch
+    imported, nothing is one; this module does not import it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {type(value).__name__}")
+
+
 def attached(model: Any) -> list:
     """The controllers whose hooks :func:`attach` put on ``model`` and are still on (the
     ``torch.compile(model)`` wrapper: its module's), each once."""
+    model = compiled_module(model)
+    _check_module("model", model)
     found: list = []
-    for _, controller, _ in _tagged(compiled_module(model)):
+    for _, controller, _ in _tagged(model):
         if not any(controller is seen for seen in found):
             found.append(controller)
     return found

@@ -304,13 +304,20 @@ def synthetic_model(dims: Optional[Mapping[str, Any]] = None, tp: int = 8,
     (``layer_idx``, ``is_moe_layer``, ``self_attn``, ``mlp``); ``packed[i]`` is
     layer i's front tensor, also the buffer ``layers.i.mlp.front_packed`` so
     plans can be stored as JSON.  Bad dimensions raise ValueError or TypeError
-    naming the dimension, a tensor they would make too large ValueError.
+    naming the dimension, a tensor they would make too large ValueError; a ``tp`` that
+    is not an int >= 1 or that a sharded dimension does not split over, TypeError or
+    ValueError naming ``tp``.
     """
     torch = _torch.require("kimi_k3.synthetic_model")
     from torch import nn
 
     d = {**DEFAULT_DIMS, **(dims or {})}
     _check_dims(d)
+    if isinstance(tp, bool) or not isinstance(tp, int):
+        raise TypeError(f"tp must be an int >= 1, the tensor-parallel degree, got "
+                        f"{type(tp).__name__} {tp!r}")
+    if tp < 1:
+        raise ValueError(f"tp must be an int >= 1, the tensor-parallel degree, got {tp}")
     dtype = getattr(torch, str(d["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype {d['dtype']!r} is not a torch dtype name")

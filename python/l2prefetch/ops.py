@@ -92,8 +92,17 @@ def register(controller: Any) -> int:
     return handle
 
 
+def _check_handle(handle: object) -> None:
+    """A handle from a caller: an int itself (a bool or float that equals one is not)."""
+    if type(handle) is not int:
+        raise TypeError(f"handle must be the int l2prefetch.ops.register returned, got "
+                        f"{type(handle).__name__} {handle!r}")
+
+
 def unregister(handle: int) -> None:
-    """Take ``handle`` out of the registry; an unknown handle is ignored."""
+    """Take ``handle`` out of the registry; an unknown handle is ignored (one that is not
+    an int is a TypeError)."""
+    _check_handle(handle)
     with _lock:
         _registry.pop(handle, None)
         _traced.pop(handle, None)
@@ -103,13 +112,17 @@ def traced(handle: int) -> frozenset:
     """The compilations that traced a fork or join op of ``handle`` since it was
     registered (until :func:`unregister`), as Dynamo's compile ids (None where this
     torch names none); empty where none did."""
+    _check_handle(handle)
     with _lock:
         _forget_before_reset()
         return frozenset(_traced.get(handle, ()))
 
 
 def lookup(handle: int) -> Any:
-    """The controller registered under ``handle``; :class:`LookupError` if unknown or gone."""
+    """The controller registered under ``handle``; :class:`LookupError` if unknown or gone,
+    :class:`TypeError` where ``handle`` is not an int."""
+    if type(handle) is not int:   # inline: the ops run this on every fork and join
+        _check_handle(handle)
     ref = _registry.get(handle)
     if ref is None:
         raise LookupError(f"l2prefetch: no controller is registered under handle {handle!r} "
@@ -169,6 +182,7 @@ def fork(handle: int, point: str, layer: int, batch: int,
     eagerly, also the activation a ``warm_activation`` table reads last, as the hooks
     pass their module's output (compiled code does not read it)."""
     if torch.compiler.is_compiling():
+        _check_handle(handle)   # eager, lookup checks it
         _fork_op(handle, point, layer, batch, after)
     else:
         _fork_with(handle, point, layer, batch, compiled=False, after=after)
@@ -180,6 +194,7 @@ def join(handle: int, after: Optional[torch.Tensor] = None) -> None:
     op while torch.compile traces, the controller's own call eagerly.  ``after``: a
     tensor the join must follow in compiled code, such as the step's output."""
     if torch.compiler.is_compiling():
+        _check_handle(handle)   # eager, lookup checks it
         _join_op(handle, after)
     else:
         lookup(handle).join()

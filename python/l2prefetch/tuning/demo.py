@@ -321,6 +321,9 @@ def _check_out(out: str, files: Mapping[str, list]) -> None:
     creatable as one; where it is one, each file must be writable (nothing in its way)."""
     from .._files import check_outputs
 
+    if not out:
+        raise _Bad("--out is empty: name a directory (created if missing), e.g. --out "
+                   f"{DEFAULT_OUT}")
     if os.path.lexists(out) and not os.path.isdir(out):
         kind = "a link to nothing" if os.path.islink(out) else "a file"
         raise _Bad(f"--out {out} is {kind}, not a directory: name a directory (created if "
