@@ -72,7 +72,8 @@ class Controller(Protocol):
 
 
 #: A fork site: a module and the decoder layer index its forks carry (0..65535, a
-#: controller's layers), and optionally where the hook runs (:data:`l2prefetch.mechanisms.SITE_HOOKS`; default ``"after"``).
+#: controller's layers), and optionally where the hook runs
+#: (:data:`l2prefetch.mechanisms.SITE_HOOKS`; default ``"after"``).
 Site = Union[tuple["torch.nn.Module", int], tuple["torch.nn.Module", int, str]]
 #: ``batch_fn(module, args, kwargs) -> batch``: overrides how a hook reads the batch;
 #: a batch of 0 (or None) skips the fork.  It must return an int >= 0 (or an index such
