@@ -277,12 +277,10 @@ static PyObject *collect_batches(PyObject *batches)
         return PyErr_Format(PyExc_TypeError, "batches must be an int or an iterable of ints, "
                             "not %s, a mapping (it iterates its keys)", Py_TYPE(batches)->tp_name);
     PyObject *it = PyObject_GetIter(batches);
-    if (!it) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError))
-            l2p_format_from_cause(PyExc_TypeError, "batches must be an int or an iterable of ints, not %s",
-                                  Py_TYPE(batches)->tp_name);
-        return NULL;
-    }
+    if (!it)   /* not iterable: said in add()'s words, any other error passed on */
+        return !PyErr_ExceptionMatches(PyExc_TypeError) ? NULL
+               : l2p_format_from_cause(PyExc_TypeError, "batches must be an int or an iterable "
+                                       "of ints, not %s", Py_TYPE(batches)->tp_name);
     PyObject *list = PyList_New(0), *item = NULL;
     while (list && (item = PyIter_Next(it))) {
         long b;
