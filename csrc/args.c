@@ -20,16 +20,15 @@ static int device_index(PyObject *obj, PyObject *index, int *out)
     long v = PyLong_AsLongAndOverflow(index, &overflow);
     if (v == -1 && !overflow && PyErr_Occurred())
         return -1;
-    if (overflow < 0 || (!overflow && v < 0) || overflow > 0 || v > INT_MAX) {
+    if (overflow < 0 || (!overflow && v < 0))
+        return l2p_raise_shown(PyExc_ValueError, obj, "device must be >= 0, got "), -1;
+    if (overflow > 0 || v > INT_MAX) {
         PyObject *shown = l2p_shown(obj);
-        if (!shown)
-            return -1;
-        if (overflow < 0 || (!overflow && v < 0))
-            PyErr_Format(PyExc_ValueError, "device must be >= 0, got %U", shown);
-        else
+        if (shown) {
             PyErr_Format(PyExc_ValueError, "device %U is not a CUDA device index (too large)",
                          shown);
-        Py_DECREF(shown);
+            Py_DECREF(shown);
+        }
         return -1;
     }
     *out = (int)v;

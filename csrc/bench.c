@@ -34,8 +34,8 @@ PyObject *l2p_py_floor_fork_join(PyObject *module, PyObject *const *args, Py_ssi
     int overflow = 0;
     long n = PyLong_AsLongAndOverflow(args[1], &overflow);
     if (!PyErr_Occurred() && (overflow || n < 0 || n > FLOOR_MAX_N))
-        return PyErr_Format(PyExc_ValueError, "_floor_fork_join: n must be in 0..%ld "
-                            "(iterations of the fork/join sequence), got %R", FLOOR_MAX_N, args[1]);
+        return l2p_raise_shown(PyExc_ValueError, args[1], "_floor_fork_join: n must be in 0..%ld "
+                               "(iterations of the fork/join sequence), got ", FLOOR_MAX_N);
     CUstream cur = (CUstream)(uintptr_t)PyLong_AsUnsignedLongLong(args[2]);
     if (PyErr_Occurred())
         return NULL;

@@ -238,12 +238,7 @@ static CUresult teardown(controller *self, row **chain, PyObject **stream_obj, c
 /* ValueError: batch o out of 1..MAX_BATCH.  NULL. */
 static PyObject *bad_batch(PyObject *o)
 {
-    PyObject *shown = l2p_shown(o);
-    if (shown) {
-        PyErr_Format(PyExc_ValueError, "batch must be in 1..%d, got %U", MAX_BATCH, shown);
-        Py_DECREF(shown);
-    }
-    return NULL;
+    return l2p_raise_shown(PyExc_ValueError, o, "batch must be in 1..%d, got ", MAX_BATCH);
 }
 
 static int as_index(PyObject *o, const char *what, long *out)
@@ -262,7 +257,8 @@ static int as_index(PyObject *o, const char *what, long *out)
 
 /* add()'s batches as a tuple of ints in 1..MAX_BATCH: an int, or an iterable read one
  * item at a time and refused past MAX_BATCH items (an endless one would fill memory);
- * a dict is refused (it iterates its keys: a cap table passed by mistake). */
+ * a dict is refused (it iterates its keys: a cap table passed by mistake; plan.py's
+ * check_batches refuses any Mapping, which C cannot tell without running Python). */
 static PyObject *collect_batches(PyObject *batches)
 {
     if (PyLong_Check(batches)) {   /* a bool refused as an item is */
@@ -275,7 +271,7 @@ static PyObject *collect_batches(PyObject *batches)
     }
     if (PyDict_Check(batches))
         return PyErr_Format(PyExc_TypeError, "batches must be an int or an iterable of ints, "
-                            "not %s, a mapping (it iterates its keys)", Py_TYPE(batches)->tp_name);
+                            "not a dict (%s: it iterates its keys)", Py_TYPE(batches)->tp_name);
     PyObject *it = PyObject_GetIter(batches);
     if (!it)   /* not iterable: said in add()'s words, any other error passed on */
         return !PyErr_ExceptionMatches(PyExc_TypeError) ? NULL
@@ -664,14 +660,9 @@ static PyObject *controller_add(controller *self, PyObject *const *args, Py_ssiz
         return PyErr_Format(PyExc_TypeError, "point must be a non-empty str, not %R", point);
     if (as_index(layer_obj, "layer", &layer) < 0)
         return NULL;
-    if (layer < 0 || layer > MAX_LAYER) {
-        PyObject *shown = l2p_shown(layer_obj);
-        if (shown) {
-            PyErr_Format(PyExc_ValueError, "layer must be in 0..%d, got %U", MAX_LAYER, shown);
-            Py_DECREF(shown);
-        }
-        return NULL;
-    }
+    if (layer < 0 || layer > MAX_LAYER)
+        return l2p_raise_shown(PyExc_ValueError, layer_obj, "layer must be in 0..%d, got ",
+                               MAX_LAYER);
     if (!l2p_prepared_check(st, ranges))
         return PyErr_Format(PyExc_TypeError, "ranges must be a PreparedWeightRanges, not %s", Py_TYPE(ranges)->tp_name);
     if (self->enabled && l2p_prepared_device(ranges) != self->device)

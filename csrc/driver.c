@@ -121,13 +121,17 @@ l2p_driver *l2p_driver_open(l2p_load_error *why, CUresult *status, char *msg, si
     L2P_DRIVER_FUNCTIONS(L2P_RESOLVE)
 #undef L2P_RESOLVE
 
+    const char *call = "cuInit";   /* the step that failed, for the message */
     CUresult r = d->fn.cuInit(0);
-    if (r == CUDA_SUCCESS)
+    if (r == CUDA_SUCCESS) {
+        call = "cuDeviceGetCount";
         r = d->fn.cuDeviceGetCount(&d->device_count);
+    }
     if (r == CUDA_SUCCESS && d->device_count > 0) {
+        call = "allocating the table of devices";
         d->devices = calloc((size_t)d->device_count, sizeof *d->devices);
         if (!d->devices)
-            r = CUDA_ERROR_INVALID_VALUE;
+            r = CUDA_ERROR_OUT_OF_MEMORY;
     }
     if (r != CUDA_SUCCESS) {
         *why = L2P_LOAD_INIT_FAILED;
@@ -135,7 +139,7 @@ l2p_driver *l2p_driver_open(l2p_load_error *why, CUresult *status, char *msg, si
         const char *name = NULL;
         if (d->fn.cuGetErrorName(r, &name) != CUDA_SUCCESS || !name)
             name = "unknown error";
-        snprintf(msg, msglen, "cuInit failed: %s (driver %s)", name, opened);
+        snprintf(msg, msglen, "%s failed: %s (driver %s)", call, name, opened);
         free(d->devices);
         free(d);
         return NULL;

@@ -187,20 +187,55 @@ PyObject *l2p_format_from_cause(PyObject *type, const char *format, ...)
     return NULL;
 }
 
-PyObject *l2p_shown(PyObject *o)
+static PyObject *shown(PyObject *o)
 {
-    PyObject *r = PyObject_Repr(o);
-    if (r || !PyLong_Check(o) || !PyErr_ExceptionMatches(PyExc_ValueError))
-        return r;
-    PyErr_Clear();
-    if (!PyLong_CheckExact(o))   /* a subclass's bit_length() would be its code */
-        return PyUnicode_FromString("<an int too long to print>");
-    PyObject *bits = PyObject_CallMethod(o, "bit_length", NULL);
+    int overflow = 0;
+    if (PyLong_Check(o)) {   /* its value read as int's: no code of a subclass runs */
+        PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    if (!overflow)
+        return PyObject_Repr(o);
+    /* int.bit_length itself, not a subclass's; past 160 bits (49 digits, python's
+     * plan.shown alike) the size is named: a repr may exceed CPython's digit limit */
+    PyObject *bits = PyObject_CallMethod((PyObject *)&PyLong_Type, "bit_length", "O", o);
     if (!bits)
         return NULL;
-    r = PyUnicode_FromFormat("<an int of %S bits>", bits);
+    long n = PyLong_AsLong(bits);
+    PyObject *r = n > 160 ? PyUnicode_FromFormat("<%s int of %ld bits>",
+                                                 overflow < 0 ? "a negative" : "an", n)
+                          : PyObject_Repr(o);
     Py_DECREF(bits);
     return r;
+}
+
+PyObject *l2p_shown(PyObject *o)
+{
+    /* an error already set (the cause of the caller's message) is set again after */
+    PyObject *pending = take_exception();
+    PyObject *r = shown(o);
+    if (r && pending)
+        give_exception(pending);
+    else
+        Py_XDECREF(pending);
+    return r;
+}
+
+PyObject *l2p_raise_shown(PyObject *type, PyObject *value, const char *format, ...)
+{
+    PyObject *shown = l2p_shown(value);
+    if (!shown)
+        return NULL;
+    va_list va;
+    va_start(va, format);
+    PyObject *head = PyUnicode_FromFormatV(format, va);
+    va_end(va);
+    if (head)
+        PyErr_Format(type, "%U%U", head, shown);
+    Py_XDECREF(head);
+    Py_DECREF(shown);
+    return NULL;
 }
 
 void l2p_add_note(const char *format, ...)

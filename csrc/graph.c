@@ -107,8 +107,7 @@ static int handle_arg(PyObject *o, const char *what, uintptr_t *out)
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
     if (PyErr_Occurred() || v == 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s must be a non-null handle, got %R", what, o);
-        return -1;
+        return l2p_raise_shown(PyExc_ValueError, o, "%s must be a non-null handle, got ", what), -1;
     }
     *out = (uintptr_t)v;
     return 0;

@@ -720,8 +720,8 @@ PyObject *l2p_py_compile(PyObject *module, PyObject *const *args, Py_ssize_t nar
         sm = LONG_MAX;
     }
     if (sm < 0 || sm > 10000)
-        return PyErr_Format(PyExc_ValueError, "sm must be a compute capability x 10 (e.g. 90), got %R",
-                            vals[1]);
+        return l2p_raise_shown(PyExc_ValueError, vals[1],
+                               "sm must be a compute capability x 10 (e.g. 90), got ");
     if (l2p_variant_check_sm(variant, (int)sm, -1) < 0)
         return NULL;
     int want_ptx = PyObject_IsTrue(vals[2]);
@@ -808,7 +808,7 @@ PyObject *l2p_py_kernel_image(PyObject *module, PyObject *const *args, Py_ssize_
     long sm = PyLong_Check(args[1]) ? PyLong_AsLong(args[1]) : -1;
     if (sm < 1 || sm > 10000) {
         PyErr_Clear();
-        return PyErr_Format(PyExc_ValueError, "sm must be an int in 1..10000, got %R", args[1]);
+        return l2p_raise_shown(PyExc_ValueError, args[1], "sm must be an int in 1..10000, got ");
     }
     int is_ptx = 0;
     PyObject *image = l2p_kernel_image(l2p_get_state(module), (int)sm, variant, &is_ptx);

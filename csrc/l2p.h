@@ -103,9 +103,12 @@ int l2p_optional_attr(PyObject *obj, const char *name, PyObject **out);
 int l2p_error_is_base(void);
 /* Replaces the set exception by type(format % ...) whose __cause__ it is.  NULL. */
 PyObject *l2p_format_from_cause(PyObject *type, const char *format, ...);
-/* repr(o) for a message (new reference, NULL with the repr's error set): an int too
- * long to print (CPython's 4300-digit limit) named by its size instead. */
+/* repr(o) for a message (new reference, NULL with the repr's error set): an int past
+ * 160 bits named by its size and sign instead (its repr may pass CPython's 4300-digit
+ * limit, and would fill the message).  An error set before the call stays set. */
 PyObject *l2p_shown(PyObject *o);
+/* Raises type(format % ... + l2p_shown(value)): a message that ends in the value.  NULL. */
+PyObject *l2p_raise_shown(PyObject *type, PyObject *value, const char *format, ...);
 /* Adds a note (PEP 678) to the set exception, e.g. which weight it was reading. */
 void l2p_add_note(const char *format, ...);
 

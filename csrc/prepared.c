@@ -138,14 +138,9 @@ static int check_int(PyObject *o, const char *what, long lo, long hi, long *out)
         PyErr_Clear();
         v = lo - 1;
     }
-    if (v < lo || v > hi) {
-        PyObject *shown = l2p_shown(o);
-        if (shown) {
-            PyErr_Format(PyExc_ValueError, "%s must be in %ld..%ld, got %U", what, lo, hi, shown);
-            Py_DECREF(shown);
-        }
-        return -1;
-    }
+    if (v < lo || v > hi)
+        return l2p_raise_shown(PyExc_ValueError, o, "%s must be in %ld..%ld, got ", what, lo,
+                               hi), -1;
     *out = v;
     return 0;
 }

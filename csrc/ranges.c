@@ -109,8 +109,12 @@ static int get_u64(PyObject *o, uint64_t *out, Py_ssize_t index, const char *wha
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
         if (l2p_error_is_base())
             return -1;
-        l2p_format_from_cause(PyExc_ValueError, "%s: %s must be a non-negative integer, got %R",
-                              WHO(index), what, o);
+        PyObject *shown = l2p_shown(o);
+        if (shown) {
+            l2p_format_from_cause(PyExc_ValueError, "%s: %s must be a non-negative integer, got %U",
+                                  WHO(index), what, shown);
+            Py_DECREF(shown);
+        }
         return -1;
     }
     *out = v;
@@ -136,8 +140,12 @@ static int get_i64(PyObject *obj, Py_ssize_t index, const char *what, Py_ssize_t
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(num, &overflow);
     if (overflow) {
-        PyErr_Format(PyExc_OverflowError, "%s: %s is %R, which does not fit in 64 bits",
-                     WHO(index), label, num);
+        PyObject *shown = l2p_shown(num);
+        if (shown) {
+            PyErr_Format(PyExc_OverflowError, "%s: %s is %U, which does not fit in 64 bits",
+                         WHO(index), label, shown);
+            Py_DECREF(shown);
+        }
         Py_DECREF(num);
         return -1;
     }
@@ -285,10 +293,9 @@ static int device_index(PyObject *idx, Py_ssize_t index, weight_info *out)
     if (v == -1 && !overflow && PyErr_Occurred())
         return -1;
     if (overflow || v < 0 || v > INT_MAX) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: device.index must be a CUDA device index in 0..%d, got %R",
-                     WHO(index), INT_MAX, idx);
-        return -1;
+        return l2p_raise_shown(PyExc_ValueError, idx,
+                               "%s: device.index must be a CUDA device index in 0..%d, got ",
+                               WHO(index), INT_MAX), -1;
     }
     out->dev.index = (int)v;
     return 0;
@@ -657,7 +664,12 @@ PyObject *l2p_py_compute_ranges(PyObject *module, PyObject *const *args, Py_ssiz
         if (cap == -1 && PyErr_Occurred()) {
             if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
                 PyErr_Clear();
-                PyErr_Format(PyExc_OverflowError, "byte_cap=%R does not fit in 63 bits", cap_obj);
+                PyObject *shown = l2p_shown(cap_obj);
+                if (shown) {
+                    PyErr_Format(PyExc_OverflowError, "byte_cap=%U does not fit in 63 bits",
+                                 shown);
+                    Py_DECREF(shown);
+                }
             }
             return NULL;
         }

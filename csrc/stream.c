@@ -126,8 +126,8 @@ int l2p_parse_stream(PyObject *stream, int device, CUstream *out)
         unsigned long long v = PyLong_AsUnsignedLongLong(stream);
         if (v == (unsigned long long)-1 && PyErr_Occurred()) {
             PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "stream handle must be a non-negative int, got %R", stream);
-            return -1;
+            return l2p_raise_shown(PyExc_ValueError, stream,
+                                   "stream handle must be a non-negative int, got "), -1;
         }
         *out = (CUstream)(uintptr_t)v;
         return 0;

@@ -125,6 +125,13 @@ def kimi_layer(layer_idx):
                                                                       down_proj=linear)))
 
 
+class ReprRaises(int):
+    """An int whose repr raises: a message showing it passes the error on, not a label."""
+
+    def __repr__(self):
+        raise ValueError("its repr raised")
+
+
 def _document(e, sites):
     """profile_document for e.model, a plan of its one weight at ('attn', 0), and sites."""
     plan = [PlanEntry("attn", 0, [1], (e.model[0].weight,))]
@@ -403,6 +410,11 @@ ROWS = [
         Raises(ValueError, r"byte_cap must be >= 0 bytes \(0: no cap\), got -16")),
     row("compute_ranges", "byte_cap beyond 64 bits", lambda e: compute_ranges([cpu(8)], 2**64),
         Raises(OverflowError, r"byte_cap=18446744073709551616 does not fit in 63 bits")),
+    row("compute_ranges", "byte_cap of 5000 digits", lambda e: compute_ranges([cpu(8)], 10**5000),
+        Raises(OverflowError, r"byte_cap=<an int of 16610 bits> does not fit in 63 bits")),
+    row("compute_ranges", "a data pointer of 5000 digits",
+        lambda e: compute_ranges([FakeArray(10**5000, (8,))]),
+        Raises(ValueError, r"must be a non-negative integer, got <an int of 16610 bits>")),
     row("compute_ranges", "no arguments", lambda e: compute_ranges(),
         Raises(TypeError, r"missing required argument 'weights'")),
     row("compute_ranges", "three arguments", lambda e: compute_ranges([], 0, 0),
@@ -607,6 +619,10 @@ ROWS = [
         Raises(ValueError, r"stream handle must be a non-negative int, got -1")),
     row("PreparedWeightRanges.launch", "stream handle beyond 64 bits", lambda e: e.table.launch(stream=2**64),
         Raises(ValueError, r"stream handle must be a non-negative int, got 18446744073709551616")),
+    row("PreparedWeightRanges.launch", "stream handle of 5000 digits, negative",
+        lambda e: e.table.launch(stream=-10**5000),
+        Raises(ValueError, r"stream handle must be a non-negative int, got <a negative int of 16610 "
+                           r"bits>")),
     row("PreparedWeightRanges.launch", "stream object of another device",
         lambda e: e.table.launch(stream=e.stream1),
         Raises(ValueError, r"the stream is on cuda:1 but the prefetch is for cuda:0")),
@@ -648,6 +664,8 @@ ROWS = [
         Raises(ValueError, r"device 18446744073709551616 is not a CUDA device index")),
     row("PrefetchController", "device of 5000 digits", lambda e: PC(device=10**5000),
         Raises(ValueError, r"device <an int of 16610 bits> is not a CUDA device index")),
+    row("PrefetchController", "device of 5000 digits, negative", lambda e: PC(device=-10**5000),
+        Raises(ValueError, r"device must be >= 0, got <a negative int of 16610 bits>")),
     row("PrefetchController", "device a float", lambda e: PC(device=1.5),
         Raises(TypeError, r"device must be a CUDA device .*, not float")),
     row("PrefetchController", "device a list", lambda e: PC([0]),
@@ -712,7 +730,7 @@ ROWS = [
     row("PrefetchController.add", "layer of 5000 digits", lambda e: e.ctl.add("a", 10**5000, 1, e.table),
         Raises(ValueError, r"layer must be in 0\.\.65535, got <an int of 16610 bits>")),
     row("PrefetchController.add", "batches a dict (a cap table)", lambda e: e.ctl.add("a", 0, {1: 16}, e.table),
-        Raises(TypeError, r"batches must be an int or an iterable of ints, not dict, a mapping \(it "
+        Raises(TypeError, r"batches must be an int or an iterable of ints, not a dict \(dict: it "
                           r"iterates its keys\)")),
     row("PrefetchController.add", "batches without end", lambda e: e.ctl.add("a", 0, itertools.count(1), e.table),
         Raises(ValueError, r"batch must be in 1\.\.65535, got 65536")),
@@ -726,6 +744,9 @@ ROWS = [
     row("PrefetchController.add", "a batch iterator that raises",
         lambda e: e.ctl.add("a", 0, map(lambda b: 1 // (b - 2), [3, 2]), e.table),
         Raises(ZeroDivisionError, r"by zero")),
+    row("PrefetchController.add", "a batch whose int subclass's repr raises (passes through)",
+        lambda e: e.ctl.add("a", 0, [ReprRaises(0)], e.table),
+        Raises(ValueError, r"^its repr raised$")),
     row("PrefetchController.add", "batches None", lambda e: e.ctl.add("a", 0, None, e.table),
         Raises(TypeError, r"batches must be an int or an iterable of ints, not NoneType")),
     row("PrefetchController.add", "batches a float", lambda e: e.ctl.add("a", 0, 2.0, e.table),
@@ -1075,6 +1096,8 @@ ROWS = [
     row("PlanEntry", "layer of 5000 digits", lambda e: PlanEntry("p", 10**5000, [1], (cpu(4),)),
         Raises(ValueError, r"PlanEntry.layer must be at most 65535 \(the controller's limit\), got "
                            r"<an int of 16610 bits>")),
+    row("PlanEntry", "layer of 5000 digits, negative", lambda e: PlanEntry("p", -10**5000, [1], (cpu(4),)),
+        Raises(ValueError, r"PlanEntry.layer must be an int >= 0, got <a negative int of 16610 bits>")),
     row("PlanEntry", "grid of 5000 digits", lambda e: PlanEntry("p", 0, [1], (cpu(4),), grid=10**5000),
         Raises(ValueError, r"PlanEntry.grid must be an int in 1..65535, got <an int of 16610 bits>")),
     row("plan.format_plan", "an int entry", lambda e: format_plan([1]),
@@ -1229,6 +1252,15 @@ ROWS = [
         lambda e: e.attach(e.ctl, {"attn": [(e.model[0], 65536)]}),
         Raises(ValueError, r"points\['attn'\]: the site '0' \(after\) has layer 65536, outside "
                            r"0\.\.65535")),
+    row("hooks.attach", "site layer of 5000 digits",
+        lambda e: e.attach(e.ctl, {"attn": [(e.model[0], 10**5000)]}),
+        Raises(ValueError, r"points\['attn'\]: the site '0' \(after\) has layer <an int of 16610 "
+                           r"bits>, outside 0\.\.65535")),
+    row("hooks.attach", "batch_fn giving a negative int of 5000 digits",
+        lambda e: (hooks.attach(e.model, e.ctl, {"attn": [(e.model[0], 0)]},
+                                batch_fn=lambda *a: -10**5000), e.forward()),
+        Raises(ValueError, r"batch_fn returned <a negative int of 16610 bits> at point 'attn', "
+                           r"layer 0")),
     row("hooks.attach", "a point the controller does not know (valid: forks return False)",
         lambda e: (e.attach(e.ctl, {"nope": [(e.model[0], 0)]}), e.forward(), e.ctl.stats())[2],
         Returns({"attn": {"forks": 0, "bytes": 0}})),

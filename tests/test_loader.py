@@ -310,6 +310,16 @@ def test_driver_init_fails_other(fake):
     assert "CUDA_ERROR_OUT_OF_MEMORY" in str(info.value) and "no CUDA device" not in str(info.value)
 
 
+def test_driver_init_names_the_call_that_failed(fake):
+    # cuInit passes, cuDeviceGetCount fails: the message names cuDeviceGetCount
+    fake.fail("cuDeviceGetCount", code="CUDA_ERROR_UNKNOWN")
+    with pytest.raises(l2prefetch.CudaUnavailableError) as info:
+        _C._use_driver(fake.path)
+    assert info.value.reason == "init_failed"
+    assert "cuDeviceGetCount failed: CUDA_ERROR_UNKNOWN" in str(info.value)
+    assert "cuInit" not in str(info.value)
+
+
 def test_driver_symbol_missing(fake):
     # the third lookup (cuInit) reports "not found"
     fake.fail("cuGetProcAddress_v2", nth=3, code="CUDA_ERROR_NOT_FOUND")

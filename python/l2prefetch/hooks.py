@@ -51,7 +51,7 @@ from .model_paths import compiled_module
 from .controller import fork_activation, warms
 # The package's one disabled(), also public here: attach() is what it turns off.
 from .disable import disabled
-from .plan import MAX_LAYER
+from .plan import MAX_LAYER, shown
 from .profile import check_step, step_compiled
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -411,10 +411,10 @@ def _checked_batch(batch: Any, point: str, layer: int, tensor: type, symbolic: t
             index = None
     if index is None:
         got = (f"a Tensor of shape {tuple(batch.shape)}" if isinstance(batch, tensor)
-               else f"{type(batch).__name__} {batch!r}")
+               else f"{type(batch).__name__} {shown(batch)}")
         raise TypeError(f"batch_fn returned {got} {where}: {must}")
     if index < 0:
-        raise ValueError(f"batch_fn returned {index} {where}: {must}")
+        raise ValueError(f"batch_fn returned {shown(index)} {where}: {must}")
     return index
 
 
@@ -450,7 +450,7 @@ def _sites(model: Any, point: object, spec: Any,
             raise TypeError(f"points[{point!r}]: {type(module).__name__} is not an nn.Module")
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise TypeError(f"points[{point!r}]: layer must be an int in 0..{MAX_LAYER}, got "
-                            f"{layer!r}")
+                            f"{shown(layer)}")
         if not isinstance(hook, str) or hook not in SITE_HOOKS:
             raise ValueError(f"points[{point!r}]: a site's hook must be {site_hook_choices()}, "
                              f"got {hook!r}")
@@ -602,7 +602,7 @@ def _check_attach(model: Any, controller: Any, points: Any, batch_fn: Any,
                                  "give sites inside the model attached to")
             if not 0 <= layer <= MAX_LAYER:
                 raise ValueError(f"points[{point!r}]: the site {names[id(module)] or 'the root'!r}"
-                                 f" ({where}) has layer {layer}, outside 0..{MAX_LAYER} (a "
+                                 f" ({where}) has layer {shown(layer)}, outside 0..{MAX_LAYER} (a "
                                  "controller's layers): give its decoder layer's index")
             if (id(module), where) in seen:
                 raise ValueError(f"points[{point!r}] gives {names[id(module)] or 'the root'!r} "

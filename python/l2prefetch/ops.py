@@ -48,6 +48,7 @@ from typing import Any, Optional
 
 from ._torch import require
 from .controller import fork_activation, warms
+from .plan import shown
 from .profile import check_step
 
 torch = require("l2prefetch.ops")
@@ -96,7 +97,7 @@ def _check_handle(handle: object) -> None:
     """A handle from a caller: an int itself (a bool or float that equals one is not)."""
     if type(handle) is not int:
         raise TypeError(f"handle must be the int l2prefetch.ops.register returned, got "
-                        f"{type(handle).__name__} {handle!r}")
+                        f"{type(handle).__name__} {shown(handle)}")
 
 
 def unregister(handle: int) -> None:

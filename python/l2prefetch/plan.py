@@ -112,13 +112,15 @@ def _tensor_type() -> type | None:
 
 
 class _Shown(reprlib.Repr):
-    """reprlib's shortened repr, with an int too long to print (over 4300 digits,
-    CPython's limit) named by its size instead."""
+    """reprlib's shortened repr, with an int past 160 bits (its repr may pass CPython's
+    4300-digit limit) named by its size and sign, as csrc's ``l2p_shown`` names it."""
 
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 4 * self.maxlong:
-            return f"<an int of {x.bit_length()} bits>"
-        return super().repr_int(x, level)
+    def repr1(self, x: Any, level: int) -> str:
+        if isinstance(x, int) and not isinstance(x, bool):
+            bits = int.bit_length(x)   # int's own: an int subclass's methods do not run
+            if bits > 4 * self.maxlong:
+                return f"<{'a negative' if int.__lt__(x, 0) else 'an'} int of {bits} bits>"
+        return super().repr1(x, level)
 
 
 _SHOWN = _Shown()

@@ -49,10 +49,10 @@ from .model_paths import compiled_module, layer_count, layer_of, named_tensors, 
 from .plan import MAX_BATCH, MAX_LAYER, PlanEntry, check_settings, shown
 
 __all__ = ["EAGER_STEP", "PROFILE_FORMAT", "PROFILE_VERSION", "Profile",
-           "ProfileMismatchError", "StepMismatchError", "check_step", "describe_step",
-           "device_fingerprint", "load_profile", "model_fingerprint", "parse_profile",
-           "profile_batches", "profile_document", "profile_step", "save_profile",
-           "step_record"]
+           "ProfileMismatchError", "STEP_KEYS", "StepMismatchError", "check_step",
+           "describe_step", "device_fingerprint", "load_profile", "model_fingerprint",
+           "parse_profile", "profile_batches", "profile_document", "profile_step",
+           "save_profile", "step_compiled", "step_mode", "step_record"]
 
 logger = logging.getLogger(__name__)
 
