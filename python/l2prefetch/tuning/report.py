@@ -164,7 +164,8 @@ def markdown(result: Any) -> str:
                 best = max(role.trials, key=lambda t: t.gain.estimate)
             rows.append([
                 role.role, role.layers, f"{role.max_bytes / 2**20:.1f}", _opt(role.gap_us, 2),
-                _opt(role.chain_gap_us, 2), _opt(role.window_us), "" if best is None else best.setting.label(),
+                _opt(role.chain_gap_us, 2), _opt(role.window_us),
+                "" if best is None else best.setting.label(),
                 "" if best is None else _t(best.a), "" if best is None else _t(best.b),
                 "" if best is None else _t(best.d),
                 "" if best is None else best.gain.format(2),

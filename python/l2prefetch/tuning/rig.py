@@ -171,7 +171,8 @@ class Rig:
         """
         torch = self.torch
         names = list(states)
-        pairs: dict[tuple[str, int], list] = {(n, i): [] for n in names for i in range(len(switches))}
+        pairs: dict[tuple[str, int], list] = {(n, i): [] for n in names
+                                              for i in range(len(switches))}
         with torch.cuda.device(self.device):
             for r in range(rounds):
                 order = names[r % len(names):] + names[:r % len(names)]

@@ -19,8 +19,8 @@ every group interleaving its measurement arms, :class:`~l2prefetch.tuning.arms.A
    (``graph_forks``, by default every one of :mod:`l2prefetch.mechanisms`),
    (d) the role's forks with empty tables and (b) its loads at each cap, with
    the default kernel and grid.  A backend that switches loader nodes in place
-   (:attr:`~l2prefetch.tuning.arms.Backend.pairs`) measures a mode's (d) and (b)s inside the same graph
-   instances where the mode is switchable, so their differences are paired and
+   (:attr:`~l2prefetch.tuning.arms.Backend.pairs`) measures a mode's (d) and (b)s inside the
+   same graph instances where the mode is switchable, so their differences are paired and
    the instances' spread cancels.
 4. **refine**: for roles whose best setting beat (a) and (d), in decreasing gain, one
    group with the other grids and kernels at that cap and mode, each with its own (d).
@@ -112,8 +112,8 @@ where that is more than is left, the verifies go in decreasing gain so far, the 
 promising first.  A lead sampled past ``max_instances`` for the resolution alone
 (up to twice that) gets those rounds only where every verify that may still come
 keeps its whole sampling (in the sweep: the later roles' too); the verify reserve
-prices ``max_instances``, not that extension.  When the budget is short the search gets coarser (fewer
-caps, no refine, no layers, no more instances): roles that do not fit are
+prices ``max_instances``, not that extension.  When the budget is short the search gets
+coarser (fewer caps, no refine, no layers, no more instances): roles that do not fit are
 reported as not measured, promising roles left unrefined are named
 (``BatchReport.not_refined``); it never returns a plan that was not confirmed.
 """
