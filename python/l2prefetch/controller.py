@@ -401,17 +401,17 @@ def empty_controller(plan: Iterable[Any], device: Any = None, *, kernel: Optiona
     return controller
 
 
-def _add_empty(controller: Any, plan: Iterable[Any], kernel: Optional[str] = None) -> None:
+def _add_empty(controller: Any, plan: Iterable[PlanEntry], kernel: Optional[str] = None) -> None:
     """Register each entry of ``plan`` with an empty table of its launch settings."""
     tables: dict[tuple, Any] = {}
     for entry in plan:
-        entry_kernel = getattr(entry, "kernel", None) or kernel
+        entry_kernel = entry.kernel or kernel
         key = (entry.grid, entry.carveout, entry.priority, entry_kernel)
         if key not in tables:
             tables[key] = _C.PreparedWeightRanges(
                 [], grid=entry.grid, carveout=entry.carveout, priority=entry.priority,
                 device=controller.device, kernel=entry_kernel)
-        mode = getattr(entry, "graph_fork", None)
+        mode = entry.graph_fork
         if mode is None:
             controller.add(entry.point, entry.layer, entry.batches, tables[key])
         else:
@@ -436,18 +436,19 @@ def build_controller(plan: Sequence[Any], device: Any = None, *,
     if not isinstance(empty, bool) and not callable(empty):
         raise TypeError(f"empty must be a bool or a function of a plan entry returning one, "
                         f"got {type(empty).__name__}")
-    plan = _check_entries(plan)   # a list: read below more than once; before the split, an
-    # emptied entry must not replace a loaded one
-    modes = {getattr(entry, "graph_fork", None) or DEFAULT_GRAPH_FORK for entry in plan}
+    plan = check_plan(plan)   # a list: read below more than once (its keys are checked
+    # by the controller built from it, or before the split below)
+    modes = {entry.graph_fork or DEFAULT_GRAPH_FORK for entry in plan}
     mode = DEFAULT_GRAPH_FORK
     if len(modes) == 1:
         mode = modes.pop()
         plan = [dataclasses.replace(entry, graph_fork=None)
-                if getattr(entry, "graph_fork", None) is not None else entry for entry in plan]
+                if entry.graph_fork is not None else entry for entry in plan]
     if empty is True:
         return empty_controller(plan, device, graph_fork=mode, eager=eager)
     if empty is False:
         return PrefetchController.from_plan(plan, device, graph_fork=mode, eager=eager)
+    _check_entries(plan)   # before the split: an emptied entry must not replace a loaded one
     emptied = [bool(empty(entry)) for entry in plan]
     controller = PrefetchController.from_plan(
         [entry for entry, e in zip(plan, emptied) if not e], device, graph_fork=mode, eager=eager)
