@@ -839,6 +839,37 @@ def test_a_profile_loads_for_the_torch_compile_wrapper_of_its_model(tmp_path):
     assert loaded.plan[0].weights[0] is model.layers[1].attn.o_proj.weight
 
 
+@pytest.mark.parametrize("step_torch, warned", [
+    ("another", True),        # Inductor's kernels can differ under another torch
+    ("this", False),
+    (None, False),            # not recorded
+])
+def test_a_compiled_profile_from_another_torch_warns_and_loads(tmp_path, caplog,
+                                                               step_torch, warned):
+    model = Model().eval()
+    path, document = _saved_profile(tmp_path, model)
+    document["step"]["torch"] = {"another": "1.0.0+other", "this": torch.__version__,
+                                 None: None}[step_torch]
+    path.write_text(json.dumps(document))
+    with caplog.at_level("WARNING", logger="l2prefetch"):
+        loaded = load_profile(path, model, check_device=False)
+    said = [r.getMessage() for r in caplog.records if "1.0.0+other" in r.getMessage()]
+    assert len(said) == int(warned)
+    if warned:
+        assert torch.__version__ in said[0] and "tune again" in said[0]
+    assert len(loaded.plan) == 1   # the plan applies
+
+
+def test_an_eager_profile_names_no_torch_to_compare(tmp_path, caplog):
+    model = Model().eval()
+    path, document = _saved_profile(tmp_path, model)
+    document["step"] = {"compiled": False, "mode": None, "torch": "1.0.0+other"}
+    path.write_text(json.dumps(document))
+    with caplog.at_level("WARNING", logger="l2prefetch"):
+        load_profile(path, model, check_device=False)
+    assert not [r for r in caplog.records if "1.0.0+other" in r.getMessage()]
+
+
 def test_a_profile_written_for_the_wrapper_names_the_models_own_paths(tmp_path):
     model = Model().eval()
     _, document = _saved_profile(tmp_path, torch.compile(model, backend="eager"))

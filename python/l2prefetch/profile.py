@@ -647,6 +647,26 @@ def _check_device(data: dict, device: Any, where: str) -> None:
                        here["driver_version"])
 
 
+def _check_step_torch(data: dict, where: str) -> None:
+    """Warn where a compiled step's profile was tuned under another torch: Inductor's
+    kernels, and with them what the forks between them save, can change with it."""
+    step = data.get("step")
+    theirs = step.get("torch") if step_compiled(step) else None
+    if theirs is None:
+        return
+    try:
+        import torch
+
+        here: Optional[str] = torch.__version__
+    except ImportError:   # nothing compiled runs here without torch
+        return
+    if theirs != here:
+        logger.warning("profile %s was tuned on a step torch %s compiled, this torch is %s: "
+                       "Inductor's kernels may differ, and what the plan's forks save with "
+                       "them; the plan applies; tune again (python -m l2prefetch tune "
+                       "--compile) to be sure it still pays", where, theirs, here)
+
+
 def _check_model(data: dict, model: Any, where: str) -> None:
     fp = data["model"]
     here_layers = layer_count(model)
@@ -690,7 +710,9 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     ``check_device=False``, for inspecting a profile without its GPU) or
     another model, naming what differs; a bad ``device`` as the controller
     does, and :class:`l2prefetch.CudaUnavailableError` without a GPU to check
-    (see :func:`device_fingerprint`); OSError from reading the file.  The
+    (see :func:`device_fingerprint`); OSError from reading the file.  Logs a
+    warning, and loads, where the driver differs from the one it was tuned with, or
+    a compiled step's profile names another torch version.  The
     profile is bound to ``model`` (:meth:`Profile.check_model`).  With
     L2PREFETCH_DISABLE set the device is not checked here (nothing will be prepared;
     :meth:`~l2prefetch.PrefetchController.from_profile` checks it on an enabled
@@ -713,6 +735,7 @@ def load_profile(source: Union[str, os.PathLike], model: Any, *, device: Any = N
     elif check_device:
         _check_device(data, device, where)
     _check_model(data, model, where)
+    _check_step_torch(data, where)
     tensors = named_tensors(model)
     modules = dict(model.named_modules())
     plan, sites, seen = [], {}, set()
