@@ -886,7 +886,8 @@ def test_a_checkpoint_file_linked_out_of_its_directory_is_refused_unread(checkpo
     code, _, err = status([str(checkpoint), "--list-roles", "--device", "cpu"], capsys)
     line = one_line(err)
     assert code == 2 and "is a link to" in line and "outside the checkpoint" in line, line
-    assert str(int.from_bytes(b"SECRET=h", "little")) not in line and "15" not in line
+    shown = line.replace(str(tmp_path), "TMP")   # pytest's folder names hold numbers
+    assert str(int.from_bytes(b"SECRET=h", "little")) not in shown and "15" not in shown
 
 
 def test_a_hugging_face_cache_snapshot_links_into_its_blobs(checkpoint, tmp_path, capsys):
