@@ -28,7 +28,8 @@
  * C shim (stream.c); the only driver calls are the three of the fork (record,
  * wait, launch) and the two of the join (record, wait), plus one
  * cuCtxGetCurrent read that catches a fork while another device is current and
- * one cuStreamGetCaptureInfo read of the capture state.
+ * one cuStreamGetCaptureInfo read of the capture state (the join reads it only
+ * for a fork pending in a capture, which joins in that capture alone).
  *
  * NOTE [one point of effect]: some steps of a call can run Python code: a
  * stream argument's cuda_stream and device properties, torch's Python
@@ -966,7 +967,10 @@ static PyObject *controller_fork(controller *self, PyObject *const *args, Py_ssi
 PyDoc_STRVAR(join_doc,
 "join($self, /, stream=None)\n--\n\n"
 "If a fork is pending, make stream (default: torch's current stream) wait for\n"
-"the side stream.  Call it at the end of every step, inside a captured graph too.");
+"the side stream.  Call it at the end of every step, inside a captured graph too.\n"
+"A fork pending in a capture joins in that capture only: elsewhere (another\n"
+"capture, such as the next PIECEWISE piece's, or eagerly) join raises\n"
+"l2prefetch.Error and drops it.");
 
 static PyObject *controller_join(controller *self, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames)
@@ -987,6 +991,21 @@ static PyObject *controller_join(controller *self, PyObject *const *args, Py_ssi
     l2p_state *st = state_of(self);
     if (ensure_context(self) < 0)
         return NULL;
+    /* A fork pending in a capture joins in that capture only: its branch cannot be
+     * waited on from another graph or eagerly.  Read only then: an eager join pays no
+     * capture-state read. */
+    unsigned long long cap = 0;
+    if (self->capture_id != 0 && capture_of(self, cur, &cap) < 0)
+        return NULL;
+    if (cap != self->capture_id) {
+        self->pending = 0;
+        self->capture_id = 0;
+        return PyErr_Format(st->error,
+                            "this controller forked during a CUDA graph capture that ended "
+                            "without join(), and this join() runs %s: call join() in the "
+                            "capture that forked, at the end of every PIECEWISE piece (that "
+                            "capture is invalid)", cap ? "in another capture" : "eagerly");
+    }
     CUresult r = self->drv->fn.cuEventRecord(self->join_event, self->side);
     if (r != CUDA_SUCCESS)
         return l2p_raise_cuda(st, self->drv, "cuEventRecord", r);

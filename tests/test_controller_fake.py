@@ -1326,6 +1326,38 @@ def test_branch_key_capture_ended_without_join_seen_by_an_inline_key(fake, table
     assert ctl.fork("attn", 0, 1, stream=STREAM)
 
 
+@pytest.mark.parametrize("join_capture, said", [(8, "in another capture"), (0, "eagerly")])
+def test_join_outside_the_capture_that_forked_is_refused(fake, table, join_capture, said):
+    """A branch fork pending in capture 7 joins there only (a PIECEWISE step joins each
+    piece's own forks): a join in another capture or eagerly records and waits nothing,
+    drops pending and names what to do, instead of the driver's error."""
+    ctl = PC(device=0, graph_fork="branch")
+    ctl.add("attn", 0, [1], table)
+    fake.set_capture(7)
+    assert ctl.fork("attn", 0, 1, stream=STREAM) and ctl.pending
+    fake.set_capture(join_capture)
+    fake.clear_log()
+    with pytest.raises(l2prefetch.Error, match=rf"ended without join\(\), and this join\(\) "
+                                               rf"runs {said}"):
+        ctl.join(stream=STREAM)
+    assert not ctl.pending
+    assert fake.log("cuEventRecord") == [] and fake.log("cuStreamWaitEvent") == []
+    ctl.join(stream=STREAM)                                # nothing pending: nothing to do
+    assert ctl.fork("attn", 0, 1, stream=STREAM) and ctl.pending
+    ctl.join(stream=STREAM)                                # in its own capture: joined
+    assert not ctl.pending and len(fake.log("cuStreamWaitEvent")) == 2
+
+
+def test_eager_join_reads_no_capture_state(fake, table):
+    """An eager fork's join costs its record and wait only, no capture-state read."""
+    ctl = PC(device=0, graph_fork="branch")
+    ctl.add("attn", 0, [1], table)
+    assert ctl.fork("attn", 0, 1, stream=STREAM) and ctl.pending
+    fake.clear_log()
+    ctl.join(stream=STREAM)
+    assert fake.log("cuStreamGetCaptureInfo") == [] and len(fake.log("cuEventRecord")) == 1
+
+
 def test_graph_fork_per_key_falls_back_without_edge_data(fake):
     reopen(fake, driver_version=12000)          # no 12.3 capture entry points: side stream
     ctl = PC(device=0)

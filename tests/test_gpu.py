@@ -334,6 +334,34 @@ def test_unjoined_capture_is_reported_by_us():
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("where", ["in another capture", "eagerly"])
+def test_join_outside_the_capture_that_forked_is_reported_by_us(where):
+    """A PIECEWISE step whose fork's join falls in the next piece: our error, not the
+    driver's, and the controller works again."""
+    drv = pytest.importorskip("cuda.bindings.driver")
+    ctrl = PrefetchController(0, graph_fork="branch")
+    ctrl.add("p", 0, [1], PreparedWeightRanges([_rand((256, 256))]))
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    assert drv.cuStreamBeginCapture(s.cuda_stream, mode)[0] == drv.CUresult.CUDA_SUCCESS
+    assert ctrl.fork("p", 0, 1, stream=s.cuda_stream) and ctrl.pending
+    err, _ = drv.cuStreamEndCapture(s.cuda_stream)
+    assert err == drv.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNJOINED
+    if where == "in another capture":
+        assert drv.cuStreamBeginCapture(s.cuda_stream, mode)[0] == drv.CUresult.CUDA_SUCCESS
+    with pytest.raises(l2prefetch.Error, match=f"this join\\(\\) runs {where}"):
+        ctrl.join(stream=s.cuda_stream)
+    assert not ctrl.pending
+    if where == "in another capture":
+        err, graph = drv.cuStreamEndCapture(s.cuda_stream)   # nothing of ours in it
+        assert err == drv.CUresult.CUDA_SUCCESS
+        drv.cuGraphDestroy(graph)
+    assert ctrl.fork("p", 0, 1)
+    ctrl.join()
+    torch.cuda.synchronize()
+
+
 def test_captured_kernel_nodes_carry_priority_and_carveout():
     drv = pytest.importorskip("cuda.bindings.driver")
     ctrl = PrefetchController(0)
