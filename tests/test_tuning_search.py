@@ -284,7 +284,6 @@ def test_no_unverified_lead_is_confirmed_where_a_verify_ran():
     backend = OverrunSweeps({"A": pays(0.6), "B": pays(0.5)}, fork_cost_us=-3.0, seed=2,
                             extra_s=0.0)
     (rep,), _ = run(backend, [role("A"), role("B")], budget_s=12.0)
-    roles = by_name(rep)
     verified = [r.role for r in rep.roles if any(t.stage == "verify" for t in r.trials)]
     assert verified and not any(r.kept for r in rep.roles)
     assert rep.plan == () and rep.confirmations == []

@@ -423,7 +423,7 @@ def _would(args: argparse.Namespace, config: Any, budget: float) -> str:
              f"- tune its {step} at batch {BATCH} for {budget:g} s, measuring {roles}, as "
              f"built, then with a {args.spin_us:g} us spin before each layer's {SPIN_SITE} "
              "(an idle GPU, as while an all-reduce waits);",
-             f"- write each case's profile, report and plot of the gains"
+             "- write each case's profile, report and plot of the gains"
              + (", and the trace of a plan kept," if args.compile is None else "")
              + f" to {os.path.join(args.out, '')};",
              "- print per case the step's time, the plan kept and its confirmed ratio with "
@@ -450,8 +450,8 @@ def _without_gpu(args: argparse.Namespace, torch: Any, config: Any, budget: floa
     print(_would(args, config, budget))
     print("\nWhat this machine can do without them:\n")
     if config is None:
-        print(f"The model's roles and a plan: skipped (building the model needs torch and "
-              f"transformers: l2prefetch's 'tune' extra).\n")
+        print("The model's roles and a plan: skipped (building the model needs torch and "
+              "transformers: l2prefetch's 'tune' extra).\n")
     else:
         _roles_and_plan(args, config)
     _print_kernel()
@@ -507,8 +507,8 @@ def _print_kernel() -> None:
         nvrtc = _C.nvrtc_info()
         built = _C.compile(KERNEL, SM)
     except (_C.CudaUnavailableError, _C.Error) as exc:
-        print(f"The loader kernel: not compiled, NVRTC is not available (pip install "
-              f"'nvidia-cuda-nvrtc>=13,<14'):")
+        print("The loader kernel: not compiled, NVRTC is not available (pip install "
+              "'nvidia-cuda-nvrtc>=13,<14'):")
         print(textwrap.indent(str(exc), "  "))
         return
     logger.info("compiled in %.1f s", time.monotonic() - t0)

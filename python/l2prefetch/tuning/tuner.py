@@ -552,8 +552,8 @@ def _offered_roles(backend: Backend, model: Any, step: Callable[[int], Any], bat
     roles = resolve_roles(model, step, batch, candidates, min_bytes)
     caps_bytes = [int(c * (1 << 20)) for c in caps_mib]
     if compiled and progress is not None:
-        print(f"[l2prefetch tune] screening the fork sites: Inductor's kernels without "
-              f"forks and with them (compilations)", file=progress, flush=True)
+        print("[l2prefetch tune] screening the fork sites: Inductor's kernels without "
+              "forks and with them (compilations)", file=progress, flush=True)
     t_screen = time.monotonic()
     roles, not_offered = backend.offer(roles, caps_bytes, batch)
     not_offered = dict(not_offered)
