@@ -1001,10 +1001,10 @@ static PyObject *controller_join(controller *self, PyObject *const *args, Py_ssi
         self->pending = 0;
         self->capture_id = 0;
         return PyErr_Format(st->error,
-                            "this controller forked during a CUDA graph capture that ended "
-                            "without join(), and this join() runs %s: call join() in the "
-                            "capture that forked, at the end of every PIECEWISE piece (that "
-                            "capture is invalid)", cap ? "in another capture" : "eagerly");
+                            "this controller's pending fork was made in a CUDA graph capture, "
+                            "and this join() runs %s: call join() in the capture that forked, "
+                            "at the end of every captured step (each PIECEWISE piece); that "
+                            "capture is invalid", cap ? "in another capture" : "eagerly");
     }
     CUresult r = self->drv->fn.cuEventRecord(self->join_event, self->side);
     if (r != CUDA_SUCCESS)

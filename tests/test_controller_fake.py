@@ -1337,8 +1337,8 @@ def test_join_outside_the_capture_that_forked_is_refused(fake, table, join_captu
     assert ctl.fork("attn", 0, 1, stream=STREAM) and ctl.pending
     fake.set_capture(join_capture)
     fake.clear_log()
-    with pytest.raises(l2prefetch.Error, match=rf"ended without join\(\), and this join\(\) "
-                                               rf"runs {said}"):
+    with pytest.raises(l2prefetch.Error, match=rf"fork was made in a CUDA graph capture, and "
+                                               rf"this join\(\) runs {said}"):
         ctl.join(stream=STREAM)
     assert not ctl.pending
     assert fake.log("cuEventRecord") == [] and fake.log("cuStreamWaitEvent") == []
