@@ -661,9 +661,9 @@ def _check_step_torch(data: dict, where: str) -> None:
     except ImportError:   # nothing compiled runs here without torch
         return
     if theirs != here:
-        logger.warning("profile %s was tuned on a step torch %s compiled, this torch is %s: "
-                       "Inductor's kernels may differ, and what the plan's forks save with "
-                       "them; the plan applies; tune again (python -m l2prefetch tune "
+        logger.warning("profile %s was tuned on a step compiled by torch %s, this torch is "
+                       "%s: Inductor's kernels, and what the plan's forks save between them, "
+                       "may differ; the plan applies; tune again (python -m l2prefetch tune "
                        "--compile) to be sure it still pays", where, theirs, here)
 
 
