@@ -1223,7 +1223,7 @@ ROWS = [
 
     # ---- hooks.attach(model, controller, points, *, batch_fn=None, join=True) -------------------------
     row("hooks.attach", "model None", lambda e: hooks.attach(None, e.ctl, {}),
-        Raises(TypeError, r"model must be an nn.Module, got NoneType")),
+        Raises(TypeError, r"model must be a torch.nn.Module, got NoneType")),
     row("hooks.attach", "controller None", lambda e: e.attach(None),
         Raises(TypeError, r"controller must have fork\(point, layer, batch\) and join\(\); NoneType has no fork\(\)")),
     row("hooks.attach", "points None", lambda e: e.attach(e.ctl, None),

@@ -340,7 +340,7 @@ def test_bad_arguments_attach_nothing():
         attach(model, Recorder(), {"": []})
     with pytest.raises(TypeError, match="must be a list"):
         attach(model, Recorder(), {"p": 5})
-    with pytest.raises(TypeError, match="model must be an nn.Module"):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         attach(object(), Recorder(), {})
     assert all_hooks(model) == []
 

@@ -581,8 +581,7 @@ def _check_attach(model: Any, controller: Any, points: Any, batch_fn: Any,
         if not callable(getattr(controller, method, None)):
             raise TypeError(f"controller must have fork(point, layer, batch) and join(); "
                             f"{type(controller).__name__} has no {method}()")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _check_module("model", model)
     if batch_fn is not None and not callable(batch_fn):
         raise TypeError(f"batch_fn must be None (the default batch) or a callable "
                         f"batch_fn(module, args, kwargs) -> batch, got {type(batch_fn).__name__}")
