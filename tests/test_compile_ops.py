@@ -430,6 +430,52 @@ def test_attach_after_the_first_compiled_call_warns_that_nothing_forks(how, capl
     assert not any(call[0] == "fork" for call in controller.calls)   # what it warns of
 
 
+class _NoGrad(Model):
+    @torch.no_grad()
+    def forward(self, x):
+        return super().forward(x)
+
+
+class _InferenceMode(Model):
+    @torch.inference_mode()
+    def forward(self, x):
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("how", ["wrapper", "forward", "module.compile()"])
+@pytest.mark.parametrize("cls", [_NoGrad, _InferenceMode])
+def test_attach_after_the_first_compiled_call_of_a_decorated_forward_warns(cls, how, caplog):
+    """A forward decorated with torch.no_grad() or torch.inference_mode(): Dynamo
+    compiles the function it wraps, or the frame torch.compile puts around a callable it
+    does not trace (the decorator is torch's), not the class's forward: still seen.  An
+    attachment before the first call, or again after a compiled one, does not warn."""
+    torch.manual_seed(0)
+    model, controller = cls().eval(), Recorder()
+    if how == "wrapper":
+        target = torch.compile(model, backend="eager")
+    elif how == "forward":
+        model.forward = torch.compile(model.forward, backend="eager")
+        target = model
+    else:
+        model.compile(backend="eager")
+        target = model
+    x = torch.randn(BATCH, 1, 16)
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(target, Recorder(), points(model)):
+            target(x)
+        assert "already traced" not in caplog.text
+        with hooks.attach(target, Recorder(), points(model)) as again:
+            target(x)
+        assert "already traced" not in caplog.text
+        assert again._controller.calls == expected_calls(2, BATCH)
+        torch._dynamo.reset()
+        target(x)
+        with hooks.attach(target, controller, points(model)):
+            target(x)
+    assert f"torch.compile already traced {cls.__name__}.forward" in caplog.text
+    assert not any(call[0] == "fork" for call in controller.calls)   # what it warns of
+
+
 def test_attach_after_another_instance_was_compiled_warns_so(caplog):
     """Every instance of a class shares its forward's frames: one compiled and run
     without hooks (a draft model of the target's class) leaves a second instance,

@@ -551,13 +551,36 @@ def _compiled_entries(model: Any) -> list:
     ``CompileId`` of the compilation that made it, None where this torch has none)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")   # not loaded: nothing compiled
     entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
-    code = getattr(getattr(type(model), "forward", None), "__code__", None)
-    if entries is None or code is None:
+    if entries is None:
         return []
     try:
-        return [(entry.code, getattr(entry, "compile_id", None)) for entry in entries(code)]
+        return [(entry.code, getattr(entry, "compile_id", None))
+                for code in _forward_codes(getattr(type(model), "forward", None))
+                for entry in entries(code)]
     except Exception:   # a torch whose private helpers changed: no warning, not a failed attach
         return []
+
+
+def _forward_codes(forward: Any) -> list:
+    """The code whose compiled frames run ``forward``: its own, that of each function it
+    wraps (``__wrapped__``: ``model.compile()`` of a forward decorated with
+    ``torch.no_grad()`` compiles the function inside), and, where Dynamo does not trace
+    ``forward`` itself (that decorator is torch's), the frame ``torch.compile`` puts
+    around it (``external_utils.wrap_inline``'s, shared by every callable compiled so:
+    a warning too many, never one too few)."""
+    codes: list = []
+    fn = forward
+    while fn is not None and len(codes) < 16:
+        code = getattr(fn, "__code__", None)
+        if code is not None and code not in codes:
+            codes.append(code)
+        fn = getattr(fn, "__wrapped__", None)
+    trace_rules = sys.modules.get("torch._dynamo.trace_rules")
+    external = sys.modules.get("torch._dynamo.external_utils")
+    if codes and trace_rules is not None and external is not None \
+            and trace_rules.check(forward):
+        codes.append(external.wrap_inline(forward).__code__)
+    return codes
 
 
 #: The attribute that marks a hook function as one of :func:`attach`'s, naming its controller.
