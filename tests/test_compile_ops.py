@@ -1017,6 +1017,32 @@ def test_a_handle_that_is_not_an_int_is_refused_in_compiled_code(op, monkeypatch
     assert controller.calls == []
 
 
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda h, a, y: ops.fork(h, "p", 0, 1, after=y), id="ops.fork"),
+    pytest.param(lambda h, a, y: ops.join(h, after=y), id="ops.join"),
+    pytest.param(lambda h, a, y: a.join(after=y), id="Attachment.join"),
+])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=throws_through_torch)])
+def test_an_after_that_is_not_a_tensor_is_refused_eagerly_as_compiled(call, compiled):
+    """The ops' schema takes a tensor or None as ``after``: a step's whole output (a
+    tuple, a mapping) is refused by name run eagerly too, not only by torch's schema
+    error once the step is compiled."""
+    model, controller, attachment = hooked()
+    handle = attachment.op_handle
+
+    def step(x):
+        y = x * 2
+        call(handle, attachment, (y,))
+        return y + 1
+
+    run = torch.compile(step, backend="eager") if compiled else step
+    with pytest.raises(TypeError, match=r"^after must be a torch.Tensor or None .* got tuple"):
+        run(torch.ones(2))
+    assert controller.calls == []
+    call(handle, attachment, None)   # None, and a tensor, as before
+    call(handle, attachment, torch.ones(2))
+
+
 @throws_through_torch
 def test_unknown_handle_fails_when_compiled_code_runs_not_when_traced():
     def step(x):

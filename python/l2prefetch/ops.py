@@ -100,6 +100,15 @@ def _check_handle(handle: object) -> None:
                         f"{type(handle).__name__} {shown(handle)}")
 
 
+def _check_after(after: object) -> None:
+    """``after`` from a caller: a tensor or None, as the ops' schema takes it (eagerly too,
+    so that an eager run refuses what compiled code would)."""
+    if after is not None and not isinstance(after, torch.Tensor):
+        raise TypeError(f"after must be a torch.Tensor or None (the output of the work the "
+                        f"op follows), got {type(after).__name__}: pass one tensor of it, "
+                        f"e.g. l2prefetch.hooks.first_tensor(output)")
+
+
 def unregister(handle: int) -> None:
     """Take ``handle`` out of the registry; an unknown handle is ignored (one that is not
     an int is a TypeError)."""
@@ -182,6 +191,7 @@ def fork(handle: int, point: str, layer: int, batch: int,
     tensor the fork must follow in compiled code (see the module docstring); run
     eagerly, also the activation a ``warm_activation`` table reads last, as the hooks
     pass their module's output (compiled code does not read it)."""
+    _check_after(after)
     if torch.compiler.is_compiling():
         _check_handle(handle)   # eager, lookup checks it
         _fork_op(handle, point, layer, batch, after)
@@ -194,6 +204,7 @@ def join(handle: int, after: Optional[torch.Tensor] = None) -> None:
     registered under ``handle`` (the controller's ``join``): the ``l2prefetch::join``
     op while torch.compile traces, the controller's own call eagerly.  ``after``: a
     tensor the join must follow in compiled code, such as the step's output."""
+    _check_after(after)
     if torch.compiler.is_compiling():
         _check_handle(handle)   # eager, lookup checks it
         _join_op(handle, after)
