@@ -465,6 +465,26 @@ def test_a_disabled_profile_controller_refuses_no_fork(monkeypatch):
             controller.close()
 
 
+def test_a_closed_profile_controller_says_it_is_closed_not_that_the_step_differs(fake):
+    """A fork that runs the other way on a closed controller launches nothing: the error
+    is the controller's closed one (the hooks': detach them), not StepMismatchError."""
+    from l2prefetch import Error, PrefetchController
+
+    controller = PrefetchController()
+    controller.tuned_step = step_record(True, "default")
+    model = Model().eval()
+    with hooks.attach(model, controller, points(model)):
+        controller.close()
+        with pytest.raises(Error, match="is closed, and its hooks are still on: detach them"):
+            model(torch.randn(BATCH, 1, 16))
+    handle = ops.register(controller)
+    try:
+        with pytest.raises(Error, match="closed"):
+            ops.fork(handle, "p", 0, BATCH)
+    finally:
+        ops.unregister(handle)
+
+
 class _HandWritten(torch.nn.Module):
     """Layer code that forks and joins through l2prefetch.ops itself."""
 

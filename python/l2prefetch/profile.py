@@ -170,8 +170,9 @@ def _launches(controller: Any) -> bool:
     """Whether ``controller.fork`` would launch now: enabled, and eager or on a stream
     being captured (torch's current stream on the controller's device, the one the fork
     takes).  An object without ``enabled`` or ``eager`` (any object serves the ops)
-    counts as launching."""
-    if not getattr(controller, "enabled", True):
+    counts as launching.  A closed controller's fork launches nothing: it raises, saying
+    it is closed."""
+    if not getattr(controller, "enabled", True) or getattr(controller, "closed", False) is True:
         return False
     if getattr(controller, "eager", True):
         return True
