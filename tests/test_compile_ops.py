@@ -476,6 +476,32 @@ def test_attach_after_the_first_compiled_call_of_a_decorated_forward_warns(cls, 
     assert not any(call[0] == "fork" for call in controller.calls)   # what it warns of
 
 
+def test_attach_after_each_layer_was_compiled_and_called_warns_that_nothing_forks(caplog):
+    """``layer.compile()`` (the README's advice against it aside): frames of a module
+    above a site, compiled before attach, run none of its hooks either.  Attached before
+    the first call, and again after a compiled attachment, it forks without a warning."""
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, 1, 16)
+    model = Model().eval()
+    for layer in model.layers:
+        layer.compile(backend="eager")
+    first, second, late = Recorder(), Recorder(), Recorder()
+    with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
+        with hooks.attach(model, first, points(model)):
+            model(x)
+        with hooks.attach(model, second, points(model)):
+            model(x)
+        assert "already traced" not in caplog.text
+        assert first.calls == second.calls == expected_calls(2, BATCH)
+        torch._dynamo.reset()
+        model(x)
+        with hooks.attach(model, late, points(model)):
+            model(x)
+    assert "torch.compile already traced Block.forward (for this model or another Block" \
+        in caplog.text
+    assert not any(call[0] == "fork" for call in late.calls)   # what it warns of
+
+
 def test_attach_after_another_instance_was_compiled_warns_so(caplog):
     """Every instance of a class shares its forward's frames: one compiled and run
     without hooks (a draft model of the target's class) leaves a second instance,

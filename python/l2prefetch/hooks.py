@@ -99,8 +99,8 @@ class Attachment:
                  sites: Sequence[tuple[str, int, Any]] = (),
                  op_handle: Optional[int] = None, frames: Any = None) -> None:
         self._controller = controller
-        # (a weak reference to the model, the compiled frames of its forward at attach):
-        # see _frames_of
+        # (the forwards whose frames can run the hooks, the compiled frames of them at
+        # attach): see _forwards
         self._frames = frames
         self._handles = list(handles)
         #: The controller's handle in :mod:`l2prefetch.ops`' registry, or None.
@@ -159,13 +159,11 @@ class Attachment:
             # forward's resume frames, its own frame traced no op and is not counted: a
             # later attach warns although its hooks run there (a warning too many, never
             # one too few; tests/test_compile_ops.py).
-            model_ref, before = frames
-            model = model_ref()
-            if model is not None:
-                _hooked_frames.update(
-                    code for code, made_by in _compiled_entries(model)
-                    if code not in before
-                    and (made_by is None or made_by in traced or None in traced))
+            forwards, before = frames
+            _hooked_frames.update(
+                code for code, made_by, _ in _entries_of(forwards)
+                if code not in before
+                and (made_by is None or made_by in traced or None in traced))
         if op_handle is not None:
             _ops().unregister(op_handle)
 
@@ -521,17 +519,20 @@ def attach(model: torch.nn.Module, controller: Controller,
             _ops().unregister(op_handle)
         raise
     _log_attach(model, sites, join, op_handle)
-    frames = _frames_of(model)
-    if any(f not in _hooked_frames for f in frames):
-        name = type(model).__name__
+    forwards = _forwards(model, [module for _, _, module in sites])
+    entries = _entries_of(forwards)
+    late = [name for code, _, name in entries if code not in _hooked_frames]
+    if late:
+        name = late[0]
         logger.warning(
             "attach: torch.compile already traced %s.forward (for this model or another "
             "%s: every instance shares its frames), and Dynamo does not guard on a "
             "module's empty hook dicts, so those frames run none of the hooks added now "
             "and nothing forks there: attach before the first compiled call of any %s, "
             "or call torch._dynamo.reset() after attaching", name, name, name)
+    frames = [code for code, _, _ in entries]
     return Attachment(controller, handles, sites, op_handle,
-                      (weakref.ref(model), weakref.WeakSet(frames)) if handles else None)
+                      (forwards, weakref.WeakSet(frames)) if handles else None)
 
 
 #: Code Dynamo compiled for a forward while an attachment's hooks were on the module: it
@@ -539,37 +540,61 @@ def attach(model: torch.nn.Module, controller: Controller,
 _hooked_frames: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def _frames_of(model: Any) -> list:
-    """The code of each frame torch.compile holds for ``model``'s class's forward (the
-    model compiled with ``model.compile()``, ``torch.compile(model)`` or of its forward,
-    and called).  Not seen: a compiled function that calls the model, whose frame holds
-    the forward inlined, and every way under ``torch._dynamo.config.wrap_top_frame``,
-    which compiles one frame shared by every compiled callable instead."""
-    return [code for code, _ in _compiled_entries(model)]
+def _forwards(model: Any, modules: Iterable[Any] = ()) -> list:
+    """``(class name, forward)`` whose compiled frames can run the hooks of ``modules``
+    (the sites): ``model``'s class's, then that of each module above a site (a decoder
+    layer compiled on its own, ``layer.compile()``), each class once."""
+    wanted = {id(module) for module in modules}
+    named = list(model.named_modules(remove_duplicate=False))
+    above = {""}
+    for path, module in named:
+        if id(module) in wanted and path:
+            parts = path.split(".")
+            above.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    found, classes = [], set()
+    for path, module in named:
+        cls = type(module)
+        if path in above and cls not in classes:
+            classes.add(cls)
+            found.append((cls.__name__, getattr(cls, "forward", None)))
+    return found
 
 
 def _compiled_entries(model: Any) -> list:
-    """``(code, compile id)`` of each frame :func:`_frames_of` names (the id: Dynamo's
-    ``CompileId`` of the compilation that made it, None where this torch has none)."""
+    """``(code, compile id)`` of each frame torch.compile holds for ``model``'s class's
+    forward (the model compiled with ``model.compile()``, ``torch.compile(model)`` or of
+    its forward, and called; the id: Dynamo's ``CompileId`` of the compilation that made
+    it, None where this torch has none).  Not seen: a compiled function that calls the
+    model, whose frame holds the forward inlined, and every way under
+    ``torch._dynamo.config.wrap_top_frame``, which compiles one frame shared by every
+    compiled callable instead."""
+    return [(code, made_by) for code, made_by, _ in _entries_of(_forwards(model))]
+
+
+def _entries_of(forwards: Sequence[tuple[str, Any]]) -> list:
+    """``(code, compile id, class name)`` of each frame torch.compile holds for the
+    ``(class name, forward)`` of :func:`_forwards` (the id: Dynamo's ``CompileId`` of the
+    compilation that made it, None where this torch has none)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")   # not loaded: nothing compiled
     entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
     if entries is None:
         return []
     try:
-        return [(entry.code, getattr(entry, "compile_id", None))
-                for code in _forward_codes(getattr(type(model), "forward", None))
+        return [(entry.code, getattr(entry, "compile_id", None), name)
+                for i, (name, forward) in enumerate(forwards)
+                for code in _forward_codes(forward, inline=i == 0)
                 for entry in entries(code)]
     except Exception:   # a torch whose private helpers changed: no warning, not a failed attach
         return []
 
 
-def _forward_codes(forward: Any) -> list:
+def _forward_codes(forward: Any, inline: bool = True) -> list:
     """The code whose compiled frames run ``forward``: its own, that of each function it
     wraps (``__wrapped__``: ``model.compile()`` of a forward decorated with
-    ``torch.no_grad()`` compiles the function inside), and, where Dynamo does not trace
-    ``forward`` itself (that decorator is torch's), the frame ``torch.compile`` puts
-    around it (``external_utils.wrap_inline``'s, shared by every callable compiled so:
-    a warning too many, never one too few)."""
+    ``torch.no_grad()`` compiles the function inside), and, with ``inline`` (the model's
+    own forward) where Dynamo does not trace ``forward`` itself (that decorator is
+    torch's), the frame ``torch.compile`` puts around it (``external_utils.wrap_inline``'s,
+    shared by every callable compiled so: a warning too many, never one too few)."""
     codes: list = []
     fn = forward
     while fn is not None and len(codes) < 16:
@@ -579,7 +604,7 @@ def _forward_codes(forward: Any) -> list:
         fn = getattr(fn, "__wrapped__", None)
     trace_rules = sys.modules.get("torch._dynamo.trace_rules")
     external = sys.modules.get("torch._dynamo.external_utils")
-    if codes and trace_rules is not None and external is not None \
+    if inline and codes and trace_rules is not None and external is not None \
             and trace_rules.check(forward):
         codes.append(external.wrap_inline(forward).__code__)
     return codes
