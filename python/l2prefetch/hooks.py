@@ -128,7 +128,7 @@ class Attachment:
         if self._controller is None:
             return
         if after is not None:   # a tensor, as the op takes it: refused eagerly too
-            _ops()._check_after(after)
+            _ops().check_after(after)
         if self._op_handle is not None:
             import torch
 

@@ -53,7 +53,8 @@ from .profile import check_step
 
 torch = require("l2prefetch.ops")
 
-__all__ = ["fork", "join", "lookup", "mark_ordered", "register", "traced", "unregister"]
+__all__ = ["check_after", "fork", "join", "lookup", "mark_ordered", "register", "traced",
+           "unregister"]
 
 # handle -> weak reference to its controller.  A dead reference stays until
 # unregister() so that the op can say the controller was collected; handles
@@ -100,7 +101,7 @@ def _check_handle(handle: object) -> None:
                         f"{type(handle).__name__} {shown(handle)}")
 
 
-def _check_after(after: object) -> None:
+def check_after(after: object) -> None:
     """``after`` from a caller: a tensor or None, as the ops' schema takes it (eagerly too,
     so that an eager run refuses what compiled code would)."""
     if after is not None and not isinstance(after, torch.Tensor):
@@ -191,7 +192,7 @@ def fork(handle: int, point: str, layer: int, batch: int,
     tensor the fork must follow in compiled code (see the module docstring); run
     eagerly, also the activation a ``warm_activation`` table reads last, as the hooks
     pass their module's output (compiled code does not read it)."""
-    _check_after(after)
+    check_after(after)
     if torch.compiler.is_compiling():
         _check_handle(handle)   # eager, lookup checks it
         _fork_op(handle, point, layer, batch, after)
@@ -204,7 +205,7 @@ def join(handle: int, after: Optional[torch.Tensor] = None) -> None:
     registered under ``handle`` (the controller's ``join``): the ``l2prefetch::join``
     op while torch.compile traces, the controller's own call eagerly.  ``after``: a
     tensor the join must follow in compiled code, such as the step's output."""
-    _check_after(after)
+    check_after(after)
     if torch.compiler.is_compiling():
         _check_handle(handle)   # eager, lookup checks it
         _join_op(handle, after)
