@@ -407,20 +407,24 @@ def test_attach_to_the_torch_compile_wrapper_hooks_its_module():
     assert controller.calls == expected_calls(2, BATCH)
 
 
+def _compiled(model, how):
+    """``model`` compiled one of three ways (backend "eager"); what to call."""
+    if how == "wrapper":
+        return torch.compile(model, backend="eager")
+    if how == "forward":
+        model.forward = torch.compile(model.forward, backend="eager")
+    else:
+        model.compile(backend="eager")
+    return model
+
+
 @pytest.mark.parametrize("how", ["wrapper", "forward", "module.compile()"])
 def test_attach_after_the_first_compiled_call_warns_that_nothing_forks(how, caplog):
     """Dynamo does not guard on a module's empty hook dicts: frames traced before attach
     run none of its hooks (torch.compile of a function that calls the model: not seen)."""
     torch.manual_seed(0)
     model, controller = Model().eval(), Recorder()
-    if how == "wrapper":
-        target = torch.compile(model, backend="eager")
-    elif how == "forward":
-        model.forward = torch.compile(model.forward, backend="eager")
-        target = model
-    else:
-        model.compile(backend="eager")
-        target = model
+    target = _compiled(model, how)
     x = torch.randn(BATCH, 1, 16)
     target(x)
     with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
@@ -451,14 +455,7 @@ def test_attach_after_the_first_compiled_call_of_a_decorated_forward_warns(cls, 
     attachment before the first call, or again after a compiled one, does not warn."""
     torch.manual_seed(0)
     model, controller = cls().eval(), Recorder()
-    if how == "wrapper":
-        target = torch.compile(model, backend="eager")
-    elif how == "forward":
-        model.forward = torch.compile(model.forward, backend="eager")
-        target = model
-    else:
-        model.compile(backend="eager")
-        target = model
+    target = _compiled(model, how)
     x = torch.randn(BATCH, 1, 16)
     with caplog.at_level(logging.WARNING, logger="l2prefetch.hooks"):
         with hooks.attach(target, Recorder(), points(model)):
