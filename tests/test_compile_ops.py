@@ -1066,6 +1066,36 @@ def test_an_after_that_is_not_a_tensor_is_refused_eagerly_as_compiled(call, comp
     call(handle, attachment, torch.ones(2))
 
 
+class _IntsOnly(Recorder):
+    """Refuses a bool layer or batch, as the C controller does."""
+
+    def fork(self, point, layer, batch):
+        if isinstance(layer, bool) or isinstance(batch, bool):
+            raise TypeError("layer and batch must be ints, not bool")
+        return super().fork(point, layer, batch)
+
+
+@pytest.mark.parametrize("layer, batch", [(True, 1), (0, False)])
+@throws_through_torch
+def test_a_bool_layer_or_batch_is_refused_in_compiled_code_as_eagerly(layer, batch):
+    """The op's schema casts a bool to 0 or 1, so compiled code forked (point, 1, 1)
+    where the controller refuses the call eagerly: ops.fork refuses it while tracing, and
+    the frame falls back to eager, where the controller refuses it."""
+    controller = _IntsOnly()
+    handle = ops.register(controller)
+    try:
+        def step(x):
+            y = x * 2
+            ops.fork(handle, "attn", layer, batch, after=y)
+            return y + 1
+
+        with pytest.raises(TypeError, match="bool"):
+            torch.compile(step, backend="eager")(torch.ones(2))
+        assert controller.calls == []
+    finally:
+        ops.unregister(handle)
+
+
 @throws_through_torch
 def test_unknown_handle_fails_when_compiled_code_runs_not_when_traced():
     def step(x):

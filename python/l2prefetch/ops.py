@@ -195,6 +195,9 @@ def fork(handle: int, point: str, layer: int, batch: int,
     check_after(after)
     if torch.compiler.is_compiling():
         _check_handle(handle)   # eager, lookup checks it
+        for name, value in (("layer", layer), ("batch", batch)):
+            if isinstance(value, bool):   # the op's schema would take it as 0 or 1
+                raise TypeError(f"{name} must be an int, got bool {value!r}")
         _fork_op(handle, point, layer, batch, after)
     else:
         _fork_with(handle, point, layer, batch, compiled=False, after=after)
