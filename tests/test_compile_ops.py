@@ -523,7 +523,7 @@ def test_ops_traced_names_the_compilations_that_traced_a_handle():
         model(torch.randn(BATCH, 1, 16))                     # eager: nothing traced
         assert ops.traced(handle) == frozenset()
         torch.compile(model, backend="eager")(torch.randn(BATCH, 1, 16))
-        made = {made_by for _, made_by in hooks._compiled_entries(model)}   # forward's
+        made = {made_by for _, made_by, _ in hooks._entries_of(hooks._forwards(model))}
         assert made and made <= ops.traced(handle)
     assert ops.traced(handle) == frozenset()                 # unregistered by detach
 

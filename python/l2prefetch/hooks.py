@@ -560,21 +560,14 @@ def _forwards(model: Any, modules: Iterable[Any] = ()) -> list:
     return found
 
 
-def _compiled_entries(model: Any) -> list:
-    """``(code, compile id)`` of each frame torch.compile holds for ``model``'s class's
-    forward (the model compiled with ``model.compile()``, ``torch.compile(model)`` or of
-    its forward, and called; the id: Dynamo's ``CompileId`` of the compilation that made
-    it, None where this torch has none).  Not seen: a compiled function that calls the
-    model, whose frame holds the forward inlined, and every way under
-    ``torch._dynamo.config.wrap_top_frame``, which compiles one frame shared by every
-    compiled callable instead."""
-    return [(code, made_by) for code, made_by, _ in _entries_of(_forwards(model))]
-
-
 def _entries_of(forwards: Sequence[tuple[str, Any]]) -> list:
     """``(code, compile id, class name)`` of each frame torch.compile holds for the
-    ``(class name, forward)`` of :func:`_forwards` (the id: Dynamo's ``CompileId`` of the
-    compilation that made it, None where this torch has none)."""
+    ``(class name, forward)`` of :func:`_forwards` (compiled with ``model.compile()``,
+    ``torch.compile(model)`` or of its forward, and called; the id: Dynamo's
+    ``CompileId`` of the compilation that made it, None where this torch has none).  Not
+    seen: a compiled function that calls the model, whose frame holds the forward
+    inlined, and every way under ``torch._dynamo.config.wrap_top_frame``, which compiles
+    one frame shared by every compiled callable instead."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")   # not loaded: nothing compiled
     entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
     if entries is None:
